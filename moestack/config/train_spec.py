@@ -1,0 +1,98 @@
+"""TrainSpec: everything about a training run that is not the model's shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moestack.config.base import StrictModel, read_yaml, validate
+
+
+class DataSpec(StrictModel):
+    # builtin: Python's own standard-library sources and docs (present on every machine, no download)
+    # text: plain .txt files; jsonl: one JSON object per line with a text field; bin: pre-tokenized token ids
+    source: Literal["builtin", "text", "jsonl", "bin"] = "builtin"
+    paths: list[str] = []  # files or directories (text/jsonl/bin)
+    tokenizer: str = "byte"  # "byte" or a path to a local HF tokenizer.json
+    jsonl_field: str = "text"
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    eval_fraction: float = Field(default=0.02, ge=0, lt=0.5)  # tail of the token stream held out for eval
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.source != "builtin" and not self.paths:
+            raise ValueError(f"data.source is '{self.source}' but data.paths is empty; list files or directories")
+        return self
+
+
+class OptimizerSpec(StrictModel):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(default=3e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0)  # global L2 norm; 0 disables
+
+
+class ScheduleSpec(StrictModel):
+    warmup_steps: int = Field(default=20, ge=0)
+    decay: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class CheckpointSpec(StrictModel):
+    every: int = Field(default=100, ge=0)  # steps between checkpoints; 0 = only at the end
+    keep: int = Field(default=2, gt=0)  # newest checkpoints kept on disk
+
+
+class LoggingSpec(StrictModel):
+    every: int = Field(default=10, gt=0)
+    tensorboard: bool = True
+    progress: bool = True  # rich progress bar (off for tests / non-tty)
+
+
+class DSATrainSpec(StrictModel):
+    # dense: main attention is full causal, the indexer trains on KL(main attention || indexer) (warm-up);
+    # sparse: attention over the indexer's top-k keys, KL over the selected set, indexer input detached
+    mode: Literal["dense", "sparse"] = "sparse"
+    indexer_loss_coef: float = Field(default=1.0, ge=0)
+    freeze_main_in_dense: bool = False  # V3.2 warm-up trains only the indexer
+
+
+class TrainSpec(StrictModel):
+    model: str = "tiny"  # preset name, ModelSpec YAML or HF config.json
+    out_dir: str = "runs/tiny"
+    seed: int = 0
+    steps: int = Field(default=300, gt=0)
+    micro_batch_size: int = Field(default=8, gt=0)
+    grad_accum_steps: int = Field(default=1, gt=0)
+    seq_len: int = Field(default=64, gt=1)
+    eval_every: int = Field(default=100, ge=0)  # 0 = only at the end
+    eval_batches: int = Field(default=4, gt=0)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_bad_steps: int = Field(default=3, gt=0)  # consecutive non-finite losses before the run stops
+    data: DataSpec = DataSpec()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    logging: LoggingSpec = LoggingSpec()
+    dsa: DSATrainSpec = DSATrainSpec()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.seq_len
+
+
+def load_train_spec(path: str | Path | None, overrides: dict | None = None) -> TrainSpec:
+    """Read a TrainSpec YAML (or defaults) and apply dotted overrides like {"optimizer.lr": 1e-3}."""
+    data = read_yaml(path) if path else {}
+    for key, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return validate(TrainSpec, data, str(path) if path else "train options")

@@ -1,0 +1,36 @@
+"""Auxiliary losses (MoE balance loss, DSA indexer KL) that ride on the activations.
+
+`attach_aux_loss(x, loss)` returns `x` unchanged; in backward it also sends gradient 1 * scale into `loss`.
+The trainer never has to collect losses from inside the model, so the same mechanism works under activation
+recompute and pipeline parallelism (each stage's backward reaches its own aux losses). The trainer sets the
+scale once per step (e.g. 1 / grad_accum_steps) with `set_aux_loss_scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SCALE = [1.0]
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    _SCALE[0] = float(scale)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype, ctx.loss_device = loss.shape, loss.dtype, loss.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        grad_loss = torch.full(ctx.loss_shape, _SCALE[0], dtype=ctx.loss_dtype, device=ctx.loss_device)
+        return grad_x, grad_loss
+
+
+def attach_aux_loss(x: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+    """Return x; make backward through x also backpropagate d(loss)=scale. No-op if loss is None or needs no grad."""
+    if loss is None or not loss.requires_grad or not torch.is_grad_enabled():
+        return x
+    return _AttachAuxLoss.apply(x, loss)

@@ -5,6 +5,10 @@ A model is `num_layers` blocks. Each block has a token mixer and a feed-forward 
          positions in `full_attention_layers`, the linear-attention kind (`linear_attention`: "kda") elsewhere;
   ffn:   a dense GLU MLP at the 1-based positions in `dense_layers` (or everywhere when `moe` is None),
          the (Latent)MoE elsewhere.
+Alternatively `layer_pattern` (Nemotron-H style, one character per layer) gives single-sublayer blocks:
+  "M" Mamba-2 mixer, "*" full-attention mixer (`attention`), "E" MoE, "-" dense MLP; such a block has one norm.
+Some sections describe architectures that the profiler counts but the model builder cannot build yet
+(`ModelSpec.build_support_errors()` lists them; `check_buildable()` raises).
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ from moestack.config.base import ConfigError, StrictModel, read_yaml, validate
 PRESET_DIR = Path(__file__).parent / "presets"
 
 PosInt = Field(gt=0)
+
+
+class RopeScalingSpec(StrictModel):
+    """RoPE context extension (HF `rope_scaling`), applied where rope is used."""
+
+    type: Literal["yarn", "linear", "dynamic", "llama3"]
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int | None = Field(default=None, gt=0)
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    mscale: float | None = None  # yarn (DeepSeek)
+    mscale_all_dim: float | None = None  # yarn (DeepSeek)
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
 
 
 class KDASpec(StrictModel):
@@ -38,12 +56,26 @@ class KDASpec(StrictModel):
     output_gate_rank: int | None = Field(default=None, gt=0)  # None = full-rank g_proj (K3); r = d -> r -> H*dv
     chunk_size: int = Field(default=64, gt=0)
     l2_eps: float = Field(default=1e-6, gt=0)
+    # Gated DeltaNet (Qwen3-Next) has more value heads than q/k heads (q, k shared by num_v_heads // num_heads
+    # value heads); None = num_heads. Only with decay "head".
+    num_v_heads: int | None = Field(default=None, gt=0)
+    output_gate_act: Literal["sigmoid", "silu"] = "sigmoid"  # KDA: sigmoid(g_proj x); Gated DeltaNet: silu(z)
 
     @model_validator(mode="after")
     def _check(self) -> KDASpec:
         if self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        hv = self.value_heads
+        if hv != self.num_heads:
+            if self.decay != "head":
+                raise ValueError(f"num_v_heads ({hv}) != num_heads ({self.num_heads}) needs decay 'head'")
+            if hv % self.num_heads:
+                raise ValueError(f"num_v_heads ({hv}) must be a multiple of num_heads ({self.num_heads})")
         return self
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_v_heads or self.num_heads
 
 
 class IndexerSpec(StrictModel):
@@ -65,6 +97,7 @@ class MLASpec(StrictModel):
     v_head_dim: int = Field(gt=0)
     use_rope: bool = False  # K3 is NoPE: rope dims exist but are never rotated
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: RopeScalingSpec | None = None
     output_gate: bool = True  # attn_out * sigmoid(g_proj(x)) before o_proj
     indexer: IndexerSpec | None = None
 
@@ -88,6 +121,8 @@ class GQASpec(StrictModel):
     output_gate: bool = False
     use_rope: bool = True
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_fraction: float = Field(default=1.0, gt=0, le=1)  # partial rotary: rotate this fraction of head_dim
+    rope_scaling: RopeScalingSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GQASpec:
@@ -119,6 +154,7 @@ class MoESpec(StrictModel):
     latent_norm: bool = True  # RMSNorm on the combined latent ("stable" LatentMoE)
     num_shared_experts: int = Field(default=0, ge=0)
     shared_intermediate_size: int = Field(default=0, ge=0)  # total width of the fused shared experts
+    shared_expert_gate: bool = False  # shared(x) * sigmoid(w . x), w [d] (Qwen2-MoE / Qwen3-Next)
     router: RouterSpec = RouterSpec()
 
     @model_validator(mode="after")
@@ -136,6 +172,8 @@ class MoESpec(StrictModel):
             )
         if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
             raise ValueError("num_shared_experts and shared_intermediate_size must both be 0 or both > 0")
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise ValueError("shared_expert_gate needs shared experts (num_shared_experts > 0)")
         return self
 
 
@@ -143,14 +181,46 @@ class DenseMLPSpec(StrictModel):
     intermediate_size: int = Field(gt=0)
 
 
+class Mamba2Spec(StrictModel):
+    """Mamba-2 (SSD) mixer as in Nemotron-H: in_proj d -> [z, x, B, C, dt], causal conv on [x, B, C], selective
+    scan, gated RMSNorm, out_proj. Profiled only: the model builder does not build Mamba layers."""
+
+    num_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)  # d_inner = num_heads * head_dim
+    state_size: int = Field(gt=0)
+    num_groups: int = Field(default=1, gt=0)  # B, C groups
+    conv_kernel_size: int = Field(default=4, ge=1)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = Field(default=128, gt=0)
+    time_step_min: float = Field(default=1e-3, gt=0)
+    time_step_max: float = Field(default=1e-1, gt=0)
+    time_step_floor: float = Field(default=1e-4, ge=0)
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+# layer_pattern character -> (mixer, ffn); "attention" stands for ModelSpec.attention
+LAYER_PATTERN_CHARS = {
+    "M": ("mamba2", "none"),
+    "*": ("attention", "none"),
+    "E": ("none", "moe"),
+    "-": ("none", "dense"),
+}
+
+
 @dataclass(frozen=True)
 class LayerKind:
-    mixer: Literal["kda", "mla", "gqa"]
-    ffn: Literal["dense", "moe"]
+    # "mamba2" and "none" occur only with `layer_pattern` (single-sublayer blocks, Nemotron-H)
+    mixer: Literal["kda", "mla", "gqa", "mamba2", "none"]
+    ffn: Literal["dense", "moe", "none"]
 
 
 class ModelSpec(StrictModel):
     name: str = "custom"
+    family: str | None = None  # source family tag, e.g. the HF model_type ("kimi_k3", "deepseek_v3", ...)
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -164,13 +234,18 @@ class ModelSpec(StrictModel):
     gqa: GQASpec | None = None
     moe: MoESpec | None = None
     dense_mlp: DenseMLPSpec | None = None
-    activation: Literal["situ_glu", "swiglu"] = "situ_glu"
+    mamba2: Mamba2Spec | None = None
+    layer_pattern: str | None = None  # Nemotron-H style per-layer string (module docstring); overrides the lists
+    activation: Literal["situ_glu", "swiglu", "relu2"] = "situ_glu"  # relu2: non-gated relu(x)^2 MLPs
     situ_beta: float = Field(default=4.0, gt=0)  # act(g,u) = b*tanh(g/b)*sigmoid(g) * c*tanh(u/c)
     situ_linear_beta: float = Field(default=25.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
     tie_word_embeddings: bool = False
     init_std: float = Field(default=0.02, gt=0)
     mtp_layers: int = Field(default=0, ge=0)  # next-n prediction layers: counted by the profiler, not trained
+    # blocks of one MTP module in layer_pattern notation; None: one block like a full-attention layer + FFN
+    mtp_pattern: str | None = None
+    attn_res_block_size: int | None = Field(default=None, gt=0)  # Attention Residuals (arXiv:2603.15031)
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -182,14 +257,26 @@ class ModelSpec(StrictModel):
                 raise ValueError(f"{field} entries must be 1-based layer numbers in 1..{n}, got {bad}")
             if len(set(ids)) != len(ids):
                 raise ValueError(f"{field} has duplicate entries: {ids}")
+        for field in ("layer_pattern", "mtp_pattern"):
+            pattern = getattr(self, field)
+            bad_chars = sorted(set(pattern or "") - set(LAYER_PATTERN_CHARS))
+            if bad_chars:
+                raise ValueError(f"{field} may only use {''.join(LAYER_PATTERN_CHARS)}, got {bad_chars}")
+        if self.layer_pattern is not None:
+            if len(self.layer_pattern) != n:
+                raise ValueError(f"layer_pattern has {len(self.layer_pattern)} layers but num_layers is {n}")
+            if self.full_attention_layers or self.dense_layers:
+                raise ValueError("layer_pattern replaces full_attention_layers and dense_layers; leave them empty")
         kinds = self.layer_kinds()
-        mixers = {k.mixer for k in kinds}
+        mixers = {k.mixer for k in kinds} - {"none"}
         ffns = {k.ffn for k in kinds}
         for mixer in mixers:
             if getattr(self, mixer) is None:
                 raise ValueError(f"layers use mixer '{mixer}' but the '{mixer}' section is missing")
         if "dense" in ffns and self.dense_mlp is None:
             raise ValueError("some layers use a dense MLP but the 'dense_mlp' section is missing")
+        if "moe" in ffns and self.moe is None:
+            raise ValueError("some layers use a MoE but the 'moe' section is missing")
         if self.moe is not None and self.moe.latent_size is not None and self.moe.latent_size > self.hidden_size:
             raise ValueError(
                 f"moe.latent_size ({self.moe.latent_size}) must be <= hidden_size ({self.hidden_size})"
@@ -202,6 +289,8 @@ class ModelSpec(StrictModel):
         return self
 
     def layer_kinds(self) -> list[LayerKind]:
+        if self.layer_pattern is not None:
+            return [self._pattern_kind(c) for c in self.layer_pattern]
         full = set(self.full_attention_layers)
         dense = set(self.dense_layers)
         out = []
@@ -211,10 +300,54 @@ class ModelSpec(StrictModel):
             out.append(LayerKind(mixer, ffn))
         return out
 
+    def _pattern_kind(self, char: str) -> LayerKind:
+        mixer, ffn = LAYER_PATTERN_CHARS[char]
+        return LayerKind(self.attention if mixer == "attention" else mixer, ffn)
+
+    def mtp_block_kinds(self) -> list[LayerKind]:
+        """Blocks of one MTP (next-n prediction) module; [] when mtp_layers is 0."""
+        if self.mtp_layers == 0:
+            return []
+        if self.mtp_pattern is not None:
+            return [self._pattern_kind(c) for c in self.mtp_pattern]
+        return [LayerKind(self.attention, "dense" if self.moe is None else "moe")]
+
+    def build_support_errors(self) -> list[str]:
+        """Features in this spec that moestack.model cannot build yet (the profiler still counts them)."""
+        errors = []
+        kinds = self.layer_kinds()
+        mamba = [i for i, k in enumerate(kinds, 1) if k.mixer == "mamba2"]
+        if mamba:
+            errors.append(f"not supported: mamba layers (layers {_short_list(mamba)})")
+        elif self.layer_pattern is not None:
+            errors.append("not supported: single-sublayer blocks (layer_pattern)")
+        if self.activation == "relu2":
+            errors.append("not supported: relu2 (non-gated) MLPs")
+        if self.attn_res_block_size is not None:
+            errors.append("not supported: attention residuals (attn_res_block_size)")
+        if self.moe is not None and self.moe.shared_expert_gate:
+            errors.append("not supported: moe.shared_expert_gate")
+        for name in ("mla", "gqa"):
+            sec = getattr(self, name)
+            if sec is not None and sec.rope_scaling is not None:
+                errors.append(f"not supported: {name}.rope_scaling ({sec.rope_scaling.type})")
+        return errors
+
+    def check_buildable(self) -> None:
+        """Raise ConfigError naming every feature the model builder does not support (see build_support_errors)."""
+        errors = self.build_support_errors()
+        if errors:
+            raise ConfigError(f"model '{self.name}': " + "; ".join(errors) + " (`moestack profile` can still count it)")
+
     @property
     def gqa_head_dim(self) -> int:
         assert self.gqa is not None
         return self.gqa.head_dim or self.hidden_size // self.gqa.num_heads
+
+
+def _short_list(ids: list[int], limit: int = 8) -> str:
+    head = ", ".join(str(i) for i in ids[:limit])
+    return head + (f", ... ({len(ids)} in all)" if len(ids) > limit else "")
 
 
 def list_presets() -> list[str]:

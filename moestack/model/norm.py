@@ -1,4 +1,4 @@
-"""RMSNorm computed in fp32 (weights kept in the parameter dtype)."""
+"""RMSNorm computed in at least fp32 (fp64 inputs stay fp64, for reference checks)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(dtype)).to(x.dtype)

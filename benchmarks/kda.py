@@ -1,0 +1,156 @@
+"""KDA: moestack's Triton kernels vs fla-core's chunk_kda, same process, same inputs.
+
+    python3 benchmarks/kda.py                      # the three issue shapes, forward and forward+backward
+    python3 benchmarks/kda.py --shapes 1x4096x8x128 --no-fla
+
+Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
+(an activated log-decay, as fla's own tests draw it), beta = sigmoid(N(0, 1)). Ours runs `kda_fused(gate="none",
+l2norm=True, beta_sigmoid=False)`, fla runs `chunk_kda(use_qk_l2norm_in_kernel=True)`. Times are medians of
+`triton.testing.do_bench` after a warm-up that also absorbs autotuning. FLOPs per MODEL.md:
+B * H * (6 T K^2 + 3 T C K + T C^2) forward, three times that for forward+backward. `speedup` = fla / ours.
+Prints one markdown table (rows start with '|') and, with --json, writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x H x D
+
+
+def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
+    return B * H * (6 * T * K * K + 3 * T * C * K + T * C * C)
+
+
+def make_inputs(B, T, H, D, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
+
+    return dict(
+        q=rnd(B, T, H, D).bfloat16(),
+        k=rnd(B, T, H, D).bfloat16(),
+        v=rnd(B, T, H, D).bfloat16(),
+        g=F.logsigmoid(rnd(B, T, H, D)).bfloat16(),
+        beta=torch.sigmoid(rnd(B, T, H)).bfloat16(),
+    )
+
+
+def runner(name: str, x: dict, backward: bool):
+    """A closure running one forward (and backward) of backend `name` on inputs x."""
+    if name == "fla":
+        from fla.ops.kda import chunk_kda
+
+        def fwd(q, k, v, g, beta):
+            return chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    else:
+        from moestack.ops.kda.triton_op import kda_fused
+
+        recompute = name != "ours-save"
+
+        def fwd(q, k, v, g, beta):
+            return kda_fused(q, k, v, g, beta, gate="none", l2norm=True, beta_sigmoid=False, recompute=recompute)[0]
+
+    ins = [x[n].clone().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
+    do = torch.randn_like(x["v"]) if backward else None
+
+    def run():
+        o = fwd(*ins)
+        if backward:
+            o.backward(do)
+        return o
+
+    return run, ins
+
+
+def kernel_report() -> None:
+    """Registers, spills and the chosen config of each of our compiled kernels (from the compiler's metadata)."""
+    from moestack.ops.kda import triton_bwd, triton_fwd
+
+    for kern in (triton_fwd.kda_fwd_kernel_intra, triton_fwd.kda_fwd_kernel_recurrence,
+                 triton_bwd.kda_bwd_kernel_recurrence, triton_bwd.kda_bwd_kernel_intra):
+        fn = getattr(kern, "fn", kern)
+        try:
+            for cache in fn.device_caches.values():
+                for compiled in cache[0].values():
+                    md = compiled.metadata
+                    print(f"  kernel {fn.__name__}: regs={compiled.n_regs} spills={compiled.n_spills} "
+                          f"warps={md.num_warps} stages={md.num_stages} smem={md.shared}")
+            print(f"  kernel {fn.__name__}: best={getattr(kern, 'best_config', None)}")
+        except Exception as e:  # metadata layout differs across Triton versions: report, don't fail
+            print(f"  kernel {fn.__name__}: no metadata ({e!r})")
+
+
+def rel_rms(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="BxTxHxD, D = dk = dv")
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--save-mode", action="store_true", help="also time ours with recompute=False")
+    p.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    names = ["ours"] + (["ours-save"] if args.save_mode else []) + ([] if args.no_fla else ["fla"])
+    results = []
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for shape in args.shapes:
+        B, T, H, D = (int(s) for s in shape.split("x"))
+        x = make_inputs(B, T, H, D)
+        flops = kda_flops(B, T, H, D)
+        outs = {}
+        for backward in (False, True):
+            for name in names:
+                run, ins = runner(name, x, backward)
+                t0 = time.perf_counter()
+                o = run()  # warm-up: compiles and autotunes
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - t0
+                if backward:
+                    outs[name] = [o.detach()] + [t.grad.detach().clone() for t in ins]
+                ms = do_bench(run, warmup=25, rep=args.rep, grad_to_none=ins if backward else None,
+                              return_mode="median")
+                r = dict(shape=shape, name=name, mode="fwd+bwd" if backward else "fwd", ms=ms, warmup_s=warm,
+                         tok_s=B * T / ms * 1e3, tflops=flops * (3 if backward else 1) / ms * 1e-9)
+                results.append(r)
+                print(f"  {shape} {r['mode']:8s} {name:10s} {ms:8.3f} ms  (warm-up {warm:.1f} s)", flush=True)
+                del run, ins
+                torch.cuda.empty_cache()
+        if "fla" in outs:
+            errs = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs["ours"], outs["fla"])}
+            print(f"  {shape} ours vs fla rel-RMS: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
+            for r in results:
+                if r["shape"] == shape and r["name"] == "ours":
+                    r["vs_fla"] = errs
+        del x, outs
+        torch.cuda.empty_cache()
+
+    if "ours" in names:
+        kernel_report()
+    print("\n| shape BxTxHxD | mode | backend | ms | Mtok/s | TFLOP/s | speedup vs fla |")
+    print("|---|---|---|---|---|---|---|")
+    fla_ms = {(r["shape"], r["mode"]): r["ms"] for r in results if r["name"] == "fla"}
+    for r in results:
+        ref = fla_ms.get((r["shape"], r["mode"]))
+        sp = f"{ref / r['ms']:.2f}" if ref and r["name"] != "fla" else ""
+        print(f"| {r['shape']} | {r['mode']} | {r['name']} | {r['ms']:.3f} | {r['tok_s'] / 1e6:.2f} | "
+              f"{r['tflops']:.1f} | {sp} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from moestack.cli import main
+
+sys.exit(main())

@@ -1,0 +1,164 @@
+"""`moestack` command line: train | profile | plan | tune.
+
+Every user error (bad config, bad flag value, bad checkpoint) is printed as one line starting with "error:" and
+exits with status 2; no tracebacks for mistakes the user can fix.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from moestack.config.base import ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+
+
+def _parse_sets(pairs: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set: expected key=value (e.g. optimizer.lr=1e-3), got '{pair}'")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+@app.command()
+def train(
+    model: str = typer.Option("tiny", "--model", "-m", help="preset name, ModelSpec YAML or HF config.json"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TrainSpec YAML (defaults if omitted)"),
+    steps: Optional[int] = typer.Option(None, help="optimizer steps"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (default runs/<model>)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="micro-batch size (sequences)"),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="micro-batches per optimizer step"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
+    precision: Optional[str] = typer.Option(None, help="auto | fp32 | bf16"),
+    data: Optional[list[str]] = typer.Option(None, "--data", help="text/jsonl/bin file or directory (repeatable)"),
+    data_source: Optional[str] = typer.Option(None, "--data-source", help="builtin | text | jsonl | bin"),
+    tokenizer: Optional[str] = typer.Option(None, help="'byte' or path to a local tokenizer.json"),
+    dsa_mode: Optional[str] = typer.Option(None, "--dsa-mode", help="dense (indexer warm-up) | sparse"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    set_: list[str] = typer.Option([], "--set", help="any TrainSpec field, dotted: --set optimizer.weight_decay=0"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+) -> None:
+    """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists)."""
+    from moestack.config.train_spec import load_train_spec
+    from moestack.planner.profile import load_any_model_spec
+
+    overrides = {"model": model}
+    flag_values = {
+        "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
+        "seq_len": seq_len, "optimizer.lr": lr, "device": device, "precision": precision,
+        "data.paths": data, "data.source": data_source, "data.tokenizer": tokenizer, "dsa.mode": dsa_mode,
+    }
+    overrides.update({k: v for k, v in flag_values.items() if v is not None})
+    if data and data_source is None:
+        overrides["data.source"] = _guess_source(data)
+    overrides.update(_parse_sets(set_))
+    if out is None and "out_dir" not in overrides:
+        overrides["out_dir"] = f"runs/{Path(model).stem}"
+    if quiet:
+        overrides["logging.progress"] = False
+    spec = load_train_spec(config, overrides)
+    model_spec = load_any_model_spec(spec.model)
+    _run_training(spec, model_spec, resume)
+
+
+def _guess_source(paths: list[str]) -> str:
+    suffixes = {Path(p).suffix for p in paths}
+    if suffixes <= {".jsonl", ".json"}:
+        return "jsonl"
+    if suffixes <= {".bin"}:
+        return "bin"
+    return "text"
+
+
+def _run_training(spec, model_spec, resume: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from moestack.train.trainer import Trainer, count_params
+
+    trainer = Trainer(spec, model_spec, log=console.print)
+    console.print(
+        f"[bold]moestack train[/] model={model_spec.name} params={count_params(trainer.model) / 1e6:.2f}M "
+        f"device={trainer.device} tokens/step={spec.tokens_per_step} steps={spec.steps} out={spec.out_dir}"
+    )
+    if resume and not trainer.resume():
+        console.print(f"--resume: no checkpoint under {trainer.ckpt_dir}; starting from step 0")
+    if spec.logging.progress and sys.stdout.isatty():
+        columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn()]
+        with Progress(*columns, console=console) as bar:
+            task = bar.add_task("train", total=spec.steps, completed=trainer.step, info="")
+            result = trainer.fit(lambda step, s: bar.update(task, completed=step, info=_fmt(s)))
+    else:
+        every = spec.logging.every
+
+        def report(step, s):
+            if step % every == 0 or step == spec.steps:
+                console.print(f"step {step}/{spec.steps} {_fmt(s)}")
+
+        result = trainer.fit(report if spec.logging.progress else None)
+    losses = result["losses"]
+    if losses:
+        k = max(1, min(10, len(losses) // 5))
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        console.print(f"loss {first:.3f} -> {last:.3f} (mean of first/last {k} steps)")
+    if result["expert_load"]:
+        console.print(result["expert_load"])
+    console.print(f"checkpoint: {result['checkpoint']}")
+    console.print(f"metrics:    {result['metrics']} (TensorBoard: {spec.out_dir})")
+    console.print(f"loss plot:  {result['plot']}")
+
+
+def _fmt(s) -> str:
+    mfu = f" mfu {s.mfu * 100:.1f}%" if s.mfu is not None else ""
+    return f"loss {s.loss:.4f} lr {s.lr:.2e} gnorm {s.grad_norm:.2f} tok/s {s.tokens_per_s:,.0f}{mfu}"
+
+
+def _register_commands() -> None:
+    """Commands owned by their packages; each module exposes a typer-annotated function."""
+    from moestack.planner import plan_cli, profile_cli
+
+    app.command("profile")(profile_cli.profile)
+    app.command("plan")(plan_cli.plan)
+    app.command("tune")(plan_cli.tune)
+
+
+_register_commands()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moestack.train.checkpoint import CheckpointError
+    from moestack.train.trainer import TrainingStopped
+
+    try:
+        rc = app(args=argv, standalone_mode=False)
+    except (ConfigError, CheckpointError, TrainingStopped, ValueError, FileNotFoundError) as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        err_console.print(f"[red]error:[/] {msg}", highlight=False)
+        return 2
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        return 1
+    except typer.exceptions.TyperException as err:  # usage errors (bad flag value, unknown option)
+        if hasattr(err, "show"):
+            err.show()
+        return getattr(err, "exit_code", 2)
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

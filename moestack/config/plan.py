@@ -1,0 +1,196 @@
+"""Plan: how one training run is laid out on a cluster (what `moestack plan` writes and `moestack train` reads).
+
+Two meshes share the same devices ("parallel folding"):
+  attention / dense part:  pp x dp_replicate x dp_shard x cp x tp   == devices
+  routed experts:          pp x edp x ep x etp                      == devices   (edp is derived)
+`dp_shard` is the group ZeRO shards over (FSDP2); `dp_replicate` holds plain replicas (HSDP when both > 1).
+A plan may carry the planner's prediction (`predicted`); it is informational and ignored by `train`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moestack.config.base import ConfigError, StrictModel, dump_yaml, read_yaml, validate
+
+RecomputeMode = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
+# chunks (virtual stages) each pipeline rank holds, per schedule; None = any vpp >= 2
+SCHEDULE_VPP: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": None, "zbv": 2, "dualpipev": 2}
+
+
+class RecomputePolicy(StrictModel):
+    """Activation recompute per layer part.
+
+    none: keep every activation autograd saves. selective: recompute the cheap, memory-heavy pieces (norms,
+    activation functions, gates, MLA up-projections, KDA short conv) and keep GEMM inputs. full: keep only the
+    part's input and rerun its whole forward (including its communication) in backward.
+    """
+
+    kda: RecomputeMode = "none"
+    attention: RecomputeMode = "none"  # full-attention mixers: gated MLA/DSA or GQA
+    moe: RecomputeMode = "none"
+    mlp: RecomputeMode = "none"  # dense MLP layers
+
+    @classmethod
+    def uniform(cls, mode: str) -> RecomputePolicy:
+        return cls(kda=mode, attention=mode, moe=mode, mlp=mode)
+
+    def short(self) -> str:
+        modes = {self.kda, self.attention, self.moe, self.mlp}
+        if len(modes) == 1:
+            return modes.pop()
+        abbrev = {"none": "-", "selective": "s", "full": "F"}
+        return "kda{}/attn{}/moe{}/mlp{}".format(*(abbrev[m] for m in (self.kda, self.attention, self.moe, self.mlp)))
+
+
+class OffloadPolicy(StrictModel):
+    """What lives in host memory instead of HBM."""
+
+    optimizer: bool = False  # optimizer states + fp32 master weights in host memory; the update runs on the CPU
+    experts: bool = False  # routed-expert weights in host memory, streamed in per layer (prefetched)
+    activations: bool = False  # saved activations copied to host after forward, back before backward
+
+    def short(self) -> str:
+        parts = [k for k in ("optimizer", "experts", "activations") if getattr(self, k)]
+        return "+".join(parts) or "none"
+
+
+class PlanPrediction(StrictModel):
+    """What the cost model predicted for this plan (seconds, GiB, per device)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    memory_gib: dict[str, float]  # component -> GiB on the busiest device
+    time_s: dict[str, float]  # component -> seconds per step (exposed time)
+    binding: str  # the constraint that limits this plan
+
+
+class Plan(StrictModel):
+    model: str  # preset name, ModelSpec YAML or HF config.json
+    cluster: str  # preset name or ClusterSpec YAML
+    devices: int = Field(gt=0)
+    seq_len: int = Field(gt=1)
+    micro_batch_size: int = Field(default=1, gt=0)  # sequences per micro-batch per data-parallel rank
+    global_batch_size: int = Field(gt=0)  # sequences per optimizer step
+    # degrees
+    pp: int = Field(default=1, gt=0)
+    vpp: int = Field(default=1, gt=0)  # model chunks per pipeline rank
+    dp_replicate: int = Field(default=1, gt=0)
+    dp_shard: int = Field(default=1, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    tp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0)
+    etp: int = Field(default=1, gt=0)
+    schedule: Schedule = "1f1b"
+    recompute: RecomputePolicy = RecomputePolicy()
+    offload: OffloadPolicy = OffloadPolicy()
+    precision: Literal["bf16", "fp8"] = "bf16"  # fp8: GEMMs of linear layers and experts in FP8 (rowwise scales)
+    optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
+    dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)
+    tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
+    ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    predicted: PlanPrediction | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        attn = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if attn != self.devices:
+            raise ValueError(
+                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp}"
+                f" = {attn} must equal devices ({self.devices})"
+            )
+        inner = self.devices // self.pp
+        if inner % (self.ep * self.etp):
+            raise ValueError(f"ep*etp ({self.ep}*{self.etp}) must divide devices/pp ({inner})")
+        if self.zero_stage == 0 and self.dp_shard > 1:
+            raise ValueError(f"zero_stage 0 with dp_shard {self.dp_shard}: plain replicas go in dp_replicate")
+        if self.zero_stage > 0 and self.dp_shard == 1 and self.dp > 1:
+            raise ValueError(f"zero_stage {self.zero_stage} needs dp_shard > 1 to shard anything")
+        want_vpp = SCHEDULE_VPP[self.schedule]
+        if self.pp == 1 and (self.schedule != "1f1b" or self.vpp != 1):
+            raise ValueError(f"pp is 1: use schedule '1f1b' with vpp 1 (got {self.schedule}, vpp {self.vpp})")
+        if want_vpp is None and self.vpp < 2:
+            raise ValueError(f"schedule {self.schedule} needs vpp >= 2 (got {self.vpp})")
+        if want_vpp is not None and self.vpp != want_vpp:
+            raise ValueError(f"schedule {self.schedule} needs vpp == {want_vpp} (got {self.vpp})")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size*dp"
+                f" ({self.micro_batch_size}*{self.dp} = {per_step})"
+            )
+        if self.pp > 1 and self.num_microbatches < self.pp:
+            raise ValueError(
+                f"{self.num_microbatches} micro-batches per step cannot fill {self.pp} pipeline stages"
+                " (raise global_batch_size or lower micro_batch_size)"
+            )
+        if self.schedule == "interleaved_1f1b" and self.num_microbatches % self.pp:
+            raise ValueError(
+                f"interleaved_1f1b needs micro-batches per step ({self.num_microbatches}) divisible by pp ({self.pp})"
+            )
+        if self.seq_len % (2 * self.cp if self.cp > 1 else 1):
+            raise ValueError(f"seq_len ({self.seq_len}) must be divisible by 2*cp ({2 * self.cp}) for balanced CP")
+        if self.seq_len % (self.tp * self.cp):
+            raise ValueError(f"seq_len ({self.seq_len}) must be divisible by tp*cp ({self.tp * self.cp})")
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel degree of the routed experts (devices per pp stage not used by ep*etp)."""
+        return self.devices // (self.pp * self.ep * self.etp)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def short(self) -> str:
+        """One-line summary used in tables."""
+        dp = f"dp{self.dp_replicate}x{self.dp_shard}z{self.zero_stage}" if self.dp_shard > 1 else f"dp{self.dp}"
+        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"v{self.vpp}")
+        parts += [dp, f"ep{self.ep}"]
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
+        return " ".join(parts)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a Plan YAML (as written by `moestack plan`)."""
+    return validate(Plan, read_yaml(path), str(path))
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    dump_yaml(plan, path)
+
+
+def make_plan(**fields) -> Plan:
+    """Build a Plan from keyword fields, raising a one-line ConfigError on a bad combination."""
+    return validate(Plan, fields, "plan")
+
+
+__all__ = [
+    "ConfigError",
+    "OffloadPolicy",
+    "Plan",
+    "PlanPrediction",
+    "RecomputePolicy",
+    "load_plan",
+    "make_plan",
+    "save_plan",
+]

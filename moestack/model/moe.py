@@ -1,0 +1,222 @@
+"""Stable LatentMoE (Kimi K3) and plain MoE: router, stacked experts, the layer.
+
+    topk_idx, topk_w = router(x)          # on the full hidden, fp32
+    h = down_proj(x)                      # hidden -> latent, once per token, before dispatch
+    y = sum_i topk_w[i] * expert_i(h)     # experts in the latent: latent -> inter (gate, up) -> latent
+    y = RMSNorm(y)                        # if spec.latent_norm
+    out = up_proj(y) + shared(x)          # shared experts fused into one GLU MLP on the full hidden
+With spec.latent_size None it is a plain MoE: no down/up proj, no latent norm, experts on the full hidden.
+
+Balancing: the aux-loss-free selection bias (updated by the trainer once per optimizer step through
+`Router.update_selection_bias`) and the sequence-wise aux loss (attached to the output with attach_aux_loss).
+
+Legend: B batch, T tokens (per sequence in x_BTD; B*T flattened elsewhere), D hidden, L expert width (latent, or
+D for a plain MoE), I expert intermediate, E experts, K top-k, N = B*T*K routed rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack.config.model_spec import MoESpec, RouterSpec
+from moestack.model.aux_loss import attach_aux_loss
+from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
+from moestack.model.norm import RMSNorm
+from moestack.ops import moe as moe_ops
+
+
+class Router(nn.Module):
+    """Scores E experts per token in fp32 and picks top-k (moestack.ops.moe.route has the exact rule).
+
+    State: `weight` [E, D] (parameter); `selection_bias` [E] fp32 (persistent buffer, model state; None when
+    spec.selection_bias is off); `tokens_per_expert` [E] int64 (non-persistent) counting the routed slots of
+    every training-mode forward since the last `update_selection_bias`.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, spec: RouterSpec):
+        super().__init__()
+        self.num_experts, self.top_k, self.spec = num_experts, top_k, spec
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        bias = torch.zeros(num_experts, dtype=torch.float32) if spec.selection_bias else None
+        self.register_buffer("selection_bias", bias, persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast)."""
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        s = self.spec
+        topk_idx_TK, topk_w_TK, scores_TE = moe_ops.route(
+            logits_TE, self.selection_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
+            s.scaling_factor,
+        )
+        if self.training:
+            # Recompute under activation checkpointing counts a forward twice; the sign-based update is invariant
+            # to that uniform factor. Eval forwards are not counted.
+            with torch.no_grad():
+                idx_N = topk_idx_TK.reshape(-1)
+                self.tokens_per_expert.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+        return topk_idx_TK, topk_w_TK, scores_TE
+
+    @torch.no_grad()
+    def update_selection_bias(self, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """bias += gamma * sign(mean_load - load) (gamma = spec.bias_update_rate), then reset the accumulator.
+
+        counts [E]: tokens per expert over the optimizer step; default: this router's accumulator. In distributed
+        runs the caller all-reduces the accumulator over the data-parallel ranks first and passes the sum.
+        Returns the counts used.
+        """
+        if counts is None:
+            counts = self.tokens_per_expert.clone()
+        if self.selection_bias is not None and self.spec.bias_update_rate > 0:
+            load = counts.to(torch.float32)
+            self.selection_bias.add_(torch.sign(load.mean() - load), alpha=self.spec.bias_update_rate)
+        self.tokens_per_expert.zero_()
+        return counts
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.selection_bias is not None:
+            self.selection_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+
+class Experts(nn.Module):
+    """E GLU experts with stacked weights, run on expert-sorted rows.
+
+    Layout: `w_gate_up` [E, 2I, L] (per expert the gate rows, then the up rows) and `w_down` [E, L, I], i.e. each
+    expert slice is nn.Linear's (out, in) weight. Why: HF checkpoints store per-expert Linear weights, so import
+    is a stack; expert parallelism shards dim 0 into contiguous per-expert blocks; the transposed views passed to
+    the grouped GEMM ([E, L, 2I], [E, I, L]) are "column-major B", which grouped GEMM kernels (and FP8 on Hopper)
+    want; gate and up fused in one GEMM read each row once and double the GEMM width. (Tensor-parallel sharding of
+    experts must split gate and up separately: view w_gate_up as [E, 2, I, L].)
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        intermediate_size: int,
+        activation: str = "situ_glu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
+        self.backend: str | None = None  # grouped GEMM backend; None = registry default (moestack.ops.moe)
+
+    def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
+        return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend)
+
+    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs)."""
+        gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
+        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+        a_NI = glu_activation(gate_NI, up_NI, self.activation, self.situ_beta, self.situ_linear_beta)
+        return self.grouped_mm(a_NI, self.w_down.transpose(1, 2), offs_E)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.w_gate_up, mean=0.0, std=std)
+        nn.init.normal_(self.w_down, mean=0.0, std=std)
+
+
+def sequence_aux_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor, coef: float) -> torch.Tensor:
+    """Sequence-wise balance loss (DeepSeek-V3): mean over sequences of coef * sum_i f_i P_i, with
+    f_i = E / (K*T) * count_i(seq) and P_i = mean_t(s_i / sum_j s_j). Differentiable through scores (fp32)."""
+    B, T, E = scores_BTE.shape
+    K = topk_idx_BTK.shape[-1]
+    counts_BE = scores_BTE.new_zeros((B, E)).scatter_add_(
+        1, topk_idx_BTK.reshape(B, T * K), scores_BTE.new_ones((B, T * K))
+    )
+    f_BE = counts_BE * (E / (K * T))
+    P_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
+    return coef * (f_BE * P_BE).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """Stable LatentMoE (spec.latent_size set) or plain MoE layer, with optional fused shared experts.
+
+    After each forward: `last_expert_counts` [E] int64 (routed slots per expert, detached) and `last_aux_loss`
+    (the detached sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0), for logging.
+
+    Host syncs: none on the native grouped-GEMM path (CUDA bf16); the grouped-GEMM fallbacks (CPU, fp32 on GPU,
+    unaligned shapes) read the largest expert group on the host once per GEMM (moestack/ops/moe/README.md).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: MoESpec,
+        activation: str,
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        self.spec = spec
+        width = spec.latent_size or hidden_size
+        self.router = Router(hidden_size, spec.num_experts, spec.top_k, spec.router)
+        latent = spec.latent_size is not None
+        self.down_proj = nn.Linear(hidden_size, width, bias=False) if latent else None
+        self.experts = Experts(
+            spec.num_experts, width, spec.expert_intermediate_size, activation, situ_beta, situ_linear_beta
+        )
+        self.latent_norm = RMSNorm(width, eps=norm_eps) if latent and spec.latent_norm else None
+        self.up_proj = nn.Linear(width, hidden_size, bias=False) if latent else None
+        self.shared = (
+            GLUMLP(hidden_size, spec.shared_intermediate_size, activation, situ_beta, situ_linear_beta)
+            if spec.num_shared_experts > 0
+            else None
+        )
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_expert_counts: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """x_BTD [B, T, D] -> [B, T, D]. Backward through the output also backpropagates the aux loss."""
+        B, T, D = x_BTD.shape
+        E, K = self.spec.num_experts, self.spec.top_k
+        x_TD = x_BTD.reshape(B * T, D)
+        topk_idx_TK, topk_w_TK, scores_TE = self.router(x_TD)
+
+        h_TL = self.down_proj(x_TD) if self.down_proj is not None else x_TD
+        perm = moe_ops.permute(topk_idx_TK, E)
+        y_NL = self.experts(h_TL[perm.token_ids_N], perm.offs_E)
+        y_TL = moe_ops.unpermute_combine(y_NL, perm, topk_w_TK)
+        if self.latent_norm is not None:
+            y_TL = self.latent_norm(y_TL)
+        out_TD = self.up_proj(y_TL) if self.up_proj is not None else y_TL
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        out_BTD = out_TD.view(B, T, D)
+
+        self.last_expert_counts = perm.counts_E.detach()
+        coef = self.spec.router.seq_aux_loss_coef
+        if coef > 0:
+            aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), coef)
+            self.last_aux_loss = aux.detach()
+            out_BTD = attach_aux_loss(out_BTD, aux)
+        else:
+            self.last_aux_loss = None
+        return out_BTD
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std)
+        for lin in (self.down_proj, self.up_proj):
+            if lin is not None:
+                nn.init.normal_(lin.weight, mean=0.0, std=std)
+        if self.latent_norm is not None:
+            nn.init.ones_(self.latent_norm.weight)
+        if self.shared is not None:
+            self.shared.init_weights(std)

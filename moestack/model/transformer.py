@@ -1,0 +1,82 @@
+"""The hybrid decoder: embedding -> blocks (KDA / Gated MLA-DSA / GQA mixers, dense or MoE FFNs) -> norm -> head.
+
+Single-device math only; parallelism is applied from outside (moestack.parallel). Blocks live in a ModuleDict keyed
+by layer number so pipeline stages can drop layers while keeping fully-qualified parameter names stable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestack.config.model_spec import ModelSpec
+from moestack.model.block import Block
+from moestack.model.loss import chunked_cross_entropy
+from moestack.model.norm import RMSNorm
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        spec.check_buildable()  # features the profiler counts but the builder cannot build fail here, by name
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(spec, kind, i) for i, kind in enumerate(spec.layer_kinds())})
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None) -> None:
+        std = self.spec.init_std if std is None else std
+        if self.embed is not None:
+            nn.init.normal_(self.embed.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std)
+        if self.norm is not None:
+            self.norm.weight.fill_(1.0)
+        if self.lm_head is not None and not self.spec.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+
+    def hidden_states(self, tokens_or_h: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] (or incoming hidden [B, T, D] on a later pipeline stage) -> hidden [B, T, D]."""
+        h = self.embed(tokens_or_h) if self.embed is not None else tokens_or_h
+        for block in self.layers.values():
+            h = block(h, cu_seqlens)
+        return self.norm(h) if self.norm is not None else h
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Without targets: logits [B, T, V] (or hidden states on a stage without a head).
+        With targets [B, T]: the mean token cross-entropy (chunked; logits never fully materialised)."""
+        h = self.hidden_states(tokens, cu_seqlens)
+        if self.lm_head is None:
+            return h
+        if targets is None:
+            return self.lm_head(h)
+        loss_sum, count = chunked_cross_entropy(h, self.lm_head.weight, targets)
+        return loss_sum / count.clamp(min=1)
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        return {name: b.ffn for name, b in self.layers.items() if b.kind.ffn == "moe"}
+
+    def dsa_layers(self) -> dict[str, nn.Module]:
+        return {
+            name: b.attn
+            for name, b in self.layers.items()
+            if b.kind.mixer == "mla" and getattr(b.attn, "indexer", None) is not None
+        }
+
+
+def build_model(spec: ModelSpec, device: torch.device | str = "cpu", seed: int | None = None) -> Transformer:
+    """Build and initialise on `device`. On "meta" nothing is allocated (inspect sizes of a 2.8T model)."""
+    device = torch.device(device)
+    with torch.device(device):
+        model = Transformer(spec)
+    if device.type != "meta":
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.init_weights()
+    return model

@@ -1,0 +1,306 @@
+"""KDA backward in Triton: a reverse state recurrence and a fused intra-chunk gradient kernel.
+
+Shape legend and the forward quantities (b, Akk, Aqk, X, W, U, Qp, Kd, D) as in triton_fwd.py. Per chunk, with
+S the state entering it, dS' the gradient of the state leaving it and dO the output gradient:
+    dD  = Aqk^T dO + Kd dS'                                  (reverse recurrence, sequential)
+    dS  = Diag(exp(b_last)) dS' + Qp^T dO - W^T dD
+    dQp = dO S^T, dW = -dD S^T, dKd = D dS'^T, dAqk = Tril(dO D^T), dU = dD          (intra kernel, parallel)
+then through the WY form (dY = X^T [dW | dU], dN = -StrictTril(dY [W | U]^T)), the decayed scores, the
+cumsum (dg = reverse cumsum of db), the gate, the L2 norm and the beta sigmoid. README.md has the derivation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moestack.ops.kda.triton_fwd import (
+    BT,
+    SPAN_MAX,
+    SUB,
+    _chunk_coords,
+    _configs,
+    _exact_diag_factor,
+    _intra_scores,
+    _kda_prologue,
+    _row,
+    _is_slow,
+    _state_ptr,
+    _stripe_factors,
+    _tok_ptr,
+    _tok_ptr_t,
+    _unit_lower_inverse,
+)
+
+
+@triton.autotune(configs=_configs([
+    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+]), key=["K", "V"])
+@triton.jit
+def kda_bwd_kernel_recurrence(
+    qp, kd, w, aqk, gl, do, dht, chunk_offsets, cu_seqlens,
+    dh, dd, dh0,
+    H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    """One program per (V-block, sequence, head), chunks in reverse. Stores dS' per chunk (dh [NC, H, K, V]),
+    dD (dd [T, H, V]) and the initial-state gradient (dh0 [N, H, K, V] fp32)."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int32)
+    n_t = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    DT = w.dtype.element_ty
+
+    b_ds = tl.zeros([BK, BV], tl.float32)
+    if HAS_DHT:
+        p_dht = _state_ptr(dht, i_n, H, i_h, K, V, BK, BV, i_v * BV)
+        b_ds += tl.load(p_dht, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    for i_r in range(0, n_t):
+        i_j = n_t - 1 - i_r
+        t0 = bos + i_j * BT
+        n = eos - t0
+        i_c = c0 + i_j
+        tl.store(_state_ptr(dh, i_c, H, i_h, K, V, BK, BV, i_v * BV), b_ds.to(dh.dtype.element_ty),
+                 boundary_check=(0, 1))
+        p_do = _tok_ptr(do, t0, n, H, i_h, V, BT, BV, i_v * BV)
+        b_do = tl.load(p_do, boundary_check=(0, 1), padding_option="zero").to(DT)
+        b_at = tl.load(_tok_ptr_t(aqk, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+        b_kd = tl.load(_tok_ptr(kd, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+        b_qpt = tl.load(_tok_ptr_t(qp, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+        b_wt = tl.load(_tok_ptr_t(w, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+        b_bl = tl.load(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+        b_dd = tl.dot(b_at, b_do) + tl.dot(b_kd, b_ds.to(DT))
+        tl.store(_tok_ptr(dd, t0, n, H, i_h, V, BT, BV, i_v * BV), b_dd.to(dd.dtype.element_ty),
+                 boundary_check=(0, 1))
+        b_ds = b_ds * tl.exp(b_bl)[:, None] + tl.dot(b_qpt, b_do) - tl.dot(b_wt, b_dd.to(DT))
+    if STORE_DH0:
+        tl.store(_state_ptr(dh0, i_n, H, i_h, K, V, BK, BV, i_v * BV), b_ds, boundary_check=(0, 1))
+
+
+@triton.jit
+def _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq, b_dk, b_db, BT: tl.constexpr, SUB: tl.constexpr):
+    """Add the gradients through Aqk (dA, lower incl.) and Akk (dN = d Akk, strictly lower) to dq~, dk and db.
+
+    Every score term is x_i exp(b_i - b_j) y_j, so its log-decay gradient is x_i dx_i at row i minus y_j dy_j at j.
+    """
+    o_t = tl.arange(0, BT)
+    for c in range(BT // SUB):  # a runtime loop: one copy of the body (smem, compile time)
+        e_l, e_r = _stripe_factors(b_b, c, slow, BT, SUB)
+        b_kr = b_k * e_r
+        b_t = e_l * tl.dot(b_da, b_kr)
+        b_dq += b_t
+        b_db += b_q * b_t
+        b_t = e_l * tl.dot(b_dn, b_kr)
+        b_dk += b_t
+        b_db += b_k * b_t
+        b_t = e_r * (tl.dot(tl.trans(b_da), b_q * e_l) + tl.dot(tl.trans(b_dn), b_k * e_l))
+        b_dk += b_t
+        b_db -= b_k * b_t
+    if slow:
+        for j in range(BT):
+            b_e = _exact_diag_factor(b_b, j, BT, SUB, False)  # [BT, BK] exp(b_i - b_j), rows i >= j in j's block
+            sel_c = (o_t == j)[None, :]
+            b_da_j = tl.sum(tl.where(sel_c, b_da, 0.0), 1)  # column j of dA
+            b_dn_j = tl.sum(tl.where(sel_c, b_dn, 0.0), 1)  # column j of dAkk (0 at i == j)
+            b_ke = b_e * _row(b_k, j, BT)[None, :]
+            b_t = b_da_j[:, None] * b_ke
+            b_dq += b_t
+            b_db += b_q * b_t
+            b_t = b_dn_j[:, None] * b_ke
+            b_dk += b_t
+            b_db += b_k * b_t
+            b_ck_j = tl.sum((b_da_j[:, None] * b_q + b_dn_j[:, None] * b_k) * b_e, 0)
+            b_t = tl.where((o_t == j)[:, None], b_ck_j[None, :], 0.0)
+            b_dk += b_t
+            b_db -= b_k * b_t
+    return b_dq, b_dk, b_db
+
+
+@triton.autotune(configs=_configs([
+    triton.Config({"BV": 64}, num_warps=8, num_stages=1),
+    triton.Config({"BV": 32}, num_warps=8, num_stages=1),
+]), key=["K", "V", "GATE", "L2NORM"])
+@triton.jit
+def kda_bwd_kernel_intra(
+    q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
+    h, dh, d, dd, do,
+    dq, dk, dv, dg, dbeta, pd_dt, pd_alog,
+    scale, H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
+):
+    """One program per (chunk slot, head): all gradients of the chunk's inputs from h, dh, D, dD, dO.
+
+    Writes dq, dk, dg (gate input), dv, dbeta, and per-chunk partial sums for dt_bias (pd_dt [NC, H, K]) and
+    A_log (pd_alog [NC, H]). Recomputes the chunk's forward quantities instead of loading them.
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
+    b_q, b_k, _, _, b_b, b_beta, b_rq, b_rk = _kda_prologue(  # also recomputed after the V loop
+        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
+        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
+    slow = _is_slow(b_b, BT, SUB, SPAN_MAX)
+    b_akk, _ = _intra_scores(b_q, b_k, b_b, slow, BT, SUB, False)
+    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = (t0 + o_t) < t_end
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    n = t_end - t0
+    DT = h.dtype.element_ty
+
+    # Contractions over V, one V-block at a time.
+    b_dqp = tl.zeros([BT, BK], tl.float32)  # dO S^T
+    b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
+    b_dkd = tl.zeros([BT, BK], tl.float32)  # D dS'^T
+    b_da = tl.zeros([BT, BT], tl.float32)  # dO D^T
+    b_gm = tl.zeros([BT, BT], tl.float32)  # dD (beta v)^T  (= dU Y_v^T)
+    b_dsl = tl.zeros([BK], tl.float32)  # rowsum(S * dS')
+    b_dbeta = tl.zeros([BT], tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        b_do = tl.load(_tok_ptr(do, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                       padding_option="zero").to(DT)
+        b_ddv = tl.load(_tok_ptr(dd, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                        padding_option="zero")
+        b_dv_ = tl.load(_tok_ptr(d, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                        padding_option="zero")
+        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_h = tl.load(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
+                      padding_option="zero")
+        b_dh = tl.load(_state_ptr(dh, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
+                       padding_option="zero")
+        b_dqp += tl.dot(b_do, tl.trans(b_h))
+        b_dsw += tl.dot(b_ddv, tl.trans(b_h))
+        b_dkd += tl.dot(b_dv_, tl.trans(b_dh))
+        b_da += tl.dot(b_do, tl.trans(b_dv_))
+        b_ddf = b_ddv.to(tl.float32)
+        b_gm += tl.dot(b_ddf, tl.trans(b_beta[:, None] * b_v))
+        b_dsl += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        b_dyv = tl.dot(tl.trans(b_minv), b_ddf)  # X^T dU
+        tl.store(_tok_ptr(dv, t0, n, H, i_h, V, BT, BV, i_v * BV), (b_beta[:, None] * b_dyv).to(dv.dtype.element_ty),
+                 boundary_check=(0, 1))
+        b_dbeta += tl.sum(b_dyv * b_v, 1)
+
+    b_da = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None], b_da, 0.0)
+    # q, k, b again rather than kept live through the V loop (registers: cheaper to reload than to spill).
+    b_q, b_k, _, _, b_b, _, _, _ = _kda_prologue(
+        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
+        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
+    # Qp = q~ exp(b) and Kd = k exp(b_last - b); b_last gathers the Kd terms and the state decay.
+    b_e = tl.exp(b_b)
+    b_bl = _row(b_b, BT - 1, BT)
+    b_dq_ = b_dqp * b_e  # d q~
+    b_dk_ = b_dkd * tl.exp(b_bl[None, :] - b_b)  # d k_hat
+    b_dbl = tl.exp(b_bl) * b_dsl + tl.sum(b_k * b_dk_, 0)
+    b_db = b_q * b_dq_ - b_k * b_dk_
+    # WY form: W = X Diag(beta) (k exp(b)), U = X Diag(beta) v; dN = -StrictTril(X^T dW W^T + X^T dU U^T).
+    b_kp = b_k * b_e
+    b_w = tl.dot(b_minv, b_beta[:, None] * b_kp)
+    b_dyk = -tl.dot(tl.trans(b_minv), b_dsw)  # X^T dW
+    b_dn = tl.dot(b_dyk, tl.trans(b_w)) + tl.dot(tl.dot(tl.trans(b_minv), b_gm), tl.trans(b_minv))
+    b_dn = tl.where(o_t[:, None] > o_t[None, :], -b_dn, 0.0)  # d(Diag(beta) Akk)
+    b_dbeta += tl.sum(b_dn * b_akk, 1) + tl.sum(b_dyk * b_kp, 1)
+    b_t = b_beta[:, None] * b_dyk * b_e
+    b_dk_ += b_t
+    b_db += b_k * b_t
+    b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, b_da, b_beta[:, None] * b_dn, slow,
+                                           b_dq_, b_dk_, b_db, BT, SUB)
+    b_db += tl.where((o_t == BT - 1)[:, None], b_dbl[None, :], 0.0)
+    b_dg = tl.where(m_tk, tl.cumsum(b_db, axis=0, reverse=True), 0.0)
+
+    # Gate input reloaded rather than kept live through the kernel (registers).
+    b_x = tl.load(_tok_ptr(g, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    if HAS_DT_BIAS:
+        b_x += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    if GATE == 1:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        b_s = tl.sigmoid(a * b_x)
+        b_dx = b_dg * (LOWER_BOUND * a) * b_s * (1.0 - b_s)
+        b_pal = tl.sum(tl.sum(b_dx * b_x, 1), 0)
+    elif GATE == 2:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        b_dx = b_dg * (-a) * tl.sigmoid(b_x)
+        b_g = -a * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
+        b_pal = tl.sum(tl.sum(tl.where(m_tk, b_dg * b_g, 0.0), 1), 0)
+    else:
+        b_dx = b_dg
+        b_pal = 0.0
+    tl.store(_tok_ptr(dg, t0, n, H, i_h, K, BT, BK), b_dx.to(dg.dtype.element_ty), boundary_check=(0, 1))
+    if GATE != 0:
+        tl.store(pd_dt + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+        tl.store(pd_alog + i_c * H + i_h, b_pal)
+
+    b_dq_ = b_dq_ * scale  # d q_hat
+    if L2NORM:
+        b_qh = b_q / scale
+        b_dq_ = b_rq[:, None] * (b_dq_ - b_qh * tl.sum(b_qh * b_dq_, 1)[:, None])
+        b_dk_ = b_rk[:, None] * (b_dk_ - b_k * tl.sum(b_k * b_dk_, 1)[:, None])
+    tl.store(_tok_ptr(dq, t0, n, H, i_h, K, BT, BK), b_dq_.to(dq.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(dk, t0, n, H, i_h, K, BT, BK), b_dk_.to(dk.dtype.element_ty), boundary_check=(0, 1))
+    if BETA_SIGMOID:
+        b_dbeta = b_dbeta * b_beta * (1.0 - b_beta)
+    tl.store(dbeta + (t0 + o_t).to(tl.int64) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+# ---- launchers -----------------------------------------------------------------------------------------------
+
+
+def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int,
+                       need_dh0: bool):
+    """Reverse recurrence. Returns (dh [NC, H, K, V], dd [T, H, V], dh0 [N, H, K, V] fp32 or None)."""
+    w = intra["w"]
+    T, H, K = w.shape
+    NC = intra["gl"].shape[0]
+    dh = w.new_empty(NC, H, K, V)
+    dd = w.new_empty(T, H, V)
+    dh0 = w.new_empty(n_seqs, H, K, V, dtype=torch.float32) if need_dh0 else None
+    dummy = w.new_empty(1)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), n_seqs, H)
+
+    kda_bwd_kernel_recurrence[grid](
+        intra["qp"], intra["kd"], w, intra["aqk"], intra["gl"], do, dummy if dht is None else dht,
+        chunk_offsets, cu_seqlens,
+        dh, dd, dummy if dh0 is None else dh0,
+        H,
+        K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), HAS_DHT=dht is not None, STORE_DH0=need_dh0,
+    )
+    return dh, dd, dh0
+
+
+def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
+                  gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+    """Intra-chunk gradients. Returns dq, dk, dv, dg (like q, k, v, g), dbeta (like beta), and the per-chunk
+    partials pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    NC = chunk_map.shape[0]
+    dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    fused_gate = gate != 0
+    pd_dt = q.new_empty(NC, H, K, dtype=torch.float32) if fused_gate else None
+    pd_alog = q.new_empty(NC, H, dtype=torch.float32) if fused_gate else None
+    dummy = q.new_empty(1, dtype=torch.float32)
+    kda_bwd_kernel_intra[(NC, H)](
+        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        chunk_map, cu_seqlens,
+        h, dh, d, dd, do,
+        dq, dk, dv, dg, dbeta, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
+        scale, H,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K),
+        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
+        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+    )
+    return dq, dk, dv, dg, dbeta, pd_dt, pd_alog

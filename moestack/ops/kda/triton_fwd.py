@@ -1,0 +1,384 @@
+"""KDA forward in Triton: a fused intra-chunk kernel and a fused state-recurrence + output kernel.
+
+Chunk C = BT = 64 tokens, log-space gates. Per (chunk, head) the intra kernel reads the raw inputs once and does
+all the elementwise work in registers: gate activation (K3 or Kimi Linear form, or an already-activated
+log-decay), chunk-local cumsum, q/k L2 normalisation, beta sigmoid; then the decayed score matrices, the unit
+lower-triangular inverse and the WY products. The recurrence kernel walks the chunks of one sequence per
+(head, V-block) program, keeps the state in registers and writes the output directly (no per-chunk state is
+stored unless backward asks for it). The math and the save/recompute policy are in README.md.
+
+Shape legend: T tokens (all sequences packed), H heads, K key dim, V value dim, BT chunk rows (64),
+BK/BV padded tile widths, NC chunk slots (an upper bound on the number of chunks), N sequences.
+Per chunk, with b = cumsum of the log-decay inside the chunk (b <= 0, non-increasing), q~ = scale * q_hat:
+    Akk[i, j] = sum_d k_id k_jd exp(b_id - b_jd)   (i > j)        N = Diag(beta) Akk,  X = (I + N)^-1
+    Aqk[i, j] = sum_d q~_id k_jd exp(b_id - b_jd)  (i >= j)
+    W = X Diag(beta) (k * exp(b)),  U = X Diag(beta) v,  Qp = q~ * exp(b),  Kd = k * exp(b_last - b)
+and across chunks (state S [K, V] entering the chunk):
+    D = U - W S ;  O = Qp S + Aqk D ;  S' = Diag(exp(b_last)) S + Kd^T D
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels can only run through the interpreter without a GPU; it is chosen when a kernel is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BT = 64  # chunk size: rows of every intra-chunk tile
+SUB = 16  # rows of a diagonal sub-block; each has its own reference point for the exp factorisation
+# Largest log-decay span inside a 16-row sub-block for which the factorised exp is exact in fp32
+# (factors stay within e^+-80, fp32 reaches e^88). Chunks beyond it take the exact per-column path.
+SPAN_MAX = 80.0
+GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """Autotuning needs a GPU: under the interpreter, or with MOESTACK_KDA_AUTOTUNE=0 (quick GPU tests: fewer
+    compiles), keep only the first config."""
+    if INTERPRET or os.environ.get("MOESTACK_KDA_AUTOTUNE", "1") == "0":
+        return configs[:1]
+    return configs
+
+
+# ---- shared jit helpers (also used by triton_bwd) ------------------------------------------------------------
+
+
+@triton.jit
+def _tok_ptr(x, t0, n_rows, H, i_h, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, col0=0):
+    """Block pointer to a [BR, BD] tile of the token-major tensor x [T, H, D] (rows t0.., head i_h, cols col0..).
+    Rows past n_rows and columns past D read as zeros and are not written (boundary_check=(0, 1))."""
+    return tl.make_block_ptr(x + (t0.to(tl.int64) * H + i_h) * D, (n_rows, D), (H * D, 1), (0, col0), (BR, BD), (1, 0))
+
+
+@triton.jit
+def _tok_ptr_t(x, t0, n_rows, H, i_h, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """Like _tok_ptr, transposed: a [BD, BR] tile (x^T), loaded without a register transpose."""
+    return tl.make_block_ptr(x + (t0.to(tl.int64) * H + i_h) * D, (D, n_rows), (1, H * D), (0, 0), (BD, BR), (0, 1))
+
+
+@triton.jit
+def _state_ptr(x, i_s, H, i_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, col0):
+    """Block pointer to the [BK, BV] tile (cols col0..) of state i_s of x [S, H, K, V]."""
+    return tl.make_block_ptr(x + (i_s * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, col0), (BK, BV), (1, 0))
+
+
+@triton.jit
+def _gate_fwd(b_x, a, GATE: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """Log-decay from the gate input b_x (dt_bias already added); a = exp(A_log) of this head."""
+    if GATE == 1:
+        b_g = LOWER_BOUND * tl.sigmoid(a * b_x)
+    elif GATE == 2:
+        b_g = -a * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))  # -a * softplus, stable
+    else:
+        b_g = b_x
+    return b_g
+
+
+@triton.jit
+def _kda_prologue(
+    q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+):
+    """Load one chunk's q, k, gate, beta and do the elementwise work. Rows t0 + i >= t_end are zeros.
+
+    Returns q~ (= scale * normalised q) [BT, BK], k_hat [BT, BK], gate input (x + dt_bias) [BT, BK],
+    log-decay g [BT, BK], b = cumsum(g) [BT, BK], beta [BT], 1/||q|| [BT], 1/||k|| [BT]; all fp32.
+    """
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = (t0 + o_t) < t_end
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    n = t_end - t0
+    b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    b_x = tl.load(_tok_ptr(g, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    if HAS_DT_BIAS:
+        b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    else:
+        a = 1.0
+    b_g = tl.where(m_tk, _gate_fwd(b_x, a, GATE, LOWER_BOUND), 0.0)
+    b_b = tl.cumsum(b_g, axis=0)
+    if L2NORM:
+        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
+        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+        b_q = b_q * b_rq[:, None]
+        b_k = b_k * b_rk[:, None]
+    else:
+        b_rq = tl.full([BT], 1.0, tl.float32)
+        b_rk = tl.full([BT], 1.0, tl.float32)
+    b_q = b_q * scale
+    b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    return b_q, b_k, b_x, b_g, b_b, b_beta, b_rq, b_rk
+
+
+@triton.jit
+def _row(b_x, i, BT: tl.constexpr):
+    """Row i of a [BT, X] register tile, as [X]."""
+    return tl.sum(tl.where((tl.arange(0, BT) == i)[:, None], b_x, 0.0), 0)
+
+
+@triton.jit
+def _is_slow(b_b, BT: tl.constexpr, SUB: tl.constexpr, SPAN_MAX: tl.constexpr):
+    """True when some 16-row sub-block decays by more than e^-SPAN_MAX in some channel."""
+    span = tl.zeros_like(_row(b_b, 0, BT))
+    for c in tl.static_range(BT // SUB):
+        span = tl.maximum(span, _row(b_b, c * SUB, BT) - _row(b_b, c * SUB + SUB - 1, BT))
+    return tl.max(span, 0) > SPAN_MAX
+
+
+@triton.jit
+def _stripe_factors(b_b, c, slow, BT: tl.constexpr, SUB: tl.constexpr):
+    """exp factors for column stripe c (columns c*SUB .. c*SUB+SUB-1), reference r = b at the stripe's last row.
+
+    e_l [BT, BK] = exp(b_i - r) for rows i at/below the stripe (strictly below when slow), else 0;
+    e_r [BT, BK] = exp(r - b_j) for rows j inside the stripe, else 0. Both are <= 1 off the diagonal block and
+    within e^+-SPAN_MAX on it, so e_l[i] * e_r[j] = exp(b_i - b_j) without overflow.
+    """
+    o_t = tl.arange(0, BT)
+    r = _row(b_b, c * SUB + SUB - 1, BT)
+    lo = c * SUB + tl.where(slow, SUB, 0)
+    m_l = (o_t >= lo)[:, None]
+    m_r = ((o_t >= c * SUB) & (o_t < c * SUB + SUB))[:, None]
+    e_l = tl.where(m_l, tl.exp(tl.where(m_l, b_b - r[None, :], 0.0)), 0.0)
+    e_r = tl.where(m_r, tl.exp(tl.where(m_r, r[None, :] - b_b, 0.0)), 0.0)
+    return e_l, e_r
+
+
+@triton.jit
+def _exact_diag_factor(b_b, j, BT: tl.constexpr, SUB: tl.constexpr, STRICT: tl.constexpr):
+    """exp(b_i - b_j) [BT, BK] for rows i in j's sub-block with i >= j (i > j if STRICT), else 0. Exponents <= 0."""
+    o_t = tl.arange(0, BT)
+    b_j = _row(b_b, j, BT)
+    if STRICT:
+        m = ((o_t // SUB) == (j // SUB)) & (o_t > j)
+    else:
+        m = ((o_t // SUB) == (j // SUB)) & (o_t >= j)
+    return tl.where(m[:, None], tl.exp(tl.where(m[:, None], b_b - b_j[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _intra_scores(b_q, b_k, b_b, slow, BT: tl.constexpr, SUB: tl.constexpr, WITH_Q: tl.constexpr):
+    """Akk (strictly lower) and, if WITH_Q, Aqk (lower incl. diagonal), [BT, BT] fp32."""
+    o_t = tl.arange(0, BT)
+    b_akk = tl.zeros([BT, BT], tl.float32)
+    b_aqk = tl.zeros([BT, BT], tl.float32)
+    for c in range(BT // SUB):  # a runtime loop: one copy of the body (smem, compile time)
+        e_l, e_r = _stripe_factors(b_b, c, slow, BT, SUB)
+        b_kr = b_k * e_r
+        b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
+        if WITH_Q:
+            b_aqk += tl.dot(b_q * e_l, tl.trans(b_kr))
+    if slow:
+        # Exact diagonal sub-blocks, one column at a time (only for gates too strong for the factorisation).
+        for j in range(BT):
+            b_ke = _exact_diag_factor(b_b, j, BT, SUB, False) * _row(b_k, j, BT)[None, :]
+            put = (o_t == j)[None, :]
+            b_akk += tl.where(put, tl.sum(b_k * b_ke, 1)[:, None], 0.0)
+            if WITH_Q:
+                b_aqk += tl.where(put, tl.sum(b_q * b_ke, 1)[:, None], 0.0)
+    b_akk = tl.where(o_t[:, None] > o_t[None, :], b_akk, 0.0)
+    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk, 0.0)
+    return b_akk, b_aqk
+
+
+@triton.jit
+def _unit_lower_inverse(b_n, BT: tl.constexpr):
+    """(I + N)^-1 for strictly lower N [BT, BT] (BT = 64): (I - N)(I + N^2)(I + N^4)...(I + N^32), 10 matmuls."""
+    o_t = tl.arange(0, BT)
+    b_x = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) - b_n
+    b_p = b_n
+    for _ in range(5):
+        b_p = tl.dot(b_p, b_p)
+        b_x = b_x + tl.dot(b_x, b_p)
+    return b_x
+
+
+@triton.jit
+def _chunk_coords(chunk_map, cu_seqlens, i_c, BT: tl.constexpr):
+    """(sequence, first token, end of valid rows) of chunk slot i_c; a dead slot gets no valid rows."""
+    i_n = tl.load(chunk_map + i_c * 2)
+    i_j = tl.load(chunk_map + i_c * 2 + 1)
+    live = i_n >= 0
+    i_n = tl.maximum(i_n, 0)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    t0 = bos + tl.maximum(i_j, 0) * BT
+    t_end = tl.where(live, tl.minimum(eos, t0 + BT), t0)
+    return t0, t_end
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------
+
+
+@triton.autotune(configs=_configs([triton.Config({}, num_warps=8)]), key=["K", "V", "GATE", "L2NORM"])
+@triton.jit
+def kda_fwd_kernel_intra(
+    q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
+    w, u, qp, kd, aqk, gl,
+    scale, H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
+):
+    """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K]."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
+    b_q, b_k, b_x, b_g, b_b, b_beta, b_rq, b_rk = _kda_prologue(
+        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
+        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
+    slow = _is_slow(b_b, BT, SUB, SPAN_MAX)
+    b_akk, b_aqk = _intra_scores(b_q, b_k, b_b, slow, BT, SUB, True)
+    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)  # X = (I + Diag(beta) Akk)^-1
+
+    o_k = tl.arange(0, BK)
+    n = t_end - t0
+    b_e = tl.exp(b_b)
+    b_w = tl.dot(b_minv, b_beta[:, None] * b_k * b_e)
+    b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV), boundary_check=(0, 1), padding_option="zero")
+    b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
+    b_bl = _row(b_b, BT - 1, BT)  # padded rows carry g = 0, so the last row holds b of the last valid token
+    b_kd = b_k * tl.exp(b_bl[None, :] - b_b)
+
+    tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BK), (b_q * b_e).to(qp.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BK), b_kd.to(kd.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BV), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, b_bl, mask=o_k < K)
+
+
+@triton.autotune(configs=_configs([
+    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+]), key=["K", "V", "STORE_O", "STORE_H"])
+@triton.jit
+def kda_fwd_kernel_recurrence(
+    w, u, qp, kd, aqk, gl, h0, chunk_offsets, cu_seqlens,
+    o, ht, h, d,
+    H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, STORE_D: tl.constexpr,
+    STORE_O: tl.constexpr,
+):
+    """One program per (V-block, sequence, head), sequential over the sequence's chunks.
+
+    State S [BK, BV] fp32 in registers. Per chunk: D = U - W S; O = Qp S + Aqk D; S = exp(b_last) S + Kd^T D.
+    Optionally stores the state entering each chunk (h [NC, H, K, V]) and D (d [T, H, V]) for backward.
+    """
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int32)
+    n_t = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    DT = w.dtype.element_ty  # matmul operand dtype: the storage dtype of the intermediates
+
+    b_s = tl.zeros([BK, BV], tl.float32)
+    if HAS_H0:
+        p_h0 = _state_ptr(h0, i_n, H, i_h, K, V, BK, BV, i_v * BV)
+        b_s += tl.load(p_h0, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    for i_j in range(0, n_t):
+        t0 = bos + i_j * BT
+        n = eos - t0
+        i_c = c0 + i_j
+        if STORE_H:
+            tl.store(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), b_s.to(h.dtype.element_ty),
+                     boundary_check=(0, 1))
+        b_w = tl.load(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+        b_kdt = tl.load(_tok_ptr_t(kd, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+        p_u = _tok_ptr(u, t0, n, H, i_h, V, BT, BV, i_v * BV)
+        b_u = tl.load(p_u, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        b_bl = tl.load(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+        b_sd = b_s.to(DT)
+        b_d = b_u - tl.dot(b_w, b_sd)
+        b_dd = b_d.to(DT)
+        if STORE_D:
+            tl.store(_tok_ptr(d, t0, n, H, i_h, V, BT, BV, i_v * BV), b_d.to(d.dtype.element_ty),
+                     boundary_check=(0, 1))
+        if STORE_O:
+            b_qp = tl.load(_tok_ptr(qp, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+            b_a = tl.load(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+            b_o = tl.dot(b_qp, b_sd) + tl.dot(b_a, b_dd)
+            tl.store(_tok_ptr(o, t0, n, H, i_h, V, BT, BV, i_v * BV), b_o.to(o.dtype.element_ty),
+                     boundary_check=(0, 1))
+        b_s = b_s * tl.exp(b_bl)[:, None] + tl.dot(b_kdt, b_dd)
+    if STORE_HT:
+        tl.store(_state_ptr(ht, i_n, H, i_h, K, V, BK, BV, i_v * BV), b_s, boundary_check=(0, 1))
+
+
+# ---- launchers -----------------------------------------------------------------------------------------------
+
+
+def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
+                  lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype) -> dict:
+    """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
+
+    chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
+    Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype) and gl [NC, H, K] fp32.
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    NC = chunk_map.shape[0]
+    out = dict(
+        w=q.new_empty(T, H, K, dtype=inter_dtype),
+        u=q.new_empty(T, H, V, dtype=inter_dtype),
+        qp=q.new_empty(T, H, K, dtype=inter_dtype),
+        kd=q.new_empty(T, H, K, dtype=inter_dtype),
+        aqk=q.new_empty(T, H, BT, dtype=inter_dtype),
+        gl=q.new_empty(NC, H, K, dtype=torch.float32),
+    )
+    dummy = q.new_empty(1, dtype=torch.float32)
+    kda_fwd_kernel_intra[(NC, H)](
+        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        chunk_map, cu_seqlens,
+        out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"],
+        scale, H,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
+        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+    )
+    return out
+
+
+def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int, out_dtype,
+                       store_o: bool, store_ht: bool, store_states: bool):
+    """Run the recurrence kernel over the intra outputs. Returns (o [T, H, V] or None, ht [N, H, K, V] fp32 or
+    None, h [NC, H, K, V] or None (state entering each chunk), d [T, H, V] or None (the chunks' U - W S))."""
+    w = intra["w"]
+    T, H, K = w.shape
+    NC = intra["gl"].shape[0]
+    o = w.new_empty(T, H, V, dtype=out_dtype) if store_o else None
+    ht = w.new_empty(n_seqs, H, K, V, dtype=torch.float32) if store_ht else None
+    h = w.new_empty(NC, H, K, V) if store_states else None
+    d = w.new_empty(T, H, V) if store_states else None
+    dummy = w.new_empty(1)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), n_seqs, H)
+
+    kda_fwd_kernel_recurrence[grid](
+        w, intra["u"], intra["qp"], intra["kd"], intra["aqk"], intra["gl"],
+        dummy if h0 is None else h0, chunk_offsets, cu_seqlens,
+        dummy if o is None else o, dummy if ht is None else ht, dummy if h is None else h, dummy if d is None else d,
+        H,
+        K=K, V=V, BT=BT, BK=triton.next_power_of_2(K),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, STORE_H=store_states, STORE_D=store_states, STORE_O=store_o,
+    )
+    return o, ht, h, d

@@ -1,0 +1,106 @@
+"""Efficiencies the cost model multiplies peak numbers by, and where they come from.
+
+Every op's time is `flops / (peak_flops(dtype) * efficiency)` or `bytes / (bandwidth * efficiency)`. The defaults
+(`calibrations/h200-measured.json`) are fitted to the single-H200 measurements in shared/MEASURED.md; they are
+applied as *fractions of peak* on other devices (an assumption, stated in every report). `moestack tune` measures
+the same quantities on the local GPU at the model's shapes and writes a file of this format, which `--calibration`
+(or a cluster-named file beside the default) then replaces the defaults with.
+
+GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf16 GEMMs):
+    eff(tokens, n, k) = gemm_peak_eff * min(1, tokens / gemm_tokens_sat) * d / (d + gemm_dim_half),  d = min(n, k)
+  8192^3 -> 0.766 (measured 758/989), K3 expert 3584x3072 at 2048 tok/expert -> 0.67 (666), 2048x1024 experts
+  -> 0.48 (471-488), 1024x512 -> 0.34 (328); K3 expert at 128 / 64 tok/expert -> 0.34 / 0.17 (measured 350-430 /
+  176-211 TFLOP/s). Measured points in `gemm_points` (written by tune) override the formula near their shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pydantic import Field
+
+from moestack.config.base import ConfigError, StrictModel
+
+CALIBRATION_DIR = Path(__file__).parent / "calibrations"
+DEFAULT_CALIBRATION = CALIBRATION_DIR / "h200-measured.json"
+
+
+class GemmPoint(StrictModel):
+    """One measured GEMM: [tokens, k] @ [k, n] (per expert when grouped) and its fraction of dtype peak."""
+
+    tokens: int = Field(gt=0)
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    dtype: str = "bf16"
+    grouped: bool = False
+    efficiency: float = Field(gt=0, le=1)
+
+
+class Calibration(StrictModel):
+    source: str  # where the numbers come from (file, device, date)
+    device: str  # device they were measured on
+    # GEMMs (fraction of the dtype's dense peak)
+    gemm_peak_eff: float = Field(gt=0, le=1)
+    gemm_tokens_sat: float = Field(gt=0)  # rows (tokens per expert for grouped GEMMs) at which a GEMM saturates
+    gemm_dim_half: float = Field(ge=0)  # weight dim at which efficiency is half of its large-dim value
+    grouped_gemm_factor: float = Field(gt=0, le=1.5)  # grouped vs dense GEMM at the same per-expert shape
+    fp8_gemm_factor: float = Field(gt=0, le=1)  # fp8 efficiency / bf16 efficiency (fraction of each dtype's peak)
+    # attention-like kernels (fraction of bf16 peak; FLOPs counted as the hardware does them)
+    flash_attn_fwd_eff: float = Field(gt=0, le=1)
+    flash_attn_bwd_eff: float = Field(gt=0, le=1)  # bwd FLOPs = 2.5x fwd (FlashAttention recomputes P)
+    sparse_attn_fwd_eff: float = Field(gt=0, le=1)  # DSA top-k attention over the shared MQA latent
+    sparse_attn_bwd_eff: float = Field(gt=0, le=1)
+    kda_fwd_eff: float = Field(gt=0, le=1)  # chunked KDA core, FLOPs per MODEL.md (6 dk^2 + 3 C dk + C^2 per head)
+    kda_bwd_eff: float = Field(gt=0, le=1)  # bwd FLOPs = 2x fwd
+    topk_elems_per_s: float = Field(gt=0)  # torch.topk throughput (scores examined per second)
+    # memory-bound work
+    hbm_eff: float = Field(gt=0, le=1)  # fraction of HBM bandwidth elementwise kernels reach
+    cpu_adam_params_per_s: float = Field(gt=0)  # CPU optimizer step rate per device (offloaded optimizer)
+    # fixed costs
+    runtime_reserved_gib: float = Field(ge=0)  # CUDA context, NCCL buffers, allocator slack per device
+    kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
+    gemm_points: list[GemmPoint] = []
+
+    def gemm_efficiency(self, tokens: float, n: int, k: int, dtype: str = "bf16", grouped: bool = False) -> float:
+        """Fraction of the dtype's peak reached by [tokens, k] @ [k, n] (tokens per expert when grouped)."""
+        point = self._nearest_point(tokens, n, k, dtype, grouped)
+        if point is not None:
+            return point.efficiency
+        d = min(n, k)
+        eff = self.gemm_peak_eff * min(1.0, tokens / self.gemm_tokens_sat) * d / (d + self.gemm_dim_half)
+        if grouped:
+            eff *= self.grouped_gemm_factor
+        if dtype == "fp8":
+            eff *= self.fp8_gemm_factor
+        return max(eff, 1e-3)
+
+    def _nearest_point(self, tokens: float, n: int, k: int, dtype: str, grouped: bool) -> GemmPoint | None:
+        """A measured point within 25% of this shape in every dim (log distance), if any."""
+        best, best_d = None, math.inf
+        for p in self.gemm_points:
+            if p.dtype != dtype or p.grouped != grouped:
+                continue
+            dists = [abs(math.log(a / b)) for a, b in ((tokens, p.tokens), (n, p.n), (k, p.k))]
+            if max(dists) <= math.log(1.25) and sum(dists) < best_d:
+                best, best_d = p, sum(dists)
+        return best
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    """Read a calibration JSON (default: the H200 numbers from shared/MEASURED.md)."""
+    p = Path(path) if path is not None else DEFAULT_CALIBRATION
+    if not p.is_file():
+        raise ConfigError(f"calibration: {p}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"calibration: {p}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    from moestack.config.base import validate
+
+    return validate(Calibration, data, f"calibration {p}")
+
+
+def save_calibration(cal: Calibration, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cal.model_dump(mode="json"), indent=2) + "\n")

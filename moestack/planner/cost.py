@@ -1,0 +1,1278 @@
+"""Cost model: memory per device and time per step of one Plan, from the model's shapes and the cluster.
+
+Three layers, read top to bottom:
+  1. Work      what one token costs in each sub-layer, forward: the GEMMs (with their shapes and how tensor
+               parallelism splits them), attention / KDA / sparse-attention FLOPs, elementwise HBM traffic, saved
+               activation bytes and parameters. Pure shape arithmetic from the ModelSpec.
+  2. Terms     one function per physical term, each with its source: GEMM time (calibrated efficiency), flash /
+               KDA / sparse attention time, elementwise time (HBM roofline), alpha-beta collectives per network
+               tier (ring all-reduce / reduce-scatter / all-gather, flat and hierarchical all-to-all, p2p),
+               pipeline bubbles per schedule, in-flight micro-batches per schedule, optimizer and offload time.
+  3. evaluate  assembles the terms for a Plan into a PlanCost: memory breakdown, time breakdown, step time,
+               tokens/s, TFLOP/s per device and MFU (model FLOPs from the profile), and the binding constraint.
+
+Legend: T tokens, h hidden size, s sequence length, H heads, E experts, k top-k, L latent width, I intermediate
+size, V vocab, p = pp, v = vpp, m micro-batches per step. Bytes: bf16 = 2. "per token" is always forward.
+Model FLOPs (MFU) come from `profile.profile_model` (Megatron's definition); the GEMM list here is the hardware
+work, which additionally counts recompute, replicated MLA down-projections under TP, and FlashAttention's
+backward recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moestack.config.cluster import GIB, ClusterSpec
+from moestack.config.model_spec import LayerKind, ModelSpec
+from moestack.config.plan import Plan
+from moestack.planner.calibration import Calibration
+
+BF16 = 2
+FP32 = 4
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. Work per token
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """[tokens, k] @ [k, n], `copies` times per token (top-k copies for routed experts).
+
+    split: how tensor parallelism divides it: "col" (n / tp), "row" (k / tp), "rep" (every rank does all of it,
+    e.g. MLA down-projections on the gathered sequence). Experts split by etp instead of tp.
+    """
+
+    name: str
+    n: int
+    k: int
+    split: str = "col"
+    copies: int = 1
+    expert: bool = False
+    fp8: bool = True  # runs in FP8 under the fp8 recipe (routers, LM head and attention cores stay bf16/fp32)
+    fp32: bool = False  # router: computed in fp32 (tf32 units where the device has them)
+    selective: bool = False  # recomputed under the "selective" policy (MLA up-projections)
+
+    @property
+    def params(self) -> int:
+        return self.n * self.k
+
+
+@dataclass
+class PartWork:
+    """One sub-layer (a mixer or an FFN) for one token, forward."""
+
+    kind: str  # kda | mla | gqa | mamba2 | dense | moe
+    gemms: list[Gemm] = field(default_factory=list)
+    attn_flops: float = 0.0  # flash (dense causal) attention core, all heads
+    sparse_attn_flops: float = 0.0  # DSA top-k attention core (MQA form over the shared latent)
+    kda_flops: float = 0.0  # chunked KDA / SSD scan core, all heads
+    indexer_flops: float = 0.0  # lightning-indexer scores
+    topk_elems: float = 0.0  # scores scanned by top-k selection
+    elem_bytes: float = 0.0  # elementwise HBM traffic (norms, activations, gates, permutes), split by tp (SP)
+    act_keep: float = 0.0  # saved bytes that stay under "selective"
+    act_selective: float = 0.0  # saved bytes "selective" drops (recomputed)
+    act_replicated: float = 0.0  # saved bytes not split by tp (replicated MLA latents)
+    expert_act: float = 0.0  # saved bytes per token on the expert side (already x top_k)
+    expert_act_selective: float = 0.0  # of which "selective" drops (expert activation outputs, `moe_act`)
+    fp8_saved: float = 0.0  # saved GEMM inputs that the fp8 recipe stores in 1 byte instead of 2 (kept part)
+    expert_fp8_saved: float = 0.0  # the same on the expert side
+    other_params: int = 0  # parameters outside the GEMMs (norms, conv, biases, A_log, ...)
+    conv_params: int = 0  # of which depthwise short-conv weights (2 FLOPs each per token; elementwise-priced)
+    dispatch_width: int = 0  # MoE: width of a dispatched token (latent or hidden)
+    top_k: int = 0
+    num_experts: int = 0
+    tp_comm: bool = True  # one all-gather in / reduce-scatter out under sequence-parallel TP
+
+    @property
+    def dense_params(self) -> int:
+        return sum(g.params for g in self.gemms if not g.expert) + self.other_params
+
+    @property
+    def expert_params(self) -> int:
+        # per-expert GEMMs are listed once with copies = top_k; the layer holds num_experts of them
+        return sum(g.params for g in self.gemms if g.expert) * self.num_experts
+
+    def fwd_gemm_flops(self) -> float:
+        return sum(2.0 * g.n * g.k * g.copies for g in self.gemms)
+
+    @property
+    def act_none(self) -> float:
+        return self.act_keep + self.act_selective + self.act_replicated + self.expert_act + self.expert_act_selective
+
+
+@dataclass
+class LayerWork:
+    index: int  # 1-based; MTP blocks continue after num_layers
+    kind: LayerKind
+    parts: list[PartWork]
+    is_mtp: bool = False
+
+    @property
+    def params(self) -> int:
+        return sum(p.dense_params + p.expert_params for p in self.parts)
+
+
+@dataclass
+class ModelWork:
+    spec: ModelSpec
+    seq_len: int
+    layers: list[LayerWork]  # decoder layers then MTP blocks
+    embed_params: int
+    head: Gemm  # LM head (one per output: main + each MTP module)
+    num_heads_out: int  # 1 + mtp modules
+    mtp_proj_params: int  # MTP eh_proj (2h -> h) per module
+
+    @property
+    def expert_params(self) -> int:
+        return sum(p.expert_params for layer in self.layers for p in layer.parts)
+
+    @property
+    def total_params(self) -> int:
+        head = 0 if self.spec.tie_word_embeddings else self.head.params
+        mtp = self.mtp_proj_params * self.spec.mtp_layers
+        return self.embed_params + head + mtp + sum(layer.params for layer in self.layers)
+
+
+def _causal_pairs(s: int, window: int | None = None) -> float:
+    """Average (query, key) pairs per query for causal attention over s tokens, optionally capped at `window` keys
+    per query (DSA top-k): sum_{t=1..s} min(t, w) / s."""
+    if window is None or window >= s:
+        return (s + 1) / 2
+    return (window * (window + 1) / 2 + (s - window) * window) / s
+
+
+def _glu_gemms(prefix: str, h: int, inter: int, gated: bool, expert: bool = False, copies: int = 1,
+               width: int | None = None) -> list[Gemm]:
+    """Up (gate+up for GLU) and down projections of an MLP on width `width` (default h)."""
+    d = width or h
+    up_n = 2 * inter if gated else inter
+    return [
+        Gemm(f"{prefix}.up", n=up_n, k=d, split="col", copies=copies, expert=expert),
+        Gemm(f"{prefix}.down", n=d, k=inter, split="row", copies=copies, expert=expert),
+    ]
+
+
+def _mlp_act_bytes(h: int, inter: int, gated: bool) -> tuple[float, float, float]:
+    """(keep, selective, elementwise) bytes per token of a GLU MLP: GEMM inputs kept; the activation output is
+    what selective recompute drops; elementwise = act read (2I or I) + write I."""
+    up_out = (2 if gated else 1) * inter * BF16
+    keep = up_out  # gate/up outputs (input of the activation)
+    selective = inter * BF16  # activation output (input of down-proj)
+    elem = up_out + inter * BF16
+    return keep, selective, elem
+
+
+def _norm_bytes(width: int) -> tuple[float, float]:
+    """RMSNorm: (saved input kept, saved output dropped by selective); elementwise read+write = 2*width*bf16."""
+    return width * BF16, width * BF16
+
+
+def kda_work(spec: ModelSpec, s: int) -> PartWork:
+    """KDA layer (MODEL.md; Kimi Linear arXiv:2510.26692). Core cost per head per token: 6 dk^2 + 3 C dk + C^2
+    (report Eq. 13), counted for the hardware-time term only."""
+    k = spec.kda
+    assert k is not None
+    h, H, d, C = spec.hidden_size, k.num_heads, k.head_dim, k.chunk_size
+    Hv = k.value_heads
+    gemms = [Gemm("kda.qkv", n=(2 * H + Hv) * d, k=h), Gemm("kda.beta", n=Hv, k=h, fp8=False)]
+    if k.gate_rank is None:
+        gemms.append(Gemm("kda.f", n=Hv * d if k.decay == "channel" else Hv, k=h))
+    else:
+        gemms += [Gemm("kda.f_a", n=k.gate_rank, k=h, split="rep", fp8=False),
+                  Gemm("kda.f_b", n=Hv * d if k.decay == "channel" else Hv, k=k.gate_rank, fp8=False)]
+    if k.output_gate_rank is None:
+        gemms.append(Gemm("kda.g", n=Hv * d, k=h))
+    else:
+        gemms += [Gemm("kda.g_a", n=k.output_gate_rank, k=h, split="rep", fp8=False),
+                  Gemm("kda.g_b", n=Hv * d, k=k.output_gate_rank, fp8=False)]
+    gemms.append(Gemm("kda.o", n=h, k=Hv * d, split="row"))
+    qkv = (2 * H + Hv) * d
+    core = Hv * (6 * d * d + 3 * C * d + C * C)
+    norm_keep, norm_sel = _norm_bytes(h)
+    # kept: qkv projection output (conv input), gate pre-activation (fp32), beta, core output, gate proj output
+    keep = norm_keep + qkv * BF16 + Hv * d * FP32 + Hv * BF16 + 2 * Hv * d * BF16
+    # selective drops: normed input, conv+SiLU outputs, l2-normed q/k, normalized-and-gated output
+    sel = norm_sel + qkv * BF16 + 2 * H * d * BF16 + 2 * Hv * d * BF16
+    # elementwise: norm, conv+SiLU (r/w qkv), l2norm (r/w q,k), gate (fp32 r/w), out norm * sigmoid gate, residual
+    elem = 2 * h * BF16 + 2 * qkv * BF16 + 4 * H * d * BF16 + 2 * Hv * d * FP32 + 6 * Hv * d * BF16 + 3 * h * BF16
+    conv = qkv * k.conv_kernel_size
+    # attn norm, convs, A_log [Hv], dt_bias [Hv*K or Hv], o_norm [K]
+    other = h + conv + Hv + (Hv * d if k.decay == "channel" else Hv) + d
+    return PartWork("kda", gemms, kda_flops=core, elem_bytes=elem, act_keep=keep, act_selective=sel,
+                    other_params=other, conv_params=conv)
+
+
+def mamba2_work(spec: ModelSpec, s: int) -> PartWork:
+    """Mamba-2 mixer (Nemotron-H): in_proj, conv, SSD scan (Megatron's 7 * d_inner * N per token), out_proj."""
+    m = spec.mamba2
+    assert m is not None
+    h, di, N, G, H = spec.hidden_size, m.inner_size, m.state_size, m.num_groups, m.num_heads
+    in_n = 2 * di + 2 * G * N + H
+    gemms = [Gemm("mamba.in", n=in_n, k=h), Gemm("mamba.out", n=h, k=di, split="row")]
+    norm_keep, norm_sel = _norm_bytes(h)
+    keep = norm_keep + in_n * BF16 + di * BF16
+    sel = norm_sel + (di + 2 * G * N) * BF16 + di * BF16
+    elem = 2 * h * BF16 + 2 * in_n * BF16 + 4 * di * BF16 + 3 * h * BF16
+    conv = (di + 2 * G * N) * m.conv_kernel_size
+    # norm, conv (+ bias), dt_bias, A_log, D [nh], gated norm [Di]
+    other = h + conv + ((di + 2 * G * N) if m.conv_bias else 0) + 3 * H + di
+    return PartWork("mamba2", gemms, kda_flops=7.0 * di * N, elem_bytes=elem, act_keep=keep, act_selective=sel,
+                    other_params=other, conv_params=conv)
+
+
+def mla_work(spec: ModelSpec, s: int) -> PartWork:
+    """Gated MLA (DeepSeek-V2/V3 MLA + sigmoid output gate), with the DSA lightning indexer when present.
+
+    Down-projections (x -> q_lora, x -> kv_lora + rope) are replicated across TP ranks (Megatron does the same);
+    the up-projections are the "selective" recompute target (Megatron `mla_up_proj`). Dense attention: causal
+    pairs (s+1)/2 per query over (qk_head + v_head) dims. With an indexer (sparse stage), the core runs in MQA
+    form over the shared latent (kv_lora + rope for QK, kv_lora for PV) on min(t, top_k) keys per query.
+    """
+    a = spec.mla
+    assert a is not None
+    h, H = spec.hidden_size, a.num_heads
+    dqk, dv, r = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank
+    gemms = []
+    if a.q_lora_rank is None:
+        gemms.append(Gemm("mla.q", n=H * dqk, k=h))
+    else:
+        gemms += [Gemm("mla.q_a", n=a.q_lora_rank, k=h, split="rep"),
+                  Gemm("mla.q_b", n=H * dqk, k=a.q_lora_rank, selective=True)]
+    gemms += [Gemm("mla.kv_a", n=r + a.qk_rope_head_dim, k=h, split="rep"),
+              Gemm("mla.kv_b", n=H * (a.qk_nope_head_dim + dv), k=r, selective=True)]
+    if a.output_gate:
+        gemms.append(Gemm("mla.g", n=H * dv, k=h))
+    gemms.append(Gemm("mla.o", n=h, k=H * dv, split="row"))
+    part = PartWork("mla", gemms)
+    q_lat = a.q_lora_rank or 0
+    idx = a.indexer
+    if idx is None:
+        part.attn_flops = 2.0 * _causal_pairs(s) * H * (dqk + dv)
+    else:
+        gemms += [Gemm("dsa.q_idx", n=idx.num_heads * idx.head_dim, k=q_lat or h, split="rep", fp8=False),
+                  Gemm("dsa.k_idx", n=idx.head_dim, k=h, split="rep", fp8=False),
+                  Gemm("dsa.w_idx", n=idx.num_heads, k=h, split="rep", fp8=False)]
+        part.sparse_attn_flops = 2.0 * _causal_pairs(s, idx.top_k) * H * ((r + a.qk_rope_head_dim) + r)
+        part.indexer_flops = 2.0 * _causal_pairs(s) * idx.num_heads * idx.head_dim
+        part.topk_elems = _causal_pairs(s)
+    norm_keep, norm_sel = _norm_bytes(h)
+    lat = q_lat + r + a.qk_rope_head_dim
+    # replicated across TP: the down-projection outputs and their normed copies (inputs of the up-projections)
+    part.act_replicated = 2 * lat * BF16
+    # kept: attention output + softmax stats, gate pre-activation; dropped by selective: q, k, v (up-proj outputs)
+    part.act_keep = norm_keep + H * dv * BF16 + H * FP32 + (H * dv * BF16 if a.output_gate else 0)
+    part.act_selective = norm_sel + H * (dqk + dqk + dv) * BF16 + (H * dv * BF16 if a.output_gate else 0)
+    if idx is not None:
+        part.act_keep += idx.top_k * FP32 + (idx.num_heads * idx.head_dim + idx.head_dim + idx.num_heads) * BF16
+    part.elem_bytes = 2 * h * BF16 + 2 * (q_lat + r) * BF16 + 4 * H * dv * BF16 + 3 * h * BF16
+    part.other_params = h + q_lat + r + (2 * idx.head_dim if idx is not None else 0)
+    return part
+
+
+def gqa_work(spec: ModelSpec, s: int) -> PartWork:
+    """Softmax GQA with FlashAttention: causal pairs (s+1)/2 per query, 2 * d FLOPs each for QK^T and PV."""
+    g = spec.gqa
+    assert g is not None
+    h, H, Hkv, d = spec.hidden_size, g.num_heads, g.num_kv_heads, spec.gqa_head_dim
+    qkv_n = (H + 2 * Hkv) * d + (H * d if g.output_gate else 0)
+    gemms = [Gemm("gqa.qkv", n=qkv_n, k=h), Gemm("gqa.o", n=h, k=H * d, split="row")]
+    norm_keep, norm_sel = _norm_bytes(h)
+    keep = norm_keep + (H + 2 * Hkv) * d * BF16 + H * d * BF16 + H * FP32
+    sel = norm_sel + (H * d * BF16 if g.output_gate else 0)
+    elem = 2 * h * BF16 + (4 * (H + Hkv) * d * BF16 if g.use_rope else 0) + 3 * h * BF16
+    other = h + (2 * d if g.qk_norm else 0) + (qkv_n if g.qkv_bias else 0)
+    return PartWork("gqa", gemms, attn_flops=4.0 * _causal_pairs(s) * H * d, elem_bytes=elem, act_keep=keep,
+                    act_selective=sel, other_params=other)
+
+
+def dense_mlp_work(spec: ModelSpec) -> PartWork:
+    assert spec.dense_mlp is not None
+    h, inter = spec.hidden_size, spec.dense_mlp.intermediate_size
+    gated = spec.activation != "relu2"
+    keep, sel, elem = _mlp_act_bytes(h, inter, gated)
+    norm_keep, norm_sel = _norm_bytes(h)
+    return PartWork("dense", _glu_gemms("mlp", h, inter, gated), elem_bytes=elem + 5 * h * BF16,
+                    act_keep=keep + norm_keep, act_selective=sel + norm_sel, other_params=h,
+                    fp8_saved=(h + inter) * BF16)
+
+
+def moe_work(spec: ModelSpec) -> PartWork:
+    """(Latent) MoE: fp32 router on the full hidden; optional latent down-proj before dispatch and up-proj after
+    combine (LatentMoE: dispatch moves L-wide tokens); top-k routed experts; fused shared experts on the full
+    hidden. Expert-side saved activations per routed copy: dispatched input, gate/up output, activation output
+    (selective drops it, Megatron `moe_act`), expert output (for the combine backward)."""
+    moe = spec.moe
+    assert moe is not None
+    h, E, k, inter = spec.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size
+    gated = spec.activation != "relu2"
+    lat = moe.latent_size or h
+    gemms = [Gemm("moe.router", n=E, k=h, split="rep", fp8=False, fp32=True)]
+    if moe.latent_size is not None:
+        gemms += [Gemm("moe.down", n=lat, k=h), Gemm("moe.up", n=h, k=lat, split="row")]
+    gemms += _glu_gemms("expert", h, inter, gated, expert=True, copies=k, width=lat)
+    if moe.shared_intermediate_size:
+        gemms += _glu_gemms("shared", h, moe.shared_intermediate_size, gated)
+        if moe.shared_expert_gate:
+            gemms.append(Gemm("shared.gate", n=1, k=h, split="rep", fp8=False))
+    ek, es, eelem = _mlp_act_bytes(lat, inter, gated)
+    norm_keep, norm_sel = _norm_bytes(h)
+    part = PartWork("moe", gemms, dispatch_width=lat, top_k=k, num_experts=E)
+    part.expert_act = k * (lat * BF16 + ek + lat * BF16)
+    part.expert_act_selective = k * es
+    part.expert_fp8_saved = k * lat * BF16  # dispatched input (the activation output is in the selective share)
+    part.act_selective = norm_sel
+    part.act_keep = norm_keep + E * FP32 + k * (FP32 + 8) + (2 * lat * BF16 if moe.latent_size else 0)
+    if moe.shared_intermediate_size:
+        sk, ss, selem = _mlp_act_bytes(h, moe.shared_intermediate_size, gated)
+        part.act_keep += sk
+        part.act_selective += ss
+    else:
+        selem = 0.0
+    # elementwise: norm, router sigmoid/top-k (fp32 over E), permute + unpermute (r/w k copies each), expert
+    # activations, weighted combine, latent norm, shared activation, residual
+    part.elem_bytes = (2 * h * BF16 + 3 * E * FP32 + 4 * k * lat * BF16 + k * eelem + 2 * k * lat * BF16
+                       + (4 * lat * BF16 if moe.latent_norm and moe.latent_size else 0) + selem + 3 * h * BF16)
+    # ffn norm + latent norm (the router's selection bias is a buffer, not a parameter)
+    part.other_params = h + (lat if moe.latent_norm and moe.latent_size else 0)
+    return part
+
+
+def mixer_work(spec: ModelSpec, mixer: str, s: int) -> PartWork | None:
+    if mixer == "none":
+        return None
+    builders = {"kda": kda_work, "mla": mla_work, "gqa": gqa_work, "mamba2": mamba2_work}
+    if mixer not in builders:
+        raise NotImplementedError(f"cost model: mixer '{mixer}' is not modelled")
+    return builders[mixer](spec, s)
+
+
+def ffn_work(spec: ModelSpec, ffn: str) -> PartWork | None:
+    if ffn == "none":
+        return None
+    return dense_mlp_work(spec) if ffn == "dense" else moe_work(spec)
+
+
+def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
+    """Per-token forward work of every layer (decoder layers, then MTP blocks) at sequence length `seq_len`."""
+    layers = []
+    cache: dict[LayerKind, list[PartWork]] = {}
+    kinds = [(i, kind, False) for i, kind in enumerate(spec.layer_kinds(), 1)]
+    mtp = spec.mtp_block_kinds()
+    idx = spec.num_layers
+    for _ in range(spec.mtp_layers):
+        for kind in mtp:
+            idx += 1
+            kinds.append((idx, kind, True))
+    for i, kind, is_mtp in kinds:
+        if kind not in cache:
+            cache[kind] = [p for p in (mixer_work(spec, kind.mixer, seq_len), ffn_work(spec, kind.ffn)) if p]
+        layers.append(LayerWork(i, kind, cache[kind], is_mtp))
+    h, V = spec.hidden_size, spec.vocab_size
+    head = Gemm("lm_head", n=V, k=h, split="col", fp8=False)
+    return ModelWork(spec, seq_len, layers, embed_params=V * h, head=head, num_heads_out=1 + spec.mtp_layers,
+                     mtp_proj_params=2 * h * h + 3 * h)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. Terms
+# ------------------------------------------------------------------------------------------------------------
+
+# Dropless routing: the busiest EP rank sets the pace. Max/mean expert-rank load per micro-batch with
+# aux-loss-free balancing is ~1.1 (DeepSeek-V3 report, Fig. 9 shows near-uniform loads); buffers are sized for
+# a 1.5x burst.
+MOE_TIME_IMBALANCE = 1.1
+MOE_MEMORY_HEADROOM = 1.5
+# Fraction of an "overlapped" collective that still shows (imperfect overlap: launch gaps, SM contention).
+OVERLAP_RESIDUAL = 0.15
+
+
+def gemm_time(g: Gemm, rows: float, rows_per_gemm: float, tp: int, etp: int, precision: str,
+              cluster: ClusterSpec, cal: Calibration) -> float:
+    """Forward seconds of one Gemm on one device: `rows` token rows in total through this weight (routed copies
+    on this device for experts), `rows_per_gemm` rows per single GEMM (tokens per local expert when grouped).
+
+    Tensor parallelism splits n ("col") or k ("row"); experts split by etp. Backward = dgrad + wgrad = 2x these
+    FLOPs at the same efficiency (Megatron's 3x rule, arXiv:2104.04473 App. A). Efficiency:
+    Calibration.gemm_efficiency (fitted to measured H200 GEMMs, or measured by `moestack tune`).
+    """
+    n, k = g.n, g.k
+    div = etp if g.expert else tp
+    if g.split == "col":
+        n = max(1, n // div)
+    elif g.split == "row":
+        k = max(1, k // div)
+    peaks = cluster.device.peak_tflops
+    if g.fp32:
+        dtype = "tf32" if "tf32" in peaks else "fp32"
+        eff = cal.gemm_efficiency(rows_per_gemm, n, k, "bf16", grouped=g.expert)
+    else:
+        dtype = "fp8" if (precision == "fp8" and g.fp8 and "fp8" in peaks) else "bf16"
+        eff = cal.gemm_efficiency(rows_per_gemm, n, k, dtype, grouped=g.expert)
+    return 2.0 * rows * n * k / (cluster.device.peak_flops(dtype) * eff)
+
+
+def fp8_cast_bytes(g: Gemm, rows: float, tp: int, etp: int) -> tuple[float, float]:
+    """HBM bytes of FP8 quantisation around one GEMM (read bf16 2 B + write fp8 1 B per element): forward casts the
+    input [rows, k] and the weight; backward casts the output gradient [rows, n] and re-casts the input transposed
+    for wgrad (Transformer Engine's delayed/current scaling recipes)."""
+    div = etp if g.expert else tp
+    n = g.n / div if g.split == "col" else g.n
+    k = g.k / div if g.split == "row" else g.k
+    w = n * k * 3
+    return rows * k * 3 + w, rows * (n + k) * 3
+
+
+def elementwise_time(nbytes: float, cluster: ClusterSpec, cal: Calibration) -> float:
+    """Memory-bound kernels: bytes / (HBM bandwidth * achievable fraction) (roofline; MEASURED.md copy 4.24 of
+    4.8 TB/s on H200)."""
+    return nbytes / (cluster.device.hbm_bandwidth_gb_s * 1e9 * cal.hbm_eff)
+
+
+def group_members_per_domain(cluster: ClusterSpec, size: int, stride: int, tier: int) -> int:
+    """Members of a process group (ranks r0 + j * stride, j < size) inside one domain of `tier`."""
+    domain = cluster.tier_domain(tier)
+    if stride >= domain:
+        return 1
+    return min(size, domain // stride)
+
+
+def group_tier(cluster: ClusterSpec, size: int, stride: int) -> int:
+    """Innermost network tier whose domains contain a whole group (the link class its ring crosses)."""
+    for i in range(len(cluster.tiers)):
+        if group_members_per_domain(cluster, size, stride, i) >= size:
+            return i
+    return len(cluster.tiers) - 1
+
+
+def _tier_bw(cluster: ClusterSpec, tier: int) -> float:
+    t = cluster.tiers[tier]
+    return t.bandwidth_gb_s * 1e9 * t.efficiency
+
+
+def ring_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, kind: str) -> float:
+    """Ring collective over `size` ranks: reduce-scatter / all-gather move (n-1)/n of the buffer per rank,
+    all-reduce twice that (Patarasuk & Yuan 2009; NCCL's busbw convention), at the bandwidth of the tier the
+    group spans, plus one latency per ring step."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    tier = group_tier(cluster, size, stride)
+    factor = {"rs": 1.0, "ag": 1.0, "ar": 2.0}[kind]
+    steps = (size - 1) * factor
+    return factor * (size - 1) / size * nbytes / _tier_bw(cluster, tier) + steps * cluster.tiers[tier].latency_us * 1e-6
+
+
+def a2a_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, hierarchical: bool, top_k: int,
+             max_domains: int | None = None) -> float:
+    """All-to-all where each rank sends `nbytes` spread uniformly over `size` ranks (expert dispatch or combine).
+
+    Flat: the share for peers inside the rank's innermost domain goes over tier 0, the rest over the tier the group
+    spans; links run concurrently, so the slower share sets the time. Hierarchical (DeepEP / HybridEP style): a
+    token crosses to each remote domain once and is fanned out there, so the crossing bytes shrink by
+    E[distinct remote domains hit] / E[remote copies] = G (1 - (1 - 1/G)^k) / k (uniform routing over G domains,
+    capped by group-limited routing's `max_domains`).
+    """
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    if not cluster.tiers:
+        return 0.0
+    outer = group_tier(cluster, size, stride)
+    local = group_members_per_domain(cluster, size, stride, 0)
+    lat = cluster.tiers[outer].latency_us * 1e-6 * 2
+    if outer == 0:
+        return nbytes * (size - 1) / size / _tier_bw(cluster, 0) + lat
+    remote_frac = (size - local) / size
+    if hierarchical:
+        domains = size / local
+        distinct = domains * (1.0 - (1.0 - 1.0 / domains) ** top_k)
+        if max_domains is not None:
+            distinct = min(distinct, max_domains)
+        remote = nbytes / top_k * distinct * (domains - 1) / domains
+        intra = nbytes * (1.0 - 1.0 / size)
+    else:
+        remote = nbytes * remote_frac
+        intra = nbytes * (local - 1) / size
+    return max(remote / _tier_bw(cluster, outer), intra / _tier_bw(cluster, 0)) + lat
+
+
+def p2p_time(cluster: ClusterSpec, nbytes: float, stride: int) -> float:
+    """One send between neighbouring pipeline stages `stride` ranks apart."""
+    if nbytes <= 0 or not cluster.tiers:
+        return 0.0
+    tier = group_tier(cluster, 2, stride)
+    return nbytes / _tier_bw(cluster, tier) + cluster.tiers[tier].latency_us * 1e-6
+
+
+def inflight_microbatches(schedule: str, p: int, v: int, m: int) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of one micro-batch's
+    activations for the whole rank (all its chunks).
+
+    gpipe: all m (Huang et al. 2019). 1f1b: p (Narayanan et al. 2021). interleaved: Megatron warms up
+    2(p-1) + (v-1)p chunk-micro-batches then holds one more: (vp + p - 1)/v rank-micro-batches. zbv: same peak as
+    1F1B (Qi et al., ZB-V). dualpipev: p + 1 (DeepSeek-V3 report, Table 2).
+    """
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p, m))
+    if schedule == "interleaved_1f1b":
+        return min(m * v, v * p + p - 1) / v
+    if schedule == "zbv":
+        return float(min(p, m))
+    if schedule == "dualpipev":
+        return float(min(p + 1, m))
+    raise ValueError(schedule)
+
+
+def pipeline_time(schedule: str, p: int, v: int, m: int, t_fwd: float, t_bwd: float, t_wgrad: float) -> float:
+    """Time for m micro-batches through p ranks, given the slowest rank's forward, backward (incl. recompute) and
+    the weight-gradient share of the backward, all per micro-batch for the whole rank.
+
+    1f1b / gpipe: (m + p - 1)(F + B) (bubble (p-1)/m; Narayanan et al. 2021). interleaved: (m + (p-1)/v)(F + B).
+    zbv (Qi et al., "Zero Bubble Pipeline Parallelism", ZB-V): m(F + B) + (p-1)(F_c + B_c - 2 W_c) with chunk
+    times half the rank's and B_c the input-gradient part. dualpipev (DeepSeek-V3 report Table 2, DualPipe bubble
+    (PP/2-1)(F&B + B - 3W) with PP/2 -> p for the V variant): m(F + B) + (p-1)(F&B_c + B_c - 3 W_c).
+    """
+    t = t_fwd + t_bwd
+    if p == 1:
+        return m * t
+    if schedule in ("1f1b", "gpipe"):
+        return (m + p - 1) * t
+    if schedule == "interleaved_1f1b":
+        return (m + (p - 1) / v) * t
+    fc, bc, wc = t_fwd / 2, (t_bwd - t_wgrad) / 2, t_wgrad / 2
+    if schedule == "zbv":
+        return m * t + (p - 1) * max(0.0, fc + bc - 2 * wc)
+    if schedule == "dualpipev":
+        return m * t + (p - 1) * max(0.0, (fc + bc + wc) + bc - 3 * wc)
+    raise ValueError(schedule)
+
+
+def optimizer_bytes_per_param(optimizer: str) -> float:
+    """Optimizer state bytes per parameter: AdamW fp32 m, v (8); AdamW with bf16 m, v (4); Muon momentum (4)."""
+    return {"adamw": 8.0, "adamw_bf16": 4.0, "muon": 4.0}[optimizer]
+
+
+def optimizer_step_bytes(optimizer: str) -> float:
+    """HBM traffic per parameter of one optimizer step (read param, grad, states; write param, states)."""
+    return {"adamw": 28.0, "adamw_bf16": 20.0, "muon": 20.0}[optimizer]
+
+
+def muon_flops(n: int, k: int) -> float:
+    """Newton-Schulz orthogonalisation of one [n, k] update, 5 iterations of X <- aX + (bA + cA^2)X with A = XX^T
+    over the smaller dim m (Jordan et al. 2024; Kimi K2 report's MuonClip): ~5 (4 m^2 M + 2 m^3) FLOPs."""
+    m, big = min(n, k), max(n, k)
+    return 5.0 * (4.0 * m * m * big + 2.0 * m**3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3. Assemble a Plan
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    """Everything a part's cost needs besides the part itself."""
+
+    plan: Plan
+    spec: ModelSpec
+    cluster: ClusterSpec
+    cal: Calibration
+    tokens: float  # T: tokens per micro-batch on one device's TP group (mbs * seq / cp)
+
+    @property
+    def tokens_sp(self) -> float:  # sequence-parallel shard
+        return self.tokens / self.plan.tp
+
+
+@dataclass
+class PartCost:
+    """One sub-layer, one micro-batch, one device. Seconds and bytes."""
+
+    fwd: float = 0.0  # forward compute + exposed forward communication (EP a2a excluded: see a2a)
+    bwd: float = 0.0  # backward compute + exposed backward communication (no recompute)
+    wgrad: float = 0.0  # weight-gradient GEMMs inside bwd (zero-bubble schedules defer them)
+    recompute: float = 0.0  # forward work redone in backward
+    a2a: float = 0.0  # EP all-to-all (+ ETP gathers) of fwd, bwd and recompute, before overlap
+    act: float = 0.0  # saved activation bytes
+    parts: dict[str, float] = field(default_factory=dict)  # component -> seconds (compute and exposed comm)
+
+    def add(self, other: PartCost, times: float = 1.0, breakdown: bool = True) -> None:
+        self.fwd += other.fwd * times
+        self.bwd += other.bwd * times
+        self.wgrad += other.wgrad * times
+        self.recompute += other.recompute * times
+        self.a2a += other.a2a * times
+        self.act += other.act * times
+        if not breakdown:
+            return
+        for key, val in other.parts.items():
+            self.parts[key] = self.parts.get(key, 0.0) + val * times
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.recompute
+
+
+def _overlapped(comm: float, compute: float, overlap: bool) -> float:
+    """Exposed part of a collective that can run under `compute` (imperfect: OVERLAP_RESIDUAL still shows)."""
+    if not overlap:
+        return comm
+    return max(0.0, comm - compute) + OVERLAP_RESIDUAL * min(comm, compute)
+
+
+def recompute_mode(plan: Plan, part: PartWork) -> str:
+    r = plan.recompute
+    return {"kda": r.kda, "mamba2": r.kda, "mla": r.attention, "gqa": r.attention, "dense": r.mlp,
+            "moe": r.moe}[part.kind]
+
+
+def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
+    """Time and saved bytes of one sub-layer for one micro-batch on one device (see module docstring)."""
+    plan, cluster, cal = ctx.plan, ctx.cluster, ctx.cal
+    tp, etp, ep = plan.tp, plan.etp, plan.ep
+    T, Tsp = ctx.tokens, ctx.tokens_sp
+    peak = cluster.device.peak_flops("bf16")
+    out = PartCost()
+    # routed rows on this device: its SP shard's copies gathered over etp, spread over E/ep local experts
+    expert_rows = Tsp * part.top_k * etp * MOE_TIME_IMBALANCE if part.kind == "moe" else 0.0
+    rows_per_expert = expert_rows * ep / part.num_experts if part.kind == "moe" else 0.0
+
+    g_fwd = sel_fwd = 0.0
+    cast_f = cast_b = 0.0
+    for g in part.gemms:
+        if g.expert:
+            rows, per = expert_rows, rows_per_expert
+        elif g.fp32:
+            rows = per = Tsp  # router runs on the sequence-parallel shard
+        else:
+            rows = per = T
+        t = gemm_time(g, rows, per, tp, etp, plan.precision, cluster, cal)
+        g_fwd += t
+        if g.selective:
+            sel_fwd += t
+        if plan.precision == "fp8" and g.fp8 and "fp8" in cluster.device.peak_tflops:
+            cf, cb = fp8_cast_bytes(g, rows, tp, etp)
+            cast_f += cf
+            cast_b += cb
+    attn_f = part.attn_flops * T / tp / (peak * cal.flash_attn_fwd_eff)
+    attn_b = 2.5 * part.attn_flops * T / tp / (peak * cal.flash_attn_bwd_eff)
+    sparse_f = part.sparse_attn_flops * T / tp / (peak * cal.sparse_attn_fwd_eff)
+    sparse_b = 2.0 * part.sparse_attn_flops * T / tp / (peak * cal.sparse_attn_bwd_eff)
+    kda_f = part.kda_flops * T / tp / (peak * cal.kda_fwd_eff)
+    kda_b = 2.0 * part.kda_flops * T / tp / (peak * cal.kda_bwd_eff)
+    idx_f = part.indexer_flops * Tsp / (peak * cal.flash_attn_fwd_eff) + part.topk_elems * Tsp / cal.topk_elems_per_s
+    idx_b = 2.0 * part.indexer_flops * Tsp / (peak * cal.flash_attn_bwd_eff)
+    elem_f = elementwise_time(part.elem_bytes * T / tp + cast_f, cluster, cal)
+    elem_b = elementwise_time(2.0 * part.elem_bytes * T / tp + cast_b, cluster, cal)
+    over = cal.kernel_overhead_s
+    core_f = attn_f + sparse_f + kda_f + idx_f
+    core_b = attn_b + sparse_b + kda_b + idx_b
+    comp_f = g_fwd + core_f + elem_f + over
+    comp_b = 2.0 * g_fwd + core_b + elem_b + over
+
+    # tensor parallel (sequence parallel): fwd all-gather in + reduce-scatter out; bwd adds the re-gather of the
+    # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2)
+    tp_f = tp_b = 0.0
+    h = ctx.spec.hidden_size
+    if tp > 1 and part.tp_comm:
+        coll = ring_time(cluster, T * h * BF16, tp, 1, "ag")
+        tp_f = _overlapped(2 * coll, g_fwd, plan.tp_comm_overlap)
+        tp_b = _overlapped(3 * coll, 2 * g_fwd, plan.tp_comm_overlap)
+    # context parallel: ring exchange of K/V (attention) overlapped with the attention core; recurrent mixers pass
+    # their final state rank to rank (sequential, exposed)
+    cp_f = cp_b = 0.0
+    if plan.cp > 1:
+        cp_f, cp_b = _cp_times(part, ctx, attn_f + sparse_f + idx_f, attn_b + sparse_b + idx_b)
+    # expert parallel all-to-all: dispatch + combine each way (+ ETP gather / scatter of dispatched tokens)
+    a2a_one = 0.0
+    if part.kind == "moe":
+        moe = ctx.spec.moe
+        assert moe is not None
+        wbytes = 1.03 if plan.precision == "fp8" else BF16  # fp8 dispatch with per-128 scales (DeepEP)
+        nbytes = Tsp * part.top_k * part.dispatch_width * MOE_TIME_IMBALANCE
+        groups = None
+        if moe.router.topk_groups < moe.router.num_groups:
+            groups = moe.router.topk_groups
+        disp = a2a_time(cluster, nbytes * wbytes, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups)
+        comb = a2a_time(cluster, nbytes * BF16, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups)
+        a2a_one = disp + comb
+        if etp > 1:
+            a2a_one += 2 * ring_time(cluster, expert_rows * part.dispatch_width * BF16, etp, 1, "ag")
+
+    mode = recompute_mode(plan, part)
+    out.fwd = comp_f + tp_f + cp_f
+    out.bwd = comp_b + tp_b + cp_b
+    out.wgrad = g_fwd
+    out.a2a = 2 * a2a_one
+    if mode == "selective":
+        out.recompute = sel_fwd + elem_f
+    elif mode == "full":
+        out.recompute = comp_f + tp_f + cp_f
+        out.a2a += a2a_one
+    out.parts = {
+        "gemm": 3 * g_fwd,
+        "attention": attn_f + attn_b + sparse_f + sparse_b + idx_f + idx_b,
+        "kda": kda_f + kda_b,
+        "elementwise": elem_f + elem_b + 2 * over,
+        "recompute": out.recompute,
+        "tp_comm": tp_f + tp_b,
+        "cp_comm": cp_f + cp_b,
+    }
+    out.act = activation_bytes(part, mode, ctx)
+    return out
+
+
+def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -> tuple[float, float]:
+    plan, cluster, spec = ctx.plan, ctx.cluster, ctx.spec
+    T, cp = ctx.tokens, plan.cp
+    if part.kind in ("mla", "gqa"):
+        if part.kind == "gqa":
+            assert spec.gqa is not None
+            kv = 2 * spec.gqa.num_kv_heads * spec.gqa_head_dim * BF16
+        else:
+            assert spec.mla is not None
+            kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
+        comm = ring_time(cluster, cp * T * kv, cp, plan.tp, "ag")
+        return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
+    if part.kind in ("kda", "mamba2"):
+        if part.kind == "kda":
+            assert spec.kda is not None
+            state = spec.kda.value_heads * spec.kda.head_dim**2 * FP32 / plan.tp
+        else:
+            assert spec.mamba2 is not None
+            state = spec.mamba2.inner_size * spec.mamba2.state_size * FP32 / plan.tp
+        hop = p2p_time(cluster, state, plan.tp)
+        return (cp - 1) * hop, (cp - 1) * hop
+    return 0.0, 0.0
+
+
+def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
+    """Saved bytes of one sub-layer for one micro-batch on one device under recompute `mode`.
+
+    Sequence/tensor parallel split everything but the replicated MLA latents by tp (Korthikanti et al. 2022);
+    context parallel splits tokens. Expert-side tensors live on the device that ran the expert: SP-shard tokens x
+    top-k copies, with MOE_MEMORY_HEADROOM for dropless bursts. full: only the sub-layer input (SP-sharded).
+    """
+    T, tp = ctx.tokens, ctx.plan.tp
+    if mode == "full":
+        return T * ctx.spec.hidden_size * BF16 / tp
+    fp8 = ctx.plan.precision == "fp8"
+    # summed over many layers and micro-batches, expert loads average out: stored expert activations use the mean
+    # load (the transient dispatch buffers carry MOE_MEMORY_HEADROOM instead)
+    keep = part.act_keep - (part.fp8_saved / 2 if fp8 else 0.0)
+    expert = part.expert_act - (part.expert_fp8_saved / 2 if fp8 else 0.0)
+    if mode == "selective":
+        return T * (keep / tp + part.act_replicated + expert / tp)
+    sel = part.act_selective + part.expert_act_selective / (2 if fp8 else 1)
+    return T * ((keep + sel) / tp + part.act_replicated + expert / tp)
+
+
+@dataclass
+class StageLayout:
+    """Which layers each pipeline chunk holds; chunk c lives on rank chunk_rank[c]."""
+
+    chunks: list[list[int]]  # layer positions (0-based into ModelWork.layers) per chunk
+    chunk_rank: list[int]
+
+
+def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
+    """Rank of each of the p*v chunks: interleaved round-robin (Megatron), V-shape for zbv / dualpipev."""
+    if schedule in ("zbv", "dualpipev"):
+        return list(range(p)) + list(reversed(range(p)))
+    return [c % p for c in range(p * v)]
+
+
+def balanced_chunks(costs: list[float], n: int, first_extra: float, last_extra: float) -> list[list[int]]:
+    """Split layers (in order) into n contiguous non-empty chunks minimising the largest chunk cost; the first chunk
+    also carries the embedding and the last the LM head (Llama 3 and Megatron-Bridge's DeepSeek-V3 layouts put
+    fewer layers on those stages for the same reason). Binary search on the cap with a greedy fill."""
+    L = len(costs)
+    assert 1 <= n <= L
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    lo = max(max(costs), (prefix[-1] + first_extra + last_extra) / n)
+    hi = prefix[-1] + first_extra + last_extra
+    best = _greedy(prefix, n, hi * (1 + 1e-9), first_extra, last_extra)
+    for _ in range(30):
+        cap = (lo + hi) / 2
+        bounds = _greedy(prefix, n, cap, first_extra, last_extra)
+        if bounds is not None:
+            best, hi = bounds, cap
+        else:
+            lo = cap
+        if hi - lo <= 1e-4 * hi:
+            break
+    assert best is not None
+    return [list(range(a, b)) for a, b in zip(best, best[1:])]
+
+
+def _greedy(prefix: list[float], n: int, cap: float, first_extra: float, last_extra: float) -> list[int] | None:
+    """Chunk boundaries filling each chunk up to `cap` (leaving at least one layer per remaining chunk)."""
+    import bisect
+
+    L = len(prefix) - 1
+    bounds = [0]
+    start = 0
+    for c in range(n):
+        room = cap - (first_extra if c == 0 else 0.0)
+        end = bisect.bisect_right(prefix, prefix[start] + room) - 1
+        end = min(end, L - (n - c - 1))
+        if c == n - 1:
+            end = L
+        if end <= start:
+            return None
+        load = prefix[end] - prefix[start] + (first_extra if c == 0 else 0.0) + (last_extra if end == L else 0.0)
+        if load > cap * (1 + 1e-9):
+            if end == L and c < n - 1:
+                end -= 1  # keep the head's extra off a chunk that cannot take it; the next chunk ends at L
+                if end <= start:
+                    return None
+            else:
+                return None
+        bounds.append(end)
+        start = end
+    return bounds if start == L else None
+
+
+@dataclass
+class PlanCost:
+    """Everything the cost model says about one plan (seconds per step, bytes per device)."""
+
+    plan: Plan
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    model_flops_per_step: float
+    memory: dict[str, float]  # component -> bytes on the busiest device
+    hbm_bytes: float
+    host_bytes: float  # host memory needed per device (offload)
+    host_capacity: float
+    time: dict[str, float]  # component -> seconds per step (exposed, on the critical rank)
+    binding: str
+    layout: StageLayout
+    rank_fwd_bwd: list[tuple[float, float, float]]  # per rank per micro-batch: (fwd, bwd + recompute, wgrad)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.memory_total / self.hbm_bytes
+
+    def fits(self, margin: float = 0.05) -> bool:
+        return self.memory_total <= self.hbm_bytes * (1 - margin) and self.host_bytes <= self.host_capacity
+
+    def prediction(self):
+        from moestack.config.plan import PlanPrediction
+
+        return PlanPrediction(
+            step_time_s=round(self.step_time_s, 4),
+            tokens_per_s=round(self.tokens_per_s, 1),
+            tflops_per_device=round(self.tflops_per_device, 1),
+            mfu=round(self.mfu, 4),
+            memory_gib={k: round(v / GIB, 2) for k, v in self.memory.items()},
+            time_s={k: round(v, 4) for k, v in self.time.items()},
+            binding=self.binding,
+        )
+
+
+class CostModel:
+    """Evaluates plans for one (model, cluster, calibration, sequence length); caches per-layer work.
+
+    `model_flops_per_token` is the training FLOPs per token used for TFLOP/s and MFU (the profile's
+    `train_flops_per_token`, Megatron's definition).
+    """
+
+    def __init__(self, spec: ModelSpec, cluster: ClusterSpec, cal: Calibration, seq_len: int,
+                 model_flops_per_token: float):
+        self.spec, self.cluster, self.cal, self.seq_len = spec, cluster, cal, seq_len
+        self.work = model_work(spec, seq_len)
+        self.model_flops_per_token = model_flops_per_token
+        self._kinds = sorted({id(layer.parts): layer for layer in self.work.layers}.values(), key=lambda x: x.index)
+        kind_of = {id(layer.parts): k for k, layer in enumerate(self._kinds)}
+        self._layer_kind = [kind_of[id(layer.parts)] for layer in self.work.layers]
+        self._kind_cache: dict[tuple, list[PartCost]] = {}
+        self._chunk_cache: dict[tuple, list[list[int]]] = {}
+        self._param_cache: dict[tuple, tuple[float, float]] = {}
+        self._sum_cache: dict[tuple, tuple[float, float, float]] = {}
+
+    # -- per-layer costs ---------------------------------------------------------------------------------------
+    def kind_costs(self, plan: Plan) -> tuple[list[PartCost], list[LayerWork], list[int]]:
+        """Cost of each distinct layer kind for one micro-batch, a representative layer of each, and the kind index
+        of every layer (layers of one kind share their PartWork list)."""
+        r = plan.recompute
+        key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap)
+        costs = self._kind_cache.get(key)
+        if costs is None:
+            ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
+            costs = []
+            for layer in self._kinds:
+                total = PartCost()
+                for part in layer.parts:
+                    total.add(part_cost(part, ctx))
+                costs.append(total)
+            self._kind_cache[key] = costs
+        return costs, self._kinds, self._layer_kind
+
+    def chunks(self, plan: Plan, kind_cost: list[PartCost], first_extra: float, last_extra: float) -> list[list[int]]:
+        """balanced_chunks, cached on the kinds' relative costs (3 significant digits)."""
+        scale = max(c.total + c.a2a for c in kind_cost)
+        rel = tuple(round((c.total + c.a2a) / scale, 3) for c in kind_cost)
+        key = (rel, round(first_extra / scale, 3), round(last_extra / scale, 3), plan.pp * plan.vpp)
+        out = self._chunk_cache.get(key)
+        if out is None:
+            costs = [rel[k] for k in self._layer_kind]
+            out = balanced_chunks(costs, plan.pp * plan.vpp, key[1], key[2])
+            self._chunk_cache[key] = out
+        return out
+
+    def head_cost(self, plan: Plan) -> PartCost:
+        """LM head(s) + loss on the last stage (and MTP projections): GEMM T x V/tp x h, fp32 softmax traffic
+        ~16 B per logit fwd+bwd, all-gather of the SP input."""
+        T = plan.micro_batch_size * plan.seq_len / plan.cp
+        tp, cluster, cal = plan.tp, self.cluster, self.cal
+        out = PartCost()
+        g = gemm_time(self.work.head, T, T, tp, 1, "bf16", cluster, cal) * self.work.num_heads_out
+        mtp = 0.0
+        if self.spec.mtp_layers:
+            h = self.spec.hidden_size
+            mtp = gemm_time(Gemm("mtp.proj", n=h, k=2 * h), T, T, tp, 1, plan.precision, cluster, cal)
+            mtp *= self.spec.mtp_layers
+        logits = T * self.spec.vocab_size / tp * self.work.num_heads_out
+        loss_f = elementwise_time(logits * 6, cluster, cal)
+        loss_b = elementwise_time(logits * 10, cluster, cal)
+        coll = ring_time(cluster, T * self.spec.hidden_size * BF16, tp, 1, "ag") if tp > 1 else 0.0
+        out.fwd = g + mtp + loss_f + coll
+        out.bwd = 2 * (g + mtp) + loss_b + coll
+        out.wgrad = g + mtp
+        out.parts = {"gemm": 3 * (g + mtp), "elementwise": loss_f + loss_b, "tp_comm": 2 * coll}
+        return out
+
+    def embed_cost(self, plan: Plan) -> PartCost:
+        """Embedding gather (fwd) and scatter-add (bwd) on the first stage; vocab-parallel reduce under TP."""
+        T = plan.micro_batch_size * plan.seq_len / plan.cp
+        h = self.spec.hidden_size
+        out = PartCost()
+        mem = elementwise_time(T * h * BF16 * 2 / plan.tp, self.cluster, self.cal)
+        coll = ring_time(self.cluster, T * h * BF16, plan.tp, 1, "rs") if plan.tp > 1 else 0.0
+        out.fwd, out.bwd = mem + coll, 2 * mem + coll
+        out.parts = {"elementwise": 3 * mem, "tp_comm": 2 * coll}
+        return out
+
+    # -- quick lower bound (search pruning) ---------------------------------------------------------------------
+    def memory_lower_bound(self, plan: Plan) -> tuple[float, float]:
+        """(HBM, host) bytes the busiest rank needs at least: the rank average of weights, gradients, optimizer
+        states and saved activations (a rank never holds less than the mean). Cheap: no pipeline partition."""
+        kind_cost, kinds, i_kind = self.kind_costs(plan)
+        key = (id(kind_cost), plan.tp, plan.ep, plan.etp)
+        sums = self._sum_cache.get(key)
+        if sums is None:
+            dense = expert = act = 0.0
+            counts: dict[int, int] = {}
+            for k in i_kind:
+                counts[k] = counts.get(k, 0) + 1
+            for k, n in counts.items():
+                for part in kinds[k].parts:
+                    d, e = self._part_params_local(part, plan)
+                    dense, expert = dense + d * n, expert + e * n
+                act += kind_cost[k].act * n
+            dense += self.work.embed_params / plan.tp * (1 if self.spec.tie_word_embeddings else 2)
+            sums = self._sum_cache[key] = (dense, expert, act)
+        dense, expert, act = sums
+        p = plan.pp
+        dense, expert, act = dense / p, expert / p, act / p
+        sd, se = self._shards(plan)
+        opt_b = optimizer_bytes_per_param(plan.optimizer)
+        e_dev = 0.0 if plan.offload.experts else expert
+        w_d, w_e = (sd, se) if plan.zero_stage == 3 else (1, 1)
+        g_d, g_e = (sd, se) if plan.zero_stage >= 2 else (1, 1)
+        host = 0.0
+        if plan.offload.optimizer:
+            hbm = dense * BF16 / w_d + e_dev * BF16 / w_e
+            host += (dense / sd + e_dev / se) * (FP32 + opt_b)
+        else:
+            hbm = dense * FP32 / w_d + e_dev * FP32 / w_e + dense * opt_b / sd + e_dev * opt_b / se
+        hbm += dense * FP32 / g_d + e_dev * FP32 / g_e
+        if plan.offload.experts:
+            host += expert / se * (FP32 + FP32 + opt_b)
+        inflight = inflight_microbatches(plan.schedule, p, plan.vpp, plan.num_microbatches)
+        if plan.offload.activations:
+            host += act * inflight
+        else:
+            hbm += act * min(inflight, (inflight + 1) / 2)  # ranks hold between 1 and `inflight` micro-batches
+        return hbm + self.cal.runtime_reserved_gib * GIB, host
+
+    # -- parameters per rank ----------------------------------------------------------------------------------
+    def _part_params_local(self, part: PartWork, plan: Plan) -> tuple[float, float]:
+        key = (id(part), plan.tp, plan.ep, plan.etp)
+        hit = self._param_cache.get(key)
+        if hit is not None:
+            return hit
+        dense = float(part.other_params)
+        for g in part.gemms:
+            if g.expert:
+                continue
+            dense += g.params if g.split == "rep" else g.params / plan.tp
+        expert = part.expert_params / (plan.ep * plan.etp)
+        self._param_cache[key] = (dense, expert)
+        return dense, expert
+
+    def evaluate(self, plan: Plan) -> PlanCost:
+        """Memory per device, time per step and their breakdowns for `plan` (see module docstring)."""
+        spec, cluster = self.spec, self.cluster
+        p, v, m = plan.pp, plan.vpp, plan.num_microbatches
+        L = len(self.work.layers)
+        if p * v > L:
+            raise ValueError(f"pp*vpp ({p * v}) exceeds the {L} layers")
+        kind_cost, kind_layer, i_kind = self.kind_costs(plan)
+        head, embed = self.head_cost(plan), self.embed_cost(plan)
+        chunks = self.chunks(plan, kind_cost, embed.total, head.total + head.a2a)
+        ranks = chunk_ranks(p, v, plan.schedule)
+        layout = StageLayout(chunks, ranks)
+
+        # per rank per micro-batch: count layers of each kind per rank, then scale the kind's cost
+        kind_params: dict[int, tuple[float, float]] = {}
+        rank_counts: list[dict[int, int]] = [{} for _ in range(p)]
+        rank_act_layer_max = [0.0] * p
+        for c, layer_ids in enumerate(chunks):
+            counts = rank_counts[ranks[c]]
+            for i in layer_ids:
+                counts[i_kind[i]] = counts.get(i_kind[i], 0) + 1
+        rank_cost = [PartCost() for _ in range(p)]
+        rank_dense = [0.0] * p
+        rank_expert = [0.0] * p
+        for r in range(p):
+            for k_id, count in rank_counts[r].items():
+                kc = kind_cost[k_id]
+                rank_cost[r].add(kc, count, breakdown=False)
+                rank_act_layer_max[r] = max(rank_act_layer_max[r], kc.act)
+                if k_id not in kind_params:
+                    dd = ee = 0.0
+                    for part in kind_layer[k_id].parts:
+                        d_, e_ = self._part_params_local(part, plan)
+                        dd, ee = dd + d_, ee + e_
+                    kind_params[k_id] = (dd, ee)
+                rank_dense[r] += kind_params[k_id][0] * count
+                rank_expert[r] += kind_params[k_id][1] * count
+        rank_cost[ranks[0]].add(embed, breakdown=False)
+        rank_cost[ranks[-1]].add(head, breakdown=False)
+        rank_dense[ranks[0]] += self.work.embed_params / plan.tp
+        mtp_params = self.work.mtp_proj_params * spec.mtp_layers / plan.tp
+        if not spec.tie_word_embeddings:
+            rank_dense[ranks[-1]] += self.work.head.params / plan.tp + mtp_params
+        elif p > 1:  # tied: the last stage keeps its own copy of the embedding as the head
+            rank_dense[ranks[-1]] += self.work.embed_params / plan.tp + mtp_params
+
+        # EP all-to-all: exposed unless overlapped with another micro-batch's compute (DualPipe / 1F1B a2a overlap)
+        overlap_ep = plan.ep_comm_overlap or plan.schedule == "dualpipev"
+        fwd, bwd, wgr, a2a_exposed = [], [], [], []
+        for rc in rank_cost:
+            compute = rc.fwd + rc.bwd + rc.recompute
+            exp = _overlapped(rc.a2a, compute, overlap_ep)
+            a2a_exposed.append(exp)
+            share_f = exp * 0.33  # forward: dispatch + combine of 1 of the 3 passes (fwd, bwd x2 volume)
+            fwd.append(rc.fwd + share_f)
+            bwd.append(rc.bwd + rc.recompute + exp - share_f)
+            wgr.append(rc.wgrad)
+        slow = max(range(p), key=lambda r: fwd[r] + bwd[r])
+        t_pipe = pipeline_time(plan.schedule, p, v, m, fwd[slow], bwd[slow], wgr[slow])
+        p2p = 0.0
+        if p > 1:
+            act_msg = plan.micro_batch_size * plan.seq_len / plan.cp * spec.hidden_size * BF16 / plan.tp
+            p2p = 2 * (p * v - 1) * p2p_time(cluster, act_msg, plan.devices // p)
+
+        # data parallel, optimizer, offload
+        dp_time, dp_exposed = self._dp_times(plan, rank_dense[slow], rank_expert[slow], fwd[slow], bwd[slow], m,
+                                             max(1, sum(len(chunks[c]) for c in range(len(chunks))
+                                                        if ranks[c] == slow)))
+        opt_time, off_time, host_bytes = self._optimizer_offload(plan, rank_dense, rank_expert, rank_cost,
+                                                                 fwd, bwd, m)
+        step = t_pipe + p2p + dp_exposed + opt_time + off_time
+
+        # breakdown (critical rank, per step)
+        rc = PartCost()
+        for k_id, count in rank_counts[slow].items():
+            rc.add(kind_cost[k_id], count)
+        if slow == ranks[0]:
+            rc.add(embed)
+        if slow == ranks[-1]:
+            rc.add(head)
+        time = {k: v_ * m for k, v_ in rc.parts.items()}
+        time["ep_comm"] = a2a_exposed[slow] * m
+        time["pp_bubble"] = max(0.0, t_pipe - m * (fwd[slow] + bwd[slow]))
+        time["pp_p2p"] = p2p
+        time["dp_comm"] = dp_exposed
+        time["optimizer"] = opt_time
+        time["offload"] = off_time
+        time = {k: val for k, val in time.items() if val > 0}
+
+        memory = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
+        tokens = plan.tokens_per_step
+        flops = self.model_flops_per_token * tokens
+        tflops = flops / step / plan.devices / 1e12
+        mfu = tflops * 1e12 / cluster.device.peak_flops("bf16")
+        cost = PlanCost(plan, step, tokens / step, tflops, mfu, flops, memory, cluster.device.hbm_bytes,
+                        host_bytes, cluster.device.host_memory_bytes, time, "", layout,
+                        list(zip(fwd, bwd, wgr)))
+        cost.binding = binding_constraint(cost)
+        return cost
+
+    def _dp_times(self, plan: Plan, dense: float, expert: float, fwd: float, bwd: float, m: int,
+                  layers: int) -> tuple[float, float]:
+        """Gradient reduction and parameter gathers over the data-parallel groups (dense: dp, stride tp*cp;
+        experts: edp, stride ep*etp). ZeRO-0: all-reduce; 1: reduce-scatter + all-gather of updated fp32 params,
+        once per step, overlapped with the last backward / first forward except the last bucket; 2: the
+        reduce-scatter per micro-batch; 3 (FSDP2): bf16 all-gather before fwd and bwd and fp32 reduce-scatter,
+        every micro-batch, prefetched one layer ahead."""
+        cl = self.cluster
+        dp_stride, edp_stride = plan.tp * plan.cp, plan.ep * plan.etp
+        edp = plan.edp
+        z = plan.zero_stage
+        g_dense, g_exp = dense * FP32, expert * FP32
+        if z == 0:
+            rs = ring_time(cl, g_dense, plan.dp, dp_stride, "ar") + ring_time(cl, g_exp, edp, edp_stride, "ar")
+            return rs, max(rs - 0.9 * bwd, rs / layers)
+        rs = ring_time(cl, g_dense, plan.dp, dp_stride, "rs") + ring_time(cl, g_exp, edp, edp_stride, "rs")
+        if z == 1:
+            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag") + ring_time(cl, g_exp, edp, edp_stride, "ag")
+            exposed = max(rs - 0.9 * bwd, rs / layers) + max(ag - 0.9 * fwd, ag / layers)
+            return rs + ag, exposed
+        if z == 2:
+            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag") + ring_time(cl, g_exp, edp, edp_stride, "ag")
+            per_mb = max(0.0, rs - 0.9 * bwd) + OVERLAP_RESIDUAL * min(rs, bwd)
+            return m * rs + ag, m * per_mb + max(ag - 0.9 * fwd, ag / layers)
+        w_dense, w_exp = dense * BF16, expert * BF16
+        ag = ring_time(cl, w_dense, plan.dp, dp_stride, "ag") + ring_time(cl, w_exp, edp, edp_stride, "ag")
+        per_mb = _overlapped(ag, fwd, True) + _overlapped(ag + rs, bwd, True)
+        return m * (2 * ag + rs), m * per_mb
+
+    def _shards(self, plan: Plan) -> tuple[int, int]:
+        """(dense, expert) ZeRO shard counts: dense over dp_shard, experts over their DP group less replicas."""
+        if plan.zero_stage == 0:
+            return 1, 1
+        return plan.dp_shard, max(1, plan.edp // plan.dp_replicate)
+
+    def _optimizer_offload(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
+                           fwd: list[float], bwd: list[float], m: int) -> tuple[float, float, float]:
+        """Optimizer step (HBM-bound; Muon adds Newton-Schulz GEMMs), offload transfers over the host link and the
+        host memory they need, for the busiest rank."""
+        cl, cal = self.cluster, self.cal
+        sd, se = self._shards(plan)
+        link = max(cl.device.host_link_gb_s, 1e-9) * 1e9
+        opt_t = off_t = host = 0.0
+        for r in range(plan.pp):
+            local_d, local_e = dense[r] / sd, expert[r] / se
+            on_dev = local_d + (0.0 if plan.offload.experts else local_e)
+            t_opt = elementwise_time(on_dev * optimizer_step_bytes(plan.optimizer), cl, cal)
+            if plan.optimizer == "muon":
+                t_opt += self._muon_time(plan, r)
+            t_off = 0.0
+            h = 0.0
+            if plan.offload.optimizer:
+                # grads down (fp32), bf16 params up, CPU update; master + states live in host memory
+                t_opt = on_dev / cal.cpu_adam_params_per_s
+                t_off += on_dev * (FP32 + BF16) / link
+                h += on_dev * (FP32 + optimizer_bytes_per_param(plan.optimizer))
+            if plan.offload.experts:
+                ex = expert[r]
+                # per micro-batch: weights up for fwd and bwd (bf16), grads down (fp32); prefetched under compute
+                per_mb = ex * (2 * BF16 + FP32) / link
+                t_off += m * max(0.0, per_mb - 0.9 * (fwd[r] + bwd[r]))
+                t_opt = max(t_opt, local_e / cal.cpu_adam_params_per_s)
+                h += local_e * (FP32 + FP32 + optimizer_bytes_per_param(plan.optimizer))
+            if plan.offload.activations:
+                act = rank_cost[r].act
+                per_mb = act / link
+                t_off += m * (max(0.0, per_mb - 0.9 * fwd[r]) + max(0.0, per_mb - 0.9 * bwd[r]))
+                h += act * inflight_microbatches(plan.schedule, plan.pp, plan.vpp, m)
+            opt_t, off_t, host = max(opt_t, t_opt), max(off_t, t_off), max(host, h)
+        return opt_t, off_t, host
+
+    def _muon_time(self, plan: Plan, rank: int) -> float:
+        """Newton-Schulz for this rank's matrices (each device orthogonalises its 1/shards share of matrices)."""
+        sd, se = self._shards(plan)
+        flops = 0.0
+        for layer in self._kinds:
+            count = sum(1 for x in self.work.layers if x.parts is layer.parts) / plan.pp
+            for part in layer.parts:
+                for g in part.gemms:
+                    if g.expert:
+                        flops += count * muon_flops(g.n, g.k) * part.num_experts / (plan.ep * plan.etp) / se
+                    else:
+                        flops += count * muon_flops(g.n, g.k) / sd / (1 if g.split == "rep" else plan.tp)
+        peak = self.cluster.device.peak_flops("bf16")
+        return flops / (peak * self.cal.gemm_peak_eff * 0.8)
+
+    def _memory(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
+                act_layer_max: list[float]) -> dict[str, float]:
+        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020)."""
+        cal, spec = self.cal, self.spec
+        sd, se = self._shards(plan)
+        m = plan.num_microbatches
+        T = plan.micro_batch_size * plan.seq_len / plan.cp
+        opt_b = optimizer_bytes_per_param(plan.optimizer)
+        best: dict[str, float] = {}
+        for r in range(plan.pp):
+            d, e = dense[r], expert[r]
+            w_shard_d = sd if plan.zero_stage == 3 else 1
+            w_shard_e = se if plan.zero_stage == 3 else 1
+            g_shard_d = sd if plan.zero_stage >= 2 else 1
+            g_shard_e = se if plan.zero_stage >= 2 else 1
+            mem: dict[str, float] = {}
+            e_dev = 0.0 if plan.offload.experts else e
+            if plan.offload.optimizer:
+                mem["weights"] = d * BF16 / w_shard_d + e_dev * BF16 / w_shard_e
+                mem["optimizer"] = 0.0
+            else:
+                mem["weights"] = d * FP32 / w_shard_d + e_dev * FP32 / w_shard_e
+                mem["optimizer"] = d * opt_b / sd + e_dev * opt_b / se
+            mem["gradients"] = d * FP32 / g_shard_d + e_dev * FP32 / g_shard_e
+            inflight = inflight_microbatches(plan.schedule, plan.pp, plan.vpp, m)
+            if r > 0 and plan.schedule in ("1f1b", "interleaved_1f1b"):
+                inflight = max(1.0, inflight - r * (2 if plan.schedule == "interleaved_1f1b" else 1) / plan.vpp)
+            act = rank_cost[r].act
+            mem["activations"] = 2 * act_layer_max[r] if plan.offload.activations else act * inflight
+            buffers = 0.0
+            if r == plan.pp - 1 or plan.pp == 1:
+                buffers = max(buffers, T * spec.vocab_size / plan.tp * (BF16 + FP32))
+            if spec.moe is not None:
+                moe_buf = (T / plan.tp * spec.moe.top_k * (spec.moe.latent_size or spec.hidden_size) * BF16
+                           * MOE_MEMORY_HEADROOM * 2)
+                buffers = max(buffers, moe_buf)
+            if plan.zero_stage == 3:
+                per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
+                buffers += 2 * per_layer * BF16
+            if plan.offload.experts:
+                per_layer_e = e / max(1, len(self.work.layers) / plan.pp)
+                buffers += 2 * per_layer_e * BF16 + per_layer_e * FP32
+            if plan.tp > 1:
+                buffers += T * spec.hidden_size * BF16
+            mem["buffers"] = buffers
+            mem["reserved"] = cal.runtime_reserved_gib * GIB
+            if sum(mem.values()) > sum(best.values()):
+                best = mem
+        return best
+
+
+def binding_constraint(cost: PlanCost) -> str:
+    """The limit this plan hits first: memory when within 5% of HBM, else the largest exposed time term."""
+    if cost.host_bytes > cost.host_capacity:
+        return f"host memory ({cost.host_bytes / GIB:.0f} GiB needed > {cost.host_capacity / GIB:.0f} GiB)"
+    frac = cost.memory_fraction
+    if frac > 0.95:
+        return f"memory ({frac:.0%} of HBM)"
+    names = {"gemm": "GEMM compute", "attention": "attention kernels", "kda": "KDA kernels",
+             "elementwise": "memory-bound kernels", "recompute": "recompute", "tp_comm": "TP communication",
+             "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "pp_bubble": "pipeline bubble",
+             "pp_p2p": "pipeline p2p", "dp_comm": "DP communication", "optimizer": "optimizer step",
+             "offload": "host offload link"}
+    key = max(cost.time, key=cost.time.get)
+    return f"{names.get(key, key)} ({cost.time[key] / cost.step_time_s:.0%} of step)"

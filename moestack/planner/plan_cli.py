@@ -1,0 +1,105 @@
+"""`moestack plan` and `moestack tune` (registered by moestack/cli.py).
+
+plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
+     [--plot DIR] [--out plan.yaml] [--precision bf16|fp8] [--optimizer adamw|adamw_bf16|muon] [--calibration F]
+tune MODEL [--plan plan.yaml] [--out calibration.json]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moestack.config.base import ConfigError
+
+
+def plan(
+    model: Annotated[str, typer.Argument(help="preset name, moestack ModelSpec YAML, or HF config.json")],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="cluster preset or ClusterSpec YAML")] = "h200-1gpu",
+    devices: Annotated[Optional[int], typer.Option("--devices", "-n", help="devices (default: the preset's)")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    global_batch_tokens: Annotated[
+        Optional[int], typer.Option("--global-batch-tokens", "-t", help="tokens per optimizer step (default 16M)")
+    ] = None,
+    top: Annotated[int, typer.Option("--top", "-k", help="plans to list")] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    fix: Annotated[
+        Optional[str],
+        typer.Option("--fix", help="evaluate one plan: tp=2,pp=8,vpp=4,ep=64,cp=1,dp=64,mbs=1,recompute=selective"),
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="where to write the best plan")] = Path("plan.yaml"),
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory.png and timeline.png here")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="bf16 | fp8 (GEMM recipe)")] = "bf16",
+    optimizer: Annotated[str, typer.Option("--optimizer", help="adamw | adamw_bf16 | muon")] = "adamw",
+    calibration: Annotated[
+        Optional[Path], typer.Option("--calibration", help="efficiency file from `moestack tune`")
+    ] = None,
+) -> None:
+    """Find the fastest parallel plan that fits, or evaluate one (--fix); write the best as plan.yaml."""
+    from moestack.config.plan import save_plan
+    from moestack.planner import report
+    from moestack.planner.search import Planner, load_problem, parse_fix
+
+    if top < 1:
+        raise ConfigError(f"--top: must be >= 1 (got {top})")
+    problem = load_problem(model, cluster, devices, seq_len, global_batch_tokens, calibration, precision, optimizer)
+    fixed = parse_fix(fix)
+    result = Planner(problem).search(fixed, require_fit=not fixed)
+    best = result.best
+    if best is not None:
+        plan_obj = best.plan.model_copy(update={"predicted": best.prediction()})
+        save_plan(plan_obj, out)
+    if plot is not None and best is not None:
+        plot.mkdir(parents=True, exist_ok=True)
+        report.plot_memory(result.ranked[:top], plot / "memory.png")
+        report.plot_timeline(best, plot / "timeline.png")
+    if json_out:
+        data = report.result_json(result, top)
+        data["plan_yaml"] = str(out) if best is not None else None
+        print(json.dumps(data))
+        return
+    pb = problem
+    print(f"{pb.spec.name} on {pb.cluster.num_devices} x {pb.cluster.device.name} ({pb.cluster.name}), seq_len "
+          f"{pb.seq_len}, {pb.global_batch_tokens:,} tokens/step target, {pb.precision}, {pb.optimizer}; "
+          f"calibration: {pb.cal.device}")
+    if best is None:
+        c = result.closest
+        print("no plan fits.")
+        if c is not None:
+            print("closest (least memory) plan:")
+            for line in report.breakdown(c):
+                print("  " + line)
+        for line in report.why_others_lost(result, top):
+            print(line)
+        need = f"; the closest needs {c.memory_total / 2**30:.0f} GiB of {c.hbm_bytes / 2**30:.0f} GiB" if c else ""
+        raise ConfigError(f"no plan fits {pb.spec.name} on {pb.cluster.num_devices} x {pb.cluster.device.name}{need}"
+                          " (try more devices, --optimizer muon/adamw_bf16, or a shorter --seq-len)")
+    if fixed and not best.fits(problem.margin):
+        print(f"warning: this plan needs {best.memory_total / 2**30:.1f} GiB of {best.hbm_bytes / 2**30:.1f} GiB HBM "
+              f"(over the {problem.margin:.0%} margin)")
+    print(report.ranked_table(result, top))
+    for line in report.why_others_lost(result, top):
+        print(line)
+    print()
+    for line in report.breakdown(best):
+        print(line)
+    print(f"wrote {out}")
+    if plot is not None:
+        print(f"wrote {plot / 'memory.png'} and {plot / 'timeline.png'}")
+
+
+def tune(
+    model: Annotated[str, typer.Argument(help="preset name, moestack ModelSpec YAML, or HF config.json")],
+    plan_path: Annotated[Optional[Path], typer.Option("--plan", help="plan.yaml whose shapes to measure")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", "-o", help="calibration JSON to write (default: per-GPU name)")
+    ] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+) -> None:
+    """Measure GEMM / grouped GEMM / attention efficiencies at the model's shapes and write a calibration file."""
+    from moestack.planner.tune import run_tune
+
+    run_tune(model, plan_path, out, seq_len)

@@ -1,0 +1,187 @@
+"""`moestack tune`: measure the efficiencies the cost model uses, on the local GPU, at the model's shapes.
+
+What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up):
+  dense GEMMs      every distinct [tokens, k] @ [k, n] the plan produces (TP-split), forward
+  grouped GEMMs    the expert GEMMs at the plan's tokens per expert (torch._grouped_mm), forward
+  fp8 GEMM         one large torch._scaled_mm (rowwise scales) vs the same bf16 GEMM -> fp8_gemm_factor
+  attention        F.scaled_dot_product_attention, causal, forward and forward+backward at the model's heads
+  HBM              a large device copy -> hbm_eff
+Everything else (KDA, sparse attention, top-k, CPU Adam) keeps the default calibration's values; the file says so
+in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
+Without a CUDA GPU it prints "no GPU: nothing to tune" and exits 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moestack.planner.calibration import Calibration, GemmPoint, load_calibration, save_calibration
+
+
+def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
+    """Median seconds of fn() on the current CUDA stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_gemm(tokens: int, n: int, k: int, peak: float) -> float:
+    import torch
+
+    a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    t = _bench(lambda: a @ b)
+    return min(1.0, 2.0 * tokens * n * k / t / peak)
+
+
+def measure_grouped(experts: int, tokens_per_expert: int, n: int, k: int, peak: float) -> float | None:
+    import torch
+
+    gmm = getattr(torch, "_grouped_mm", None)
+    if gmm is None:
+        return None
+    tpe = max(16, int(math.ceil(tokens_per_expert / 16) * 16))  # grouped_mm wants 16-aligned offsets
+    x = torch.randn(experts * tpe, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+    offs = torch.arange(tpe, experts * tpe + 1, tpe, device="cuda", dtype=torch.int32)
+    try:
+        t = _bench(lambda: gmm(x, w, offs=offs))
+    except RuntimeError:  # layout / dtype not supported by this build
+        return None
+    return min(1.0, 2.0 * experts * tpe * n * k / t / peak)
+
+
+def measure_fp8_factor(peak_bf16: float, peak_fp8: float) -> float | None:
+    import torch
+
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return None
+    m = n = k = 8192
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+    sa = torch.ones(m, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    try:
+        t8 = _bench(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    except RuntimeError:
+        return None
+    eff8 = 2.0 * m * n * k / t8 / peak_fp8
+    eff16 = measure_gemm(m, n, k, peak_bf16)
+    return min(1.0, eff8 / eff16)
+
+
+def measure_sdpa(heads: int, seq: int, dim: int, peak: float) -> tuple[float, float]:
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    flops = 4.0 * heads * dim * seq * (seq + 1) / 2  # causal: QK^T and PV over (s+1)/2 keys per query
+    t_f = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    grad = torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    t_fb = _bench(fwd_bwd)
+    t_b = max(t_fb - t_f, 1e-9)
+    return min(1.0, flops / t_f / peak), min(1.0, 2.5 * flops / t_b / peak)
+
+
+def measure_hbm(bw_bytes_s: float) -> float:
+    import torch
+
+    x = torch.empty(2**30, device="cuda", dtype=torch.uint8)
+    y = torch.empty_like(x)
+    t = _bench(lambda: y.copy_(x))
+    return min(1.0, 2 * x.numel() / t / bw_bytes_s)
+
+
+def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int | None) -> Calibration | None:
+    """Measure and write the calibration; returns it (None without a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to tune")
+        return None
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.config.plan import load_plan
+    from moestack.planner.cost import model_work
+    from moestack.planner.profile import load_any_model_spec
+
+    spec = load_any_model_spec(model)
+    plan = load_plan(plan_path) if plan_path is not None else None
+    seq = seq_len or (plan.seq_len if plan else min(spec.max_seq_len, 4096))
+    tp = plan.tp if plan else 1
+    ep = plan.ep if plan else 1
+    mbs = plan.micro_batch_size if plan else 1
+    tokens = mbs * seq // (plan.cp if plan else 1)
+    name = torch.cuda.get_device_name()
+    # peaks (efficiency = measured / peak): the plan's cluster preset, else the h200-1gpu preset
+    device = load_cluster_spec(plan.cluster if plan else "h200-1gpu").device
+    peak_bf16 = device.peak_flops("bf16")
+    base = load_calibration()
+    points: list[GemmPoint] = []
+    work = model_work(spec, seq)
+    seen = set()
+    for layer in work.layers:
+        for part in layer.parts:
+            for g in part.gemms:
+                n, k = g.n, g.k
+                if g.split == "col":
+                    n //= tp
+                elif g.split == "row":
+                    k //= tp
+                if g.expert:
+                    assert spec.moe is not None
+                    tpe = max(1, tokens // tp * spec.moe.top_k * ep // spec.moe.num_experts)
+                    key = ("g", tpe, n, k)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    eff = measure_grouped(max(1, spec.moe.num_experts // ep), tpe, n, k, peak_bf16)
+                    if eff is not None:
+                        points.append(GemmPoint(tokens=tpe, n=n, k=k, grouped=True, efficiency=eff))
+                else:
+                    key = ("d", tokens, n, k)
+                    if key in seen or g.fp32:
+                        continue
+                    seen.add(key)
+                    points.append(GemmPoint(tokens=tokens, n=n, k=k, efficiency=measure_gemm(tokens, n, k, peak_bf16)))
+    big = measure_gemm(8192, 8192, 8192, peak_bf16)
+    d = 8192
+    peak_eff = min(1.0, big / (d / (d + base.gemm_dim_half)))
+    heads = spec.gqa.num_heads if spec.gqa else (spec.mla.num_heads if spec.mla else 16)
+    attn_f, attn_b = measure_sdpa(max(1, heads // tp), seq, 128, peak_bf16)
+    fp8 = measure_fp8_factor(peak_bf16, device.peak_flops("fp8")) if "fp8" in device.peak_tflops else None
+    hbm = measure_hbm(device.hbm_bandwidth_gb_s * 1e9)
+    cal = base.model_copy(update={
+        "source": f"moestack tune on {name} (torch {torch.__version__}), {spec.name} seq {seq} tp {tp} ep {ep}; "
+                  f"KDA, sparse attention, top-k, CPU Adam from {base.device} defaults",
+        "device": name,
+        "gemm_peak_eff": peak_eff,
+        "flash_attn_fwd_eff": attn_f,
+        "flash_attn_bwd_eff": attn_b,
+        "fp8_gemm_factor": fp8 if fp8 is not None else base.fp8_gemm_factor,
+        "hbm_eff": hbm,
+        "gemm_points": points,
+    })
+    path = out or Path(f"calibration-{name.replace(' ', '_').lower()}.json")
+    save_calibration(cal, path)
+    print(f"8192^3 bf16 GEMM: {big * peak_bf16 / 1e12:.0f} TFLOP/s; SDPA fwd {attn_f * peak_bf16 / 1e12:.0f} / "
+          f"bwd {attn_b * peak_bf16 / 1e12:.0f} TFLOP/s; copy {hbm:.0%} of HBM bandwidth; {len(points)} GEMM shapes")
+    print(f"wrote {path} (use: moestack plan ... --calibration {path})")
+    return cal

@@ -1,0 +1,359 @@
+"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of one checkpoint, `root/step_{step:08d}/`:
+    .metadata, __*.distcp   DCP: {"model": model state, "optim": optimizer state}, keyed by parameter name
+                            (get_state_dict / set_state_dict, so the same code works for FSDP2-sharded models)
+    meta.json               format version, step, and `extra` (the trainer's JSON-able values and tensors:
+                            scheduler, sampler and RNG state, train spec, model name)
+    COMPLETE                written last: size and sha256 of every other file
+
+A save goes to `root/.tmp_step_{step:08d}` and is renamed into place only after every file is fsynced and
+COMPLETE is written, so a crash leaves at most a `.tmp_*` directory, which readers ignore and the next save
+removes. Works with and without an initialised process group (rank 0 writes meta.json / COMPLETE and renames;
+a shared filesystem is assumed when there are several ranks).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+META = "meta.json"
+_STEP_RE = re.compile(r"step_(\d{8,})")
+_FULL_HASH_BYTES = 64 << 20  # files up to this size are hashed whole
+_SAMPLE_BYTES = 8 << 20  # larger files: size + sha256 of the first and last 8 MiB (a full hash of TBs costs too much)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the path and the problem."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON codec for `extra`: tensors and numpy arrays as base64, tuples kept as tuples (RNG states need them)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _encode(obj: Any, where: str) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {"__tensor__": base64.b64encode(raw).decode(), "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape)}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError(f"{where}: numpy arrays of Python objects cannot be stored in a checkpoint")
+        return {"__ndarray__": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode(),
+                "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {"__items__": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    raise TypeError(f"{where}: cannot store a {type(obj).__name__} in a checkpoint; use JSON-able values or tensors")
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        dtype = getattr(torch, obj["dtype"])
+        raw = base64.b64decode(obj["__tensor__"])
+        if not raw:
+            return torch.empty(obj["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(obj["shape"]).clone()
+    if "__ndarray__" in obj:
+        raw = base64.b64decode(obj["__ndarray__"])
+        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    if "__tuple__" in obj:
+        return tuple(_decode(v) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k): _decode(v) for k, v in obj["__items__"]}
+    return {k: _decode(v) for k, v in obj.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RNG state
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU and (if initialised) CUDA generator states of this process."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of `capture_rng_state` (a CUDA state is restored only where CUDA is available)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files: fsync, digests, process-group helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def _quiet_single_process():
+    # DCP warns on every single-process save/load that it "assumes the intent"; that is our intent
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the data files were synced already
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _digest(path: Path) -> dict:
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(f.read(_SAMPLE_BYTES))
+            f.seek(size - _SAMPLE_BYTES)
+            h.update(f.read(_SAMPLE_BYTES))
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _data_files(ckpt: Path) -> list[str]:
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of complete checkpoints under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.fullmatch(p.name)
+        if m and p.is_dir() and (p / COMPLETE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _remove_dir(root: Path, path: Path) -> None:
+    """Rename to a .tmp_* name first, so a crash mid-delete never leaves a half-deleted step_* directory."""
+    doomed = root / f".tmp_del_{path.name}_{os.getpid()}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Save / load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    extra: dict, keep: int) -> Path:
+    """Write `root/step_{step:08d}` atomically and keep only the `keep` newest checkpoints. Returns its path.
+
+    Collective when a process group is initialised (every rank must call it). `extra` holds the trainer's
+    JSON-able values, tuples, numpy arrays and tensors (e.g. scheduler.state_dict(), sampler.state_dict(),
+    capture_rng_state(), the train spec); `load_checkpoint` returns it unchanged.
+    """
+    assert keep > 0
+    root = Path(root)
+    name = f"step_{step:08d}"
+    final, tmp = root / name, root / f".tmp_{name}"
+    encoded_extra = _encode(extra, "extra")  # fail on bad types before touching the disk
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_*"):  # leftovers of a crashed save or prune
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    with _quiet_single_process():
+        dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 no_dist=_no_dist())
+    _barrier()
+    if _rank() == 0:
+        meta = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "has_optimizer": optimizer is not None, "extra": encoded_extra}
+        _write_synced(tmp / META, json.dumps(meta))
+        digests = {f: _digest(tmp / f) for f in _data_files(tmp)}
+        _write_synced(tmp / COMPLETE, json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": digests}))
+        _fsync_path(tmp)
+        if final.exists():  # re-saving a step (e.g. the final save lands on a periodic one): replace it
+            _remove_dir(root, final)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        for _, old in _step_dirs(root)[:-keep]:
+            _remove_dir(root, old)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """Newest complete `step_*` checkpoint under root (`.tmp_*` and directories without COMPLETE are ignored)."""
+    dirs = _step_dirs(Path(root))
+    return dirs[-1][1] if dirs else None
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check COMPLETE and every file's size and checksum; returns the parsed meta.json. Raises CheckpointError."""
+    path = Path(path)
+    where = f"checkpoint {path}"
+    if not path.is_dir():
+        raise CheckpointError(f"{where}: not a directory")
+    marker = path / COMPLETE
+    if not marker.is_file():
+        raise CheckpointError(f"{where}: no {COMPLETE} marker (the save did not finish); use an earlier checkpoint")
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{where}: {COMPLETE} marker is unreadable (corrupted)") from None
+    for rel, want in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{where}: missing file '{rel}' (deleted or not copied)")
+        got = _digest(f)
+        if got["size"] != want["size"]:
+            raise CheckpointError(f"{where}: file '{rel}' is {got['size']} bytes, expected {want['size']} (truncated?)")
+        if got["sha256"] != want["sha256"]:
+            raise CheckpointError(f"{where}: checksum mismatch in '{rel}' (the file is corrupted)")
+    if META not in files or ".metadata" not in files:
+        raise CheckpointError(f"{where}: {COMPLETE} does not list {META} and .metadata; not a moestack checkpoint")
+    meta = json.loads((path / META).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: format version {meta.get('format_version')}, this moestack reads "
+                              f"{FORMAT_VERSION}")
+    return meta
+
+
+def _tensor_shapes(obj: Any, prefix: str, out: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Flatten a nested state dict the way DCP names its entries ("a.b.0.c") -> shape of every tensor."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = tuple(obj.shape)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _tensor_shapes(v, f"{prefix}.{k}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensor_shapes(v, f"{prefix}.{i}", out)
+    return out
+
+
+def _check_matches(path: Path, state: dict[str, Any]) -> None:
+    """Every tensor the model/optimizer expects is in the checkpoint with the same shape, and vice versa for the
+    model's. Raises CheckpointError naming the first difference."""
+    where = f"checkpoint {path}"
+    saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    hint = "was it saved from a different --model?"
+    for section, what in (("model", "tensor"), ("optim", "optimizer state")):
+        if section not in state:
+            continue
+        want = _tensor_shapes(state[section], section, {})
+        if section == "optim" and want and not any(k.startswith("optim.") for k in saved):
+            raise CheckpointError(f"{where}: has no optimizer state (saved without an optimizer); load the model only")
+        for key, shape in want.items():
+            short = key.removeprefix(f"{section}.")
+            if key not in saved:
+                raise CheckpointError(f"{where}: missing {what} '{short}' (model has it, checkpoint does not); {hint}")
+            if saved[key] != shape:
+                raise CheckpointError(f"{where}: {what} '{short}' has shape {list(saved[key])} in the checkpoint but "
+                                      f"{list(shape)} in the model; {hint}")
+        if section == "model":
+            for key in saved:
+                if key.startswith("model.") and key not in want:
+                    raise CheckpointError(f"{where}: unexpected tensor '{key.removeprefix('model.')}' (checkpoint "
+                                          f"has it, model does not); {hint}")
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
+
+    Collective when a process group is initialised. Raises CheckpointError (one line) for a partial or corrupted
+    checkpoint or one whose parameter names/shapes differ from the model's.
+    """
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    state = _state(model, optimizer)
+    _check_matches(path, state)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    except Exception as err:  # DCP wraps per-rank failures; keep the message to one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(f"checkpoint {path}: reading tensors failed ({type(err).__name__}: {first})") from err
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _decode(meta["extra"])

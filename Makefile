@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/moestack train
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = app(args=argv, standalone_mode=False)
     except (ConfigError, CheckpointError, TrainingStopped, ValueError, FileNotFoundError) as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        err_console.print(f"[red]error:[/] {msg}", highlight=False)
+        err_console.print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
         return 2
     except typer.Exit as e:
         return e.exit_code

@@ -190,7 +190,7 @@ class MoE(nn.Module):
 
         h_TL = self.down_proj(x_TD) if self.down_proj is not None else x_TD
         perm = moe_ops.permute(topk_idx_TK, E)
-        y_NL = self.experts(h_TL[perm.token_ids_N], perm.offs_E)
+        y_NL = self.experts(moe_ops.gather_sorted(h_TL, perm, K), perm.offs_E)
         y_TL = moe_ops.unpermute_combine(y_NL, perm, topk_w_TK)
         if self.latent_norm is not None:
             y_TL = self.latent_norm(y_TL)

@@ -324,3 +324,27 @@ def test_meta_build_then_materialise_and_init():
             assert abs(float(p.detach().mean())) < 0.002, name
     out = m(torch.randn(2, 8, spec.hidden_size))
     assert torch.isfinite(out).all()
+
+
+def test_forward_backward_bitwise_deterministic():
+    """Two identical forward+backward passes give bitwise-equal outputs and gradients (no scatter-add races)."""
+    from moestack.config.model_spec import MoESpec
+
+    torch.manual_seed(3)
+    # big enough that CPU scatter-add kernels would run multi-threaded
+    spec = MoESpec(num_experts=8, top_k=4, expert_intermediate_size=32, latent_size=64,
+                   num_shared_experts=1, shared_intermediate_size=16)
+    moe = MoE(96, spec, "situ_glu", 4.0, 25.0, 1e-5)
+    moe.init_weights(0.1)
+    x = torch.randn(4, 128, 96)
+    results = []
+    for _ in range(4):
+        moe.zero_grad()
+        xx = x.clone().requires_grad_()
+        y = moe(xx)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append((y.detach(), xx.grad, [p.grad.clone() for p in moe.parameters()]))
+    y1, gx1, gp1 = results[0]
+    for y2, gx2, gp2 in results[1:]:
+        assert torch.equal(y1, y2) and torch.equal(gx1, gx2)
+        assert all(torch.equal(a, b) for a, b in zip(gp1, gp2))

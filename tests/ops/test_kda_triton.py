@@ -153,6 +153,12 @@ def test_fused_gate_norm_sigmoid(gate):
     assert set(errs) >= {"dA_log", "ddt_bias", "dh0"}
 
 
+def test_fused_wide_head():
+    """K = 128: several channel blocks in the backward kernels."""
+    x = make_inputs(1, 40, 1, 128, 16, gate="k3", seed=17)
+    check(x, gate="k3", recompute=False)
+
+
 def test_fast_and_exact_paths_both_taken():
     """K3 gates never leave the factorisation's range; strong Kimi gates do, and take the exact path.
 

@@ -26,6 +26,8 @@ from moestack.ops.kda.triton_fwd import (
     _kda_prologue,
     _row,
     _is_slow,
+    _load_gate,
+    _max_span,
     _state_ptr,
     _stripe_factors,
     _tok_ptr,
@@ -37,7 +39,7 @@ from moestack.ops.kda.triton_fwd import (
 @triton.autotune(configs=_configs([
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=8, num_stages=2),
 ]), key=["K", "V"])
 @triton.jit
@@ -125,42 +127,41 @@ def _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq, b_dk, b_db, BT: tl.
 
 
 @triton.autotune(configs=_configs([
-    triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     triton.Config({"BV": 32}, num_warps=8, num_stages=1),
+    triton.Config({"BV": 64}, num_warps=8, num_stages=1),
+    triton.Config({"BV": 64}, num_warps=16, num_stages=1),
 ]), key=["K", "V", "GATE", "L2NORM"])
 @triton.jit
-def kda_bwd_kernel_intra(
+def kda_bwd_kernel_wy(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
     h, dh, d, dd, do,
-    dq, dk, dv, dg, dbeta, pd_dt, pd_alog,
+    dv, dbeta, p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
     scale, H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
 ):
-    """One program per (chunk slot, head): all gradients of the chunk's inputs from h, dh, D, dD, dO.
+    """Backward, part 1 of 2, one program per (chunk slot, head): the contractions over V and the WY form.
 
-    Writes dq, dk, dg (gate input), dv, dbeta, and per-chunk partial sums for dt_bias (pd_dt [NC, H, K]) and
-    A_log (pd_alog [NC, H]). Recomputes the chunk's forward quantities instead of loading them.
+    Writes dv and dbeta (final) and, as fp32 partials for kda_bwd_kernel_scores: dQp = dO S^T, dKd = D dS'^T,
+    dKp = Diag(beta) X^T dW ([T, H, K]); dAqk and d(Diag(beta) Akk) ([T, H, BT]); exp(b_last) rowsum(S dS')
+    ([NC, H, K]). Recomputes Akk and X = (I + Diag(beta) Akk)^-1 from the inputs.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
-    b_q, b_k, _, _, b_b, b_beta, b_rq, b_rk = _kda_prologue(  # also recomputed after the V loop
+    _, b_k, _, _, b_b, b_beta, _, _ = _kda_prologue(
         q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
         K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
     slow = _is_slow(b_b, BT, SUB, SPAN_MAX)
-    b_akk, _ = _intra_scores(b_q, b_k, b_b, slow, BT, SUB, False)
+    b_akk, _ = _intra_scores(b_k, b_k, b_b, slow, BT, SUB, False)
     b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = (t0 + o_t) < t_end
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
     n = t_end - t0
     DT = h.dtype.element_ty
 
-    # Contractions over V, one V-block at a time.
     b_dqp = tl.zeros([BT, BK], tl.float32)  # dO S^T
     b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
     b_dkd = tl.zeros([BT, BK], tl.float32)  # D dS'^T
@@ -193,65 +194,159 @@ def kda_bwd_kernel_intra(
                  boundary_check=(0, 1))
         b_dbeta += tl.sum(b_dyv * b_v, 1)
 
+    tl.store(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BK), b_dqp, boundary_check=(0, 1))
+    tl.store(_tok_ptr(p_dkd, t0, n, H, i_h, K, BT, BK), b_dkd, boundary_check=(0, 1))
     b_da = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None], b_da, 0.0)
-    # q, k, b again rather than kept live through the V loop (registers: cheaper to reload than to spill).
-    b_q, b_k, _, _, b_b, _, _, _ = _kda_prologue(
+    tl.store(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), b_da, boundary_check=(0, 1))
+    # k and b again rather than kept live through the V loop (registers: cheaper to reload than to spill).
+    _, b_k, _, _, b_b, _, _, _ = _kda_prologue(
         q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
         K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
-    # Qp = q~ exp(b) and Kd = k exp(b_last - b); b_last gathers the Kd terms and the state decay.
-    b_e = tl.exp(b_b)
     b_bl = _row(b_b, BT - 1, BT)
-    b_dq_ = b_dqp * b_e  # d q~
-    b_dk_ = b_dkd * tl.exp(b_bl[None, :] - b_b)  # d k_hat
-    b_dbl = tl.exp(b_bl) * b_dsl + tl.sum(b_k * b_dk_, 0)
-    b_db = b_q * b_dq_ - b_k * b_dk_
+    tl.store(p_dbl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_bl) * b_dsl, mask=o_k < K)
     # WY form: W = X Diag(beta) (k exp(b)), U = X Diag(beta) v; dN = -StrictTril(X^T dW W^T + X^T dU U^T).
-    b_kp = b_k * b_e
+    b_kp = b_k * tl.exp(b_b)
     b_w = tl.dot(b_minv, b_beta[:, None] * b_kp)
     b_dyk = -tl.dot(tl.trans(b_minv), b_dsw)  # X^T dW
     b_dn = tl.dot(b_dyk, tl.trans(b_w)) + tl.dot(tl.dot(tl.trans(b_minv), b_gm), tl.trans(b_minv))
     b_dn = tl.where(o_t[:, None] > o_t[None, :], -b_dn, 0.0)  # d(Diag(beta) Akk)
     b_dbeta += tl.sum(b_dn * b_akk, 1) + tl.sum(b_dyk * b_kp, 1)
-    b_t = b_beta[:, None] * b_dyk * b_e
-    b_dk_ += b_t
-    b_db += b_k * b_t
-    b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, b_da, b_beta[:, None] * b_dn, slow,
-                                           b_dq_, b_dk_, b_db, BT, SUB)
-    b_db += tl.where((o_t == BT - 1)[:, None], b_dbl[None, :], 0.0)
-    b_dg = tl.where(m_tk, tl.cumsum(b_db, axis=0, reverse=True), 0.0)
-
-    # Gate input reloaded rather than kept live through the kernel (registers).
-    b_x = tl.load(_tok_ptr(g, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    if HAS_DT_BIAS:
-        b_x += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    if GATE == 1:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        b_s = tl.sigmoid(a * b_x)
-        b_dx = b_dg * (LOWER_BOUND * a) * b_s * (1.0 - b_s)
-        b_pal = tl.sum(tl.sum(b_dx * b_x, 1), 0)
-    elif GATE == 2:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        b_dx = b_dg * (-a) * tl.sigmoid(b_x)
-        b_g = -a * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
-        b_pal = tl.sum(tl.sum(tl.where(m_tk, b_dg * b_g, 0.0), 1), 0)
-    else:
-        b_dx = b_dg
-        b_pal = 0.0
-    tl.store(_tok_ptr(dg, t0, n, H, i_h, K, BT, BK), b_dx.to(dg.dtype.element_ty), boundary_check=(0, 1))
-    if GATE != 0:
-        tl.store(pd_dt + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
-        tl.store(pd_alog + i_c * H + i_h, b_pal)
-
-    b_dq_ = b_dq_ * scale  # d q_hat
-    if L2NORM:
-        b_qh = b_q / scale
-        b_dq_ = b_rq[:, None] * (b_dq_ - b_qh * tl.sum(b_qh * b_dq_, 1)[:, None])
-        b_dk_ = b_rk[:, None] * (b_dk_ - b_k * tl.sum(b_k * b_dk_, 1)[:, None])
-    tl.store(_tok_ptr(dq, t0, n, H, i_h, K, BT, BK), b_dq_.to(dq.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_tok_ptr(dk, t0, n, H, i_h, K, BT, BK), b_dk_.to(dk.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BK), b_beta[:, None] * b_dyk, boundary_check=(0, 1))
+    tl.store(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), b_beta[:, None] * b_dn, boundary_check=(0, 1))
     if BETA_SIGMOID:
         b_dbeta = b_dbeta * b_beta * (1.0 - b_beta)
     tl.store(dbeta + (t0 + o_t).to(tl.int64) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.autotune(configs=_configs([
+    triton.Config({"BKC": 32}, num_warps=8, num_stages=1),
+    triton.Config({"BKC": 64}, num_warps=8, num_stages=1),
+    triton.Config({"BKC": 64}, num_warps=16, num_stages=1),
+]), key=["K", "GATE", "L2NORM"], restore_value=["p_dqp", "p_dkd"])  # it parks d q_hat, d k_hat there
+@triton.jit
+def kda_bwd_kernel_scores(
+    q, k, g, A_log, dt_bias, chunk_map, cu_seqlens,
+    p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
+    dq, dk, dg, pd_dt, pd_alog,
+    scale, H,
+    K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BKC: tl.constexpr,
+    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    SPAN_MAX: tl.constexpr,
+):
+    """Backward, part 2 of 2, one program per (chunk slot, head), BKC channels at a time (all of this is
+    per channel except the L2-norm rows): gradients through Aqk, Akk, Qp, Kd and W's k exp(b), the cumsum, the
+    gate and the L2 norm. Writes dq, dk, dg and the per-chunk dt_bias / A_log partials (pd_dt, pd_alog)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t) < t_end
+    n = t_end - t0
+
+    # Pass 1: row norms and the fast/exact switch (same rule as the forward: any channel of the chunk).
+    b_sq = tl.zeros([BT], tl.float32)
+    b_sk = tl.zeros([BT], tl.float32)
+    b_span = 0.0
+    for col0 in range(0, K, BKC):
+        b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_sq += tl.sum(b_q * b_q, 1)
+        b_sk += tl.sum(b_k * b_k, 1)
+        _, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKC, GATE, LOWER_BOUND, HAS_DT_BIAS)
+        b_span = tl.maximum(b_span, _max_span(tl.cumsum(b_g, axis=0), BT, SUB))
+    slow = b_span > SPAN_MAX
+    if L2NORM:
+        b_rq = tl.rsqrt(b_sq + 1e-6)
+        b_rk = tl.rsqrt(b_sk + 1e-6)
+    else:
+        b_rq = tl.full([BT], 1.0, tl.float32)
+        b_rk = tl.full([BT], 1.0, tl.float32)
+    b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+    b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+
+    # Pass 2: everything per channel block.
+    b_pal = 0.0
+    b_rdq = tl.zeros([BT], tl.float32)  # rowsum(q_hat * d q_hat), for the L2-norm backward
+    b_rdk = tl.zeros([BT], tl.float32)
+    for col0 in range(0, K, BKC):
+        o_k = col0 + tl.arange(0, BKC)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * b_rk[:, None]
+        b_x, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKC, GATE, LOWER_BOUND,
+                              HAS_DT_BIAS)
+        b_b = tl.cumsum(b_g, axis=0)
+        b_e = tl.exp(b_b)
+        b_bl = _row(b_b, BT - 1, BT)
+        b_el = tl.exp(b_bl[None, :] - b_b)
+        # Qp = q~ exp(b), Kd = k exp(b_last - b), Kp = k exp(b): their gradients and log-decay terms.
+        b_dq_ = tl.load(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                        padding_option="zero") * b_e
+        b_t = tl.load(_tok_ptr(p_dkd, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero") * b_el
+        b_dbl = tl.load(p_dbl + (i_c * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0) + tl.sum(b_k * b_t, 0)
+        b_db = b_q * b_dq_ - b_k * b_t
+        b_dk_ = b_t
+        b_t = tl.load(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                      padding_option="zero") * b_e
+        b_dk_ += b_t
+        b_db += b_k * b_t
+        b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq_, b_dk_, b_db, BT, SUB)
+        b_db += tl.where((o_t == BT - 1)[:, None], b_dbl[None, :], 0.0)
+        b_dg = tl.where(m_tk, tl.cumsum(b_db, axis=0, reverse=True), 0.0)
+
+        if GATE == 1:
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            b_s = tl.sigmoid(a * b_x)
+            b_dx = b_dg * (LOWER_BOUND * a) * b_s * (1.0 - b_s)
+            b_pal += tl.sum(tl.sum(b_dx * b_x, 1), 0)
+        elif GATE == 2:
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            b_dx = b_dg * (-a) * tl.sigmoid(b_x)
+            b_pal += tl.sum(tl.sum(b_dg * b_g, 1), 0)
+        else:
+            b_dx = b_dg
+        tl.store(_tok_ptr(dg, t0, n, H, i_h, K, BT, BKC, col0), b_dx.to(dg.dtype.element_ty), boundary_check=(0, 1))
+        if GATE != 0:
+            tl.store(pd_dt + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+
+        b_dq_ = b_dq_ * scale  # d q_hat
+        if L2NORM:
+            # The norm's backward needs whole rows: park d q_hat, d k_hat in the (consumed) partial buffers.
+            b_qh = b_q / scale
+            b_rdq += tl.sum(b_qh * b_dq_, 1)
+            b_rdk += tl.sum(b_k * b_dk_, 1)
+            tl.store(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BKC, col0), b_dq_, boundary_check=(0, 1))
+            tl.store(_tok_ptr(p_dkd, t0, n, H, i_h, K, BT, BKC, col0), b_dk_, boundary_check=(0, 1))
+        else:
+            tl.store(_tok_ptr(dq, t0, n, H, i_h, K, BT, BKC, col0), b_dq_.to(dq.dtype.element_ty),
+                     boundary_check=(0, 1))
+            tl.store(_tok_ptr(dk, t0, n, H, i_h, K, BT, BKC, col0), b_dk_.to(dk.dtype.element_ty),
+                     boundary_check=(0, 1))
+    if GATE != 0:
+        tl.store(pd_alog + i_c * H + i_h, b_pal)
+
+    if L2NORM:
+        # Pass 3: d x = (d x_hat - x_hat * rowsum(x_hat * d x_hat)) / ||x||.
+        for col0 in range(0, K, BKC):
+            b_qh = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                           padding_option="zero").to(tl.float32) * b_rq[:, None]
+            b_kh = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                           padding_option="zero").to(tl.float32) * b_rk[:, None]
+            b_dqh = tl.load(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                            padding_option="zero")
+            b_dkh = tl.load(_tok_ptr(p_dkd, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
+                            padding_option="zero")
+            b_dq_ = b_rq[:, None] * (b_dqh - b_qh * b_rdq[:, None])
+            b_dk_ = b_rk[:, None] * (b_dkh - b_kh * b_rdk[:, None])
+            tl.store(_tok_ptr(dq, t0, n, H, i_h, K, BT, BKC, col0), b_dq_.to(dq.dtype.element_ty),
+                     boundary_check=(0, 1))
+            tl.store(_tok_ptr(dk, t0, n, H, i_h, K, BT, BKC, col0), b_dk_.to(dk.dtype.element_ty),
+                     boundary_check=(0, 1))
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------
@@ -281,26 +376,60 @@ def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seq
     return dh, dd, dh0
 
 
-def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
-                  gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
-    """Intra-chunk gradients. Returns dq, dk, dv, dg (like q, k, v, g), dbeta (like beta), and the per-chunk
-    partials pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused)."""
+def kda_bwd_wy(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
+               gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+    """Backward part 1. Returns dv, dbeta (like v, beta) and the fp32 partials for part 2 (a dict)."""
     T, H, K = q.shape
     V = v.shape[-1]
     NC = chunk_map.shape[0]
-    dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    f32 = dict(dtype=torch.float32)
+    part = dict(
+        p_dqp=q.new_empty(T, H, K, **f32), p_dkd=q.new_empty(T, H, K, **f32), p_dkp=q.new_empty(T, H, K, **f32),
+        p_da=q.new_empty(T, H, BT, **f32), p_dn=q.new_empty(T, H, BT, **f32), p_dbl=q.new_empty(NC, H, K, **f32),
+    )
+    dummy = q.new_empty(1, **f32)
+    kda_bwd_kernel_wy[(NC, H)](
+        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        chunk_map, cu_seqlens,
+        h, dh, d, dd, do,
+        dv, dbeta, *part.values(),
+        scale, H,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), GATE=gate, LOWER_BOUND=lower_bound,
+        HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+    )
+    return dv, dbeta, part
+
+
+def kda_bwd_scores(q, k, g, A_log, dt_bias, chunk_map, cu_seqlens, part: dict, *, scale: float, gate: int,
+                   lower_bound: float, l2norm: bool):
+    """Backward part 2 (consumes `part`). Returns dq, dk, dg (like q, k, g) and the per-chunk partials
+    pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused)."""
+    T, H, K = q.shape
+    NC = chunk_map.shape[0]
+    dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
     fused_gate = gate != 0
     pd_dt = q.new_empty(NC, H, K, dtype=torch.float32) if fused_gate else None
     pd_alog = q.new_empty(NC, H, dtype=torch.float32) if fused_gate else None
     dummy = q.new_empty(1, dtype=torch.float32)
-    kda_bwd_kernel_intra[(NC, H)](
-        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
-        chunk_map, cu_seqlens,
-        h, dh, d, dd, do,
-        dq, dk, dv, dg, dbeta, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
+    kda_bwd_kernel_scores[(NC, H)](
+        q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, chunk_map, cu_seqlens,
+        *part.values(),
+        dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
         scale, H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K),
-        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
-        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+        K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
+        SPAN_MAX=SPAN_MAX,
     )
+    return dq, dk, dg, pd_dt, pd_alog
+
+
+def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
+                  gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+    """Intra-chunk gradients: kda_bwd_wy then kda_bwd_scores (fp32 partials in between: 2 KB per token and head
+    at K = 128, freed on return). Returns dq, dk, dv, dg, dbeta, pd_dt, pd_alog."""
+    dv, dbeta, part = kda_bwd_wy(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do,
+                                 scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm,
+                                 beta_sigmoid=beta_sigmoid)
+    dq, dk, dg, pd_dt, pd_alog = kda_bwd_scores(q, k, g, A_log, dt_bias, chunk_map, cu_seqlens, part, scale=scale,
+                                                gate=gate, lower_bound=lower_bound, l2norm=l2norm)
     return dq, dk, dv, dg, dbeta, pd_dt, pd_alog

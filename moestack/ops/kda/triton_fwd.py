@@ -132,12 +132,37 @@ def _row(b_x, i, BT: tl.constexpr):
 
 
 @triton.jit
-def _is_slow(b_b, BT: tl.constexpr, SUB: tl.constexpr, SPAN_MAX: tl.constexpr):
-    """True when some 16-row sub-block decays by more than e^-SPAN_MAX in some channel."""
+def _max_span(b_b, BT: tl.constexpr, SUB: tl.constexpr):
+    """Largest log-decay across a 16-row sub-block, over all sub-blocks and channels of b [BT, BK] (a scalar)."""
     span = tl.zeros_like(_row(b_b, 0, BT))
     for c in tl.static_range(BT // SUB):
         span = tl.maximum(span, _row(b_b, c * SUB, BT) - _row(b_b, c * SUB + SUB - 1, BT))
-    return tl.max(span, 0) > SPAN_MAX
+    return tl.max(span, 0)
+
+
+@triton.jit
+def _is_slow(b_b, BT: tl.constexpr, SUB: tl.constexpr, SPAN_MAX: tl.constexpr):
+    """True when some 16-row sub-block decays by more than e^-SPAN_MAX in some channel."""
+    return _max_span(b_b, BT, SUB) > SPAN_MAX
+
+
+@triton.jit
+def _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0,
+               K: tl.constexpr, BT: tl.constexpr, BKC: tl.constexpr,
+               GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """Gate input x (+ dt_bias) and log-decay g [BT, BKC] of columns col0..; padded rows and columns have g = 0."""
+    o_t = tl.arange(0, BT)
+    o_k = col0 + tl.arange(0, BKC)
+    m_tk = ((t0 + o_t) < t_end)[:, None] & (o_k < K)[None, :]
+    p_x = _tok_ptr(g, t0, t_end - t0, H, i_h, K, BT, BKC, col0)
+    b_x = tl.load(p_x, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    if HAS_DT_BIAS:
+        b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    if GATE != 0:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    else:
+        a = 1.0
+    return b_x, tl.where(m_tk, _gate_fwd(b_x, a, GATE, LOWER_BOUND), 0.0)
 
 
 @triton.jit
@@ -224,7 +249,8 @@ def _chunk_coords(chunk_map, cu_seqlens, i_c, BT: tl.constexpr):
 # ---- kernels -------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=_configs([triton.Config({}, num_warps=8)]), key=["K", "V", "GATE", "L2NORM"])
+@triton.autotune(configs=_configs([triton.Config({}, num_warps=8), triton.Config({}, num_warps=16)]),
+                 key=["K", "V", "GATE", "L2NORM"])
 @triton.jit
 def kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
@@ -264,7 +290,7 @@ def kda_fwd_kernel_intra(
 @triton.autotune(configs=_configs([
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=8, num_stages=2),
 ]), key=["K", "V", "STORE_O", "STORE_H"])
 @triton.jit

@@ -19,6 +19,7 @@ import torch
 from moestack.ops.moe import reference
 from moestack.ops.moe.reference import (
     Permutation,
+    gather_sorted,
     grouped_mm_loop,
     moe_loop_reference,
     permute,
@@ -74,6 +75,7 @@ __all__ = [
     "PREFERENCE",
     "Permutation",
     "available_backends",
+    "gather_sorted",
     "grouped_mm",
     "grouped_mm_loop",
     "moe_loop_reference",

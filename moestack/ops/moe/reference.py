@@ -121,6 +121,35 @@ def permute(topk_idx_TK: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order_N, inverse_N, order_N // K, counts_E, ends_E.to(torch.int32))
 
 
+class _GatherSorted(torch.autograd.Function):
+    """h_sorted = h_TD[token_ids]; backward sums each token's K slot gradients in a fixed order.
+
+    Autograd's own backward of an index gather is an accumulating scatter (index_put with duplicates), which is
+    run-to-run non-deterministic on CPU threads and with CUDA atomics; here each token's K rows are gathered back
+    through the inverse permutation and summed, so the result is bitwise reproducible.
+    """
+
+    @staticmethod
+    def forward(ctx, h_TD: torch.Tensor, token_ids_N: torch.Tensor, inverse_N: torch.Tensor, K: int):
+        ctx.save_for_backward(inverse_N)
+        ctx.K = K
+        return h_TD[token_ids_N]
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        (inverse_N,) = ctx.saved_tensors
+        N, D = grad_ND.shape
+        grad_TKD = grad_ND[inverse_N].view(N // ctx.K, ctx.K, D)
+        grad_TD = grad_TKD.sum(1, dtype=_at_least_fp32(grad_ND.dtype)).to(grad_ND.dtype)
+        return grad_TD, None, None, None
+
+
+def gather_sorted(h_TD: torch.Tensor, perm: Permutation, K: int) -> torch.Tensor:
+    """Expert-major copy of the routed inputs, [T*K, D]: rows of expert e at offs_E[e-1]:offs_E[e].
+    Deterministic in forward and backward (see _GatherSorted)."""
+    return _GatherSorted.apply(h_TD, perm.token_ids_N, perm.inverse_N, K)
+
+
 def unpermute_combine(y_sorted_ND: torch.Tensor, perm: Permutation, topk_w_TK: torch.Tensor) -> torch.Tensor:
     """y_TD[t] = sum_k topk_w_TK[t, k] * (expert output of slot (t, k)). Returns [T, D] in y_sorted's dtype.
 

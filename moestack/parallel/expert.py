@@ -1,0 +1,223 @@
+"""Expert parallelism (EP): routed experts sharded over ranks, rows dispatched to their owners with all-to-all.
+
+Applied from outside: `apply_expert_parallel(model, ep_mesh, dispatcher)` shards each MoE's `experts` weights on
+dim 0 over the ep mesh (DTensor Shard(0): rank j owns the contiguous experts [j*E_loc, (j+1)*E_loc), and DCP can
+reshard them across EP degrees) and swaps the module's class to `ExpertParallelExperts`, whose forward moves rows
+to their owners, runs the local experts and moves the outputs back. `MoE.forward` is untouched: it still calls
+`experts(h_sorted, offs)` with rows in global expert order, and the parameter names do not change.
+
+One forward (flat dispatcher, P ranks, E_loc experts each):
+    counts [P, E_loc] -> all-to-all of counts      (small; every rank learns what it will receive)
+    one host sync for the split sizes               (the dropless path: buffers sized by the real counts)
+    rows (dest rank, expert) -> all-to-all          (ONE fused buffer per direction, uneven splits)
+    received (src rank, expert) -> (expert, src)    (a gather: the local grouped GEMM wants expert-major rows)
+    local experts -> inverse gather -> all-to-all back
+The hierarchical dispatcher (n domains of D ranks) routes the same rows in two hops: first inside the fast domain,
+to the rank whose local index matches the owner's, then ONE cross-domain exchange per destination domain (each
+carrying the rows of all D ranks of the source domain for that peer), which lands every row on its owner.
+Cross-domain messages per rank drop from (n-1)*D to n-1 and each is D times larger.
+
+Autograd: the all-to-alls are `moestack.parallel.comm.all_to_all` (backward = the reverse exchange, saving only
+split sizes) and the regroupings are index gathers; under activation recompute nothing is kept twice.
+
+Legend: N rows in (sorted by global expert), R rows received, L row width (latent), E experts, E_loc = E / P,
+P ranks in the EP group, n domains, D ranks per domain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from moestack.config.base import ConfigError
+from moestack.config.model_spec import RouterSpec
+from moestack.model.mlp import glu_activation
+from moestack.model.moe import MoE, Experts
+from moestack.parallel.comm import all_to_all, exchange_counts
+
+LocalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def regroup_index(counts_ABC: torch.Tensor, total: int) -> torch.Tensor:
+    """Index that reorders rows laid out as chunks (a, b, c) [row-major, chunk (a,b,c) has counts_ABC[a,b,c]
+    rows] into (b, a, c) order: rows_bac = rows_abc[index]. `total` = counts_ABC.sum() as a Python int (known
+    from the split sizes, so no host sync here). Returns int64 [total]."""
+    A, B, C = counts_ABC.shape
+    counts_ABC = counts_ABC.long()
+    starts_abc = torch.cumsum(counts_ABC.reshape(-1), 0) - counts_ABC.reshape(-1)  # source start of each chunk
+    counts_bac = counts_ABC.permute(1, 0, 2).reshape(-1)
+    src_start_bac = starts_abc.view(A, B, C).permute(1, 0, 2).reshape(-1)
+    dst_start_bac = torch.cumsum(counts_bac, 0) - counts_bac
+    chunk_R = torch.repeat_interleave(torch.arange(A * B * C, device=counts_ABC.device), counts_bac,
+                                      output_size=total)
+    offset_R = torch.arange(total, device=counts_ABC.device) - dst_start_bac[chunk_R]
+    return src_start_bac[chunk_R] + offset_R
+
+
+def invert_index(index_R: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: inv[index[i]] = i."""
+    inv = torch.empty_like(index_R)
+    inv[index_R] = torch.arange(index_R.numel(), device=index_R.device)
+    return inv
+
+
+def _splits(*counts: torch.Tensor) -> list[list[int]]:
+    """Row sums of several [G, X] count tensors as Python lists, with one host sync for all of them."""
+    sums = torch.cat([c.sum(1) for c in counts]).tolist()
+    out, i = [], 0
+    for c in counts:
+        out.append(sums[i : i + c.shape[0]])
+        i += c.shape[0]
+    return out
+
+
+class FlatDispatcher:
+    """One all-to-all per direction over the whole EP group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
+        P = self.size
+        send_PX = counts_E.view(P, -1)
+        recv_PX = exchange_counts(send_PX, self.group)
+        in_splits, out_splits = _splits(send_PX, recv_PX)
+        R = sum(out_splits)
+        x_RL = all_to_all(h_NL, out_splits, in_splits, self.group)  # (src rank, local expert)
+        order_R = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (local expert, src rank)
+        offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
+        y_RL = local_fn(x_RL[order_R], offs_X)[invert_index(order_R)]
+        return all_to_all(y_RL, in_splits, out_splits, self.group)
+
+
+class HierarchicalDispatcher:
+    """Two hops: inside the fast domain to the owner's local index, then one exchange per destination domain.
+
+    intra_group: the D ranks of my domain (group rank = local index); cross_group: the n ranks with my local index,
+    one per domain (group rank = domain index). EP rank = domain * D + local index.
+    """
+
+    def __init__(self, intra_group: dist.ProcessGroup, cross_group: dist.ProcessGroup):
+        self.intra, self.cross = intra_group, cross_group
+        self.D, self.n = dist.get_world_size(intra_group), dist.get_world_size(cross_group)
+
+    def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
+        n, D = self.n, self.D
+        c_nDX = counts_E.view(n, D, -1)  # rows to (domain, local index, local expert), in this order in h_NL
+        X = c_nDX.shape[-1]
+        # hop 1 (intra-domain): group by destination local index
+        send_a = c_nDX.permute(1, 0, 2).reshape(D, n * X)
+        recv_a = exchange_counts(send_a, self.intra)  # [src local, (domain, expert)]
+        # hop 2 (cross-domain): group what arrived by destination domain
+        r_DnX = recv_a.view(D, n, X)
+        send_b = r_DnX.permute(1, 0, 2).reshape(n, D * X)
+        recv_b = exchange_counts(send_b, self.cross)  # [src domain, (src local, expert)] = [src ep rank, expert]
+        in_a, out_a, in_b, out_b = _splits(send_a, recv_a, send_b, recv_b)
+        N, A, R = sum(in_a), sum(out_a), sum(out_b)
+
+        order_a = regroup_index(c_nDX, N)  # (domain, local, expert) -> (local, domain, expert)
+        x = all_to_all(h_NL[order_a], out_a, in_a, self.intra)  # (src local, domain, expert)
+        order_b = regroup_index(r_DnX, A)  # -> (domain, src local, expert)
+        x = all_to_all(x[order_b], out_b, in_b, self.cross)  # (src domain, src local, expert)
+        recv_PX = recv_b.view(n * D, X)
+        order_l = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (expert, src rank)
+        offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
+
+        y = local_fn(x[order_l], offs_X)[invert_index(order_l)]
+        y = all_to_all(y, in_b, out_b, self.cross)[invert_index(order_b)]
+        return all_to_all(y, in_a, out_a, self.intra)[invert_index(order_a)]
+
+
+Dispatcher = FlatDispatcher | HierarchicalDispatcher
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ExpertParallelExperts(Experts):
+    """`Experts` with weights sharded over the EP group (installed by `apply_expert_parallel`, not constructed).
+
+    forward(h_NL [N, L] sorted by global expert, offs_E int32 [E]) -> [N, L] in the same row order, exactly what
+    `Experts.forward` returns on one device; in between, the rows visit the ranks owning their experts.
+    """
+
+    ep_dispatcher: Dispatcher
+
+    def local_forward(self, x_RL: torch.Tensor, offs_X: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows sorted by local expert (Experts.forward on this rank's weight shard)."""
+        w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
+        gate_up = self.grouped_mm(x_RL, w_gate_up.transpose(1, 2), offs_X)
+        gate, up = gate_up.chunk(2, dim=-1)
+        a = glu_activation(gate, up, self.activation, self.situ_beta, self.situ_linear_beta)
+        return self.grouped_mm(a, w_down.transpose(1, 2), offs_X)
+
+    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        offs = offs_E.long()
+        counts_E = torch.diff(offs, prepend=offs.new_zeros(1))
+        return self.ep_dispatcher(h_NL, counts_E, self.local_forward)
+
+
+def _shard_dim0(param: nn.Parameter, ep_mesh: DeviceMesh) -> nn.Parameter:
+    """This rank's contiguous dim-0 block as a DTensor Shard(0) over ep_mesh (local slice: no communication, works
+    on meta; every rank built the same full weights from the same seed)."""
+    P, j = ep_mesh.size(), ep_mesh.get_local_rank()
+    block = param.shape[0] // P
+    local = param.detach()[j * block : (j + 1) * block].clone()
+    dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                            stride=param.stride())
+    return nn.Parameter(dt, requires_grad=param.requires_grad)
+
+
+def make_dispatcher(kind: str, ep_mesh: DeviceMesh, domain_groups: tuple | None = None) -> Dispatcher:
+    """"flat" -> FlatDispatcher(ep group); "hierarchical" -> HierarchicalDispatcher(*domain_groups)
+    (domain_groups = (intra-domain group, cross-domain group), see Meshes.ep_domain_groups)."""
+    if kind == "flat":
+        return FlatDispatcher(ep_mesh.get_group())
+    if kind == "hierarchical":
+        if domain_groups is None:
+            raise ConfigError("plan.dispatcher: 'hierarchical' needs an EP domain size (ranks per fast domain)")
+        return HierarchicalDispatcher(*domain_groups)
+    raise ConfigError(f"plan.dispatcher: unknown dispatcher {kind!r}; allowed: 'flat', 'hierarchical'")
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: Dispatcher) -> list[str]:
+    """Shard the routed experts of every MoE under `model` over `ep_mesh` and install the dispatcher.
+
+    Works on a whole model or a pipeline stage, before FSDP (FSDP then shards the local expert blocks over the
+    expert-data-parallel mesh). Returns the names of the converted `experts` modules.
+    """
+    P = ep_mesh.size()
+    converted = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        E = experts.w_gate_up.shape[0]
+        if E % P:
+            raise ConfigError(f"plan.ep: {P} does not divide the {E} routed experts of {name}; choose ep dividing {E}")
+        experts.w_gate_up = _shard_dim0(experts.w_gate_up, ep_mesh)
+        experts.w_down = _shard_dim0(experts.w_down, ep_mesh)
+        experts.__class__ = ExpertParallelExperts
+        experts.ep_dispatcher = dispatcher
+        converted.append(f"{name}.experts")
+    return converted
+
+
+def domain_limited_routing(router: RouterSpec, ep: int, domain_size: int, max_domains: int) -> RouterSpec:
+    """RouterSpec restricting each token's experts to at most `max_domains` EP domains (node-limited routing,
+    DeepSeek-V3): group-limited routing with one expert group per domain. Experts are contiguous per rank and ranks
+    contiguous per domain, so group g is exactly the experts of domain g. Use it in the model spec (it changes the
+    routing math, so single- and multi-rank runs must both use it)."""
+    if ep % domain_size:
+        raise ConfigError(f"domain_size {domain_size} must divide ep ({ep})")
+    n = ep // domain_size
+    if not 1 <= max_domains <= n:
+        raise ConfigError(f"max_domains must be in [1, {n}] (the number of EP domains), got {max_domains}")
+    return router.model_copy(update={"num_groups": n, "topk_groups": max_domains})

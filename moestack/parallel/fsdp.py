@@ -1,0 +1,76 @@
+"""ZeRO through FSDP2 (`fully_shard`), with separate meshes for dense and routed-expert parameters.
+
+Groups (one all-gather / reduce-scatter each), innermost first:
+    block.ffn.experts        over the expert-data-parallel mesh (edp), when experts are EP-sharded DTensors
+    block.ffn.router         own group with fp32 params when the others gather in bf16 (MODEL.md: router in fp32)
+    block                    every other parameter of the layer, over the dense dp mesh
+    root (the model)         embedding, final norm, LM head (the head is used as a weight, not called as a
+                             module, so it must belong to the root group whose pre-forward gathers it)
+
+ZeRO stage -> FSDP2: 3 = reshard after forward (params gathered again for backward); 1 and 2 = keep the gathered
+params from forward to backward (FSDP2 always shards gradients and optimizer state, so 1 behaves like 2); 0 = plain
+data parallelism, i.e. FSDP2 over a (dp_replicate, dp_shard=1) mesh: parameters replicated, gradients all-reduced.
+HSDP = dp_replicate > 1 and dp_shard > 1 on the 2-D mesh.
+
+Gradient scaling: each rank's loss is the mean over its own tokens, so every gradient must be divided by the
+number of data-parallel ranks (dp). FSDP2 divides dense gradients by the size of their mesh (= dp). Expert
+gradients are reduced over edp only, but each owner already summed the contributions of all ep ranks' tokens
+(through the all-to-all backward), so their divide factor is set to dp as well (edp * ep = dp without TP/CP).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from moestack.model.moe import MoE
+
+
+def mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None = torch.float32
+                    ) -> MixedPrecisionPolicy:
+    """FSDP2 policy: params gathered (and computed) in param_dtype, gradients reduced in reduce_dtype, fp32
+    master weights and optimizer state in the sharded parameters. None = keep the parameter dtype (fp32)."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    expert_grad_divide: float | None = None,
+) -> nn.Module:
+    """Shard `model` (a whole Transformer or a pipeline stage of one) with FSDP2, in place; returns it.
+
+    dp_mesh: 2-D (dp_replicate, dp_shard) mesh for dense params. expert_mesh: the edp mesh for EP-sharded expert
+    weights (None when experts are not EP-sharded: they then shard with their block). expert_grad_divide: the
+    data-parallel degree dp (see the module docstring). The root group covers what is left (embed, norm, head).
+    """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    reshard = zero_stage == 3
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values()) if layers is not None else []
+    for block in blocks:
+        moe = block.ffn if isinstance(getattr(block, "ffn", None), MoE) else None
+        if moe is not None and expert_mesh is not None:
+            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            if expert_grad_divide is not None:
+                moe.experts.set_gradient_divide_factor(float(expert_grad_divide))
+        if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
+            fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # the root's parameters are used first (embed) and last (head): resharding them after forward buys nothing
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip (False) or run (True) the gradient reduce-scatter / all-reduce in the next backward: off for all but
+    the last micro-batch of an accumulation step. No-op for a model without FSDP."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)

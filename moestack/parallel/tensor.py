@@ -1,0 +1,433 @@
+"""Tensor parallelism (Megatron-style head / column sharding) with optional sequence parallelism, from outside.
+
+`apply_tp(model, tp_mesh, sequence_parallel)` turns every parameter it owns into a DTensor on the 1-D TP mesh --
+Shard(0) for column-parallel weights and per-head parameters, Shard(1) for row-parallel weights, Replicate for the
+rest -- so the optimizer, gradient clipping, FSDP2 and DCP see global shapes. The model code stays single-device:
+
+* Parameters. During the forward of a "TP unit" (a mixer, an FFN, a norm, the embedding, the LM head) hooks swap
+  the unit's DTensor parameters for their local shards and set the module's head counts to the local ones, so
+  `view(B, T, H, K)` and direct weight reads (KDA `A_log` / `dt_bias` / short convs, MLA `kv_b_proj.weight` in
+  the absorbed sparse path, the LM-head weight read by the chunked loss) all see this rank's heads. After the
+  forward the global DTensors and head counts are restored. In backward the local gradient is wrapped back into
+  a DTensor with the parameter's placement; a replicated parameter whose local use saw only part of the work
+  (it feeds head-sharded projections, or runs on a sequence shard) has its gradient summed over the TP group
+  first ("sum"), and the DSA indexer's gradient is averaged ("avg", see below).
+* Activations stay plain local tensors; the collectives at unit boundaries are DTensor redistributes:
+  without SP, Megatron's f (identity, all-reduce in backward) before a sharded unit and g (all-reduce) after it;
+  with SP the residual stream is sequence-sharded [B, T/tp, D] and they become all-gather / reduce-scatter.
+
+Per module (H heads, tp ranks, H % tp == 0):
+  KDA        q/k/v/g (or g_b), f (or f_b), b projections and the three short convs by head (Shard(0)); A_log,
+             dt_bias by head; f_a / g_a (low rank) and o_norm (one [K] weight shared by all heads) replicated,
+             gradients summed; o_proj row-wise.
+  Gated MLA  q_b (or q), kv_b, g projections by head; q_a, kv_a and their norms replicated (low rank), gradients
+             summed; o_proj row-wise. The lightning indexer is replicated and runs on every rank: its scores and
+             top-k are identical everywhere. Its KL target is the attention distribution averaged over the heads,
+             so each rank's target covers only its heads; the KL gradient is linear in the target and every head
+             group has H/tp heads, so the mean over ranks of the local gradients is the exact gradient ("avg").
+             (`last_indexer_loss` is the rank-local KL, for logging.)
+  GQA        q/k/v (+ biases), g by head (num_kv_heads % tp == 0); q_norm / k_norm replicated, summed; o_proj
+             row-wise.
+  dense MLP  gate/up column-wise, down row-wise.
+  MoE        token-sharded: each TP rank runs router, dispatch and experts on its own tokens (with SP: its
+             sequence shard, no communication; without: a slice of the replicated input, outputs all-gathered).
+             Two ranks of one TP group must never both process a token: with expert parallelism folded onto the
+             TP ranks that would count every token twice. Router, latent down/up projections and latent norm are
+             replicated with summed gradients; routed experts are left to expert parallelism when they are
+             already DTensors (`moestack.parallel.expert`), else replicated with summed gradients. The fused
+             shared experts are column/row sharded over all tokens of the group (all-gather / reduce-scatter of
+             rows). The sequence-wise aux loss needs the expert counts of the whole sequence: apply_tp sets
+             `moe.seq_shard_group` (see the report / MoE docstring: the model must reduce its counts over it).
+  embedding  replicated; with SP each rank embeds its sequence shard (tokens are sliced in a pre-hook).
+  LM head    replicated (the chunked cross-entropy takes the full [V, D] weight); with SP the loss is computed on
+             the local sequence shard and combined exactly: sum of token losses / number of counted tokens over
+             the TP group. `model(tokens)` without targets returns all-gathered logits.
+  norms      replicated; with SP their gradients (from sequence shards) are summed.
+
+Requirements: T % tp == 0 with SP; with SP call the model through `model(tokens, targets)` (the hooks on the
+root slice the targets and combine the loss; `hidden_states()` alone returns the local sequence shard).
+Order with other parallelisms: expert parallelism before apply_tp (apply_tp leaves parameters that are already
+DTensors alone), FSDP2 after it. Initialise weights before apply_tp (the full model is sharded by slicing), or
+build on meta, apply_tp, materialise and call `init_weights_tp`.
+
+Legend: B batch, T tokens (T_l = T / tp with SP), D hidden, H heads, N rows (tokens) of a flattened batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+
+from moestack.model.dsa import GatedMLA
+from moestack.model.gqa import GQAAttention
+from moestack.model.kda import KDAAttention
+from moestack.model.loss import IGNORE_INDEX
+from moestack.model.mlp import GLUMLP
+from moestack.model.moe import MoE
+from moestack.model.transformer import Transformer
+
+Reduce = Literal["sum", "avg"] | None
+COL, ROW, REP = Shard(0), Shard(1), Replicate()
+SEQ_DIM = 1  # the sequence dim of [B, T, D] activations and [B, T] tokens
+
+# ---------------------------------------------------------------------------------------------------------------
+# activation mappings: local tensor in, local tensor out; the DTensor wrapper only describes the collective
+
+
+def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron f: identity forward; backward all-reduces the partial input gradients of a sharded unit."""
+    return DTensor.from_local(x, mesh, (REP,), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+def reduce_from_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron g: all-reduce (sum) of partial outputs; backward identity (every rank holds the same output)."""
+    return DTensor.from_local(x, mesh, (Partial(),), run_check=False).redistribute(mesh, (REP,)).to_local()
+
+
+def gather_shards(x: torch.Tensor, mesh: DeviceMesh, dim: int, partial_grad: bool) -> torch.Tensor:
+    """All-gather the shards along `dim`. Backward: reduce-scatter when the consumer is sharded (each rank's
+    gradient is a partial sum, `partial_grad`), else keep this rank's slice of the (replicated) gradient."""
+    full = DTensor.from_local(x, mesh, (Shard(dim),), run_check=False).redistribute(mesh, (REP,))
+    return full.to_local(grad_placements=(Partial(),) if partial_grad else None)
+
+
+def scatter_shards(x: torch.Tensor, mesh: DeviceMesh, dim: int, partial: bool) -> torch.Tensor:
+    """This rank's shard along `dim`: reduce-scatter of partial outputs (`partial`) or a slice of a replicated
+    tensor. Backward: all-gather of the shard gradients."""
+    src = (Partial(),) if partial else (REP,)
+    return DTensor.from_local(x, mesh, src, run_check=False).redistribute(mesh, (Shard(dim),)).to_local()
+
+
+def shard_slice(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """This rank's contiguous block of a replicated, gradient-free tensor (token ids, targets) along `dim`."""
+    n = mesh.size()
+    assert x.shape[dim] % n == 0, f"dim {dim} of size {x.shape[dim]} does not split over {n} TP ranks"
+    return x.chunk(n, dim=dim)[mesh.get_local_rank()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameter views
+
+
+class _LocalView(torch.autograd.Function):
+    """DTensor parameter -> its local tensor; the local gradient comes back as a DTensor with the parameter's
+    placement, summed (or averaged) over the mesh first when `reduce` says the local use was partial."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, reduce: Reduce) -> torch.Tensor:
+        ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride())
+        ctx.reduce = reduce
+        local = param.to_local()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mesh, placements, shape, stride = ctx.spec
+        grad = grad.contiguous()
+        if ctx.reduce is not None:
+            grad = grad.clone()  # all_reduce writes in place
+            dist.all_reduce(grad, group=mesh.get_group())  # SUM: gloo has no AVG
+            if ctx.reduce == "avg":
+                grad.div_(mesh.size())
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+
+
+def _local_view(param: DTensor, reduce: Reduce) -> torch.Tensor:
+    if torch.is_grad_enabled() and param.requires_grad:
+        return _LocalView.apply(param, reduce)
+    return param.to_local()
+
+
+class _Unit:
+    """The parameters (owner module, attribute, reduce) and head-count attributes swapped while one module runs."""
+
+    def __init__(self, params: list[tuple[nn.Module, str, Reduce]], heads: dict[tuple[nn.Module, str], int]):
+        self.params, self.heads = params, heads
+        self._saved: list[list] = []  # a stack: one frame per active forward
+
+    def enter(self) -> None:
+        frame = []
+        for owner, name, reduce in self.params:
+            param = owner._parameters[name]
+            frame.append((owner, name, param))
+            owner._parameters[name] = _local_view(param, reduce)  # a plain tensor for the module's forward
+        for (owner, attr), local in self.heads.items():
+            frame.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, local)
+        self._saved.append(frame)
+
+    def exit(self) -> None:
+        for owner, name, value in reversed(self._saved.pop()):
+            if name in owner._parameters:
+                owner._parameters[name] = value
+            else:
+                setattr(owner, name, value)
+
+
+def _hook_unit(module: nn.Module, unit: _Unit) -> None:
+    module.register_forward_pre_hook(lambda m, args: unit.enter())
+    module.register_forward_hook(lambda m, args, out: unit.exit(), always_call=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sharding plans: parameter name (relative to the unit) -> (placement, gradient reduction)
+
+Rule = tuple[Placement, Reduce]
+PARTIAL_REP: Rule = (REP, "sum")  # replicated, local use is partial: sum the gradients over TP
+
+
+def _kda_plan(m: KDAAttention, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+    _check_div(m.num_heads, tp, "kda.num_heads")
+    _check_div(m.num_v_heads, tp, "kda.num_v_heads")
+    col = (COL, None)
+    plan = {f"{p}.weight": col for p in ("q_proj", "k_proj", "v_proj", "q_conv", "k_conv", "v_conv", "b_proj")}
+    plan |= {"f_proj.weight": col, "f_b_proj.weight": col, "f_a_proj.weight": PARTIAL_REP}
+    plan |= {"g_proj.weight": col, "g_b_proj.weight": col, "g_a_proj.weight": PARTIAL_REP}
+    plan |= {"A_log": col, "dt_bias": col, "o_norm.weight": PARTIAL_REP, "o_proj.weight": (ROW, None)}
+    return plan, {"num_heads": m.num_heads // tp, "num_v_heads": m.num_v_heads // tp}
+
+
+def _mla_plan(m: GatedMLA, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+    _check_div(m.num_heads, tp, "mla.num_heads")
+    col = (COL, None)
+    plan = {"q_proj.weight": col, "q_b_proj.weight": col, "kv_b_proj.weight": col, "g_proj.weight": col}
+    plan |= {f"{p}.weight": PARTIAL_REP for p in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm")}
+    plan["o_proj.weight"] = (ROW, None)
+    if m.indexer is not None:
+        plan |= {f"indexer.{n}": (REP, "avg") for n, _ in m.indexer.named_parameters()}
+    return plan, {"num_heads": m.num_heads // tp}
+
+
+def _gqa_plan(m: GQAAttention, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+    _check_div(m.num_kv_heads, tp, "gqa.num_kv_heads")
+    assert m.o_proj.bias is None, "a row-parallel o_proj bias would be added tp times"
+    col = (COL, None)
+    plan = {f"{p}.{w}": col for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")}
+    plan |= {"g_proj.weight": col, "q_norm.weight": PARTIAL_REP, "k_norm.weight": PARTIAL_REP}
+    plan["o_proj.weight"] = (ROW, None)
+    return plan, {"num_heads": m.num_heads // tp, "num_kv_heads": m.num_kv_heads // tp}
+
+
+def _glu_plan(m: GLUMLP, tp: int, prefix: str = "") -> dict[str, Rule]:
+    _check_div(m.gate_proj.out_features, tp, "intermediate size")
+    return {f"{prefix}gate_proj.weight": (COL, None), f"{prefix}up_proj.weight": (COL, None),
+            f"{prefix}down_proj.weight": (ROW, None)}
+
+
+def _moe_plan(m: MoE, tp: int) -> dict[str, Rule]:
+    plan = {"router.weight": PARTIAL_REP, "down_proj.weight": PARTIAL_REP, "up_proj.weight": PARTIAL_REP,
+            "latent_norm.weight": PARTIAL_REP, "experts.w_gate_up": PARTIAL_REP, "experts.w_down": PARTIAL_REP}
+    if m.shared is not None:
+        plan |= _glu_plan(m.shared, tp, "shared.")
+    return plan
+
+
+def _check_div(n: int, tp: int, what: str) -> None:
+    if n % tp:
+        raise ValueError(f"tensor parallelism: {what} ({n}) is not divisible by tp ({tp})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# applying a plan
+
+
+class _Distributor:
+    """Converts parameters to DTensors once (tied weights stay tied) and builds the units."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self._done: dict[int, nn.Parameter] = {}
+
+    def unit(self, module: nn.Module, plan: dict[str, Rule], heads: dict[str, int] | None = None,
+             default: Rule | None = None) -> _Unit:
+        """Distribute every plain parameter under `module` by `plan` (names relative to `module`; a name not in
+        the plan takes `default`, or is an error without one) and return the unit swapping them."""
+        params = []
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            if isinstance(param, DTensor):
+                continue  # distributed by someone else (expert parallelism): not ours to swap
+            rule = plan.get(name, default)
+            if rule is None:
+                raise KeyError(f"tensor parallelism: no sharding rule for {type(module).__name__}.{name}")
+            placement, reduce = rule
+            setattr(owner, leaf, self._distribute(param, placement))
+            params.append((owner, leaf, reduce))
+        return _Unit(params, {(module, k): v for k, v in (heads or {}).items()})
+
+    def _distribute(self, param: nn.Parameter, placement: Placement) -> nn.Parameter:
+        if id(param) not in self._done:  # a tied weight is converted once, through its first module
+            if isinstance(placement, Shard):
+                _check_div(param.shape[placement.dim], self.mesh.size(), f"dim {placement.dim} of {tuple(param.shape)}")
+            new = nn.Parameter(distribute_tensor(param.detach(), self.mesh, [placement]),
+                               requires_grad=param.requires_grad)
+            if getattr(param, "_no_weight_decay", False):
+                new._no_weight_decay = True
+            self._done[id(param)] = new
+        return self._done[id(param)]
+
+
+def _hook_sharded_io(module: nn.Module, mesh: DeviceMesh, sp: bool, dim: int = SEQ_DIM) -> None:
+    """Input / output collectives of a unit whose work is split over the TP ranks (heads or columns).
+
+    With SP: all-gather the `dim` shards in (reduce-scatter in backward), reduce-scatter the partial output.
+    Without: f (all-reduce in backward) in, g (all-reduce) out.
+    """
+
+    def pre(m, args, kwargs):
+        x = gather_shards(args[0], mesh, dim, partial_grad=True) if sp else copy_to_tp(args[0], mesh)
+        return (x, *args[1:]), kwargs
+
+    def post(m, args, out):
+        return scatter_shards(out, mesh, dim, partial=True) if sp else reduce_from_tp(out, mesh)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post)
+
+
+def _hook_token_shard_io(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A replicated input [B, T, D] -> this rank's sequence shard; the output shards are all-gathered back."""
+    module.register_forward_pre_hook(
+        lambda m, args: (scatter_shards(args[0], mesh, SEQ_DIM, partial=False), *args[1:])
+    )
+    module.register_forward_hook(lambda m, args, out: gather_shards(out, mesh, SEQ_DIM, partial_grad=False))
+
+
+def _mixer_plan(attn: nn.Module, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+    if isinstance(attn, KDAAttention):
+        return _kda_plan(attn, tp)
+    if isinstance(attn, GatedMLA):
+        return _mla_plan(attn, tp)
+    if isinstance(attn, GQAAttention):
+        return _gqa_plan(attn, tp)
+    raise NotImplementedError(f"tensor parallelism has no plan for the mixer {type(attn).__name__}")
+
+
+def _apply_ffn(ffn: nn.Module, mesh: DeviceMesh, sp: bool, dist_: _Distributor) -> _Unit:
+    tp = mesh.size()
+    if isinstance(ffn, GLUMLP):
+        unit = dist_.unit(ffn, _glu_plan(ffn, tp))
+        _hook_sharded_io(ffn, mesh, sp)
+        return unit
+    if isinstance(ffn, MoE):
+        unit = dist_.unit(ffn, _moe_plan(ffn, tp))
+        if not sp:  # with SP the input already is this rank's sequence shard
+            _hook_token_shard_io(ffn, mesh)
+        if ffn.shared is not None:  # rows of x_TD [N, D]: all tokens of the TP group, sharded columns
+            _hook_sharded_io(ffn.shared, mesh, sp=True, dim=0)
+        ffn.seq_shard_group = mesh.get_group()  # the model reduces sequence statistics (aux loss) over it
+        return unit
+    raise NotImplementedError(f"tensor parallelism has no plan for the ffn {type(ffn).__name__}")
+
+
+def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
+    """SP at the model boundary: slice token ids (embedding pre-hook) and targets to the local sequence shard,
+    combine the local losses into the exact mean over the whole sequence, gather logits when no targets."""
+    counts: list[torch.Tensor | None] = []  # stack: one entry per active forward
+
+    if model.embed is not None:
+        model.embed.register_forward_pre_hook(lambda m, args: (shard_slice(args[0], mesh, SEQ_DIM), *args[1:]))
+
+    def pre(m, args, kwargs):
+        if len(args) > 1:
+            args = (args[0], shard_slice(args[1], mesh, SEQ_DIM), *args[2:]) if args[1] is not None else args
+            targets = args[1]
+        else:
+            targets = kwargs.get("targets")
+            if targets is not None:
+                kwargs = {**kwargs, "targets": shard_slice(targets, mesh, SEQ_DIM)}
+                targets = kwargs["targets"]
+        counts.append(None if targets is None else (targets != IGNORE_INDEX).sum())
+        return args, kwargs
+
+    def post(m, args, out):
+        count = counts.pop()
+        if count is None:  # logits (or hidden states of a headless stage): every rank gets the whole sequence
+            return gather_shards(out, mesh, SEQ_DIM, partial_grad=False)
+        # out = sum_local / max(count_local, 1): recover the sum, add the sums and the counts of all ranks
+        total = reduce_from_tp(out * count.clamp(min=1), mesh)
+        n = count.clone()
+        dist.all_reduce(n, group=mesh.get_group())
+        return total / n.clamp(min=1)
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post)
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Shard `model` (a Transformer or a pipeline-stage Transformer) over the 1-D `tp_mesh` in place.
+
+    Every rank must call it with the same model (same parameters: Shard placements slice the full tensors, which
+    rank 0 sends). sequence_parallel: keep the residual stream sequence-sharded [B, T/tp, D] between units
+    (norms, residual adds and the MoE run on 1/tp of the tokens); needs T % tp == 0. See the module docstring
+    for the per-module plans. Parameters that already are DTensors (expert parallelism) are left alone.
+    """
+    assert tp_mesh.ndim == 1, f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim}-D"
+    sp, tp = sequence_parallel, tp_mesh.size()
+    dist_ = _Distributor(tp_mesh)
+    units: list[_Unit] = []
+    norm_rule: Rule = (REP, "sum" if sp else None)  # with SP a norm sees only the local sequence shard
+
+    def add(module: nn.Module, unit: _Unit, hook_on: nn.Module | None = None) -> None:
+        _hook_unit(hook_on or module, unit)
+        units.append(unit)
+
+    if model.embed is not None:
+        add(model.embed, dist_.unit(model.embed, {}, default=norm_rule))
+    for block in model.layers.values():
+        for norm in (block.attn_norm, block.ffn_norm):
+            add(norm, dist_.unit(norm, {}, default=norm_rule))
+        plan, heads = _mixer_plan(block.attn, tp)
+        add(block.attn, dist_.unit(block.attn, plan, heads))
+        _hook_sharded_io(block.attn, tp_mesh, sp)
+        add(block.ffn, _apply_ffn(block.ffn, tp_mesh, sp, dist_))
+    if model.norm is not None:
+        add(model.norm, dist_.unit(model.norm, {}, default=norm_rule))
+    if model.lm_head is not None:  # the loss reads lm_head.weight directly: swap it for the whole forward
+        add(model.lm_head, dist_.unit(model.lm_head, {}, default=norm_rule), hook_on=model)
+    if sp:
+        _hook_sp_root(model, tp_mesh)
+    model._tp_units = units
+    model._tp_mesh = tp_mesh
+
+
+@contextmanager
+def local_shards(model: nn.Module) -> Iterator[None]:
+    """Inside: every TP parameter of `model` is its local shard (a plain tensor sharing storage with the DTensor)
+    and head counts are local, as during a forward. Gradient-free: for in-place initialisation or inspection."""
+    units: list[_Unit] = getattr(model, "_tp_units", [])
+    with torch.no_grad():
+        for unit in units:
+            unit.enter()
+        try:
+            yield
+        finally:
+            for unit in reversed(units):
+                unit.exit()
+
+
+@torch.no_grad()
+def init_weights_tp(model: Transformer, seed: int, std: float | None = None) -> None:
+    """Initialise a TP-sharded model in place, e.g. built on meta, `apply_tp`, then `to_empty(device=...)`.
+
+    Each rank runs the modules' own `init_weights` on its local shards (local head counts), seeded with
+    seed + TP rank so that head shards differ; replicated parameters are then broadcast from TP rank 0. The
+    result has the same distributions as `Transformer.init_weights`, not the same numbers.
+    """
+    mesh: DeviceMesh = model._tp_mesh
+    torch.manual_seed(seed + mesh.get_local_rank())
+    with local_shards(model):
+        model.init_weights(std)
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.device_mesh == mesh and param.placements == (REP,):
+            dist.broadcast(param.to_local(), src=src, group=group)

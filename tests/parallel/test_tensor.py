@@ -77,30 +77,31 @@ def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa:
     mesh = init_device_mesh("cpu", (world_size,))
     apply_tp(model, mesh, sequence_parallel=sp)
 
-    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in (ref, model)]
-    out = {"loss": [], "ref_loss": []}
+    models = (model, ref) if rank == 0 else (model,)  # the single-process reference runs on rank 0 only
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in models]
+    tokens, _ = make_batch(spec, 0)
+    out = {"loss": [], "ref_loss": [], "logits": model(tokens).detach(), "ref_logits": ref(tokens).detach()}
     for step in range(STEPS):
         tokens, targets = make_batch(spec, step)
-        for m, key in ((ref, "ref_loss"), (model, "loss")):
+        for m, key in zip(models, ("loss", "ref_loss")):
             loss = m(tokens, targets)
             loss.backward()
             out[key].append(loss.item())
         if step == 0:
             out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
-            out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            # gradients of one replicated parameter are identical on every TP rank after the step's reductions
+            out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()} if rank == 0 else None
+            # a replicated parameter's gradient is identical on every TP rank after the step's reductions
             out["norm_grad_local"] = model.layers["0"].attn_norm.weight.grad.to_local().clone()
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         # the MoE is token-sharded under TP: the load counts of one optimizer step add up over the TP group
-        for (name, moe), ref_moe in zip(model.moe_layers().items(), ref.moe_layers().values()):
+        for moe in model.moe_layers().values():
             counts = moe.router.tokens_per_expert.clone()
             dist.all_reduce(counts)
             moe.router.update_selection_bias(counts)
-            ref_moe.router.update_selection_bias()
-    out["logits"] = model(make_batch(spec, 0)[0]).detach()
-    out["ref_logits"] = ref(make_batch(spec, 0)[0]).detach()
+        for moe in ref.moe_layers().values():
+            moe.router.update_selection_bias()
     return out
 
 

@@ -1,7 +1,7 @@
 """The cost model against published training runs, each evaluated with `--fix` on its published configuration.
 
 Published numbers (reported TFLOP/s per GPU, or seconds per step) must be reproduced within 15%. What a
-publication does not state is written in `fix` with the reason (see benchmarks/PLANNER_VALIDATION.md); choices left
+publication does not state is written in `fix` with the reason (see "Planner validation" in benchmarks/RESULTS.md); choices left
 open are made by the planner (the fastest plan that fits our memory model).
 """
 

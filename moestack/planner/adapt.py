@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from moestack.config.base import ConfigError, validate
 from moestack.config.model_spec import LayerKind, ModelSpec
 from moestack.planner.profile import ArchProfile, profile_model
@@ -43,7 +45,7 @@ ADAM_BYTES_PER_PARAM = 16  # fp32 weight 4 + fp32 grad 4 + AdamW m 4 + v 4
 # kernels, saved_tensors_hooks): KDA 3.8x, MoE 3.5x, dense MLP 5x, MLA 1.2x of the fp32 estimate, ~3.4x overall:
 # the elementwise SiTU-GLU keeps six fp32 tensors per expert row where a fused kernel keeps three bf16 ones, and
 # the reference KDA keeps its chunk intermediates. On a GPU (bf16 autocast, fused KDA) the GLU part remains.
-GPU_ACT_FACTOR = 3.0
+GPU_ACT_FACTOR = 5.5  # measured 4.9 on the proxy, H200, reference KDA/DSA ops, 2026-11-29 (RESULTS.md)
 CPU_ACT_FACTOR = 8.0  # 2 (fp32) x ~4 (reference kernels)
 LOSS_CHUNK_TOKENS = 4096  # moestack.model.loss.chunked_cross_entropy's default chunk
 LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 copy + fp32 gradient of one chunk, alive together in backward
@@ -95,13 +97,21 @@ def parse_fit(text: str) -> FitTarget:
     m = re.fullmatch(r"cpu-(\d+(?:\.\d+)?)g(?:ib|b)?", key)
     if m:
         return _target(key, float(m.group(1)) * GIB, "cpu")
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", key)
-    if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
-        return _target(text.strip(), float(m.group(1)) * _UNITS[m.group(2)], "gpu")
+    nbytes = parse_bytes(text)
+    if nbytes is not None and nbytes > 0:
+        return _target(text.strip(), nbytes, "gpu")
     raise ConfigError(
         f"--fit: '{text}' is neither a device ({', '.join(sorted(DEVICES))}, cpu-<N>g) nor a memory amount "
         "(e.g. 141GB, 8GiB)"
     )
+
+
+def parse_bytes(text: str) -> float | None:
+    """"141GB" -> 141e9, "8GiB" -> 8 * 2**30, "512MB", "80G" (G = GB = 1e9); None if it is not an amount."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]+)", text.strip().lower())
+    if m is None or m.group(2) not in _UNITS:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _target(name: str, nbytes: float, kind: str) -> FitTarget:
@@ -176,20 +186,22 @@ def _round(x: float, step: int, lo: int | None = None) -> int:
     return max(lo, int(round(x / step)) * step)
 
 
-def _expert_factor(E: int, k: int, r: float, top_k: int | None) -> int:
-    """Common divisor s of (E, k): the proxy has E/s experts, top-k k/s. top_k given: s = k / top_k. Otherwise
-    the divisor whose expert count is nearest (in log) to E * r, keeping top-k >= 2 when the source routes to
+def _expert_factors(E: int, k: int, r: float, top_k: int | None) -> list[int]:
+    """Common divisors s of (E, k) to try, best first: the proxy has E/s experts and top-k k/s (experts / top-k is
+    the source's). top_k given: only s = k / top_k. Otherwise the divisor whose expert count is nearest (in log) to
+    E * r (experts shrink like the width), then ever fewer experts; top-k stays >= 2 when the source routes to
     several experts (with top-1 and renormalised weights the router gets no gradient through the output)."""
     divisors = [s for s in range(1, k + 1) if E % s == 0 and k % s == 0]
-    if top_k is None and k >= 2:
-        divisors = [s for s in divisors if k // s >= 2]
     if top_k is not None:
         if top_k <= 0 or k % top_k or E % (k // top_k):
             ok = sorted(k // s for s in divisors)
             raise ConfigError(f"--top-k: {top_k} does not keep experts/top-k = {E}/{k}; choose one of {ok}")
-        return k // top_k
+        return [k // top_k]
+    if k >= 2:
+        divisors = [s for s in divisors if k // s >= 2]
     want = max(E * r, 1.0)
-    return min(divisors, key=lambda s: (abs(math.log(E / s / want)), s))
+    first = min(divisors, key=lambda s: (abs(math.log(E / s / want)), s))
+    return [s for s in divisors if s >= first]
 
 
 def _router_groups(router: dict[str, Any], E: int, k: int) -> dict[str, Any]:
@@ -203,8 +215,8 @@ def _router_groups(router: dict[str, Any], E: int, k: int) -> dict[str, Any]:
     return {**router, "num_groups": g, "topk_groups": tg}
 
 
-def _scale_spec(src: ModelSpec, d: int, seq_len: int, top_k: int | None) -> tuple[dict[str, Any], str]:
-    """The proxy's spec data at hidden size d (module docstring) and its layer-pattern description."""
+def _scale_spec(src: ModelSpec, d: int, seq_len: int, s: int) -> tuple[dict[str, Any], str]:
+    """The proxy's spec data at hidden size d and expert factor s (module docstring), and its layer pattern."""
     r = d / src.hidden_size
     data = src.model_dump(mode="python")
     n, full, dense, desc = _scaled_pattern(src, r)
@@ -220,34 +232,31 @@ def _scale_spec(src: ModelSpec, d: int, seq_len: int, top_k: int | None) -> tupl
             if k[rank] is not None:
                 k[rank] = min(k[rank], d)
     if src.mla is not None:
-        m = data["mla"]
-        m["num_heads"] = max(1, round(src.mla.num_heads * r))
-        m["kv_lora_rank"] = min(src.mla.kv_lora_rank, d)
+        a = data["mla"]
+        a["num_heads"] = max(1, round(src.mla.num_heads * r))
+        a["kv_lora_rank"] = min(src.mla.kv_lora_rank, d)
         if src.mla.q_lora_rank is not None:
-            m["q_lora_rank"] = min(d, max(m["kv_lora_rank"], _round(src.mla.q_lora_rank * r, 64)))
+            a["q_lora_rank"] = min(d, max(a["kv_lora_rank"], _round(src.mla.q_lora_rank * r, 64)))
         if src.mla.indexer is not None:
-            m["indexer"]["top_k"] = max(1, min(src.mla.indexer.top_k, seq_len // 2))
+            a["indexer"]["top_k"] = max(1, min(src.mla.indexer.top_k, seq_len // 2))
     if src.gqa is not None:
         g = data["gqa"]
         group = src.gqa.num_heads // src.gqa.num_kv_heads
         kv = max(1, round(src.gqa.num_kv_heads * r))
         g.update(num_kv_heads=kv, num_heads=kv * group, head_dim=src.gqa_head_dim)
     if src.moe is not None:
-        mo = data["moe"]
-        E, k = src.moe.num_experts, src.moe.top_k
-        s = _expert_factor(E, k, r, top_k)
-        mo["num_experts"], mo["top_k"] = E // s, k // s
-        inter = _round(src.moe.expert_intermediate_size * r, 64)
+        m, mo = src.moe, data["moe"]
+        mo["num_experts"], mo["top_k"] = m.num_experts // s, m.top_k // s
+        inter = _round(m.expert_intermediate_size * r, 64)
         mo["expert_intermediate_size"] = inter
-        if src.moe.latent_size is not None:
-            mo["latent_size"] = min(d, _round(src.moe.latent_size * r, 64))
-        if src.moe.num_shared_experts:
-            m = src.moe
+        if m.latent_size is not None:
+            mo["latent_size"] = min(d, _round(m.latent_size * r, 64))
+        if m.num_shared_experts:  # DeepSeek / Kimi: shared width = count x expert width; keep that relation
             per_expert = m.shared_intermediate_size == m.num_shared_experts * m.expert_intermediate_size
             mo["shared_intermediate_size"] = (
-                src.moe.num_shared_experts * inter if per_expert else _round(src.moe.shared_intermediate_size * r, 64)
+                m.num_shared_experts * inter if per_expert else _round(m.shared_intermediate_size * r, 64)
             )
-        mo["router"] = _router_groups(mo["router"], E // s, k // s)
+        mo["router"] = _router_groups(mo["router"], mo["num_experts"], mo["top_k"])
     if src.dense_mlp is not None:
         data["dense_mlp"]["intermediate_size"] = _round(src.dense_mlp.intermediate_size * r, HIDDEN_STEP)
         if not dense and (src.moe is not None):
@@ -321,8 +330,8 @@ def adapt_model(
     seq_len / batch: the training shape the budget must hold (defaults: the target kind's, 4096 x 2 on a GPU,
     512 x 2 on a CPU). precision: "auto" = fp32 on a CPU target, bf16 otherwise. act_factor: multiplier on the
     profile's activation bytes (default GPU_ACT_FACTOR for bf16, CPU_ACT_FACTOR for fp32). margin: fraction of
-    the budget kept free. top_k: force the proxy's top-k (experts follow from the source's experts/top-k). Raises ConfigError
-    when even the narrowest proxy does not fit, or the source has features a proxy cannot drop.
+    the budget kept free. top_k: force the proxy's top-k (experts follow from the source's experts/top-k).
+    Raises ConfigError when even the narrowest proxy does not fit, or the source has features a proxy cannot drop.
     """
     seq_len = seq_len or target.seq_len
     batch = batch or target.batch
@@ -339,35 +348,39 @@ def adapt_model(
     source, notes = buildable_source(spec)
     usable = target.memory_bytes * (1 - margin)
     step = HIDDEN_STEP if source.hidden_size >= HIDDEN_STEP else source.hidden_size
-    best = None
-    smallest = None
-    for d in range(step, source.hidden_size + 1, step):
-        data, desc = _scale_spec(source, d, seq_len, top_k)
-        data["name"] = name or f"{spec.name}-fit-{target.name}"
-        cand = validate(ModelSpec, data, f"proxy of '{spec.name}' at hidden {d}")
-        prof = profile_model(cand, seq_len)
-        mem = training_memory(cand, seq_len, batch, act_factor, target.reserved_bytes, prof)
-        if smallest is None:
-            smallest = (d, sum(mem.values()))
-        if sum(mem.values()) <= usable:
-            best = (cand, prof, mem, desc)
+    best = smallest = None
+    for d in range(step, source.hidden_size + 1, step):  # the widest fit wins; at one width, the most experts
+        r = d / source.hidden_size
+        m = source.moe
+        factors = _expert_factors(m.num_experts, m.top_k, r, top_k) if m is not None else [1]
+        for s in factors:
+            data, desc = _scale_spec(source, d, seq_len, s)
+            data["name"] = name or f"{spec.name}-fit-{target.name}"
+            cand = validate(ModelSpec, data, f"proxy of '{spec.name}' at hidden {d}")
+            prof = profile_model(cand, seq_len)
+            mem = training_memory(cand, seq_len, batch, act_factor, target.reserved_bytes, prof)
+            if smallest is None or sum(mem.values()) < smallest[1]:
+                smallest = (d, sum(mem.values()))
+            if sum(mem.values()) <= usable:
+                best = (cand, prof, mem, desc)
+                break
     if best is None:
         d, need = smallest
         raise ConfigError(
-            f"adapt: no proxy of '{spec.name}' fits {target.name} ({usable / GIB:.1f} GiB usable): the narrowest "
+            f"adapt: no proxy of '{spec.name}' fits {target.name} ({usable / GIB:.1f} GiB usable): the smallest "
             f"(hidden {d}) needs {need / GIB:.1f} GiB at {batch} x {seq_len} tokens; lower --seq-len / --batch"
         )
     cand, prof, mem, desc = best
-    if source.mla is not None and source.mla.indexer is not None and cand.mla.indexer.top_k != source.mla.indexer.top_k:
-        notes.append(f"indexer top_k {source.mla.indexer.top_k} -> {cand.mla.indexer.top_k} (at most seq_len / 2, so "
-                     "the sparse path is exercised)")
+    ix_src, ix = (source.mla.indexer, cand.mla.indexer) if source.mla is not None else (None, None)
+    if ix_src is not None and ix.top_k != ix_src.top_k:
+        notes.append(f"indexer top_k {ix_src.top_k} -> {ix.top_k} (at most seq_len / 2: the sparse path runs)")
     if source.mla is not None and cand.mla.kv_lora_rank != source.mla.kv_lora_rank:
         notes.append(f"mla.kv_lora_rank {source.mla.kv_lora_rank} -> {cand.mla.kv_lora_rank} (capped at hidden size)")
     check_builds(cand, prof)
     return AdaptResult(
         spec=cand, source=source, target=target, seq_len=seq_len, batch=batch, precision=precision,
-        act_factor=act_factor, memory=mem,
-        usable_bytes=usable, profile=prof, source_profile=profile_model(source, seq_len), pattern=desc, notes=notes,
+        act_factor=act_factor, memory=mem, usable_bytes=usable, profile=prof,
+        source_profile=profile_model(source, seq_len), pattern=desc, notes=notes,
     )
 
 
@@ -397,6 +410,19 @@ def spec_to_yaml(result: AdaptResult) -> str:
         f"{result.profile.activated_params / 1e9:.3f}B activated.",
     ]
     head += [f"# note: {n}" for n in result.notes]
-    body = yaml.safe_dump(s.model_dump(mode="json", exclude_none=True), sort_keys=False, width=120)
+    body = yaml.safe_dump(_explicit(s), sort_keys=False, width=120)
     return "\n".join(head) + "\n" + body
+
+
+def _explicit(model: BaseModel) -> dict[str, Any]:
+    """model_dump(mode="json") without the fields that are None by default and None here (absent sections):
+    every other value is written out, so the file does not change meaning when a default changes."""
+    dumped = model.model_dump(mode="json")
+    out = {}
+    for key, info in type(model).model_fields.items():
+        value = getattr(model, key)
+        if value is None and info.default is None:
+            continue
+        out[key] = _explicit(value) if isinstance(value, BaseModel) else dumped[key]
+    return out
 

@@ -69,12 +69,47 @@ def runner(name: str, x: dict, backward: bool):
     return run, ins
 
 
+def breakdown(x: dict, rep: int) -> dict:
+    """Median ms of each of our kernels on inputs x (bf16, gate='none', L2 norm in kernel, as the main table)."""
+    from triton.testing import do_bench
+
+    from moestack.ops.kda import triton_bwd as tb
+    from moestack.ops.kda import triton_fwd as tf
+    from moestack.ops.kda.triton_op import _chunk_layout
+
+    B, T, H, K = x["q"].shape
+    V = x["v"].shape[-1]
+    q, k, v, g, beta = (x[n].reshape(B * T, *x[n].shape[2:]).contiguous() for n in ("q", "k", "v", "g", "beta"))
+    cu = torch.arange(B + 1, device="cuda", dtype=torch.int32) * T
+    cmap, offs = _chunk_layout(cu, B * T)
+    kw = dict(scale=K**-0.5, gate=0, lower_bound=-5.0, l2norm=True)
+    steps = {}
+    steps["fwd intra (K1)"] = lambda: tf.kda_fwd_intra(q, k, v, g, beta, None, None, cmap, cu, beta_sigmoid=False,
+                                                       inter_dtype=q.dtype, **kw)
+    intra = steps["fwd intra (K1)"]()
+    rec = dict(n_seqs=B, V=V, out_dtype=v.dtype, store_ht=False)
+    steps["fwd recurrence + output (K2)"] = lambda: tf.kda_fwd_recurrence(intra, None, offs, cu, store_o=True,
+                                                                         store_states=False, **rec)
+    steps["fwd recurrence, states only (bwd recompute)"] = lambda: tf.kda_fwd_recurrence(
+        intra, None, offs, cu, store_o=False, store_states=True, **rec)
+    _, _, h, d = steps["fwd recurrence, states only (bwd recompute)"]()
+    do = torch.randn_like(v)
+    steps["bwd recurrence (B2)"] = lambda: tb.kda_bwd_recurrence(intra, do, None, offs, cu, n_seqs=B, V=V,
+                                                                 need_dh0=False)
+    dh, dd, _ = steps["bwd recurrence (B2)"]()
+    steps["bwd wy (B3a)"] = lambda: tb.kda_bwd_wy(k, v, beta, intra, cmap, cu, h, dh, d, dd, do, beta_sigmoid=False)
+    part = steps["bwd wy (B3a)"]()[2]
+    steps["bwd scores (B3b)"] = lambda: tb.kda_bwd_scores(q, k, g, None, None, intra, cmap, cu, dict(part), **kw)
+    steps["bwd scores (B3b)"]()
+    return {name: do_bench(fn, warmup=25, rep=rep, return_mode="median") for name, fn in steps.items()}
+
+
 def kernel_report() -> None:
     """Registers, spills and the chosen config of each of our compiled kernels (from the compiler's metadata)."""
     from moestack.ops.kda import triton_bwd, triton_fwd
 
     for kern in (triton_fwd.kda_fwd_kernel_intra, triton_fwd.kda_fwd_kernel_recurrence,
-                 triton_bwd.kda_bwd_kernel_recurrence, triton_bwd.kda_bwd_kernel_intra):
+                 triton_bwd.kda_bwd_kernel_recurrence, triton_bwd.kda_bwd_kernel_wy, triton_bwd.kda_bwd_kernel_scores):
         fn = getattr(kern, "fn", kern)
         try:
             for cache in fn.device_caches.values():
@@ -99,11 +134,14 @@ def main() -> None:
     p.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="BxTxHxD, D = dk = dv")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--save-mode", action="store_true", help="also time ours with recompute=False")
+    p.add_argument("--backends", nargs="*", default=None, help="subset of: ours ours-save fla")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    p.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
     names = ["ours"] + (["ours-save"] if args.save_mode else []) + ([] if args.no_fla else ["fla"])
+    names = args.backends or names
     results = []
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for shape in args.shapes:
@@ -128,8 +166,14 @@ def main() -> None:
                 print(f"  {shape} {r['mode']:8s} {name:10s} {ms:8.3f} ms  (warm-up {warm:.1f} s)", flush=True)
                 del run, ins
                 torch.cuda.empty_cache()
-        if "fla" in outs:
-            errs = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs["ours"], outs["fla"])}
+        if args.breakdown and "ours" in names:
+            for step, ms in breakdown(x, args.rep).items():
+                results.append(dict(shape=shape, name="ours kernel", mode=step, ms=ms, tok_s=B * T / ms * 1e3,
+                                    tflops=0.0))
+                print(f"  {shape} kernel {step:45s} {ms:8.3f} ms", flush=True)
+        if "fla" in outs and "ours" in outs:
+            names_o = ("o", "dq", "dk", "dv", "dg", "dbeta")
+            errs = {n: rel_rms(a, b) for n, a, b in zip(names_o, outs["ours"], outs["fla"])}
             print(f"  {shape} ours vs fla rel-RMS: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
             for r in results:
                 if r["shape"] == shape and r["name"] == "ours":

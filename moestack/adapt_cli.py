@@ -121,8 +121,96 @@ def adapt(
     render_adapt(result, console)
     text = spec_to_yaml(result)
     if out is None:
-        console.print(text, highlight=False, markup=False)
+        typer.echo(text, nl=False)  # verbatim (a rich console would wrap long lines): pipeable into a file
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         console.print(f"wrote {out} (moestack train --model {out})", highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------- convert
+
+_DTYPE_FLAGS = {"keep": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _is_hf_dir(path: Path) -> bool:
+    from moestack.train.convert import INDEX
+
+    return path.is_dir() and ((path / INDEX).is_file() or any(path.glob("*.safetensors")))
+
+
+def _checkpoint_dir(path: Path) -> Path:
+    from moestack.train.checkpoint import COMPLETE, latest_checkpoint
+
+    if (path / COMPLETE).is_file() or (path / ".metadata").is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConfigError(
+            f"convert: {path} is neither an HF checkpoint (*.safetensors) nor a moestack checkpoint (step_* with "
+            "COMPLETE)"
+        )
+    return found
+
+
+def convert(
+    src: Annotated[Path, typer.Argument(help="HF directory (*.safetensors, index.json) or moestack checkpoint "
+                                             "(a step_* directory or the root holding them)")],
+    dst: Annotated[Path, typer.Argument(help="output: a checkpoint root (from HF) or an HF directory (to HF)")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="ModelSpec: preset, YAML or HF config.json "
+                     "(default: SRC/config.json, or the spec recorded in a converted checkpoint)")] = None,
+    family: Annotated[Optional[str], typer.Option(help="HF naming: kimi_k3, kimi_linear, deepseek_v3, qwen3_moe, "
+                                                       "mixtral (default: the model's family)")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="to moestack: keep (default) | fp32; to HF: bf16 | fp32 | "
+                                                      "fp16 (default: the recorded HF layout, else bf16)")] = None,
+    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="regex of HF tensors to leave out on "
+                                                                     "purpose (repeatable)")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="HF shard size without a recorded "
+                                                                         "layout")] = "5GB",
+) -> None:
+    """HF safetensors <-> moestack checkpoint, streaming shard by shard; bit-exact both ways."""
+    import json
+    import time
+
+    import torch
+
+    from moestack.config.hf import load_hf_config
+    from moestack.config.model_spec import ModelSpec
+    from moestack.planner.adapt import parse_bytes
+    from moestack.planner.profile import load_any_model_spec
+    from moestack.train.convert import CheckpointSource, export_hf, hf_to_checkpoint
+
+    if dtype is not None and dtype not in _DTYPE_FLAGS:
+        raise ConfigError(f"--dtype: must be one of {', '.join(_DTYPE_FLAGS)}, got '{dtype}'")
+    torch_dtype = getattr(torch, _DTYPE_FLAGS[dtype]) if dtype and _DTYPE_FLAGS[dtype] else None
+    console = Console()
+    t0 = time.time()
+    if _is_hf_dir(src):
+        if dtype in ("bf16", "fp16"):
+            raise ConfigError("--dtype: converting to moestack takes keep or fp32")
+        if model is None and not (src / "config.json").is_file():
+            raise ConfigError(f"convert: {src} has no config.json; pass --model")
+        spec = load_any_model_spec(model) if model else load_hf_config(src).spec
+        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype)
+        n = len(CheckpointSource(path).tensors)
+        console.print(f"wrote {path}: {n} tensors of model '{spec.name}' ({time.time() - t0:.1f} s)", highlight=False)
+        return
+    if not src.exists():
+        raise ConfigError(f"convert: {src}: no such file or directory")
+    if dtype == "keep":
+        raise ConfigError("--dtype: converting to HF takes bf16, fp32 or fp16")
+    source = CheckpointSource(_checkpoint_dir(src))
+    if model is not None:
+        spec = load_any_model_spec(model)
+    elif "model_spec" in source.extra:
+        spec = ModelSpec.model_validate(json.loads(source.extra["model_spec"]))
+    else:
+        raise ConfigError(f"convert: checkpoint {source.path} records no model spec; pass --model")
+    family = family or source.extra.get("family")
+    max_bytes = parse_bytes(max_shard_size)
+    if max_bytes is None or max_bytes <= 0:
+        raise ConfigError(f"--max-shard-size: expected an amount like 5GB, got '{max_shard_size}'")
+    files = export_hf(source, spec, dst, family, dtype=torch_dtype, max_shard_bytes=int(max_bytes))
+    shards = sum(p.suffix == ".safetensors" for p in files)
+    console.print(f"wrote {dst}: {shards} shard(s) of model '{spec.name}' ({time.time() - t0:.1f} s)",
+                  highlight=False)

@@ -10,7 +10,7 @@ LOGDIR=${OUT:-$(mktemp -d)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # -s keeps the error lines that GPU tests print (tagged *_GPU_ERR) in the log.
-$PY -m pytest -m gpu -q -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$LOGDIR/gpu_tests.log"
+$PY -m pytest -m gpu -s -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$LOGDIR/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 for bench in "$@"; do
     echo "== $bench"

@@ -232,8 +232,7 @@ class ActivationOffloader:
             if saved.device.type != "cuda":
                 saved.ready = saved.host
                 continue
-            stream = self._stream(self._h2d, saved.device)
-            stream.wait_stream(torch.cuda.current_stream(saved.device))
+            stream = self._stream(self._h2d, saved.device)  # no wait on compute: only the D2H must be done
             with torch.cuda.stream(stream):
                 if group.d2h_event is not None:
                     stream.wait_event(group.d2h_event)
@@ -260,7 +259,9 @@ def _grouped_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor
     """dW [E, D, F] with dW[e] = x[rows of e]^T @ dy[rows of e]; zero for experts without rows."""
     if x_ND.is_cuda and dy_NF.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         try:  # the 2-D x 2-D form of torch's grouped GEMM groups the reduction dim (what its own backward uses)
-            return torch._grouped_mm(x_ND.to(dy_NF.dtype).t(), dy_NF, offs=offs_E)
+            dw = torch._grouped_mm(x_ND.to(dy_NF.dtype).t(), dy_NF, offs=offs_E)
+            empty_E = torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1, dtype=torch.long)) == 0
+            return dw.masked_fill_(empty_E[:, None, None], 0)  # experts without rows: zero, whatever the kernel
         except RuntimeError:
             pass
     D, F = x_ND.shape[1], dy_NF.shape[1]
@@ -416,6 +417,7 @@ class ExpertOffload:
         self._shadows: dict[int, tuple[int, torch.Tensor]] = {}
         self._pending: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, object]] = []
         self._flush_queued = False
+        self.attached: list[nn.Module] = []
 
     # -- setup -----------------------------------------------------------------------------------------------
     def attach(self, experts: nn.Module, router: nn.Module | None = None) -> None:
@@ -424,15 +426,30 @@ class ExpertOffload:
         Call on a materialised model (meta weights become uninitialised host tensors: initialise them after).
         With `router` (its experts are all local: no EP slicing) its forward hook prefetches the routed experts.
         """
-        for name in ("w_gate_up", "w_down"):
-            p = getattr(experts, name)
-            host = torch.empty(p.shape, dtype=p.dtype, device="cpu") if p.is_meta else p.detach().to("cpu")
-            if self.cuda:
-                host = host.pin_memory()
-            p.data = host
+        self._to_host(experts)
         expert_seam(experts).offload = self
+        self.attached.append(experts)
         if router is not None and router.num_experts == experts.w_gate_up.shape[0]:
             router.register_forward_hook(functools.partial(self._on_route, experts))
+
+    def _to_host(self, experts: nn.Module) -> None:
+        for name in ("w_gate_up", "w_down"):
+            p = getattr(experts, name)
+            if p.device.type == "cpu" and (p.is_pinned() or not self.cuda):
+                continue
+            host = torch.empty(p.shape, dtype=p.dtype, device="cpu") if p.is_meta else p.detach().to("cpu")
+            host = host.pin_memory() if self.cuda else host
+            if p.is_meta:  # `.data =` cannot change a meta tensor's type: swap contents, keep the object
+                torch.utils.swap_tensors(p, nn.Parameter(host, requires_grad=p.requires_grad))
+            else:
+                p.data = host
+
+    def rehome(self) -> None:
+        """Move the attached experts' weights back to host memory after something moved them (e.g. meta
+        initialisation: `model.to_empty(device=...)` then `init_weights()`). Parameter objects are kept, so call
+        it before building the optimizer (its state would otherwise be created on the device)."""
+        for experts in self.attached:
+            self._to_host(experts)
 
     # -- forward ---------------------------------------------------------------------------------------------
     def _host_source(self, param: nn.Parameter) -> torch.Tensor:
@@ -441,6 +458,9 @@ class ExpertOffload:
         hit = self._shadows.get(id(param))
         if hit is None or hit[0] != param._version:
             shadow = hit[1] if hit is not None else _pinned_empty(param.shape, self.transfer_dtype, self.cuda)
+            if self.cuda:  # copies still reading the old shadow must finish before the CPU rewrites it
+                self._stream.synchronize()
+                torch.cuda.current_stream(self.device).synchronize()
             shadow.copy_(param.detach())
             self._shadows[id(param)] = (param._version, shadow)
             hit = self._shadows[id(param)]
@@ -449,13 +469,12 @@ class ExpertOffload:
     def _copy_in(self, param: nn.Parameter, ids: list[int], side_stream: bool):
         """Device buffer shaped like `param` with the rows `ids` copied in (others zero), and its ready event."""
         if param.device.type != "cpu":
-            raise RuntimeError("expert offload: the experts' weights are no longer in host memory (was the model "
-                               "moved with .to() / to_empty() after apply_memory_policies?)")
+            raise RuntimeError("expert offload: the experts' weights are no longer in host memory (the model was "
+                               "moved with .to() / to_empty() after apply_memory_policies: call "
+                               "model.memory_policies.expert_offload.rehome() before building the optimizer)")
         src = self._host_source(param)
         ctx = torch.cuda.stream(self._stream) if (self.cuda and side_stream) else contextlib.nullcontext()
-        if self.cuda and side_stream:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with ctx:
+        with ctx:  # a side-stream fetch depends on host data only: it does not wait for the compute stream
             buf = torch.zeros(param.shape, dtype=src.dtype, device=self.device)
             for a, b in _runs(ids):
                 buf[a:b].copy_(src[a:b], non_blocking=self.cuda)

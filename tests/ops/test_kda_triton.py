@@ -118,7 +118,8 @@ def check(x, *, gate, fused=True, cu_seqlens=None, recompute=True, tol_out=CPU_T
     # dA_log and dt_bias gradients are sums over tokens (and channels) of terms of either sign: their relative error
     # grows with the cancellation, ~sqrt(number of terms) for random data.
     B, T, _, K = x["q"].shape
-    bound = {"o": tol_out, "ht": tol_out, "dA_log": tol_grad * (B * T * K) ** 0.5, "ddt_bias": tol_grad * (B * T) ** 0.5}
+    bound = {"o": tol_out, "ht": tol_out, "dA_log": tol_grad * (B * T * K) ** 0.5,
+             "ddt_bias": tol_grad * (B * T) ** 0.5}
     bad = {n: e for n, e in errs.items() if e > bound.get(n, tol_grad)}
     assert not bad, f"errors over bound: {bad} (all: {errs})"
     return errs
@@ -146,9 +147,9 @@ def test_plain_matches_reference(B, T, H, K, V, h0, recompute):
     check(x, gate="none", fused=False, recompute=recompute)
 
 
-@pytest.mark.parametrize("gate", ["k3", "kimi"])
-def test_fused_gate_norm_sigmoid(gate):
-    x = make_inputs(1, 80, 2, 16, 16, gate=gate, seed=3)
+@pytest.mark.parametrize("gate,H", [("k3", 2), ("kimi", 1)])
+def test_fused_gate_norm_sigmoid(gate, H):
+    x = make_inputs(1, 80, H, 16, 16, gate=gate, seed=3)
     errs = check(x, gate=gate)
     assert set(errs) >= {"dA_log", "ddt_bias", "dh0"}
 
@@ -182,7 +183,7 @@ def test_varlen_uneven_documents():
 
 
 def test_recompute_matches_save():
-    x = make_inputs(1, 70, 1, 16, 16, gate="k3", seed=11)
+    x = make_inputs(1, 40, 1, 16, 16, gate="k3", seed=11)
     grads = []
     for recompute in (True, False):
         t = {n: v.clone().requires_grad_() for n, v in x.items()}

@@ -23,11 +23,9 @@ from moestack.ops.kda.triton_fwd import (
     _configs,
     _exact_diag_factor,
     _intra_scores,
-    _kda_prologue,
     _row,
-    _is_slow,
+    _gc_row,
     _load_gate,
-    _max_span,
     _state_ptr,
     _stripe_factors,
     _tok_ptr,
@@ -88,14 +86,16 @@ def kda_bwd_kernel_recurrence(
 
 
 @triton.jit
-def _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq, b_dk, b_db, BT: tl.constexpr, SUB: tl.constexpr):
+def _intra_scores_bwd(b_q, b_k, b_b, p_gc, n, stride, ncol, b_da, b_dn, slow, b_dq, b_dk, b_db,
+                      BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr):
     """Add the gradients through Aqk (dA, lower incl.) and Akk (dN = d Akk, strictly lower) to dq~, dk and db.
 
     Every score term is x_i exp(b_i - b_j) y_j, so its log-decay gradient is x_i dx_i at row i minus y_j dy_j at j.
     """
     o_t = tl.arange(0, BT)
     for c in range(BT // SUB):  # a runtime loop: one copy of the body (smem, compile time)
-        e_l, e_r = _stripe_factors(b_b, c, slow, BT, SUB)
+        r = _gc_row(p_gc, c * SUB + SUB - 1, n, stride, ncol, BK)
+        e_l, e_r = _stripe_factors(b_b, r, c, slow, BT, SUB)
         b_kr = b_k * e_r
         b_t = e_l * tl.dot(b_da, b_kr)
         b_dq += b_t
@@ -126,34 +126,52 @@ def _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq, b_dk, b_db, BT: tl.
     return b_dq, b_dk, b_db
 
 
+@triton.jit
+def _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr):
+    """k_hat [BT, BK], b [BT, BK] (padded rows repeat the last valid row), b_last [BK], beta [BT] of a chunk,
+    from the inputs and the forward's saved gc / rk."""
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t) < t_end
+    n = t_end - t0
+    b_bl = _gc_row(gc + (t0.to(tl.int64) * H + i_h) * K, BT - 1, n, H * K, K, BK)
+    b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero")
+    b_b = tl.where(m_t[:, None], b_b, b_bl[None, :])
+    b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
+    b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1),
+                  padding_option="zero").to(tl.float32) * b_rk[:, None]
+    b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    return b_k, b_b, b_bl, b_beta
+
+
 @triton.autotune(configs=_configs([
     triton.Config({"BV": 32}, num_warps=8, num_stages=1),
     triton.Config({"BV": 64}, num_warps=8, num_stages=1),
     triton.Config({"BV": 64}, num_warps=16, num_stages=1),
-]), key=["K", "V", "GATE", "L2NORM"])
+]), key=["K", "V"])
 @triton.jit
 def kda_bwd_kernel_wy(
-    q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
+    k, v, beta, gc, rk, flag, chunk_map, cu_seqlens,
     h, dh, d, dd, do,
     dv, dbeta, p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
-    scale, H,
+    H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):
     """Backward, part 1 of 2, one program per (chunk slot, head): the contractions over V and the WY form.
 
     Writes dv and dbeta (final) and, as fp32 partials for kda_bwd_kernel_scores: dQp = dO S^T, dKd = D dS'^T,
     dKp = Diag(beta) X^T dW ([T, H, K]); dAqk and d(Diag(beta) Akk) ([T, H, BT]); exp(b_last) rowsum(S dS')
-    ([NC, H, K]). Recomputes Akk and X = (I + Diag(beta) Akk)^-1 from the inputs.
+    ([NC, H, K]). Recomputes Akk and X = (I + Diag(beta) Akk)^-1 from k, b (gc) and beta.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
-    _, b_k, _, _, b_b, b_beta, _, _ = _kda_prologue(
-        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
-        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
-    slow = _is_slow(b_b, BT, SUB, SPAN_MAX)
-    b_akk, _ = _intra_scores(b_k, b_k, b_b, slow, BT, SUB, False)
+    b_k, b_b, b_bl, b_beta = _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K, BT, BK, BETA_SIGMOID)
+    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
+    slow = tl.load(flag + i_c * H + i_h) != 0
+    b_akk, _ = _intra_scores(b_k, b_k, b_b, p_gc, t_end - t0, H * K, K, slow, BT, SUB, BK, False)
     b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
 
     o_t = tl.arange(0, BT)
@@ -199,10 +217,7 @@ def kda_bwd_kernel_wy(
     b_da = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None], b_da, 0.0)
     tl.store(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), b_da, boundary_check=(0, 1))
     # k and b again rather than kept live through the V loop (registers: cheaper to reload than to spill).
-    _, b_k, _, _, b_b, _, _, _ = _kda_prologue(
-        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
-        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
-    b_bl = _row(b_b, BT - 1, BT)
+    b_k, b_b, b_bl, _ = _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K, BT, BK, BETA_SIGMOID)
     tl.store(p_dbl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_bl) * b_dsl, mask=o_k < K)
     # WY form: W = X Diag(beta) (k exp(b)), U = X Diag(beta) v; dN = -StrictTril(X^T dW W^T + X^T dU U^T).
     b_kp = b_k * tl.exp(b_b)
@@ -225,13 +240,12 @@ def kda_bwd_kernel_wy(
 ]), key=["K", "GATE", "L2NORM"], restore_value=["p_dqp", "p_dkd"])  # it parks d q_hat, d k_hat there
 @triton.jit
 def kda_bwd_kernel_scores(
-    q, k, g, A_log, dt_bias, chunk_map, cu_seqlens,
+    q, k, g, A_log, dt_bias, gc, rq, rk, flag, chunk_map, cu_seqlens,
     p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
     dq, dk, dg, pd_dt, pd_alog,
     scale, H,
     K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    SPAN_MAX: tl.constexpr,
 ):
     """Backward, part 2 of 2, one program per (chunk slot, head), BKC channels at a time (all of this is
     per channel except the L2-norm rows): gradients through Aqk, Akk, Qp, Kd and W's k exp(b), the cumsum, the
@@ -241,27 +255,9 @@ def kda_bwd_kernel_scores(
     o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < t_end
     n = t_end - t0
-
-    # Pass 1: row norms and the fast/exact switch (same rule as the forward: any channel of the chunk).
-    b_sq = tl.zeros([BT], tl.float32)
-    b_sk = tl.zeros([BT], tl.float32)
-    b_span = 0.0
-    for col0 in range(0, K, BKC):
-        b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
-                      padding_option="zero").to(tl.float32)
-        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
-                      padding_option="zero").to(tl.float32)
-        b_sq += tl.sum(b_q * b_q, 1)
-        b_sk += tl.sum(b_k * b_k, 1)
-        _, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKC, GATE, LOWER_BOUND, HAS_DT_BIAS)
-        b_span = tl.maximum(b_span, _max_span(tl.cumsum(b_g, axis=0), BT, SUB))
-    slow = b_span > SPAN_MAX
-    if L2NORM:
-        b_rq = tl.rsqrt(b_sq + 1e-6)
-        b_rk = tl.rsqrt(b_sk + 1e-6)
-    else:
-        b_rq = tl.full([BT], 1.0, tl.float32)
-        b_rk = tl.full([BT], 1.0, tl.float32)
+    slow = tl.load(flag + i_c * H + i_h) != 0
+    b_rq = tl.load(rq + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
+    b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
     b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
 
@@ -277,11 +273,11 @@ def kda_bwd_kernel_scores(
                       padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * b_rk[:, None]
-        b_x, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKC, GATE, LOWER_BOUND,
-                              HAS_DT_BIAS)
-        b_b = tl.cumsum(b_g, axis=0)
+        p_gc = gc + (t0.to(tl.int64) * H + i_h) * K + col0
+        b_bl = _gc_row(p_gc, BT - 1, n, H * K, K - col0, BKC)
+        b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1), padding_option="zero")
+        b_b = tl.where(m_t[:, None], b_b, b_bl[None, :])
         b_e = tl.exp(b_b)
-        b_bl = _row(b_b, BT - 1, BT)
         b_el = tl.exp(b_bl[None, :] - b_b)
         # Qp = q~ exp(b), Kd = k exp(b_last - b), Kp = k exp(b): their gradients and log-decay terms.
         b_dq_ = tl.load(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1),
@@ -295,10 +291,14 @@ def kda_bwd_kernel_scores(
                       padding_option="zero") * b_e
         b_dk_ += b_t
         b_db += b_k * b_t
-        b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, b_da, b_dn, slow, b_dq_, b_dk_, b_db, BT, SUB)
+        b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, p_gc, n, H * K, K - col0, b_da, b_dn, slow,
+                                               b_dq_, b_dk_, b_db, BT, SUB, BKC)
         b_db += tl.where((o_t == BT - 1)[:, None], b_dbl[None, :], 0.0)
         b_dg = tl.where(m_tk, tl.cumsum(b_db, axis=0, reverse=True), 0.0)
 
+        if GATE != 0:
+            b_x, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKC, GATE, LOWER_BOUND,
+                                  HAS_DT_BIAS)
         if GATE == 1:
             a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
             b_s = tl.sigmoid(a * b_x)
@@ -376,33 +376,29 @@ def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seq
     return dh, dd, dh0
 
 
-def kda_bwd_wy(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
-               gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do, *, beta_sigmoid: bool):
     """Backward part 1. Returns dv, dbeta (like v, beta) and the fp32 partials for part 2 (a dict)."""
-    T, H, K = q.shape
+    T, H, K = k.shape
     V = v.shape[-1]
     NC = chunk_map.shape[0]
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     f32 = dict(dtype=torch.float32)
     part = dict(
-        p_dqp=q.new_empty(T, H, K, **f32), p_dkd=q.new_empty(T, H, K, **f32), p_dkp=q.new_empty(T, H, K, **f32),
-        p_da=q.new_empty(T, H, BT, **f32), p_dn=q.new_empty(T, H, BT, **f32), p_dbl=q.new_empty(NC, H, K, **f32),
+        p_dqp=k.new_empty(T, H, K, **f32), p_dkd=k.new_empty(T, H, K, **f32), p_dkp=k.new_empty(T, H, K, **f32),
+        p_da=k.new_empty(T, H, BT, **f32), p_dn=k.new_empty(T, H, BT, **f32), p_dbl=k.new_empty(NC, H, K, **f32),
     )
-    dummy = q.new_empty(1, **f32)
     kda_bwd_kernel_wy[(NC, H)](
-        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
-        chunk_map, cu_seqlens,
+        k, v, beta, intra["gc"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
         h, dh, d, dd, do,
         dv, dbeta, *part.values(),
-        scale, H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), GATE=gate, LOWER_BOUND=lower_bound,
-        HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+        H,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid,
     )
     return dv, dbeta, part
 
 
-def kda_bwd_scores(q, k, g, A_log, dt_bias, chunk_map, cu_seqlens, part: dict, *, scale: float, gate: int,
-                   lower_bound: float, l2norm: bool):
+def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, part: dict, *, scale: float,
+                   gate: int, lower_bound: float, l2norm: bool):
     """Backward part 2 (consumes `part`). Returns dq, dk, dg (like q, k, g) and the per-chunk partials
     pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused)."""
     T, H, K = q.shape
@@ -413,23 +409,23 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, chunk_map, cu_seqlens, part: dict, *
     pd_alog = q.new_empty(NC, H, dtype=torch.float32) if fused_gate else None
     dummy = q.new_empty(1, dtype=torch.float32)
     kda_bwd_kernel_scores[(NC, H)](
-        q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, chunk_map, cu_seqlens,
+        q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+        intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
         *part.values(),
         dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
         scale, H,
         K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
-        SPAN_MAX=SPAN_MAX,
     )
     return dq, dk, dg, pd_dt, pd_alog
 
 
-def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do, *, scale: float,
-                  gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do, *,
+                  scale: float, gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
     """Intra-chunk gradients: kda_bwd_wy then kda_bwd_scores (fp32 partials in between: 2 KB per token and head
-    at K = 128, freed on return). Returns dq, dk, dv, dg, dbeta, pd_dt, pd_alog."""
-    dv, dbeta, part = kda_bwd_wy(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, h, dh, d, dd, do,
-                                 scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm,
+    at K = 128, freed on return). `intra` is kda_fwd_intra's output. Returns dq, dk, dv, dg, dbeta, pd_dt,
+    pd_alog."""
+    dv, dbeta, part = kda_bwd_wy(k, v, beta, intra, chunk_map, cu_seqlens, h, dh, d, dd, do,
                                  beta_sigmoid=beta_sigmoid)
-    dq, dk, dg, pd_dt, pd_alog = kda_bwd_scores(q, k, g, A_log, dt_bias, chunk_map, cu_seqlens, part, scale=scale,
-                                                gate=gate, lower_bound=lower_bound, l2norm=l2norm)
+    dq, dk, dg, pd_dt, pd_alog = kda_bwd_scores(q, k, g, A_log, dt_bias, intra, chunk_map, cu_seqlens, part,
+                                                scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm)
     return dq, dk, dv, dg, dbeta, pd_dt, pd_alog

@@ -22,13 +22,8 @@ from __future__ import annotations
 import os
 
 import torch
-
-if not torch.cuda.is_available():
-    # Triton kernels can only run through the interpreter without a GPU; it is chosen when a kernel is decorated.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 BT = 64  # chunk size: rows of every intra-chunk tile
 SUB = 16  # rows of a diagonal sub-block; each has its own reference point for the exp factorisation
@@ -37,6 +32,8 @@ SUB = 16  # rows of a diagonal sub-block; each has its own reference point for t
 SPAN_MAX = 80.0
 GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
 
+# Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
+# TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -87,7 +84,7 @@ def _kda_prologue(
     q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    L2NORM: tl.constexpr, L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     """Load one chunk's q, k, gate, beta and do the elementwise work. Rows t0 + i >= t_end are zeros.
 
@@ -111,8 +108,8 @@ def _kda_prologue(
     b_g = tl.where(m_tk, _gate_fwd(b_x, a, GATE, LOWER_BOUND), 0.0)
     b_b = tl.cumsum(b_g, axis=0)
     if L2NORM:
-        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
-        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + L2_EPS)
+        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + L2_EPS)
         b_q = b_q * b_rq[:, None]
         b_k = b_k * b_rk[:, None]
     else:
@@ -132,18 +129,23 @@ def _row(b_x, i, BT: tl.constexpr):
 
 
 @triton.jit
-def _max_span(b_b, BT: tl.constexpr, SUB: tl.constexpr):
-    """Largest log-decay across a 16-row sub-block, over all sub-blocks and channels of b [BT, BK] (a scalar)."""
-    span = tl.zeros_like(_row(b_b, 0, BT))
-    for c in tl.static_range(BT // SUB):
-        span = tl.maximum(span, _row(b_b, c * SUB, BT) - _row(b_b, c * SUB + SUB - 1, BT))
-    return tl.max(span, 0)
+def _gc_row(p_gc, row, n, stride, ncol, BK: tl.constexpr):
+    """Row `row` [BK] of the chunk's cumulative log-decay b, read back from memory (a register tile has no cheap
+    row access). p_gc points at the chunk's first row and first column; rows past the n valid ones repeat the
+    last valid row, as padded rows (g = 0) do."""
+    r = tl.maximum(tl.minimum(row, n - 1), 0)
+    o_k = tl.arange(0, BK)
+    return tl.load(p_gc + r.to(tl.int64) * stride + o_k, mask=o_k < ncol, other=0.0)
 
 
 @triton.jit
-def _is_slow(b_b, BT: tl.constexpr, SUB: tl.constexpr, SPAN_MAX: tl.constexpr):
-    """True when some 16-row sub-block decays by more than e^-SPAN_MAX in some channel."""
-    return _max_span(b_b, BT, SUB) > SPAN_MAX
+def _max_span(p_gc, n, stride, ncol, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr):
+    """Largest log-decay across a 16-row sub-block, over all sub-blocks and channels (a scalar)."""
+    span = tl.zeros([BK], tl.float32)
+    for c in tl.static_range(BT // SUB):
+        span = tl.maximum(span, _gc_row(p_gc, c * SUB, n, stride, ncol, BK)
+                          - _gc_row(p_gc, c * SUB + SUB - 1, n, stride, ncol, BK))
+    return tl.max(span, 0)
 
 
 @triton.jit
@@ -166,15 +168,14 @@ def _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0,
 
 
 @triton.jit
-def _stripe_factors(b_b, c, slow, BT: tl.constexpr, SUB: tl.constexpr):
-    """exp factors for column stripe c (columns c*SUB .. c*SUB+SUB-1), reference r = b at the stripe's last row.
+def _stripe_factors(b_b, r, c, slow, BT: tl.constexpr, SUB: tl.constexpr):
+    """exp factors for column stripe c (columns c*SUB .. c*SUB+SUB-1); r [BK] = b at the stripe's last row.
 
     e_l [BT, BK] = exp(b_i - r) for rows i at/below the stripe (strictly below when slow), else 0;
     e_r [BT, BK] = exp(r - b_j) for rows j inside the stripe, else 0. Both are <= 1 off the diagonal block and
     within e^+-SPAN_MAX on it, so e_l[i] * e_r[j] = exp(b_i - b_j) without overflow.
     """
     o_t = tl.arange(0, BT)
-    r = _row(b_b, c * SUB + SUB - 1, BT)
     lo = c * SUB + tl.where(slow, SUB, 0)
     m_l = (o_t >= lo)[:, None]
     m_r = ((o_t >= c * SUB) & (o_t < c * SUB + SUB))[:, None]
@@ -196,13 +197,16 @@ def _exact_diag_factor(b_b, j, BT: tl.constexpr, SUB: tl.constexpr, STRICT: tl.c
 
 
 @triton.jit
-def _intra_scores(b_q, b_k, b_b, slow, BT: tl.constexpr, SUB: tl.constexpr, WITH_Q: tl.constexpr):
-    """Akk (strictly lower) and, if WITH_Q, Aqk (lower incl. diagonal), [BT, BT] fp32."""
+def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
+                  BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, WITH_Q: tl.constexpr):
+    """Akk (strictly lower) and, if WITH_Q, Aqk (lower incl. diagonal), [BT, BT] fp32. b_b [BT, BK] is the
+    chunk's cumulative log-decay, also readable by rows at p_gc (see _gc_row)."""
     o_t = tl.arange(0, BT)
     b_akk = tl.zeros([BT, BT], tl.float32)
     b_aqk = tl.zeros([BT, BT], tl.float32)
     for c in range(BT // SUB):  # a runtime loop: one copy of the body (smem, compile time)
-        e_l, e_r = _stripe_factors(b_b, c, slow, BT, SUB)
+        r = _gc_row(p_gc, c * SUB + SUB - 1, n, stride, ncol, BK)
+        e_l, e_r = _stripe_factors(b_b, r, c, slow, BT, SUB)
         b_kr = b_k * e_r
         b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
         if WITH_Q:
@@ -254,29 +258,40 @@ def _chunk_coords(chunk_map, cu_seqlens, i_c, BT: tl.constexpr):
 @triton.jit
 def kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
-    w, u, qp, kd, aqk, gl,
+    w, u, qp, kd, aqk, gl, gc, rq, rk, flag,
     scale, H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
+    L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
 ):
-    """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K]."""
+    """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
+    and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
+    exact-path flag [NC, H]."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
     b_q, b_k, b_x, b_g, b_b, b_beta, b_rq, b_rk = _kda_prologue(
         q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
-        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, BETA_SIGMOID)
-    slow = _is_slow(b_b, BT, SUB, SPAN_MAX)
-    b_akk, b_aqk = _intra_scores(b_q, b_k, b_b, slow, BT, SUB, True)
+        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, L2_EPS, BETA_SIGMOID)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = (t0 + o_t) < t_end
+    n = t_end - t0
+    tl.store(_tok_ptr(gc, t0, n, H, i_h, K, BT, BK), b_b, boundary_check=(0, 1))
+    tl.store(rq + (t0 + o_t).to(tl.int64) * H + i_h, b_rq, mask=m_t)
+    tl.store(rk + (t0 + o_t).to(tl.int64) * H + i_h, b_rk, mask=m_t)
+    tl.debug_barrier()  # rows of b are read back below by other threads
+    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
+    span = _max_span(p_gc, n, H * K, K, BT, SUB, BK)
+    slow = span > SPAN_MAX
+    tl.store(flag + i_c * H + i_h, slow.to(tl.int32))
+    b_akk, b_aqk = _intra_scores(b_q, b_k, b_b, p_gc, n, H * K, K, slow, BT, SUB, BK, True)
     b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)  # X = (I + Diag(beta) Akk)^-1
 
-    o_k = tl.arange(0, BK)
-    n = t_end - t0
     b_e = tl.exp(b_b)
     b_w = tl.dot(b_minv, b_beta[:, None] * b_k * b_e)
     b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV), boundary_check=(0, 1), padding_option="zero")
     b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
-    b_bl = _row(b_b, BT - 1, BT)  # padded rows carry g = 0, so the last row holds b of the last valid token
+    b_bl = _gc_row(p_gc, BT - 1, n, H * K, K, BK)
     b_kd = b_k * tl.exp(b_bl[None, :] - b_b)
 
     tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
@@ -353,11 +368,14 @@ def kda_fwd_kernel_recurrence(
 
 
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
-                  lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype) -> dict:
+                  lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
+                  l2_eps: float = 1e-6) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
-    Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype) and gl [NC, H, K] fp32.
+    Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype), gl [NC, H, K] fp32 (b of the
+    chunk's last row), and for backward gc [T, H, K] fp32 (b), rq, rk [T, H] fp32 (inverse norms; 1 without the
+    norm) and flag [NC, H] int32 (1 = the chunk took the exact path).
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -369,15 +387,19 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         kd=q.new_empty(T, H, K, dtype=inter_dtype),
         aqk=q.new_empty(T, H, BT, dtype=inter_dtype),
         gl=q.new_empty(NC, H, K, dtype=torch.float32),
+        gc=q.new_empty(T, H, K, dtype=torch.float32),
+        rq=q.new_empty(T, H, dtype=torch.float32),
+        rk=q.new_empty(T, H, dtype=torch.float32),
+        flag=torch.empty(NC, H, dtype=torch.int32, device=q.device),
     )
     dummy = q.new_empty(1, dtype=torch.float32)
     kda_fwd_kernel_intra[(NC, H)](
         q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
         chunk_map, cu_seqlens,
-        out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"],
+        out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"], out["gc"], out["rq"], out["rk"], out["flag"],
         scale, H,
         K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
+        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
         BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
     )
     return out

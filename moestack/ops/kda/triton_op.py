@@ -3,42 +3,47 @@
     kda_triton(q, k, v, g, beta, ...)                   plain: q, k normalised, g an activated log-decay, beta in (0, 1)
     kda_fused(q, k, v, g, beta, A_log, dt_bias, ...)    fused: raw gate input, raw beta logits, un-normalised q, k
 
-Save-vs-recompute policy (one switch, `recompute`): backward needs, per chunk, the forward intermediates
-(W, Qp, Kd [T, H, K], U, D [T, H, V], Aqk [T, H, 64], b_last [NC, H, K]) and the state entering every chunk
-(h [NC, H, K, V]). With recompute=True (default) only the inputs are kept and backward re-runs both forward
-kernels first (about one extra forward). With recompute=False they are kept from the forward: per token and head
-(3K + 2V + 64 + K*V/64) elements of the input dtype plus 4K/64 bytes, i.e. 1,920 B in bf16 at K = V = 128
-(185 KB per token for a 96-head K3 layer). README.md ("Triton kernels") gives the numbers.
+Save-vs-recompute policy (one switch, `recompute`): backward needs, per chunk, the forward intermediates of the
+intra kernel (W, Qp, Kd [T, H, K] and U [T, H, V] in the input dtype, Aqk [T, H, 64], the cumulative log-decay
+gc [T, H, K] fp32, inverse norms, b_last) and of the recurrence (D [T, H, V], the state entering each chunk
+h [NC, H, K, V]). recompute=True (default) keeps only the inputs and re-runs both forward kernels at the start
+of backward (+26% fwd+bwd time at 1x32768x32x128). recompute=False keeps them from the forward: per token and head
+(3K + 2V + 64 + K*V/64) elements of the input dtype plus 4K + 8 bytes, i.e. ~2.45 KB in bf16 at K = V = 128
+(235 KB per token for a 96-head K3 layer). README.md ("Triton kernels") has the numbers.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunk slots.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from moestack.ops.kda.triton_bwd import kda_bwd_intra, kda_bwd_recurrence
-from moestack.ops.kda.triton_fwd import BT, GATE_K3, GATE_KIMI, GATE_NONE, kda_fwd_intra, kda_fwd_recurrence
+from moestack.ops.kda.triton_fwd import (
+    BT,
+    GATE_K3,
+    GATE_KIMI,
+    GATE_NONE,
+    INTERPRET,
+    kda_fwd_intra,
+    kda_fwd_recurrence,
+)
 
 __all__ = ["kda_fused", "kda_triton", "triton_available", "triton_supports"]
 
 _GATES = {"none": GATE_NONE, "k3": GATE_K3, "kimi": GATE_KIMI}
+_INTRA = ("w", "u", "qp", "kd", "aqk", "gl", "gc", "rq", "rk", "flag")  # kda_fwd_intra's outputs, all kept by "save"
 
 
 def triton_available() -> bool:
-    """Triton is importable and there is a GPU, or the interpreter is on (CPU tests)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """There is a GPU, or the kernels were built for the interpreter (CPU tests, TRITON_INTERPRET=1 at import)."""
+    return torch.cuda.is_available() or INTERPRET
 
 
 def triton_supports(q: torch.Tensor) -> bool:
-    """CUDA tensors; CPU tensors only under the interpreter. K and V up to 256."""
-    on_device = q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
-    return on_device and q.shape[-1] <= 256
+    """For automatic selection: CUDA tensors with K <= 256. CPU tensors run under the interpreter only when the
+    backend is asked for by name (the interpreter is far too slow to be picked by default)."""
+    return q.is_cuda and q.shape[-1] <= 256
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor, T_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,12 +86,12 @@ class _KDATriton(torch.autograd.Function):
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
         h0 = None if initial_state is None else initial_state.float().contiguous()
         intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
-                              lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
+                              lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
                               beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q))
         save = not cfg["recompute"]
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
-        saved = [intra[n] for n in ("w", "u", "qp", "kd", "aqk", "gl")] + [h, d] if save else [None] * 8
+        saved = [intra[n] for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)
         ctx.save_for_backward(*flat, A_log, dt_bias, h0, cu, chunk_map, chunk_offsets, *saved)
         ctx.cfg, ctx.shape = cfg, (B, T, H, K, V, N)
         ctx.has_h0 = initial_state is not None
@@ -100,17 +105,18 @@ class _KDATriton(torch.autograd.Function):
         if cfg["recompute"]:
             intra = kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"],
                                   gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
-                                  beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q))
+                                  l2_eps=cfg["l2_eps"], beta_sigmoid=cfg["beta_sigmoid"],
+                                  inter_dtype=_inter_dtype(q))
             _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                             store_o=False, store_ht=False, store_states=True)
         else:
-            intra = dict(zip(("w", "u", "qp", "kd", "aqk", "gl"), saved[:6]))
-            h, d = saved[6], saved[7]
+            intra = dict(zip(_INTRA, saved))
+            h, d = saved[len(_INTRA):]
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
         dh, dd, dh0 = kda_bwd_recurrence(intra, do, dht, chunk_offsets, cu, n_seqs=N, V=V, need_dh0=ctx.has_h0)
         dq, dk, dv, dg, dbeta, pd_dt, pd_alog = kda_bwd_intra(
-            q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
+            q, k, v, g, beta, A_log, dt_bias, intra, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
             gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
             beta_sigmoid=cfg["beta_sigmoid"])
         dA_log = None if A_log is None or pd_alog is None else pd_alog.sum(0).to(A_log.dtype)
@@ -131,6 +137,7 @@ def kda_fused(
     gate: str = "k3",
     lower_bound: float = -5.0,
     l2norm: bool = True,
+    l2_eps: float = 1e-6,
     beta_sigmoid: bool = True,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
@@ -140,7 +147,7 @@ def kda_fused(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with the elementwise prologue fused into the kernels. Differentiable in every tensor argument.
 
-    q, k: [B, T, H, K] raw (L2-normalised in kernel when l2norm, eps 1e-6 as x * rsqrt(sum x^2 + eps));
+    q, k: [B, T, H, K] raw (L2-normalised in kernel when l2norm, as x * rsqrt(sum x^2 + l2_eps));
     v: [B, T, H, V]; g: [B, T, H, K] gate input x, turned into a log-decay by
         gate="k3":   lower_bound * sigmoid(exp(A_log) * (x + dt_bias))
         gate="kimi": -exp(A_log) * softplus(x + dt_bias)
@@ -161,6 +168,7 @@ def kda_fused(
         gate=_GATES[gate],
         lower_bound=float(lower_bound),
         l2norm=bool(l2norm),
+        l2_eps=float(l2_eps),
         beta_sigmoid=bool(beta_sigmoid),
         recompute=bool(recompute),
     )

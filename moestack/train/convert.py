@@ -1,0 +1,505 @@
+"""Weights in and out: Hugging Face safetensors (sharded, with model.safetensors.index.json) <-> moestack.
+
+moestack side: a plain state dict (`hf_to_state_dict`, `load_hf_weights`, `export_hf(state_dict)`) or a DCP
+checkpoint as moestack/train/checkpoint.py writes it (`hf_to_checkpoint`, `export_hf(CheckpointSource(path))`).
+Names come from per-family maps (moestack/train/hf_names.py); per-expert HF tensors are stacked into moestack's
+fused expert tensors and split back on export.
+
+Streaming. Import reads one shard at a time and one tensor at a time (safetensors `safe_open`); a fused expert
+tensor is filled slice by slice as its experts arrive, from however many shards they span, and handed on when
+complete. Peak memory beyond the output is one tensor plus the fused expert tensors still being filled (normally
+one layer's). `hf_to_checkpoint` writes into file-backed tensors (a spool next to the output) before the DCP save,
+so the model is never held in RAM. Export loads, per output shard, only the moestack tensors that shard needs
+(from a DCP checkpoint: a partial DCP load), keeping a fused expert tensor until its last expert is written.
+
+Checks, before any tensor data is read (safetensors headers only): every HF tensor the model needs is present,
+nothing unexpected is there, every shape matches; failures raise ConvertError listing every offending name (expert
+names compacted as `...experts.{3,7-9}.w1.weight`), never a dropped expert. `skip` (regexes) leaves named HF
+tensors out on purpose (e.g. MTP layers, a vision tower); they are counted in the result.
+
+Round trip HF -> moestack -> HF is bit-exact (same names, bytes, dtypes, shard files): the import records the HF
+layout (files, names per file, dtypes, metadata, config.json) in the checkpoint's `extra`, and export reproduces it.
+Without a recorded layout export writes `dtype` (default bf16; the family's fp32 tensors stay fp32) in shards of
+at most `max_shard_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moestack.config.model_spec import ModelSpec
+from moestack.train.hf_names import Direct, ExpertStack, NameMap, build_name_map
+
+INDEX = "model.safetensors.index.json"
+SPOOL = ".convert_spool"
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_EXPERT_RE = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
+
+
+class ConvertError(ValueError):
+    """A checkpoint that does not match the model. The message is one line; the lists hold every offending name."""
+
+    def __init__(self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                 mismatched: Sequence[str] = ()):
+        super().__init__(message)
+        self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
+
+
+def compact_names(names: Sequence[str]) -> str:
+    """Comma-separated names with expert indices folded: a.experts.{0-3,7}.w1.weight."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    order: list[tuple[str, str] | str] = []
+    for name in names:
+        m = _EXPERT_RE.match(name)
+        if m is None:
+            order.append(name)
+            continue
+        key = (m.group(1), m.group(3))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(int(m.group(2)))
+    out = []
+    for item in order:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        ids = sorted(set(groups[item]))
+        spans, start = [], ids[0]
+        for prev, cur in zip(ids, ids[1:] + [None]):
+            if cur != prev + 1:
+                spans.append(str(start) if start == prev else f"{start}-{prev}")
+                start = cur
+        ix = spans[0] if len(spans) == 1 and "-" not in spans[0] else "{" + ",".join(spans) + "}"
+        out.append(f"{item[0]}{ix}{item[1]}")
+    return ", ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- HF layout
+
+
+@dataclass
+class HFLayout:
+    """Where every HF tensor lives: shard files in order with their tensor names, each tensor's dtype and shape,
+    the safetensors metadata of each file, the index.json metadata, and the config.json text if there was one."""
+
+    files: list[tuple[str, list[str]]]
+    dtypes: dict[str, str]  # safetensors dtype names ("BF16", "F32", ...)
+    shapes: dict[str, tuple[int, ...]]
+    file_metadata: dict[str, dict[str, str] | None] = field(default_factory=dict)
+    index: dict[str, Any] | None = None  # index.json without its weight_map; None: one file, no index
+    config: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "files": [[f, names] for f, names in self.files], "dtypes": self.dtypes,
+            "shapes": {k: list(v) for k, v in self.shapes.items()}, "file_metadata": self.file_metadata,
+            "index": self.index, "config": self.config,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> HFLayout:
+        d = json.loads(text)
+        return cls([(f, list(n)) for f, n in d["files"]], d["dtypes"], {k: tuple(v) for k, v in d["shapes"].items()},
+                   d["file_metadata"], d["index"], d["config"])
+
+
+def _safe_open(path: Path):
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt")
+
+
+def _open_header(path: Path):
+    try:
+        return _safe_open(path)
+    except Exception as err:  # safetensors raises its own error type for a bad header
+        raise ConvertError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def read_hf_layout(hf_dir: str | Path) -> HFLayout:
+    """Read index.json (or the lone *.safetensors files) and every shard's header; no tensor data is read.
+
+    Raises ConvertError naming a missing shard file, a tensor the index places in a file that lacks it, or
+    tensors a shard holds that the index does not list.
+    """
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise ConvertError(f"{root}: not a directory")
+    index_path = root / INDEX
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map: dict[str, str] = index["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ConvertError(f"{index_path}: not a safetensors index ({type(err).__name__}: {err})") from None
+        index_fields = {k: v for k, v in index.items() if k != "weight_map"}
+        names_by_file: dict[str, list[str]] = {}
+        for name, f in weight_map.items():
+            names_by_file.setdefault(f, []).append(name)
+        missing_files = sorted(f for f in names_by_file if not (root / f).is_file())
+        if missing_files:
+            raise ConvertError(f"{index_path}: lists shard file(s) that do not exist: {', '.join(missing_files)}")
+        files = sorted(names_by_file)
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+        if not files:
+            raise ConvertError(f"{root}: no {INDEX} and no *.safetensors files")
+        index_fields, names_by_file = None, {}
+    layout = HFLayout([], {}, {}, {}, index_fields)
+    for f in files:
+        with _open_header(root / f) as st:
+            held = list(st.keys())
+            layout.file_metadata[f] = st.metadata()
+            listed = names_by_file[f] if index_fields is not None else held
+            absent = sorted(set(listed) - set(held))
+            if absent:
+                raise ConvertError(f"{index_path}: places tensors in {f} that it lacks: {compact_names(absent)}")
+            unlisted = sorted(set(held) - set(listed))
+            if unlisted:
+                raise ConvertError(f"{root / f}: holds tensors {INDEX} does not list: {compact_names(unlisted)}")
+            for name in sorted(listed):
+                sl = st.get_slice(name)
+                layout.dtypes[name] = sl.get_dtype()
+                layout.shapes[name] = tuple(sl.get_shape())
+            layout.files.append((f, sorted(listed)))
+    dup = _duplicates(n for _, names in layout.files for n in names)
+    if dup:
+        raise ConvertError(f"{root}: tensors stored in more than one shard: {compact_names(dup)}")
+    if (root / "config.json").is_file():
+        layout.config = (root / "config.json").read_text()
+    return layout
+
+
+def _duplicates(names) -> list[str]:
+    seen, dup = set(), []
+    for n in names:
+        if n in seen:
+            dup.append(n)
+        seen.add(n)
+    return dup
+
+
+def check_layout(layout: HFLayout, nmap: NameMap, skip: Sequence[str] = (), where: str = "HF checkpoint") -> list[str]:
+    """Compare the checkpoint's names and shapes with what the model needs; raise ConvertError listing every
+    missing, unexpected and mismatched tensor. Returns the names skipped on purpose (`skip` regexes)."""
+    patterns = [re.compile(p) for p in skip]
+    skipped = [n for n in layout.shapes if any(p.search(n) for p in patterns)]
+    have = {n: s for n, s in layout.shapes.items() if n not in set(skipped)}
+    want = nmap.hf_shapes()
+    missing = [n for n in want if n not in have]
+    unexpected = [n for n in have if n not in want]
+    mismatched = [f"{n}: checkpoint {list(have[n])} vs model {list(s)}" for n, s in want.items()
+                  if n in have and tuple(have[n]) != tuple(s)]
+    bad_dtype = [f"{n} ({layout.dtypes[n]})" for n in want if n in have
+                 and not _DTYPES.get(layout.dtypes[n], torch.int8).is_floating_point]
+    mixed = []
+    for rule in nmap.rules:
+        if isinstance(rule, ExpertStack):
+            kinds = {layout.dtypes.get(n) for parts in rule.hf for n in parts if n in have}
+            if len(kinds) > 1:
+                mixed.append(f"{rule.ms} ({'/'.join(sorted(kinds))})")
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected)):
+        if items:
+            problems.append(f"{len(items)} {label}: {compact_names(items)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch: " + "; ".join(mismatched))
+    if bad_dtype:
+        problems.append(f"{len(bad_dtype)} not floating point (quantized?): " + ", ".join(bad_dtype))
+    if mixed:
+        problems.append("experts of one fused tensor in different dtypes: " + ", ".join(mixed))
+    if problems:
+        raise ConvertError(f"{where} does not match {nmap.model} (family {nmap.family}): " + "; ".join(problems),
+                           missing, unexpected, mismatched)
+    return skipped
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+
+def iter_hf_tensors(
+    hf_dir: str | Path, nmap: NameMap, layout: HFLayout | None = None, skip: Sequence[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (moestack name, tensor in the HF dtype) for every rule of `nmap`, reading one shard at a time.
+
+    Direct tensors are yielded as read; a fused expert tensor once its last expert slice has arrived. Raises
+    ConvertError (after the header check, before any data is read) on mismatches, and at the end for any fused
+    tensor whose experts never all arrived.
+    """
+    root = Path(hf_dir)
+    layout = layout or read_hf_layout(root)
+    skipped = set(check_layout(layout, nmap, skip, f"HF checkpoint {root}"))
+    pending: dict[str, tuple[ExpertStack, torch.Tensor, set[tuple[int, int]]]] = {}
+    for f, names in layout.files:
+        with _safe_open(root / f) as st:
+            for name in names:
+                if name in skipped:
+                    continue
+                rule, slot = nmap.by_hf[name]
+                t = st.get_tensor(name)
+                if isinstance(rule, Direct):
+                    yield rule.ms, t.reshape(rule.ms_shape)
+                    continue
+                if rule.ms not in pending:
+                    todo = {(j, p) for j in range(len(rule.hf)) for p in range(len(rule.hf[0]))}
+                    pending[rule.ms] = (rule, torch.empty(rule.ms_shape, dtype=t.dtype), todo)
+                _, buf, todo = pending[rule.ms]
+                j, rows = rule.slot(*slot)
+                buf[j, rows].copy_(t)
+                todo.discard(slot)
+                if not todo:
+                    del pending[rule.ms]
+                    yield rule.ms, buf
+    if pending:  # only if the files changed after the header check
+        lost = [rule.hf[j][p] for rule, _, todo in pending.values() for j, p in sorted(todo)]
+        raise ConvertError(f"HF checkpoint {root}: experts never arrived: {compact_names(lost)}", missing=lost)
+
+
+def hf_to_state_dict(hf_dir: str | Path, spec: ModelSpec, family: str | None = None,
+                     skip: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """The moestack state dict of `spec` from an HF checkpoint, tensors in the checkpoint's dtypes (a tied LM head
+    is the embedding tensor itself). For `model.load_state_dict(sd)`; `load_hf_weights` avoids holding both."""
+    nmap = build_name_map(spec, family)
+    sd = dict(iter_hf_tensors(hf_dir, nmap, skip=skip))
+    for name, target in nmap.tied:
+        sd[name] = sd[target]
+    return sd
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, hf_dir: str | Path, family: str | None = None,
+                    skip: Sequence[str] = ()) -> int:
+    """Copy an HF checkpoint into `model` (a moestack Transformer) tensor by tensor, casting to each parameter's
+    dtype. Returns the number of tensors written. Peak extra memory: one tensor plus the fused experts in flight."""
+    nmap = build_name_map(model.spec, family)
+    targets = model.state_dict()
+    done = 0
+    for name, t in iter_hf_tensors(hf_dir, nmap, skip=skip):
+        targets[name].copy_(t)
+        done += 1
+    return done
+
+
+def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, family: str | None = None,
+                     skip: Sequence[str] = (), dtype: torch.dtype | None = None, step: int = 0) -> Path:
+    """Convert an HF checkpoint into a moestack DCP checkpoint `out_root/step_{step:08d}` (atomic, verified, as
+    checkpoint.save_checkpoint writes it; `load_checkpoint(path, model)` restores it). dtype: None keeps the HF
+    dtypes (bit-exact), e.g. torch.float32 stores what the trainer holds. The HF layout and config.json go into the
+    checkpoint's extra, so `export_hf` reproduces the source. Returns the checkpoint path."""
+    from moestack.model.transformer import Transformer
+    from moestack.train.checkpoint import save_checkpoint
+
+    root, out_root = Path(hf_dir), Path(out_root)
+    if out_root.exists() and any(p.name != SPOOL for p in out_root.iterdir()):
+        raise ConvertError(f"{out_root}: not empty; convert into a new directory (keeps existing checkpoints safe)")
+    nmap = build_name_map(spec, family)
+    layout = read_hf_layout(root)
+    skipped = check_layout(layout, nmap, skip, f"HF checkpoint {root}")
+    spool = out_root / SPOOL
+    shutil.rmtree(spool, ignore_errors=True)
+    spool.mkdir(parents=True)
+    try:
+        sd: dict[str, torch.Tensor] = {}
+        for i, (name, t) in enumerate(iter_hf_tensors(root, nmap, layout, skip)):
+            sd[name] = _spooled(spool / f"{i:06d}.bin", t, dtype or t.dtype)
+        for name, target in nmap.tied:
+            sd[name] = sd[target]
+        with torch.device("meta"):
+            model = Transformer(spec)
+        model.load_state_dict(sd, strict=True, assign=True)
+        extra = {
+            "converted_from": str(root), "family": nmap.family, "hf_layout": layout.to_json(),
+            "model_spec": json.dumps(spec.model_dump(mode="json")), "skipped": skipped, "step": step,
+        }
+        return save_checkpoint(out_root, step, model, None, extra, keep=1)
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def _spooled(path: Path, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of t in a file-backed tensor (memory the kernel can write back and drop)."""
+    out = torch.from_file(str(path), shared=True, size=t.numel(), dtype=dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+class CheckpointSource:
+    """Model tensors of a moestack DCP checkpoint, loaded on demand (a partial DCP load of just those names)."""
+
+    def __init__(self, path: str | Path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from moestack.train.checkpoint import verify_checkpoint
+
+        self.path = Path(path)
+        self.meta = verify_checkpoint(self.path)
+        md = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self.tensors = {k.removeprefix("model."): (tuple(v.size), v.properties.dtype) for k, v in md.items()
+                        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.meta.get("extra", {})
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        absent = [n for n in names if n not in self.tensors]
+        if absent:
+            raise ConvertError(f"checkpoint {self.path}: has no tensor(s) {compact_names(absent)}", missing=absent)
+        state = {"model": {n: torch.empty(self.tensors[n][0], dtype=self.tensors[n][1]) for n in names}}
+        with warnings.catch_warnings():  # DCP warns that a load without a process group is single-process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+        return state["model"]
+
+
+class _DictSource:
+    def __init__(self, sd: Mapping[str, torch.Tensor]):
+        self.sd = sd
+
+    def keys(self):
+        return self.sd.keys()
+
+    def get(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        absent = [n for n in names if n not in self.sd]
+        if absent:
+            raise ConvertError(f"state dict has no tensor(s) {compact_names(absent)}", missing=absent)
+        return {n: self.sd[n].detach() for n in names}
+
+
+def default_layout(nmap: NameMap, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> HFLayout:
+    """Model-order layout in shards of at most max_shard_bytes (one tensor per shard at least), `dtype` for every
+    tensor but the family's fp32 ones, HF's file naming and metadata."""
+    shapes = nmap.hf_shapes()
+    dtypes = {n: "F32" if nmap.keep_fp32(n) else _DTYPE_NAMES[dtype] for n in shapes}
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = _numel(shape) * _DTYPES[dtypes[name]].itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    n = len(groups)
+    files = [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", names) for i, names in enumerate(groups)]
+    index = {"metadata": {"total_size": _total_bytes(shapes, dtypes)}}
+    return HFLayout(files, dtypes, dict(shapes), {f: {"format": "pt"} for f, _ in files}, index)
+
+
+def _total_bytes(shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]) -> int:
+    """index.json's metadata.total_size: the bytes of all tensors."""
+    return sum(_numel(s) * _DTYPES[dtypes[k]].itemsize for k, s in shapes.items())
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def export_hf(source: Mapping[str, torch.Tensor] | CheckpointSource, spec: ModelSpec, out_dir: str | Path,
+              family: str | None = None, layout: HFLayout | None = None, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write `source` (a moestack state dict, or a CheckpointSource) as an HF checkpoint in `out_dir`.
+
+    layout: the HF layout to reproduce; default: the one recorded in a converted checkpoint, else
+    `default_layout(dtype or bf16, max_shard_bytes)`. dtype given with a recorded layout: every floating tensor is
+    written in dtype instead. Returns the files written (shards, then index.json / config.json). Raises
+    ConvertError when the source lacks tensors the model has, holds tensors it does not, or the layout names
+    tensors the model does not have.
+    """
+    nmap = build_name_map(spec, family)
+    src = source if isinstance(source, CheckpointSource) else _DictSource(source)
+    if layout is None and isinstance(src, CheckpointSource) and "hf_layout" in src.extra:
+        layout = HFLayout.from_json(src.extra["hf_layout"])
+    if layout is None:
+        layout = default_layout(nmap, dtype or torch.bfloat16, max_shard_bytes)
+    elif dtype is not None:  # the recorded files, in another dtype
+        dtypes = {k: _DTYPE_NAMES[dtype] for k in layout.dtypes}
+        index = layout.index
+        if index is not None and "total_size" in index.get("metadata", {}):
+            index = {**index, "metadata": {**index["metadata"], "total_size": _total_bytes(layout.shapes, dtypes)}}
+        layout = replace(layout, dtypes=dtypes, index=index)
+    want = {r.ms for r in nmap.rules} | {ms for ms, _ in nmap.tied}
+    extra_src = sorted(set(src.keys()) - want)
+    missing_src = sorted(want - set(src.keys()))
+    if extra_src or missing_src:
+        parts = [f"{len(x)} {label}: {compact_names(x)}" for label, x in (("missing", missing_src),
+                                                                          ("unexpected", extra_src)) if x]
+        raise ConvertError(f"moestack weights do not match model '{spec.name}': " + "; ".join(parts),
+                           missing_src, extra_src)
+    check_layout(layout, nmap, where="HF layout")
+    out = Path(out_dir)
+    if out.is_dir() and (any(out.glob("*.safetensors")) or (out / INDEX).exists()):
+        raise ConvertError(f"{out}: already holds safetensors files; export into a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    last_use: dict[str, int] = {}
+    for i, (_, names) in enumerate(layout.files):
+        for hf in names:
+            last_use[nmap.by_hf[hf][0].ms] = i
+    cache: dict[str, torch.Tensor] = {}
+    written = []
+    for i, (f, names) in enumerate(layout.files):
+        needed = list(dict.fromkeys(nmap.by_hf[hf][0].ms for hf in names))
+        cache.update(src.get([n for n in needed if n not in cache]))
+        tensors = {hf: _hf_tensor(nmap.by_hf[hf], cache, _DTYPES[layout.dtypes[hf]]) for hf in names}
+        written.append(_save_shard(out / f, tensors, layout.file_metadata.get(f)))
+        del tensors
+        for name in [n for n in cache if last_use[n] <= i]:
+            del cache[name]
+    if layout.index is not None:
+        weight_map = {n: f for f, names in layout.files for n in names}
+        index = {**layout.index, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(out / INDEX)
+    if layout.config is not None:
+        (out / "config.json").write_text(layout.config)
+        written.append(out / "config.json")
+    return written
+
+
+def _hf_tensor(entry, cache: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    rule, slot = entry
+    t = cache[rule.ms]
+    if isinstance(rule, Direct):
+        t = t.reshape(rule.hf_shape)
+    else:
+        j, rows = rule.slot(*slot)
+        t = t[j, rows]
+    return t.to(dtype=dtype, copy=True).contiguous()
+
+
+def _save_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> Path:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return path

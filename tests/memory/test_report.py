@@ -1,0 +1,135 @@
+"""Memory report: exact state bytes, activations by layer type, training state left untouched, the planner's
+prediction alongside."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moestack.config.model_spec import load_model_spec
+from moestack.config.plan import RecomputePolicy
+from moestack.config.train_spec import OptimizerSpec
+from moestack.memory.recompute import apply_recompute
+from moestack.memory.report import (
+    CATEGORIES,
+    format_report,
+    measure_memory,
+    predicted_memory,
+    single_device_plan,
+    state_breakdown,
+)
+from moestack.model.transformer import build_model
+from moestack.train.optim import build_optimizer
+
+B, T = 1, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_spec():
+    """Two blocks holding every part kind: (KDA, dense MLP) and (gated DSA, LatentMoE)."""
+    data = load_model_spec("tiny").model_dump()
+    data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
+    return type(load_model_spec("tiny")).model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A small model after one AdamW step (optimizer state exists, grads cleared as the trainer leaves them)."""
+    spec = small_spec()
+    model = build_model(spec, "cpu", seed=0)
+    opt = build_optimizer(model, OptimizerSpec())
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, spec.vocab_size, (B, T), generator=g)
+    model(tokens, targets).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt, tokens, targets
+
+
+def test_state_breakdown_counts_distinct_storages():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 6)
+            self.mid = nn.Linear(6, 6)
+            self.lm_head = nn.Linear(6, 10, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    m = Tied()
+    n = 10 * 6 + 6 * 6 + 6  # the tied weight once
+    on_dev, host = state_breakdown(m, None, torch.device("cpu"))
+    assert on_dev == {"weights": 4 * n, "gradients": 0, "optimizer": 0} and not any(host.values())
+    opt = torch.optim.AdamW(m.parameters())
+    (m.lm_head(m.mid(m.embed(torch.arange(4)))) ** 2).sum().backward()
+    opt.step()
+    on_dev, _ = state_breakdown(m, opt, torch.device("cpu"))
+    assert on_dev == {"weights": 4 * n, "gradients": 4 * n, "optimizer": 8 * n}  # step counters are scalars
+
+
+def test_measure_memory_cpu(trained):
+    model, opt, tokens, targets = trained
+    routers = {n: m.router.tokens_per_expert.clone() for n, m in model.moe_layers().items()}
+    aux = {n: m.last_aux_loss for n, m in model.moe_layers().items()}
+    plan = single_device_plan("tiny", T, B)
+    report = measure_memory(model, opt, tokens, targets, plan=plan)
+    # training state untouched
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(m.router.tokens_per_expert, routers[n]) for n, m in model.moe_layers().items())
+    assert all(m.last_aux_loss is aux[n] for n, m in model.moe_layers().items())
+    # state bytes are exact; gradients were measured after the backward
+    n = sum(p.numel() for p in model.parameters())
+    assert report.measured["weights"] == 4 * n and report.measured["gradients"] == 4 * n
+    assert report.measured["optimizer"] == 8 * n
+    assert set(report.activations_by_kind) == {"kda", "dense", "mla", "moe", "other"}
+    assert all(v > 0 for v in report.activations_by_kind.values())
+    assert report.measured["activations"] == sum(report.activations_by_kind.values())
+    assert report.peak is None and report.measured["buffers"] is None
+    # the planner's numbers for the same plan, and its parameter count agrees with the tensors
+    assert set(report.predicted) == set(CATEGORIES)
+    assert report.predicted == predicted_memory(model.spec, plan)
+    assert abs(report.predicted["weights"] / report.measured["weights"] - 1) < 1e-3
+    text = "\n".join(format_report(report))
+    assert "allocator stats need CUDA" in text and "planner GiB" in text and "moe" in text
+
+
+def test_measured_activations_follow_recompute(trained):
+    """Saved-tensor accounting sees what recompute removes: full recompute of every block leaves only the parts
+    outside the blocks."""
+    model, opt, tokens, targets = trained
+    none = measure_memory(model, opt, tokens, targets)
+    m = copy.deepcopy(model)
+    apply_recompute(m, RecomputePolicy.uniform("full"))
+    full = measure_memory(m, None, tokens, targets)
+    assert full.measured["activations"] < 0.2 * none.measured["activations"]
+    assert set(full.activations_by_kind) <= {"other"}
+
+
+@pytest.mark.gpu
+def test_measure_memory_cuda(trained, monkeypatch):
+    monkeypatch.setenv("MOESTACK_KDA_BACKEND", "reference")
+    model, _, tokens, targets = trained
+    m = copy.deepcopy(model).cuda()
+    opt = build_optimizer(m, OptimizerSpec())
+    tokens, targets = tokens.repeat(2, 16).cuda(), targets.repeat(2, 16).cuda()
+    m(tokens, targets).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    report = measure_memory(m, opt, tokens, targets, autocast=lambda: torch.autocast("cuda", torch.bfloat16),
+                            plan=single_device_plan("tiny", tokens.shape[1], tokens.shape[0]))
+    meas = report.measured
+    assert all(meas[c] is not None and meas[c] >= 0 for c in CATEGORIES)
+    assert report.peak >= meas["weights"] + meas["optimizer"]
+    assert abs(sum(report.activations_by_kind.values()) - meas["activations"]) < 1
+    assert "planner vs measured total" in "\n".join(format_report(report))

@@ -34,7 +34,11 @@ def _parse_sets(pairs: list[str]) -> dict:
 
 @app.command()
 def train(
-    model: str = typer.Option("tiny", "--model", "-m", help="preset name, ModelSpec YAML or HF config.json"),
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="preset name, ModelSpec YAML or HF config.json (default: the plan's "
+                                             "model, else tiny)"),
+    plan: Optional[Path] = typer.Option(None, "--plan", "-p",
+                                        help="Plan YAML (moestack plan): run on its devices under torchrun"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TrainSpec YAML (defaults if omitted)"),
     steps: Optional[int] = typer.Option(None, help="optimizer steps"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="run directory (default runs/<model>)"),
@@ -52,10 +56,23 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="any TrainSpec field, dotted: --set optimizer.weight_decay=0"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
-    """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists)."""
+    """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists).
+
+    Many devices: `torchrun --nproc-per-node N -m moestack train --plan plan.yaml`; the plan sets the layout,
+    micro-batch size, micro-batches per step and sequence length (moestack/parallel/README.md).
+    """
+    from moestack.config.plan import load_plan
     from moestack.config.train_spec import load_train_spec
     from moestack.planner.profile import load_any_model_spec
 
+    run_plan = load_plan(plan) if plan is not None else None
+    if run_plan is not None:
+        clash = [flag for flag, value in (("--batch-size", batch_size), ("--grad-accum", grad_accum),
+                                          ("--seq-len", seq_len)) if value is not None]
+        if clash:
+            raise ConfigError(f"{' '.join(clash)}: with --plan the plan sets the batch layout (micro_batch_size, "
+                              "global_batch_size, seq_len); edit the plan instead")
+    model = model or (run_plan.model if run_plan is not None else "tiny")
     overrides = {"model": model}
     flag_values = {
         "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
@@ -72,7 +89,7 @@ def train(
         overrides["logging.progress"] = False
     spec = load_train_spec(config, overrides)
     model_spec = load_any_model_spec(spec.model)
-    _run_training(spec, model_spec, resume)
+    _run_training(spec, model_spec, resume, run_plan)
 
 
 def _guess_source(paths: list[str]) -> str:
@@ -84,19 +101,31 @@ def _guess_source(paths: list[str]) -> str:
     return "text"
 
 
-def _run_training(spec, model_spec, resume: bool) -> None:
+def _run_training(spec, model_spec, resume: bool, plan=None) -> None:
+    from moestack.train.trainer import Trainer
+
+    trainer = Trainer(spec, model_spec, log=console.print, plan=plan)
+    try:
+        _fit(trainer, model_spec, resume)
+    finally:
+        trainer.close()
+
+
+def _fit(trainer, model_spec, resume: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moestack.train.trainer import Trainer, count_params
+    from moestack.train.trainer import count_params
 
-    trainer = Trainer(spec, model_spec, log=console.print)
-    console.print(
+    spec, say = trainer.spec, trainer.log  # trainer.log prints on rank 0 only
+    layout = f" plan={trainer.plan.short()!r} ranks={trainer.plan.devices}" if trainer.plan is not None else ""
+    say(
         f"[bold]moestack train[/] model={model_spec.name} params={count_params(trainer.model) / 1e6:.2f}M "
-        f"device={trainer.device} tokens/step={spec.tokens_per_step} steps={spec.steps} out={spec.out_dir}"
+        f"device={trainer.device}{layout} tokens/step={trainer.tokens_per_step} steps={spec.steps} "
+        f"out={spec.out_dir}"
     )
     if resume and not trainer.resume():
-        console.print(f"--resume: no checkpoint under {trainer.ckpt_dir}; starting from step 0")
-    if spec.logging.progress and sys.stdout.isatty():
+        say(f"--resume: no checkpoint under {trainer.ckpt_dir}; starting from step 0")
+    if spec.logging.progress and sys.stdout.isatty() and trainer.is_main:
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn()]
         with Progress(*columns, console=console) as bar:
@@ -107,19 +136,19 @@ def _run_training(spec, model_spec, resume: bool) -> None:
 
         def report(step, s):
             if step % every == 0 or step == spec.steps:
-                console.print(f"step {step}/{spec.steps} {_fmt(s)}")
+                say(f"step {step}/{spec.steps} {_fmt(s)}")
 
         result = trainer.fit(report if spec.logging.progress else None)
     losses = result["losses"]
     if losses:
         k = max(1, min(10, len(losses) // 5))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        console.print(f"loss {first:.3f} -> {last:.3f} (mean of first/last {k} steps)")
+        say(f"loss {first:.3f} -> {last:.3f} (mean of first/last {k} steps)")
     if result["expert_load"]:
-        console.print(result["expert_load"])
-    console.print(f"checkpoint: {result['checkpoint']}")
-    console.print(f"metrics:    {result['metrics']} (TensorBoard: {spec.out_dir})")
-    console.print(f"loss plot:  {result['plot']}")
+        say(result["expert_load"])
+    say(f"checkpoint: {result['checkpoint']}")
+    say(f"metrics:    {result['metrics']} (TensorBoard: {spec.out_dir})")
+    say(f"loss plot:  {result['plot']}")
 
 
 def _fmt(s) -> str:
@@ -129,9 +158,12 @@ def _fmt(s) -> str:
 
 def _register_commands() -> None:
     """Commands owned by their packages; each module exposes a typer-annotated function."""
+    from moestack import adapt_cli
     from moestack.planner import plan_cli, profile_cli
 
     app.command("profile")(profile_cli.profile)
+    app.command("adapt")(adapt_cli.adapt)
+    app.command("convert")(adapt_cli.convert)
     app.command("plan")(plan_cli.plan)
     app.command("tune")(plan_cli.tune)
 

@@ -17,6 +17,7 @@ D for a plain MoE), I expert intermediate, E experts, K top-k, N = B*T*K routed 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -130,16 +131,27 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_down, mean=0.0, std=std)
 
 
-def sequence_aux_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor, coef: float) -> torch.Tensor:
+def sequence_aux_loss(
+    scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor, coef: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Sequence-wise balance loss (DeepSeek-V3): mean over sequences of coef * sum_i f_i P_i, with
-    f_i = E / (K*T) * count_i(seq) and P_i = mean_t(s_i / sum_j s_j). Differentiable through scores (fp32)."""
+    f_i = E / (K*T) * count_i(seq) and P_i = mean_t(s_i / sum_j s_j). Differentiable through scores (fp32).
+
+    group: the ranks one sequence's tokens are split over (tensor / sequence / context parallelism; this rank holds
+    T of the T * |group| tokens). Counts are then summed over it and the result is this rank's share: the shares
+    add up to the loss of the whole sequences, and backward through each share gives exactly its tokens' gradient.
+    """
     B, T, E = scores_BTE.shape
     K = topk_idx_BTK.shape[-1]
     counts_BE = scores_BTE.new_zeros((B, E)).scatter_add_(
         1, topk_idx_BTK.reshape(B, T * K), scores_BTE.new_ones((B, T * K))
     )
-    f_BE = counts_BE * (E / (K * T))
-    P_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
+    T_seq = T
+    if group is not None:
+        dist.all_reduce(counts_BE, group=group)  # no gradient flows through the counts
+        T_seq = T * dist.get_world_size(group)
+    f_BE = counts_BE * (E / (K * T_seq))
+    P_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).sum(1) / T_seq
     return coef * (f_BE * P_BE).sum(-1).mean()
 
 
@@ -180,6 +192,8 @@ class MoE(nn.Module):
         )
         self.last_aux_loss: torch.Tensor | None = None
         self.last_expert_counts: torch.Tensor | None = None
+        # set by moestack.parallel (TP / SP / CP): the ranks one sequence's tokens are split over
+        self.seq_shard_group: dist.ProcessGroup | None = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """x_BTD [B, T, D] -> [B, T, D]. Backward through the output also backpropagates the aux loss."""
@@ -202,7 +216,7 @@ class MoE(nn.Module):
         self.last_expert_counts = perm.counts_E.detach()
         coef = self.spec.router.seq_aux_loss_coef
         if coef > 0:
-            aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), coef)
+            aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), coef, self.seq_shard_group)
             self.last_aux_loss = aux.detach()
             out_BTD = attach_aux_loss(out_BTD, aux)
         else:

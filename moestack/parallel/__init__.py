@@ -1,7 +1,8 @@
 """Parallelism applied to a built model from outside, driven by a Plan (model code stays single-device).
 
-mesh.py (DeviceMeshes with parallel folding), expert.py (expert-parallel dispatch), fsdp.py (ZeRO via FSDP2),
-comm.py (differentiable all-to-all, global grad norm, reductions), parallelize.py (the one entry point).
+mesh.py (DeviceMeshes with parallel folding), expert.py (expert-parallel dispatch), tensor.py (tensor / sequence
+parallelism), pipeline.py (pipeline stages and schedules), fsdp.py (ZeRO via FSDP2), comm.py (differentiable
+all-to-all, global grad norm, reductions), parallelize.py (the one entry point for a model or pipeline stage).
 README.md has the layout rules, launch commands and what is tested.
 """
 

@@ -57,15 +57,23 @@ def apply_fsdp(
     for block in blocks:
         moe = block.ffn if isinstance(getattr(block, "ffn", None), MoE) else None
         if moe is not None and expert_mesh is not None:
-            fully_shard(moe.experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            _shard(moe.experts, expert_mesh, reshard, mp_policy)
             if expert_grad_divide is not None:
                 moe.experts.set_gradient_divide_factor(float(expert_grad_divide))
         if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
-            fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32_policy)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            _shard(moe.router, dp_mesh, reshard, fp32_policy)
+        _shard(block, dp_mesh, reshard, mp_policy)
     # the root's parameters are used first (embed) and last (head): resharding them after forward buys nothing
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    _shard(model, dp_mesh, False, mp_policy)
     return model
+
+
+def _shard(module: nn.Module, mesh: DeviceMesh, reshard: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    if mesh.device_type == "cpu" and mesh.size() > 1:
+        # gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide. (Not on a mesh of one rank: there
+        # torch 2.13 would divide by a custom divide factor twice.)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

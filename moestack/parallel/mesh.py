@@ -61,6 +61,9 @@ class Meshes:
     experts: DeviceMesh
     hier: DeviceMesh | None = None  # expert view with ep split into (ep_domain, ep_local)
     dp_group: dist.ProcessGroup | None = None  # ranks reading different data (set by build_meshes)
+    # every rank of my pipeline stage: each routes different tokens (DP: other data; TP: its own token shard of the
+    # MoE), so router load counts are summed over this group
+    stage_group: dist.ProcessGroup | None = None
 
     @property
     def device_type(self) -> str:
@@ -132,4 +135,5 @@ def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int
     hier = DeviceMesh(device_type, layout.hier, mesh_dim_names=HIER_DIMS) if layout.hier is not None else None
     # the data-parallel ranks (distinct tokens) as one group: loss means and router load counts reduce over it
     dp_group = dense["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-    return Meshes(plan, dense, experts, hier, dp_group)
+    stage_group = dense["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage").get_group()
+    return Meshes(plan, dense, experts, hier, dp_group, stage_group)

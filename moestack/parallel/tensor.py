@@ -4,14 +4,14 @@
 Shard(0) for column-parallel weights and per-head parameters, Shard(1) for row-parallel weights, Replicate for the
 rest -- so the optimizer, gradient clipping, FSDP2 and DCP see global shapes. The model code stays single-device:
 
-* Parameters. During the forward of a "TP unit" (a mixer, an FFN, a norm, the embedding, the LM head) hooks swap
-  the unit's DTensor parameters for their local shards and set the module's head counts to the local ones, so
-  `view(B, T, H, K)` and direct weight reads (KDA `A_log` / `dt_bias` / short convs, MLA `kv_b_proj.weight` in
-  the absorbed sparse path, the LM-head weight read by the chunked loss) all see this rank's heads. After the
-  forward the global DTensors and head counts are restored. In backward the local gradient is wrapped back into
-  a DTensor with the parameter's placement; a replicated parameter whose local use saw only part of the work
-  (it feeds head-sharded projections, or runs on a sequence shard) has its gradient summed over the TP group
-  first ("sum"), and the DSA indexer's gradient is averaged ("avg", see below).
+* Parameters. During the forward of a "TP unit" (a mixer, an FFN, a norm, the embedding, the LM head) a wrapper
+  of the instance's forward swaps the unit's DTensor parameters for their local shards and sets the module's head
+  counts to the local ones, so `view(B, T, H, K)` and direct weight reads (KDA `A_log` / `dt_bias` / short convs,
+  MLA `kv_b_proj.weight` in the absorbed sparse path, the LM-head weight read by the chunked loss) all see this
+  rank's heads. After the forward the global DTensors and head counts are restored. In backward the local
+  gradient is wrapped back into a DTensor with the parameter's placement; a replicated parameter whose local use
+  saw only part of the work (it feeds head-sharded projections, or runs on a sequence shard) has its gradient
+  summed over the TP group first ("sum"), and the DSA indexer's gradient is averaged ("avg", see below).
 * Activations stay plain local tensors; the collectives at unit boundaries are DTensor redistributes:
   without SP, Megatron's f (identity, all-reduce in backward) before a sharded unit and g (all-reduce) after it;
   with SP the residual stream is sequence-sharded [B, T/tp, D] and they become all-gather / reduce-scatter.
@@ -37,8 +37,10 @@ Per module (H heads, tp ranks, H % tp == 0):
              already DTensors (`moestack.parallel.expert`), else replicated with summed gradients. The fused
              shared experts are column/row sharded over all tokens of the group (all-gather / reduce-scatter of
              rows). The sequence-wise aux loss needs the expert counts of the whole sequence: apply_tp sets
-             `moe.seq_shard_group` (see the report / MoE docstring: the model must reduce its counts over it).
-  embedding  replicated; with SP each rank embeds its sequence shard (tokens are sliced in a pre-hook).
+             `moe.seq_shard_group`, over which MoE.sequence_aux_loss must sum its counts (a model change; without
+             it the aux-loss gradient uses each shard's own counts and is not exact).
+  embedding  replicated; with SP every rank embeds the whole sequence and keeps its shard (backward: all-gather
+             of the output gradient, so the weight gradient is complete without an all-reduce).
   LM head    replicated (the chunked cross-entropy takes the full [V, D] weight); with SP the loss is computed on
              the local sequence shard and combined exactly: sum of token losses / number of counted tokens over
              the TP group. `model(tokens)` without targets returns all-gathered logits.
@@ -47,15 +49,23 @@ Per module (H heads, tp ranks, H % tp == 0):
 Requirements: T % tp == 0 with SP; with SP call the model through `model(tokens, targets)` (the hooks on the
 root slice the targets and combine the loss; `hidden_states()` alone returns the local sequence shard).
 Order with other parallelisms: expert parallelism before apply_tp (apply_tp leaves parameters that are already
-DTensors alone), FSDP2 after it. Initialise weights before apply_tp (the full model is sharded by slicing), or
-build on meta, apply_tp, materialise and call `init_weights_tp`.
+DTensors alone); activation recompute and FSDP2 after it (recompute then reruns the swap; the unit-boundary
+collectives are module hooks, outside the recomputed region). Initialise weights before apply_tp (the full model
+is sharded by slicing), or build on meta, apply_tp, materialise and call `init_weights_tp`.
+
+Cost: the "sum" / "avg" gradient reductions run in every backward (each micro-batch). That is cheap for norms,
+low-rank projections and the indexer, but not for the token-sharded MoE's replicated weights (router, latent
+down / up projections, routed experts without expert parallelism) nor, with SP, for the [V, D] LM head: at scale
+they belong in the once-per-step data-parallel reduction (whose group then has to include the TP ranks), and the
+head wants a vocab-parallel chunked cross-entropy.
 
 Legend: B batch, T tokens (T_l = T / tp with SP), D hidden, H heads, N rows (tokens) of a flattened batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -68,7 +78,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from moestack.model.dsa import GatedMLA
 from moestack.model.gqa import GQAAttention
 from moestack.model.kda import KDAAttention
-from moestack.model.loss import IGNORE_INDEX
+from moestack.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from moestack.model.mlp import GLUMLP
 from moestack.model.moe import MoE
 from moestack.model.transformer import Transformer
@@ -101,6 +111,7 @@ def gather_shards(x: torch.Tensor, mesh: DeviceMesh, dim: int, partial_grad: boo
 def scatter_shards(x: torch.Tensor, mesh: DeviceMesh, dim: int, partial: bool) -> torch.Tensor:
     """This rank's shard along `dim`: reduce-scatter of partial outputs (`partial`) or a slice of a replicated
     tensor. Backward: all-gather of the shard gradients."""
+    assert x.shape[dim] % mesh.size() == 0, f"dim {dim} of size {x.shape[dim]} does not split over {mesh.size()} ranks"
     src = (Partial(),) if partial else (REP,)
     return DTensor.from_local(x, mesh, src, run_check=False).redistribute(mesh, (Shard(dim),)).to_local()
 
@@ -166,14 +177,29 @@ class _Unit:
     def exit(self) -> None:
         for owner, name, value in reversed(self._saved.pop()):
             if name in owner._parameters:
+                if getattr(owner._parameters[name], "_no_weight_decay", False):  # tagged by init_weights
+                    value._no_weight_decay = True
                 owner._parameters[name] = value
             else:
                 setattr(owner, name, value)
 
 
-def _hook_unit(module: nn.Module, unit: _Unit) -> None:
-    module.register_forward_pre_hook(lambda m, args: unit.enter())
-    module.register_forward_hook(lambda m, args, out: unit.exit(), always_call=True)
+def _wrap_forward(module: nn.Module, unit: _Unit) -> None:
+    """Run the module's forward with the unit entered. The swap lives in the instance's `forward` (not in a module
+    hook) so that activation recompute applied afterwards (moestack.memory.recompute wraps `forward`) reruns it."""
+    if getattr(module, "_moestack_recompute", None) is not None:
+        raise RuntimeError(f"apply_tp must run before activation recompute ({type(module).__name__} is wrapped)")
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        unit.enter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            unit.exit()
+
+    module.forward = forward
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,8 +293,9 @@ class _Distributor:
         if id(param) not in self._done:  # a tied weight is converted once, through its first module
             if isinstance(placement, Shard):
                 _check_div(param.shape[placement.dim], self.mesh.size(), f"dim {placement.dim} of {tuple(param.shape)}")
-            new = nn.Parameter(distribute_tensor(param.detach(), self.mesh, [placement]),
-                               requires_grad=param.requires_grad)
+            # src_data_rank None: slice the local copy, no communication (every rank holds the same weights)
+            dt = distribute_tensor(param.detach(), self.mesh, [placement], src_data_rank=None)
+            new = nn.Parameter(dt, requires_grad=param.requires_grad)
             if getattr(param, "_no_weight_decay", False):
                 new._no_weight_decay = True
             self._done[id(param)] = new
@@ -329,12 +356,12 @@ def _apply_ffn(ffn: nn.Module, mesh: DeviceMesh, sp: bool, dist_: _Distributor) 
 
 
 def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
-    """SP at the model boundary: slice token ids (embedding pre-hook) and targets to the local sequence shard,
+    """SP at the model boundary: keep this rank's sequence shard of the embedding output, slice the targets,
     combine the local losses into the exact mean over the whole sequence, gather logits when no targets."""
     counts: list[torch.Tensor | None] = []  # stack: one entry per active forward
 
-    if model.embed is not None:
-        model.embed.register_forward_pre_hook(lambda m, args: (shard_slice(args[0], mesh, SEQ_DIM), *args[1:]))
+    if model.embed is not None:  # every rank embeds the whole sequence and keeps its shard (see apply_tp)
+        model.embed.register_forward_hook(lambda m, args, out: scatter_shards(out, mesh, SEQ_DIM, partial=False))
 
     def pre(m, args, kwargs):
         if len(args) > 1:
@@ -365,38 +392,61 @@ def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Shard `model` (a Transformer or a pipeline-stage Transformer) over the 1-D `tp_mesh` in place.
 
-    Every rank must call it with the same model (same parameters: Shard placements slice the full tensors, which
-    rank 0 sends). sequence_parallel: keep the residual stream sequence-sharded [B, T/tp, D] between units
-    (norms, residual adds and the MoE run on 1/tp of the tokens); needs T % tp == 0. See the module docstring
-    for the per-module plans. Parameters that already are DTensors (expert parallelism) are left alone.
+    Every rank must call it with the same model: each rank slices its shards out of its own full copy (no
+    communication; works on meta). sequence_parallel: keep the residual stream sequence-sharded [B, T/tp, D]
+    between units (norms, residual adds and the MoE run on 1/tp of the tokens); needs T % tp == 0. See the module
+    docstring for the per-module plans. Parameters that already are DTensors (expert parallelism) are left alone.
+    After it, `model._tp_units` / `_tp_mesh` / `_tp_sequence_parallel` describe the sharding (`local_shards`,
+    `init_weights_tp`, `lm_head_loss_sum` read them).
     """
     assert tp_mesh.ndim == 1, f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim}-D"
     sp, tp = sequence_parallel, tp_mesh.size()
     dist_ = _Distributor(tp_mesh)
     units: list[_Unit] = []
-    norm_rule: Rule = (REP, "sum" if sp else None)  # with SP a norm sees only the local sequence shard
+    seq_rule: Rule = (REP, "sum" if sp else None)  # replicated; with SP it runs on the local sequence shard only
 
-    def add(module: nn.Module, unit: _Unit, hook_on: nn.Module | None = None) -> None:
-        _hook_unit(hook_on or module, unit)
+    def add(module: nn.Module, unit: _Unit, run_in: nn.Module | None = None) -> None:
+        _wrap_forward(run_in or module, unit)
         units.append(unit)
 
     if model.embed is not None:
-        add(model.embed, dist_.unit(model.embed, {}, default=norm_rule))
+        # With SP the embedding runs on all tokens and the output is sliced: its gradient is then complete on every
+        # rank (an all-gather of [B, T, D] activation gradients instead of an all-reduce of the [V, D] weight's).
+        add(model.embed, dist_.unit(model.embed, {}, default=(REP, None)))
     for block in model.layers.values():
         for norm in (block.attn_norm, block.ffn_norm):
-            add(norm, dist_.unit(norm, {}, default=norm_rule))
+            add(norm, dist_.unit(norm, {}, default=seq_rule))
         plan, heads = _mixer_plan(block.attn, tp)
         add(block.attn, dist_.unit(block.attn, plan, heads))
         _hook_sharded_io(block.attn, tp_mesh, sp)
         add(block.ffn, _apply_ffn(block.ffn, tp_mesh, sp, dist_))
     if model.norm is not None:
-        add(model.norm, dist_.unit(model.norm, {}, default=norm_rule))
+        add(model.norm, dist_.unit(model.norm, {}, default=seq_rule))
     if model.lm_head is not None:  # the loss reads lm_head.weight directly: swap it for the whole forward
-        add(model.lm_head, dist_.unit(model.lm_head, {}, default=norm_rule), hook_on=model)
+        add(model.lm_head, dist_.unit(model.lm_head, {}, default=seq_rule), run_in=model)
     if sp:
         _hook_sp_root(model, tp_mesh)
     model._tp_units = units
     model._tp_mesh = tp_mesh
+    model._tp_sequence_parallel = sp
+
+
+def lm_head_loss_sum(model: Transformer, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy of the whole sequence through model.lm_head (chunked), for callers that run the
+    head outside `model.forward` (the last pipeline stage).
+
+    Plain model: chunked_cross_entropy(h, lm_head.weight, targets)[0]. After `apply_tp`: h_BTD is this rank's
+    hidden state (its sequence shard [B, T/tp, D] with SP), targets_BT the full [B, T]; the result is the sum
+    over the whole sequence, the same on every TP rank, and backward reaches this rank's tokens and head weight.
+    """
+    weight = model.lm_head.weight
+    mesh: DeviceMesh | None = getattr(model, "_tp_mesh", None)
+    if mesh is None or not isinstance(weight, DTensor):
+        return chunked_cross_entropy(h_BTD, weight, targets_BT)[0]
+    if not model._tp_sequence_parallel:  # h is replicated: every rank computes the same loss
+        return chunked_cross_entropy(h_BTD, _local_view(weight, None), targets_BT)[0]
+    local_sum, _ = chunked_cross_entropy(h_BTD, _local_view(weight, "sum"), shard_slice(targets_BT, mesh, SEQ_DIM))
+    return reduce_from_tp(local_sum, mesh)
 
 
 @contextmanager

@@ -309,9 +309,10 @@ def _tensor_shapes(obj: Any, prefix: str, out: dict[str, tuple[int, ...]]) -> di
     return out
 
 
-def _check_matches(path: Path, state: dict[str, Any]) -> None:
-    """Every tensor the model/optimizer expects is in the checkpoint with the same shape, and vice versa for the
-    model's. Raises CheckpointError naming the first difference."""
+def _check_matches(path: Path, state: dict[str, Any], partial: bool = False) -> None:
+    """Every tensor the model/optimizer expects is in the checkpoint with the same shape, and (unless `partial`: a
+    pipeline stage holds only its own layers) vice versa for the model's. Raises CheckpointError naming the first
+    difference."""
     where = f"checkpoint {path}"
     saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
@@ -329,23 +330,25 @@ def _check_matches(path: Path, state: dict[str, Any]) -> None:
             if saved[key] != shape:
                 raise CheckpointError(f"{where}: {what} '{short}' has shape {list(saved[key])} in the checkpoint but "
                                       f"{list(shape)} in the model; {hint}")
-        if section == "model":
+        if section == "model" and not partial:
             for key in saved:
                 if key.startswith("model.") and key not in want:
                     raise CheckpointError(f"{where}: unexpected tensor '{key.removeprefix('model.')}' (checkpoint "
                                           f"has it, model does not); {hint}")
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    partial: bool = False) -> dict:
     """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
 
     Collective when a process group is initialised. Raises CheckpointError (one line) for a partial or corrupted
-    checkpoint or one whose parameter names/shapes differ from the model's.
+    checkpoint or one whose parameter names/shapes differ from the model's. partial: `model` is one pipeline
+    stage's part of the saved model (tensors of other stages in the checkpoint are expected, not an error).
     """
     path = Path(path)
     meta = verify_checkpoint(path)
     state = _state(model, optimizer)
-    _check_matches(path, state)
+    _check_matches(path, state, partial)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())

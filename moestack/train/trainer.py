@@ -1,25 +1,39 @@
-"""Single-device training loop: read top to bottom.
+"""The training loop: read top to bottom. One code path for a single device and for many ranks.
 
 setup (spec, data, model, optimizer, resume) -> for each step: micro-batches (forward, backward) -> non-finite
 check -> clip -> optimizer/scheduler step -> MoE bias update -> metrics / eval / checkpoint -> plot at the end.
+
+With a Plan (`Trainer(..., plan=plan)`, `moestack train --plan plan.yaml` under torchrun) the same loop runs on
+plan.devices ranks: meshes from the plan, the model parallelised by `moestack.parallel.parallelize`, each
+data-parallel rank reading its own shard of every global batch. The global operations are explicit: the logged
+loss is the mean over data-parallel ranks, the clip norm covers every gradient on every mesh
+(moestack.parallel.comm), router load counts are summed over all ranks of a pipeline stage before the bias update,
+and rank 0 alone logs, plots and prints. Every rank saves and loads the DCP checkpoint; a checkpoint reloads at
+another layout (EP / FSDP / DP degree) as long as the global batch is the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.model_spec import ModelSpec
+from moestack.config.plan import Plan
 from moestack.config.train_spec import TrainSpec
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.transformer import Transformer, build_model
+from moestack.parallel import Meshes, build_meshes, parallelize
+from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
+from moestack.parallel.fsdp import set_gradient_sync
 from moestack.train.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
@@ -60,9 +74,12 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def uses_bf16(spec: TrainSpec, device: torch.device) -> bool:
+    return spec.precision == "bf16" or (spec.precision == "auto" and device.type == "cuda")
+
+
 def autocast_context(spec: TrainSpec, device: torch.device):
-    use_bf16 = spec.precision == "bf16" or (spec.precision == "auto" and device.type == "cuda")
-    if use_bf16:
+    if uses_bf16(spec, device):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -77,29 +94,134 @@ class StepStats:
     aux: dict[str, float] = field(default_factory=dict)
 
 
+class _NullMetrics:
+    """The metrics logger of ranks other than 0: they compute the same numbers and write nothing."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Distributed:
+    """What a multi-rank run adds to the single-device loop (Trainer.dist; None without a plan)."""
+
+    plan: Plan
+    meshes: Meshes
+    rank: int
+    owns_group: bool  # this trainer called init_process_group (and destroys it in close())
+
+
+# above this many parameters the model is built on the meta device and initialised after sharding (GPU only)
+META_INIT_PARAMS = 4_000_000_000
+
+
+def _init_distributed(device: torch.device, plan: Plan) -> tuple[torch.device, bool]:
+    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU. Returns (this rank's device, owns)."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device, False
+    if "RANK" not in os.environ:
+        if plan.devices > 1:
+            raise ConfigError(f"--plan: the plan needs {plan.devices} ranks; launch with torchrun --nproc-per-node "
+                              f"{plan.devices} -m moestack train --plan ...")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return device, True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ep_domain_size(plan: Plan) -> int | None:
+    """EP ranks per fast domain for the hierarchical dispatcher: $MOESTACK_EP_DOMAIN_SIZE, else the innermost
+    network tier of the plan's cluster, else the ranks per node (LOCAL_WORLD_SIZE); capped at ep."""
+    if plan.dispatcher != "hierarchical":
+        return None
+    size = os.environ.get("MOESTACK_EP_DOMAIN_SIZE")
+    if size is None:
+        try:
+            from moestack.config.cluster import load_cluster_spec
+
+            tiers = load_cluster_spec(plan.cluster).tiers
+            size = tiers[0].domain_size if tiers else None
+        except (ConfigError, ValueError, FileNotFoundError):
+            size = None
+    size = int(size or os.environ.get("LOCAL_WORLD_SIZE", plan.ep))
+    size = min(size, plan.ep)
+    if plan.ep % size:
+        raise ConfigError(f"plan.dispatcher: hierarchical EP needs the domain size ({size}) to divide ep ({plan.ep}); "
+                          "set MOESTACK_EP_DOMAIN_SIZE")
+    return size
+
+
+def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
+    """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
+    pipeline schedule's micro-batches when pp > 1) and sequence length."""
+    update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
+              "seq_len": plan.seq_len}
+    return spec.model_copy(update=update)
+
+
+def adapt_sampler_state(state: dict, batch_size: int, world_size: int) -> dict:
+    """A BatchSampler state saved at another data-parallel layout, converted to (batch_size, world_size).
+
+    Batch p of an epoch covers the windows [p*B*W, (p+1)*B*W) of the epoch's permutation on W ranks of batch B
+    (rank r takes every W-th), so the position converts through the windows consumed. The data order is exactly
+    the same when B*W is unchanged (the usual case: same global batch, other EP / FSDP / DP degrees).
+    """
+    saved_rows, rows = state["batch_size"] * state["world_size"], batch_size * world_size
+    consumed = state["position"] * saved_rows
+    if consumed % rows:
+        raise ConfigError(f"resume: the checkpoint consumed {consumed} sequences of this epoch, not a multiple of "
+                          f"micro_batch_size*dp = {rows}; resume with a global batch layout that divides it")
+    return {**state, "batch_size": batch_size, "world_size": world_size, "position": consumed // rows}
+
+
 class Trainer:
-    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print):
-        self.spec = spec
+    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None):
         self.model_spec = model_spec
-        self.log = log
+        self.device = resolve_device(spec.device)
+        self.dist: Distributed | None = None
+        if plan is not None:
+            spec = apply_plan_to_spec(spec, plan)
+            self.device, owns = _init_distributed(self.device, plan)
+            meshes = build_meshes(plan, self.device.type, ep_domain_size=_ep_domain_size(plan))
+            self.dist = Distributed(plan, meshes, dist.get_rank(), owns)
+        self.spec = spec
+        self.plan = plan
+        self.is_main = self.dist is None or self.dist.rank == 0
+        self.log = log if self.is_main else (lambda *args, **kwargs: None)
         self.out_dir = Path(spec.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        self.device = resolve_device(spec.device)
         self.autocast = autocast_context(spec, self.device)
         if spec.seq_len > model_spec.max_seq_len:
             raise ConfigError(
                 f"seq_len: {spec.seq_len} exceeds model max_seq_len {model_spec.max_seq_len}; lower --seq-len"
             )
 
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(spec.seed)  # the same on every rank: every rank initialises the same full weights
         self.tokenizer = build_tokenizer(spec.data)
         if self.tokenizer.vocab_size > model_spec.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {model_spec.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"({self.tokenizer.vocab_size}); use a model with a larger vocab or another tokenizer"
             )
+        dp_rank, dp = (self.dist.meshes.dp_rank, plan.dp) if self.dist else (0, 1)
         self.sampler, eval_tokens = build_data(
-            spec.data, self.tokenizer, spec.seq_len, spec.micro_batch_size, spec.seed, model_spec.vocab_size
+            spec.data, self.tokenizer, spec.seq_len, spec.micro_batch_size, spec.seed, model_spec.vocab_size,
+            rank=dp_rank, world_size=dp,
         )
         # eval_fraction = 0 means no held-out data: evaluation is skipped
         self.eval_set = (
@@ -108,34 +230,123 @@ class Trainer:
             else []
         )
 
-        self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
-        self._configure_dsa()
-        self.optimizer = build_optimizer(self.model, spec.optimizer)
+        self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
+        if self.dist is None:
+            self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
+            self._configure_dsa()
+            self.optimizer = build_optimizer(self.model, spec.optimizer)
+        else:
+            self.model = self._build_parallel_model()
+            self.optimizer = self._build_parallel_optimizer()
+            torch.manual_seed(spec.seed + 1_000_003 * self.dist.rank)  # runtime randomness differs per rank
+        if self.pipeline is not None and self.eval_set:
+            self.log("evaluation is skipped under pipeline parallelism (the step runner has no forward-only path)")
+            self.eval_set = []
         self.scheduler = build_scheduler(self.optimizer, spec.schedule, spec.steps, spec.optimizer.lr)
         self.step = 0
+        self.tokens_per_step = spec.tokens_per_step * dp  # global
         self.flops_per_token = _train_flops_per_token(model_spec, spec.seq_len)
         self.peak_flops = device_peak_flops(self.device)
-        self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard)
+        self.num_devices = plan.devices if plan is not None else 1
+        self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard) if self.is_main \
+            else _NullMetrics()
 
     # ----------------------------------------------------------------------------------------------- setup
-    def _configure_dsa(self) -> None:
+    def _configure_dsa(self, model: Transformer | None = None) -> None:
+        model = model if model is not None else self.model
         dsa = self.spec.dsa
-        for layer in self.model.dsa_layers().values():
+        for layer in model.dsa_layers().values():
             layer.sparse = dsa.mode == "sparse"
             layer.indexer_loss_coef = dsa.indexer_loss_coef
-        if dsa.mode == "dense" and dsa.freeze_main_in_dense and self.model.dsa_layers():
-            for name, p in self.model.named_parameters():
+        if dsa.mode == "dense" and dsa.freeze_main_in_dense and model.dsa_layers():
+            for name, p in model.named_parameters():
                 p.requires_grad_(".indexer." in name)
 
+    def _build_parallel_model(self) -> Transformer:
+        """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
+        then sharded by slicing (identical to the single-device initialisation); a larger one (GPU only) is built on
+        meta, sharded, materialised and initialised shard by shard (same distributions, other numbers)."""
+        spec, plan, meshes = self.spec, self.dist.plan, self.dist.meshes
+        param_dtype = torch.bfloat16 if uses_bf16(spec, self.device) else None
+        model = build_model(self.model_spec, "meta")
+        on_meta = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
+        if not on_meta:
+            model = build_model(self.model_spec, self.device, seed=spec.seed)
+        self._configure_dsa(model)
+        if plan.pp > 1:
+            model = self._pipeline_stages(model, param_dtype)
+        else:
+            parallelize(model, plan, meshes, param_dtype=param_dtype)
+        if on_meta:
+            if plan.tp > 1:
+                raise ConfigError("plan.tp: meta-device initialisation with tensor parallelism is not supported yet")
+            model.to_empty(device=self.device)
+            torch.manual_seed(spec.seed)
+            model.init_weights()  # DTensor random ops keep shards of one tensor on different streams (CUDA)
+        return model
+
+    def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:
+        """Cut this rank's pipeline stages out of `model`, parallelise each, and set up the step runner.
+
+        Returns one Transformer holding all of this rank's layers (plus the embedding / head where its stages have
+        them), sharing their modules, with the FQNs of the whole model: the view the optimizer, clipping, router
+        updates and checkpoints work on. The runner drives the stage modules themselves.
+        """
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        from moestack.parallel.pipeline import (
+            PipelineStepRunner,
+            build_stage_modules,
+            split_stages,
+            stage_costs,
+            stage_ids_for_rank,
+        )
+
+        plan, meshes = self.dist.plan, self.dist.meshes
+        S = plan.pp * plan.vpp
+        costs, embed, head = stage_costs(self.model_spec, self.spec.seq_len)
+        layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
+        ids = stage_ids_for_rank(plan.schedule, plan.pp, plan.vpp, meshes.dense.get_local_rank("pp"))
+        parts = [build_stage_modules(model, layers[s], s == 0, s == S - 1) for s in ids]
+        for part in parts:
+            parallelize(part, plan, meshes, param_dtype=param_dtype)
+            register_fsdp_forward_method(part, "hidden_states")  # the stage runs hidden_states, not forward
+        self.pipeline = PipelineStepRunner(parts, ids, plan, meshes.pp_group(), self.device,
+                                           seq_shards=plan.tp, hidden_dtype=param_dtype or torch.float32)
+        mine = sorted(i for s in ids for i in layers[s])
+        return build_stage_modules(model, mine, 0 in ids, S - 1 in ids)
+
+    def _build_parallel_optimizer(self) -> torch.optim.Optimizer:
+        plan = self.dist.plan
+        if plan.optimizer == "adamw" and not plan.offload.optimizer:
+            return build_optimizer(self.model, self.spec.optimizer)
+        from moestack.train.optimizers import build_optimizer_from_name
+
+        return build_optimizer_from_name(self.model, plan.optimizer, self.spec.optimizer,
+                                         offload=plan.offload.optimizer, seed=self.spec.seed)
+
+    def close(self) -> None:
+        """Release the process group if this trainer created it."""
+        if self.dist is not None and self.dist.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
     def resume(self, path: Path | None = None) -> bool:
-        """Load `path` or the newest complete checkpoint under out_dir; False if there is none."""
+        """Load `path` or the newest complete checkpoint under out_dir; False if there is none.
+
+        The checkpoint may come from another layout (EP / FSDP / DP degrees, or a single device): DCP reshards the
+        tensors, and the data position converts to this layout (adapt_sampler_state)."""
         path = path or latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
-        extra = load_checkpoint(path, self.model, self.optimizer)
+        extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None)
         self.scheduler.load_state_dict(extra["scheduler"])
-        self.sampler.load_state_dict(extra["sampler"])
-        restore_rng_state(extra["rng"])
+        self.sampler.load_state_dict(
+            adapt_sampler_state(extra["sampler"], self.sampler.batch_size, self.sampler.world_size))
+        rng = extra["rng"]
+        ranks = extra.get("rng_ranks")
+        if self.dist is not None and ranks is not None and len(ranks) == dist.get_world_size():
+            rng = ranks[self.dist.rank]
+        restore_rng_state(rng)
         self.step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.step}")
         return True
@@ -148,29 +359,55 @@ class Trainer:
             "rng": capture_rng_state(),
             "model_name": self.model_spec.name,
         }
+        if self.dist is not None:
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, extra["rng"])
+            extra["rng_ranks"] = states
+            extra["layout"] = self.dist.plan.short()
         return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, extra, self.spec.checkpoint.keep)
 
     # ----------------------------------------------------------------------------------------------- steps
     def _forward_backward(self) -> tuple[float, bool]:
         accum = self.spec.grad_accum_steps
+        if self.pipeline is not None:  # the schedule runs the plan's micro-batches of the whole local batch
+            batches = [self.sampler.next_batch() for _ in range(accum)]
+            inputs, targets = (torch.cat(parts) for parts in zip(*batches))
+            with self.autocast():
+                total = self.pipeline.forward_backward(inputs, targets)
+            total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
+            return total, math.isfinite(total)
         set_aux_loss_scale(1.0 / accum)
         total = 0.0
-        for _ in range(accum):
+        for i in range(accum):
+            set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
             inputs, targets = self.sampler.next_batch()
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             with self.autocast():
                 loss = self.model(inputs, targets)
             (loss / accum).backward()
             total += loss.detach().float().item() / accum
+        if self.dist is not None:  # each rank's loss is the mean over its own tokens: average over dp ranks
+            total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
         return total, math.isfinite(total)
+
+    def _clip(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dist is None:
+            return clip_grad_norm(params, self.spec.optimizer.grad_clip)
+        return clip_grad_norm_(params, self.spec.optimizer.grad_clip, self.dist.meshes.pp_group())
+
+    def _update_router_biases(self) -> dict[str, torch.Tensor]:
+        moes = self.model.moe_layers()
+        if self.dist is not None and moes:  # every rank must move the biases the same way: global counts
+            all_reduce_sum_([m.router.tokens_per_expert for m in moes.values()], self.dist.meshes.stage_group)
+        return {name: moe.router.update_selection_bias() for name, moe in moes.items()}
 
     def train_step(self) -> StepStats | None:
         """One optimizer step. Returns None when the step was skipped for a non-finite loss or gradient."""
         t0 = time.perf_counter()
         self.model.train()
         loss, finite = self._forward_backward()
-        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
-                                   self.spec.optimizer.grad_clip)
+        grad_norm = self._clip()
         if not finite or not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             for moe in self.model.moe_layers().values():
@@ -179,12 +416,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        counts = {name: moe.router.update_selection_bias() for name, moe in self.model.moe_layers().items()}
+        counts = self._update_router_biases()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        tokens_per_s = self.spec.tokens_per_step / dt
-        mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        tokens_per_s = self.tokens_per_step / dt
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices) if self.peak_flops else None
         self._last_counts = counts
         return StepStats(loss, float(grad_norm), self.scheduler.get_last_lr()[0], tokens_per_s, mfu, self._aux())
 
@@ -202,6 +439,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over the eval batches (every rank evaluates all of them: the same number everywhere)."""
         self.model.eval()
         losses = []
         for inputs, targets in self.eval_set:
@@ -213,9 +451,12 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- loop
     def fit(self, progress=None) -> dict:
         spec = self.spec
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(spec, self.out_dir / "train.yaml")
-        dump_yaml(self.model_spec, self.out_dir / "model.yaml")
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(spec, self.out_dir / "train.yaml")
+            dump_yaml(self.model_spec, self.out_dir / "model.yaml")
+            if self.plan is not None:
+                dump_yaml(self.plan, self.out_dir / "plan.yaml")
         bad_steps, last_ckpt, history = 0, latest_checkpoint(self.ckpt_dir), []
         while self.step < spec.steps:
             stats = self.train_step()
@@ -241,7 +482,7 @@ class Trainer:
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             if self.step % spec.logging.every == 0 or self.step == spec.steps:
                 self.metrics.log(self.step, record)
-            if progress is not None:
+            if progress is not None and self.is_main:
                 progress(self.step, stats)
             due_eval = (spec.eval_every and self.step % spec.eval_every == 0) or self.step == spec.steps
             if due_eval and self.eval_set:
@@ -249,7 +490,7 @@ class Trainer:
             if (spec.checkpoint.every and self.step % spec.checkpoint.every == 0) or self.step == spec.steps:
                 last_ckpt = self.save()
         self.metrics.close()
-        plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+        plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))
         return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
                 "expert_load": load}

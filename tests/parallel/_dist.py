@@ -1,98 +1,177 @@
-"""Run one function on N gloo ranks (CPU), each in a fresh Python process, and return every rank's result.
-
-Why subprocesses and not torch.multiprocessing: pytest imports test files with --import-mode=importlib, so a
-spawned child cannot import a test module by name. Each child here runs this file as a script, loads the test
-file by path, initialises gloo through a FileStore (no port races between tests running side by side), calls
-`fn(rank, world_size, **kwargs)` and saves its return value with torch.save.
+"""Run one function on N gloo ranks (CPU) and return every rank's result.
 
     results = run_ranks(__file__, "_worker", world_size=2, steps=3)   # [result of rank 0, result of rank 1]
+
+Why subprocesses and not torch.multiprocessing: pytest imports test files with --import-mode=importlib, so a
+spawned child cannot import a test module by name. Each rank here is a Python process running this file as a
+script; it joins a gloo group through a FileStore (no port races with tests running side by side), then serves
+jobs: load the test file by path, call `fn(rank, world_size, **kwargs)`, torch.save the return value.
+
+The ranks of one world size are kept as a pool between jobs that follow each other closely (within IDLE_S):
+importing torch, FSDP and dynamo costs several CPU-seconds per process, more than many jobs, on a 2-core CI
+machine. An idle pool is retired (every gloo group keeps a thread that polls, so idle ranks are not free). A job
+that fails or hangs on any rank takes the pool down (the next job starts a fresh one) and raises with that rank's
+traceback. Jobs share the process group and whatever process-global state a previous job left (seed explicitly;
+do not destroy groups: DTensor caches sharding decisions per mesh layout, and equal meshes of a later job may
+resolve to earlier groups).
+MOESTACK_TEST_FRESH_RANKS=1 starts fresh processes for every job instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import pickle
+import select
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 _THIS = Path(__file__).resolve()
 _REPO = _THIS.parents[2]
+IDLE_S = 15.0  # a pool idle longer than this is replaced; its ranks exit on their own after IDLE_S + 5 s
+
+
+class _Pool:
+    """world_size rank processes with an initialised gloo group, fed job directories on their stdin."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.tmp = tempfile.TemporaryDirectory(prefix="moestack_dist_")
+        root = Path(self.tmp.name)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
+        self.logs = [open(root / f"rank{r}.log", "w+") for r in range(world_size)]
+        self.procs = [subprocess.Popen([sys.executable, str(_THIS), str(root), str(r), str(world_size)], env=env,
+                                       cwd=_REPO, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                       text=True)
+                      for r, log in enumerate(self.logs)]
+        self.jobs = 0
+        self.last_used = time.monotonic()
+
+    def usable(self) -> bool:
+        return time.monotonic() - self.last_used < IDLE_S and all(p.poll() is None for p in self.procs)
+
+    def log_tail(self, rank: int) -> str:
+        self.logs[rank].flush()
+        self.logs[rank].seek(0)
+        return self.logs[rank].read()[-4000:]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.close()
+        self.tmp.cleanup()
+
+    def run(self, job: dict, timeout: float) -> list:
+        import torch
+
+        self.jobs += 1
+        job_dir = Path(self.tmp.name) / f"job{self.jobs}"
+        job_dir.mkdir()
+        (job_dir / "job.pkl").write_bytes(pickle.dumps(job))
+        for p in self.procs:
+            p.stdin.write(f"{job_dir}\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while not all((job_dir / f"done{r}").exists() for r in range(self.world_size)):
+            errors = sorted(job_dir.glob("error*.txt"))
+            if errors:
+                rank = int(errors[0].stem.removeprefix("error"))
+                raise RuntimeError(f"{job['fn']}: rank {rank} of {self.world_size} failed:\n"
+                                   f"{errors[0].read_text()[-6000:]}")
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{job['fn']}: rank {dead[0]} of {self.world_size} died (exit "
+                                   f"{self.procs[dead[0]].returncode}):\n{self.log_tail(dead[0])}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job['fn']} on {self.world_size} ranks did not finish within {timeout} s")
+            time.sleep(0.02)
+        errors = sorted(job_dir.glob("error*.txt"))
+        if errors:  # every rank failed (and still marked itself done)
+            raise RuntimeError(f"{job['fn']}: rank {errors[0].stem.removeprefix('error')} of {self.world_size} "
+                               f"failed:\n{errors[0].read_text()[-6000:]}")
+        self.last_used = time.monotonic()
+        return [torch.load(job_dir / f"result{r}.pt", weights_only=False) for r in range(self.world_size)]
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
 
 
 def run_ranks(file: str, fn_name: str, world_size: int, timeout: float = 120.0, **kwargs) -> list:
     """Run `fn_name` from `file` on `world_size` gloo ranks; returns the per-rank return values (rank order).
 
-    kwargs must pickle. A failing rank raises RuntimeError carrying that rank's stderr tail; a hang past
-    `timeout` seconds kills every rank and raises TimeoutError.
+    kwargs must pickle. The current os.environ is applied on every rank for the job. A failing rank raises
+    RuntimeError with its traceback; a hang past `timeout` seconds raises TimeoutError. Either way the ranks are
+    killed (no rank is left waiting in a collective).
     """
-    with tempfile.TemporaryDirectory(prefix="moestack_dist_") as tmp:
-        tmp = Path(tmp)
-        (tmp / "job.pkl").write_bytes(pickle.dumps({"file": str(Path(file).resolve()), "fn": fn_name,
-                                                   "world_size": world_size, "kwargs": kwargs}))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO)}
-        procs, logs = [], []
-        for rank in range(world_size):
-            log = open(tmp / f"rank{rank}.log", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, str(_THIS), str(tmp), str(rank)], env=env, cwd=_REPO,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        finally:
-            timed_out = any(p.poll() is None for p in procs)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        for rank, (p, log) in enumerate(zip(procs, logs)):
-            log.seek(0)
-            text = log.read()
-            log.close()
-            if p.returncode != 0 and not (timed_out and p.returncode == -9):
-                raise RuntimeError(f"rank {rank} of {world_size} failed (exit {p.returncode}):\n{text[-6000:]}")
-        if timed_out:
-            raise TimeoutError(f"{fn_name} on {world_size} ranks did not finish within {timeout} s")
-        import torch
-
-        return [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    job = {"file": str(Path(file).resolve()), "fn": fn_name, "kwargs": kwargs, "env": dict(os.environ)}
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.usable() or os.environ.get("MOESTACK_TEST_FRESH_RANKS") == "1":
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(job, timeout)
+    except BaseException:
+        pool.close()
+        del _POOLS[world_size]
+        raise
 
 
-def _child(tmp: Path, rank: int) -> None:
+def _serve(root: Path, rank: int, world_size: int) -> None:
+    """A rank process: join the group, then run the jobs named on stdin until it closes."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    job = pickle.loads((tmp / "job.pkl").read_bytes())
-    world_size = job["world_size"]
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world_size)
-    spec = importlib.util.spec_from_file_location(f"_dist_job_{Path(job['file']).stem}", job["file"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        result = getattr(module, job["fn"])(rank, world_size, **job["kwargs"])
-        torch.save(result, tmp / f"result{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=world_size)
+    modules: dict[str, object] = {}
+    base_env = dict(os.environ)
+    while select.select([sys.stdin], [], [], IDLE_S + 5.0)[0] and (line := sys.stdin.readline()):
+        job_dir = Path(line.strip())
+        job = pickle.loads((job_dir / "job.pkl").read_bytes())
+        os.environ.clear()
+        os.environ.update({**job["env"], **{k: base_env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                       "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}})
+        try:
+            if job["file"] not in modules:
+                spec = importlib.util.spec_from_file_location(f"_dist_job_{Path(job['file']).stem}", job["file"])
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                modules[job["file"]] = module
+            result = getattr(modules[job["file"]], job["fn"])(rank, world_size, **job["kwargs"])
+            torch.save(result, job_dir / f"result{rank}.pt")
+        except BaseException:
+            (job_dir / f"error{rank}.txt").write_text(traceback.format_exc())
+            raise
+        finally:
+            (job_dir / f"done{rank}").touch()
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    _child(Path(sys.argv[1]), int(sys.argv[2]))
+    _serve(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 
 
-def small_model_spec():
+def small_model_spec(seq_aux_loss_coef: float = 1e-2):
     """The tiny preset shrunk further for multi-rank CPU tests: same layer kinds (KDA x3 + gated DSA, dense first
-    layer, Stable LatentMoE with a shared expert), 8 experts top-2, ~0.2M parameters."""
+    layer, Stable LatentMoE with a shared expert), 8 experts top-2, ~0.26M parameters."""
     from moestack.config.model_spec import ModelSpec, load_model_spec
 
     d = load_model_spec("tiny").model_dump()
@@ -102,6 +181,6 @@ def small_model_spec():
                     v_head_dim=8, indexer={"num_heads": 2, "head_dim": 16, "top_k": 8})
     d["moe"].update(num_experts=8, top_k=2, expert_intermediate_size=32, latent_size=32, num_shared_experts=1,
                     shared_intermediate_size=64)
-    d["moe"]["router"].update(seq_aux_loss_coef=1e-2)
+    d["moe"]["router"].update(seq_aux_loss_coef=seq_aux_loss_coef)
     d["dense_mlp"] = {"intermediate_size": 128}
     return ModelSpec.model_validate(d)

@@ -83,89 +83,97 @@ def _make_moe():
     return moe
 
 
+CASES = {
+    "flat_ep4": dict(ep=4, dispatcher="flat"),
+    "flat_ep2_edp2": dict(ep=2, dispatcher="flat"),
+    "hier_2x2": dict(ep=4, dispatcher="hierarchical", domain=2),
+    "skew_ep4": dict(ep=4, dispatcher="flat", skew=True),
+    "hier_skew": dict(ep=4, dispatcher="hierarchical", domain=2, skew=True),
+    "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
+}
+
+
 def _ep_worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.utils.checkpoint import checkpoint
-
-    from moestack.config.plan import make_plan
-    from moestack.model.aux_loss import set_aux_loss_scale
-    from moestack.parallel import apply_expert_parallel, build_meshes, make_dispatcher
-
     torch.set_num_threads(1)
     base = _make_moe()
     g = torch.Generator().manual_seed(1)
     x_global = torch.randn(world * B_LOCAL, T, D, generator=g, dtype=torch.float64)
     w_out = torch.randn(world * B_LOCAL, T, D, generator=g, dtype=torch.float64)
-    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
-
-    def reference(moe):
-        # the seq aux loss is a mean over sequences: the global batch's mean is 1/world of the sum of the ranks'
-        # means, and the ranks' losses are summed below, so the reference counts its aux loss world times
-        set_aux_loss_scale(float(world))
-        x = x_global.clone().requires_grad_(True)
-        out = moe(x)
-        (out * w_out).sum().backward()
-        set_aux_loss_scale(1.0)
-        return out.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}
-
     results = {}
-    cases = {
-        "flat_ep4": dict(ep=4, dispatcher="flat"),
-        "flat_ep2_edp2": dict(ep=2, dispatcher="flat"),
-        "hier_2x2": dict(ep=4, dispatcher="hierarchical", domain=2),
-        "skew_ep4": dict(ep=4, dispatcher="flat", skew=True),
-        "hier_skew": dict(ep=4, dispatcher="hierarchical", domain=2, skew=True),
-        "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
-    }
-    for name, case in cases.items():
-        ref_moe = copy.deepcopy(base)
-        if case.get("skew"):  # every token picks experts 0..K-1 (all on EP rank 0): other ranks receive nothing
-            with torch.no_grad():
-                ref_moe.router.selection_bias[:K] = 100.0
-        out_ref, dx_ref, grads_ref = reference(copy.deepcopy(ref_moe))
+    for name, case in CASES.items():
+        results[name] = _ep_case(rank, world, case, base, x_global, w_out)
+    return results
 
-        plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=world,
-                         dp_shard=world, zero_stage=3, ep=case["ep"], dispatcher=case["dispatcher"])
-        meshes = build_meshes(plan, "cpu", ep_domain_size=case.get("domain"))
-        groups = meshes.ep_domain_groups() if case["dispatcher"] == "hierarchical" else None
-        moe = copy.deepcopy(ref_moe)
-        holder = torch.nn.ModuleDict({"moe": moe})
-        apply_expert_parallel(holder, meshes.ep, make_dispatcher(case["dispatcher"], meshes.ep, groups))
-        assert isinstance(moe.experts.w_gate_up, DTensor)
 
-        seen = []
-        local_forward = moe.experts.local_forward
-        moe.experts.local_forward = lambda x, offs: (seen.append(weakref.ref(x)), local_forward(x, offs))[1]
-        x = x_global[rows].clone().requires_grad_(True)
-        if case.get("recompute"):
-            out = checkpoint(moe, x, use_reentrant=False)
-            gc.collect()
-            alive_after_forward = any(r() is not None for r in seen)
-        else:
-            out = moe(x)
-        (out * w_out[rows]).sum().backward()
-        errs = {"out": _rel(out, out_ref[rows]), "dx": _rel(x.grad, dx_ref[rows])}
-        if case.get("recompute"):
-            errs["alive_after_forward"] = float(alive_after_forward)
-            errs["recomputed"] = float(len(seen) == 2)  # the forward, then its recompute in backward
-        # expert grads: my shard, summed over the edp replicas holding the same experts (they saw other tokens)
-        E_loc = E // case["ep"]
-        j = meshes.ep.get_local_rank()
-        for pname in ("w_gate_up", "w_down"):
-            grad = getattr(moe.experts, pname).grad.to_local().clone()
-            if meshes.edp.size() > 1:
-                dist.all_reduce(grad, group=meshes.edp.get_group())
-            errs[pname] = _rel(grad, grads_ref[f"experts.{pname}"][j * E_loc : (j + 1) * E_loc])
-        # every other parameter is replicated: its grad summed over ranks is the global-batch grad
-        for pname, p in moe.named_parameters():
-            if pname.startswith("experts."):
-                continue
+def _reference(moe, x_global: torch.Tensor, w_out: torch.Tensor, world: int):
+    """Output, input grad and parameter grads of the single-process layer on the global batch."""
+    from moestack.model.aux_loss import set_aux_loss_scale
+
+    # the seq aux loss is a mean over sequences: the global batch's mean is 1/world of the sum of the ranks' means,
+    # and the ranks' losses are summed below, so the reference counts its aux loss world times
+    set_aux_loss_scale(float(world))
+    x = x_global.clone().requires_grad_(True)
+    out = moe(x)
+    (out * w_out).sum().backward()
+    set_aux_loss_scale(1.0)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}
+
+
+def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_out: torch.Tensor) -> dict:
+    """Relative errors of the EP layer (this rank's slice of the batch) against the single-process layer."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.utils.checkpoint import checkpoint
+
+    from moestack.config.plan import make_plan
+    from moestack.parallel import apply_expert_parallel, build_meshes, make_dispatcher
+
+    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    ref_moe = copy.deepcopy(base)
+    if case.get("skew"):  # every token picks experts 0..K-1 (all on EP rank 0): other ranks receive nothing
+        with torch.no_grad():
+            ref_moe.router.selection_bias[:K] = 100.0
+    out_ref, dx_ref, grads_ref = _reference(copy.deepcopy(ref_moe), x_global, w_out, world)
+
+    plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=world,
+                     dp_shard=world, zero_stage=3, ep=case["ep"], dispatcher=case["dispatcher"])
+    meshes = build_meshes(plan, "cpu", ep_domain_size=case.get("domain"))
+    groups = meshes.ep_domain_groups() if case["dispatcher"] == "hierarchical" else None
+    moe = copy.deepcopy(ref_moe)
+    apply_expert_parallel(torch.nn.ModuleDict({"moe": moe}), meshes.ep,
+                          make_dispatcher(case["dispatcher"], meshes.ep, groups))
+    assert isinstance(moe.experts.w_gate_up, DTensor)
+
+    seen = []  # weak references to the rows each local expert call received
+    local_forward = moe.experts.local_forward
+    moe.experts.local_forward = lambda x, offs: (seen.append(weakref.ref(x)), local_forward(x, offs))[1]
+    x = x_global[rows].clone().requires_grad_(True)
+    errs = {}
+    if case.get("recompute"):
+        out = checkpoint(moe, x, use_reentrant=False)
+        gc.collect()
+        errs["alive_after_forward"] = float(any(r() is not None for r in seen))
+    else:
+        out = moe(x)
+    (out * w_out[rows]).sum().backward()
+    if case.get("recompute"):
+        errs["recomputed"] = float(len(seen) == 2)  # the forward, then its recompute in backward
+    errs |= {"out": _rel(out, out_ref[rows]), "dx": _rel(x.grad, dx_ref[rows])}
+    # expert grads: my shard, summed over the edp replicas holding the same experts (they saw other tokens)
+    E_loc = E // case["ep"]
+    j = meshes.ep.get_local_rank()
+    for pname in ("w_gate_up", "w_down"):
+        grad = getattr(moe.experts, pname).grad.to_local().clone()
+        if meshes.edp.size() > 1:
+            dist.all_reduce(grad, group=meshes.edp.get_group())
+        errs[pname] = _rel(grad, grads_ref[f"experts.{pname}"][j * E_loc : (j + 1) * E_loc])
+    # every other parameter is replicated: its grad summed over ranks is the global-batch grad
+    for pname, p in moe.named_parameters():
+        if not pname.startswith("experts."):
             grad = p.grad.clone()
             dist.all_reduce(grad)
             errs[pname] = _rel(grad, grads_ref[pname])
-        results[name] = errs
-    return results
+    return errs
 
 
 def test_expert_parallel_matches_single_process():

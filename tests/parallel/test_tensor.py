@@ -15,9 +15,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dist import run_ranks  # noqa: E402
+from _dist import run_ranks
 
-from moestack.config.model_spec import ModelSpec, load_model_spec  # noqa: E402
+from moestack.config.model_spec import ModelSpec, load_model_spec
+from moestack.model.transformer import build_model
 
 B, T, STEPS = 2, 32, 3
 
@@ -62,7 +63,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa: bool = False) -> dict:
+def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa: bool = False,
+               recompute: dict | None = None, ep: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,12 +77,24 @@ def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa:
         layer.sparse = not dense_dsa
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world_size,))
+    if ep:  # experts sharded over the same ranks as TP ("folding"); expert parallelism goes first
+        from moestack.parallel.expert import apply_expert_parallel, make_dispatcher
+
+        apply_expert_parallel(model, mesh, make_dispatcher("flat", mesh))
     apply_tp(model, mesh, sequence_parallel=sp)
+    if recompute is not None:  # after TP, as parallelize() orders them
+        from moestack.config.plan import RecomputePolicy
+        from moestack.memory.recompute import apply_recompute
+
+        wrapped = apply_recompute(model, RecomputePolicy(**recompute))
+        assert {"layers.1.attn", "layers.1.ffn"} <= wrapped.keys(), wrapped  # part-level wrapping is exercised
 
     models = (model, ref) if rank == 0 else (model,)  # the single-process reference runs on rank 0 only
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1) for m in models]
     tokens, _ = make_batch(spec, 0)
     out = {"loss": [], "ref_loss": [], "logits": model(tokens).detach(), "ref_logits": ref(tokens).detach()}
+    with torch.no_grad():  # evaluation path: no gradient views, the same collectives
+        out["eval_loss"], out["ref_eval_loss"] = (float(m(*make_batch(spec, 0))) for m in (model, ref))
     for step in range(STEPS):
         tokens, targets = make_batch(spec, step)
         for m, key in zip(models, ("loss", "ref_loss")):
@@ -118,24 +132,114 @@ def _check(results: list[dict], loss_rtol: float = 1e-5, grad_rtol: float = 2e-5
     nonzero = [n for n, g in r0["ref_grads"].items() if g.abs().sum() > 0]
     assert len(nonzero) == len(r0["ref_grads"]), "every parameter must get a gradient for the check to mean much"
     torch.testing.assert_close(r0["logits"], r0["ref_logits"], rtol=1e-4, atol=1e-5)
+    assert r0["eval_loss"] == pytest.approx(r0["ref_eval_loss"], rel=1e-6)
     for other in results[1:]:  # replicated results agree across ranks
         assert other["loss"] == r0["loss"]
         torch.testing.assert_close(other["norm_grad_local"], r0["norm_grad_local"], rtol=0, atol=0)
 
 
-@pytest.mark.slow
-def test_tp2_sequence_parallel_matches_single_process():
-    spec = tiny_spec(moe={"router": {**load_model_spec("tiny").moe.router.model_dump(), "seq_aux_loss_coef": 0.0}})
-    _check(run_ranks(__file__, "_tp_worker", world_size=2, spec=spec, sp=True))
+def _no_aux(spec_fn, **kw) -> ModelSpec:
+    # The sequence-wise MoE aux loss needs whole-sequence expert counts, which a token-sharded MoE can only get
+    # once the model reduces them over `MoE.seq_shard_group` (see test_tp2_moe_sequence_aux_loss below).
+    router = {**load_model_spec("tiny").moe.router.model_dump(), "seq_aux_loss_coef": 0.0}
+    return spec_fn(moe={"router": router}, **kw)
+
+
+CONFIGS = {  # name -> worker kwargs; one process launch runs them all (process start-up dominates on 2 cores)
+    "sp": {"spec": _no_aux(tiny_spec), "sp": True},
+    "no_sp_dense_dsa": {"spec": _no_aux(tiny_spec), "sp": False, "dense_dsa": True},
+    "variants_sp": {"spec": _no_aux(variant_spec), "sp": True},
+    "ep_tp_sp": {"spec": _no_aux(tiny_spec), "sp": True, "ep": True},
+    # block 0 and 3 wrapped whole (full / selective), blocks 1-2 per part: KDA full, MoE selective
+    "sp_recompute": {"spec": _no_aux(tiny_spec), "sp": True,
+                     "recompute": {"kda": "full", "mlp": "full", "attention": "selective", "moe": "selective"}},
+    "moe_aux_loss": {"spec": tiny_spec(), "sp": True},
+}
+
+
+def _init_worker(rank: int, world_size: int) -> dict:
+    """Meta build -> apply_tp -> to_empty -> init_weights_tp: the local shards and replicas this rank ends with."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moestack.model.transformer import build_model
+    from moestack.parallel.tensor import apply_tp, init_weights_tp
+
+    spec = tiny_spec()
+    model = build_model(spec, "meta")
+    apply_tp(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=True)
+    model.to_empty(device="cpu")
+    init_weights_tp(model, seed=0)
+    out = {n: (p.to_local().detach().clone(), p.placements[0].is_replicate()) for n, p in model.named_parameters()}
+    out["_no_weight_decay"] = [n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)]
+    return out
+
+
+def _all_worker(rank: int, world_size: int, configs: dict) -> dict:
+    out = {name: _tp_worker(rank, world_size, **kw) for name, kw in configs.items()}
+    out["init"] = _init_worker(rank, world_size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_results() -> dict:
+    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=300, configs=CONFIGS)
+    return {name: [r[name] for r in results] for name in (*CONFIGS, "init")}
 
 
 @pytest.mark.slow
-def test_tp2_without_sp_dense_dsa_matches_single_process():
-    spec = tiny_spec(moe={"router": {**load_model_spec("tiny").moe.router.model_dump(), "seq_aux_loss_coef": 0.0}})
-    _check(run_ranks(__file__, "_tp_worker", world_size=2, spec=spec, sp=False, dense_dsa=True))
+def test_tp2_sequence_parallel_matches_single_process(tp2_results):
+    """KDA (low-rank decay, K3 gate), Gated DSA in sparse mode, dense MLP, LatentMoE + shared experts; SP on."""
+    _check(tp2_results["sp"])
 
 
 @pytest.mark.slow
-def test_tp2_gqa_gated_deltanet_tied_matches_single_process():
-    spec = variant_spec(moe={"router": {**load_model_spec("tiny").moe.router.model_dump(), "seq_aux_loss_coef": 0.0}})
-    _check(run_ranks(__file__, "_tp_worker", world_size=2, spec=spec, sp=True))
+def test_tp2_without_sp_dense_dsa_matches_single_process(tp2_results):
+    """No SP (f / g all-reduces, token-sliced MoE) and the DSA dense warm-up path (dense KL target)."""
+    _check(tp2_results["no_sp_dense_dsa"])
+
+
+@pytest.mark.slow
+def test_tp2_gqa_gated_deltanet_tied_matches_single_process(tp2_results):
+    _check(tp2_results["variants_sp"])
+
+
+@pytest.mark.slow
+def test_ep2_x_tp2_folded_matches_single_process(tp2_results):
+    """Routed experts sharded over the TP ranks (moestack.parallel.expert): the token-sharded MoE sends every token
+    from exactly one rank, so expert gradients are exact."""
+    _check(tp2_results["ep_tp_sp"])
+
+
+@pytest.mark.slow
+def test_tp2_with_activation_recompute(tp2_results):
+    """Full and selective recompute (moestack.memory.recompute) on top of TP + SP: the recomputed forwards run on
+    the local shards too."""
+    _check(tp2_results["sp_recompute"])
+
+
+@pytest.mark.slow
+def test_tp2_moe_sequence_aux_loss(tp2_results):
+    _check(tp2_results["moe_aux_loss"])
+
+
+@pytest.mark.slow
+def test_init_weights_tp_on_meta_built_model(tp2_results):
+    """Replicas agree across ranks, head shards differ, per-head initialisers saw local head counts."""
+    r0, r1 = tp2_results["init"]
+    nwd0 = r0.pop("_no_weight_decay")
+    r1.pop("_no_weight_decay")
+    assert sorted(nwd0) == sorted(n for n in r0 if n.endswith(("A_log", "dt_bias")))
+    ref = build_model(tiny_spec(), "cpu", seed=0)
+    for name, (local, replicated) in r0.items():
+        other = r1[name][0]
+        assert torch.isfinite(local).all(), name
+        if replicated:
+            torch.testing.assert_close(local, other, rtol=0, atol=0, msg=name)
+        else:
+            assert not torch.equal(local, other), f"{name}: both ranks drew the same shard"
+            full = ref.get_parameter(name).detach()
+            assert local.numel() * 2 == full.numel()
+            if local.numel() > 100:  # same initial scale as the single-process model
+                assert 0.7 < float(local.std() / full.std()) < 1.4, name
+    A = torch.cat([r0["layers.0.attn.A_log"][0], r1["layers.0.attn.A_log"][0]]).exp()
+    assert ((A >= 1) & (A <= 16)).all()

@@ -1,0 +1,290 @@
+"""Pipeline parallelism (moestack.parallel.pipeline): cost-balanced splits, stage placement, stage modules, and
+PP2 on gloo (1F1B, GPipe, interleaved 1F1B with 4 chunks, ZBV zero-bubble, DualPipeV) matching the
+single-process run: the loss of 3 AdamW steps and all gradients after the first (fp32, CPU), with the MoE
+sequence aux loss and the DSA indexer KL loss on (they ride on the activations through each stage's backward).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _dist import run_ranks
+
+from moestack.config.model_spec import load_model_spec
+from moestack.model.transformer import build_model
+from moestack.parallel.pipeline import (
+    build_stage_modules,
+    split_stages,
+    stage_costs,
+    stage_ids_for_rank,
+)
+
+B, T, STEPS = 4, 32, 3  # 4 micro-batches of one sequence
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# splitting and placement (single process)
+
+
+def _brute_force_best(costs, S, embed, head) -> float:
+    """The smallest maximum stage cost over all contiguous splits (for checking the DP on small cases)."""
+    import itertools
+
+    L = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        bounds = (0, *cuts, L)
+        stage = [sum(costs[bounds[s] : bounds[s + 1]]) for s in range(S)]
+        stage[0] += embed
+        stage[-1] += head
+        best = min(best, max(stage))
+    return best
+
+
+def _max_stage_cost(stages, costs, embed, head) -> float:
+    sums = [sum(costs[i] for i in st) for st in stages]
+    sums[0] += embed
+    sums[-1] += head
+    return max(sums)
+
+
+def test_split_balances_cost_not_count():
+    # four equal layer counts would put [0, 1] | [2, 3]; the expensive last layer belongs alone
+    assert split_stages(None, 2, 1, [1.0, 1.0, 1.0, 5.0]) == [[0, 1, 2], [3]]
+    # the head cost on the last stage pushes layers to the first
+    assert split_stages(None, 2, 1, [1.0, 1.0, 1.0, 1.0], embed_cost=0.0, head_cost=2.5) == [[0, 1, 2], [3]]
+    assert split_stages(None, 2, 1, [1.0, 1.0, 1.0, 1.0], embed_cost=2.5, head_cost=0.0) == [[0], [1, 2, 3]]
+
+
+def test_split_is_optimal_contiguous_and_complete():
+    g = torch.Generator().manual_seed(0)
+    for L, S in ((7, 3), (9, 4), (8, 8), (10, 2)):
+        costs = (torch.rand(L, generator=g) * 10 + 0.1).tolist()
+        embed, head = float(torch.rand((), generator=g)), float(torch.rand((), generator=g) * 20)
+        stages = split_stages(None, S, 1, costs, embed, head)
+        assert [i for st in stages for i in st] == list(range(L)) and all(stages)
+        got = _max_stage_cost(stages, costs, embed, head)
+        assert got == pytest.approx(_brute_force_best(costs, S, embed, head), rel=1e-12)
+
+
+def test_split_uses_profile_costs_of_the_model():
+    spec = load_model_spec("proxy")  # 16 layers: 12 KDA + 4 Gated DSA, dense layer 1, 163840-wide vocab
+    costs, embed, head = stage_costs(spec, 4096)
+    assert len(costs) == spec.num_layers and head == 6.0 * spec.hidden_size * spec.vocab_size
+    stages = split_stages(None, 4, 1, costs, embed, head)
+    by_count = [list(range(4 * s, 4 * s + 4)) for s in range(4)]
+    assert _max_stage_cost(stages, costs, embed, head) < _max_stage_cost(by_count, costs, embed, head)
+    assert len(stages[-1]) < len(stages[1])  # the LM head's stage gets fewer layers
+
+
+def test_split_rejects_too_many_stages():
+    with pytest.raises(ValueError, match="need at least"):
+        split_stages(None, 4, 2, [1.0] * 7)
+
+
+def test_stage_placement():
+    assert [stage_ids_for_rank("1f1b", 4, 1, r) for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stage_ids_for_rank("interleaved_1f1b", 2, 3, r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    for name in ("zbv", "dualpipev"):
+        assert [stage_ids_for_rank(name, 3, 2, r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    with pytest.raises(ValueError, match="unknown schedule"):
+        stage_ids_for_rank("looped", 2, 1, 0)
+
+
+def test_stage_modules_keep_fqns_and_share_weights():
+    spec = load_model_spec("tiny")
+    model = build_model(spec, "cpu", seed=0)
+    full = dict(model.named_parameters())
+    first = build_stage_modules(model, [0, 1], True, False)
+    last = build_stage_modules(model, [2, 3], False, True)
+    names = [set(dict(p.named_parameters())) for p in (first, last)]
+    assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(full)
+    assert first.norm is None and first.lm_head is None and last.embed is None
+    for part in (first, last):
+        for n, p in part.named_parameters():
+            assert p is full[n]  # shared, not copied
+    # a stage run equals the whole model run
+    tokens = torch.randint(0, spec.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=0)
+    meta = build_model(spec, "meta")
+    assert build_stage_modules(meta, [3], False, True).lm_head.weight.is_meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PP2 vs one process
+
+
+def make_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, vocab, (B, T), generator=g)
+    targets = torch.randint(0, vocab, (B, T), generator=g)
+    targets[1, :20] = -100  # micro-batches with different numbers of counted tokens
+    return tokens, targets
+
+
+def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
+    import torch.distributed as dist
+
+    from moestack.config.plan import make_plan
+    from moestack.model.aux_loss import set_aux_loss_scale
+    from moestack.parallel.pipeline import PipelineStepRunner
+
+    spec = load_model_spec("tiny")
+    plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
+                     pp=world_size, vpp=vpp, schedule=schedule)
+    model = build_model(spec, "cpu", seed=0)
+    ref = copy.deepcopy(model) if rank == 0 else None
+    costs, embed, head = stage_costs(spec, T)
+    layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
+    S = plan.pp * plan.vpp
+    ids = stage_ids_for_rank(schedule, plan.pp, plan.vpp, rank)
+    parts = [build_stage_modules(model, layers[s], s == 0, s == S - 1) for s in ids]
+    runner = PipelineStepRunner(parts, ids, plan, dist.group.WORLD, "cpu")
+    assert runner.n_microbatches == B
+
+    params = {n: p for part in parts for n, p in part.named_parameters()}
+    opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1) if ref is not None else None
+    out = {"loss": [], "ref_loss": [], "layers": layers, "ids": ids}
+    for step in range(STEPS):
+        tokens, targets = make_batch(spec.vocab_size, step)
+        out["loss"].append(runner.forward_backward(tokens, targets))
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+            out["params"] = sorted(params)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for part in parts:
+            for moe in part.moe_layers().values():
+                moe.router.update_selection_bias()
+        if ref is not None:
+            set_aux_loss_scale(1.0)
+            loss = ref(tokens, targets)
+            loss.backward()
+            out["ref_loss"].append(loss.item())
+            if step == 0:
+                out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            for moe in ref.moe_layers().values():
+                moe.router.update_selection_bias()
+    return out
+
+
+CONFIGS = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+
+
+def _all_worker(rank: int, world_size: int) -> dict:
+    return {name: _pp_worker(rank, world_size, name, vpp) for name, vpp in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def pp2_results() -> dict:
+    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=300)
+    return {name: [r[name] for r in results] for name in CONFIGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(CONFIGS))
+def test_pp2_matches_single_process(pp2_results, schedule):
+    r0, r1 = pp2_results[schedule]
+    S = 2 * CONFIGS[schedule]
+    assert len(r0["layers"]) == S and sorted(r0["ids"] + r1["ids"]) == list(range(S))
+    torch.testing.assert_close(torch.tensor(r0["loss"]), torch.tensor(r0["ref_loss"]), rtol=1e-5, atol=0)
+    assert r1["loss"] == r0["loss"]  # broadcast to every pipeline rank
+    assert set(r0["params"]).isdisjoint(r1["params"])
+    grads = {**r0["grads"], **r1["grads"]}
+    ref = r0["ref_grads"]
+    assert grads.keys() == ref.keys(), "every parameter lives on exactly one stage and gets a gradient"
+    bad = {}
+    for n, g in grads.items():
+        rel = float((g - ref[n]).norm() / ref[n].norm().clamp(min=1e-30))
+        if rel > 2e-5:
+            bad[n] = rel
+    assert not bad, f"gradients differ from the single-process run: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PP2 x TP2 (sequence parallel) on 4 ranks vs one process
+
+
+def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from moestack.config.model_spec import ModelSpec
+    from moestack.config.plan import make_plan
+    from moestack.model.aux_loss import set_aux_loss_scale
+    from moestack.parallel.pipeline import PipelineStepRunner
+    from moestack.parallel.tensor import apply_tp
+
+    data = load_model_spec("tiny").model_dump()
+    data["moe"]["router"]["seq_aux_loss_coef"] = 0.0  # token-sharded MoE: see test_tensor.py
+    spec = ModelSpec.model_validate(data)
+    plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
+                     pp=2, tp=2, vpp=vpp, schedule=schedule)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = mesh.get_local_rank("pp")
+    model = build_model(spec, "cpu", seed=0)
+    ref = copy.deepcopy(model) if rank == 0 else None
+    costs, embed, head = stage_costs(spec, T)
+    layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
+    S = plan.pp * plan.vpp
+    ids = stage_ids_for_rank(schedule, plan.pp, plan.vpp, pp_rank)
+    parts = [build_stage_modules(model, layers[s], s == 0, s == S - 1) for s in ids]
+    for part in parts:
+        apply_tp(part, mesh["tp"], sequence_parallel=True)
+    runner = PipelineStepRunner(parts, ids, plan, mesh["pp"].get_group(), "cpu", seq_shards=2)
+
+    params = {n: p for part in parts for n, p in part.named_parameters()}
+    opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1) if ref is not None else None
+    out = {"loss": [], "ref_loss": []}
+    for step in range(STEPS):
+        tokens, targets = make_batch(spec.vocab_size, step)
+        out["loss"].append(runner.forward_backward(tokens, targets))
+        if step == 0:
+            out["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                            for n, p in params.items() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for part in parts:
+            for moe in part.moe_layers().values():  # token-sharded MoE: counts add up over the TP group
+                counts = moe.router.tokens_per_expert.clone()
+                dist.all_reduce(counts, group=mesh["tp"].get_group())
+                moe.router.update_selection_bias(counts)
+        if ref is not None:
+            set_aux_loss_scale(1.0)
+            loss = ref(tokens, targets)
+            loss.backward()
+            out["ref_loss"].append(loss.item())
+            if step == 0:
+                out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            for moe in ref.moe_layers().values():
+                moe.router.update_selection_bias()
+    return out
+
+
+@pytest.mark.slow
+def test_pp2_tp2_interleaved_matches_single_process():
+    results = run_ranks(__file__, "_pp_tp_worker", world_size=4, timeout=300, schedule="interleaved_1f1b", vpp=2)
+    r0 = results[0]
+    torch.testing.assert_close(torch.tensor(r0["loss"]), torch.tensor(r0["ref_loss"]), rtol=1e-5, atol=0)
+    assert all(r["loss"] == r0["loss"] for r in results)
+    grads = {}
+    for r in results:  # ranks of one TP group hold the same (full) gradients
+        grads.update(r["grads"])
+    ref = r0["ref_grads"]
+    assert grads.keys() == ref.keys()
+    bad = {n: e for n, g in grads.items() if (e := float((g - ref[n]).norm() / ref[n].norm())) > 2e-5}
+    assert not bad, f"gradients differ from the single-process run: {bad}"

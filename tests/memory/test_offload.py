@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from moestack.config.model_spec import MoESpec, RouterSpec, load_model_spec
+from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.config.plan import make_plan
 from moestack.memory.apply import apply_memory_policies
 from moestack.memory.offload import ActivationOffloader, apply_activation_offload, apply_expert_offload
@@ -24,26 +24,9 @@ from moestack.model.transformer import build_model
 B, T = 1, 32
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-def small_spec():
-    """Two blocks holding every part kind: (KDA, dense MLP) and (gated DSA, LatentMoE)."""
-    data = load_model_spec("tiny").model_dump()
-    data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
-    data["moe"]["router"]["seq_aux_loss_coef"] = 0.05
-    return type(load_model_spec("tiny")).model_validate(data)
-
-
 @pytest.fixture(scope="module")
-def setup():
-    spec = small_spec()
+def setup(small_spec):
+    spec = small_spec
     model = build_model(spec, "cpu", seed=0)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
@@ -131,11 +114,11 @@ def _route_to_first_experts(model, n: int) -> None:
             moe.router.selection_bias[:n] = 10.0  # scores are sigmoids in (0, 1)
 
 
-def test_expert_offload_fetches_routed_experts_only(setup):
+def test_expert_offload_fetches_routed_experts_only(setup, small_spec):
     model, tokens, targets = setup
     base = copy.deepcopy(model)
-    K = small_spec().moe.top_k
-    E = small_spec().moe.num_experts
+    K = small_spec.moe.top_k
+    E = small_spec.moe.num_experts
     _route_to_first_experts(base, K)
     ref = _step(copy.deepcopy(base), tokens, targets)
     m = copy.deepcopy(base)
@@ -277,9 +260,9 @@ def test_apply_memory_policies_combined_is_exact(setup, reference):
 
 
 @pytest.mark.gpu
-def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch):
+def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch, small_spec):
     monkeypatch.setenv("MOESTACK_KDA_BACKEND", "reference")
-    spec = small_spec()
+    spec = small_spec
     model = build_model(spec, "cuda", seed=0)
     tokens = torch.randint(0, spec.vocab_size, (2, 1024), device="cuda")
     targets = torch.randint(0, spec.vocab_size, (2, 1024), device="cuda")
@@ -305,8 +288,8 @@ def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_expert_offload_cuda_exact():
-    spec = small_spec()
+def test_expert_offload_cuda_exact(small_spec):
+    spec = small_spec
     model = build_model(spec, "cuda", seed=0)
     tokens = torch.randint(0, spec.vocab_size, (1, 256), device="cuda")
     targets = torch.randint(0, spec.vocab_size, (1, 256), device="cuda")

@@ -28,15 +28,6 @@ from moestack.train.optimizers import (
 )
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 class _Toy(nn.Module):
     """Embedding, a Linear with bias, a norm, stacked experts and an LM head: every Muon / AdamW category."""
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import RecomputePolicy
 from moestack.memory.recompute import apply_recompute, block_modes, checkpoint_module, remove_recompute
 from moestack.model.aux_loss import set_aux_loss_scale
@@ -19,27 +18,9 @@ from moestack.model.transformer import build_model
 B, T = 1, 32  # two KDA chunks of the tiny preset; more than the DSA top-k (16)
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-def small_spec():
-    """The tiny preset cut to two blocks that hold every part kind: (KDA, dense MLP) and (gated DSA, LatentMoE),
-    with a sequence aux loss large enough that its gradients matter."""
-    data = load_model_spec("tiny").model_dump()
-    data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
-    data["moe"]["router"]["seq_aux_loss_coef"] = 0.05
-    return type(load_model_spec("tiny")).model_validate(data)
-
-
 @pytest.fixture(scope="module")
-def setup():
-    spec = small_spec()
+def setup(small_spec):
+    spec = small_spec
     model = build_model(spec, "cpu", seed=0)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)

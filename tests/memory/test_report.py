@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import RecomputePolicy
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.recompute import apply_recompute
@@ -27,26 +26,10 @@ from moestack.train.optim import build_optimizer
 B, T = 1, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def small_spec():
-    """Two blocks holding every part kind: (KDA, dense MLP) and (gated DSA, LatentMoE)."""
-    data = load_model_spec("tiny").model_dump()
-    data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
-    return type(load_model_spec("tiny")).model_validate(data)
-
-
 @pytest.fixture(scope="module")
-def trained():
+def trained(small_spec):
     """A small model after one AdamW step (optimizer state exists, grads cleared as the trainer leaves them)."""
-    spec = small_spec()
+    spec = small_spec
     model = build_model(spec, "cpu", seed=0)
     opt = build_optimizer(model, OptimizerSpec())
     g = torch.Generator().manual_seed(5)

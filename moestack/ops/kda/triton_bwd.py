@@ -17,7 +17,6 @@ import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import (
     BT,
-    SPAN_MAX,
     SUB,
     _chunk_coords,
     _configs,

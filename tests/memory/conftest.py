@@ -1,0 +1,27 @@
+"""Fixtures shared by the memory-policy tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestack.config.model_spec import ModelSpec, load_model_spec
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: one intra-op thread is faster than two on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def small_spec() -> ModelSpec:
+    """The tiny preset cut to two blocks that hold every part kind: (KDA, dense MLP) and (gated DSA, LatentMoE),
+    with a sequence aux loss large enough that its gradients matter."""
+    data = load_model_spec("tiny").model_dump()
+    data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
+    data["moe"]["router"]["seq_aux_loss_coef"] = 0.05
+    return ModelSpec.model_validate(data)

@@ -6,8 +6,12 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   fp8 GEMM         one large torch._scaled_mm (rowwise scales) vs the same bf16 GEMM -> fp8_gemm_factor
   attention        F.scaled_dot_product_attention, causal, forward and forward+backward at the model's heads
   HBM              a large device copy -> hbm_eff
-Everything else (KDA, sparse attention, top-k, CPU Adam) keeps the default calibration's values; the file says so
-in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
+  KDA core        moestack.ops.kda.chunk_kda with the backend the dispatcher picks, at the model's heads and length
+  sparse attn     moestack.ops.dsa.sparse_mqa_attention (the selected backend), k = the indexer's top-k
+  indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
+Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
+low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
+calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
 Without a CUDA GPU it prints "no GPU: nothing to tune" and exits 0.
 """
 
@@ -101,6 +105,77 @@ def measure_sdpa(heads: int, seq: int, dim: int, peak: float) -> tuple[float, fl
     return min(1.0, flops / t_f / peak), min(1.0, 2.5 * flops / t_b / peak)
 
 
+def measure_kda(heads: int, dim: int, chunk: int, tokens: int, peak: float) -> tuple[float, float, str]:
+    """Forward and backward efficiency of the chunked KDA core with the dispatcher's backend (bf16 inputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from moestack.ops import kda
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    q = F.normalize(rand(1, tokens, heads, dim), dim=-1).bfloat16().requires_grad_()
+    k = F.normalize(rand(1, tokens, heads, dim), dim=-1).bfloat16().requires_grad_()
+    v = rand(1, tokens, heads, dim).bfloat16().requires_grad_()
+    gate = (-5 * torch.sigmoid(rand(1, tokens, heads, dim))).requires_grad_()
+    beta = torch.sigmoid(rand(1, tokens, heads)).bfloat16().requires_grad_()
+    do = rand(1, tokens, heads, dim).bfloat16()
+    backend = kda.resolve_backend(None, q)
+    flops = heads * (6 * dim * dim + 3 * chunk * dim + chunk * chunk) * tokens  # planner/cost.py kda_work
+    t_f = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0], warmup=2, reps=5)
+    t_fb = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0].backward(do), warmup=2, reps=5)
+    t_b = max(t_fb - t_f, 1e-9)
+    return min(1.0, flops / t_f / peak), min(1.0, 2 * flops / t_b / peak), backend
+
+
+def measure_sparse_attention(heads: int, d_qk: int, d_v: int, top_k: int, tokens: int, peak: float
+                             ) -> tuple[float, float, str]:
+    """Forward and backward efficiency of DSA top-k attention in MQA form over the shared latent."""
+    import torch
+
+    from moestack.ops import dsa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, tokens, heads, d_qk, device="cuda", generator=g).bfloat16().requires_grad_()
+    kv = torch.randn(1, tokens, d_qk, device="cuda", generator=g).bfloat16().requires_grad_()
+    t = torch.arange(tokens, device="cuda")
+    # the first min(t+1, k) keys of each query: a valid causal selection with the real count per query
+    slots = torch.arange(top_k, device="cuda")
+    idx = torch.where(slots[None] <= t[:, None], (t[:, None] - slots[None]), -1).to(torch.int32)[None]
+    do = torch.randn(1, tokens, heads, d_v, device="cuda", generator=g).bfloat16()
+    backend = dsa.select_backend("sparse_mqa_attention", q)
+    pairs = float(sum(min(i + 1, top_k) for i in range(tokens)))
+    flops = 2.0 * pairs * heads * (d_qk + d_v)  # planner/cost.py mla_work
+    scale = d_qk ** -0.5
+
+    def fwd():
+        return dsa.sparse_mqa_attention(q, kv, idx, d_v, scale)[0]
+
+    t_f = _bench(fwd, warmup=2, reps=5)
+    t_fb = _bench(lambda: fwd().backward(do), warmup=2, reps=5)
+    t_b = max(t_fb - t_f, 1e-9)
+    return min(1.0, flops / t_f / peak), min(1.0, 2 * flops / t_b / peak), backend
+
+
+def measure_indexer(heads: int, dim: int, top_k: int, tokens: int, peak: float, scoring_eff: float) -> float:
+    """Scores scanned per second by indexer scoring + top-k, after the scoring FLOPs priced at `scoring_eff`."""
+    import torch
+
+    from moestack.ops import dsa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, tokens, heads, dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, tokens, dim, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, tokens, heads, device="cuda", generator=g).bfloat16()
+    t = _bench(lambda: dsa.indexer_topk_from_inputs(q, k, w, top_k), warmup=1, reps=5)
+    pairs = tokens * (tokens + 1) / 2
+    t_scoring = 2.0 * pairs * heads * dim / (peak * scoring_eff)
+    return pairs / max(t - t_scoring, 0.1 * t)
+
+
 def measure_hbm(bw_bytes_s: float) -> float:
     import torch
 
@@ -168,9 +243,27 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
     attn_f, attn_b = measure_sdpa(max(1, heads // tp), seq, 128, peak_bf16)
     fp8 = measure_fp8_factor(peak_bf16, device.peak_flops("fp8")) if "fp8" in device.peak_tflops else None
     hbm = measure_hbm(device.hbm_bandwidth_gb_s * 1e9)
+    update: dict = {}
+    measured = []
+    if spec.kda is not None:
+        kf, kb, kda_backend = measure_kda(max(1, spec.kda.value_heads // tp), spec.kda.head_dim,
+                                          spec.kda.chunk_size, tokens, peak_bf16)
+        update.update(kda_fwd_eff=kf, kda_bwd_eff=kb)
+        measured.append(f"KDA ({kda_backend}) fwd {kf * peak_bf16 / 1e12:.1f} / bwd {kb * peak_bf16 / 1e12:.1f} TFLOP/s")
+    mla = spec.mla
+    if mla is not None and mla.indexer is not None:
+        d_qk = mla.kv_lora_rank + mla.qk_rope_head_dim
+        sf, sb, dsa_backend = measure_sparse_attention(max(1, mla.num_heads // tp), d_qk, mla.kv_lora_rank,
+                                                       mla.indexer.top_k, tokens, peak_bf16)
+        update.update(sparse_attn_fwd_eff=sf, sparse_attn_bwd_eff=sb)
+        update["topk_elems_per_s"] = measure_indexer(mla.indexer.num_heads, mla.indexer.head_dim, mla.indexer.top_k,
+                                                     tokens, peak_bf16, attn_f)
+        measured.append(f"sparse attention ({dsa_backend}) fwd {sf * peak_bf16 / 1e12:.1f} / bwd "
+                        f"{sb * peak_bf16 / 1e12:.1f} TFLOP/s; indexer top-k {update['topk_elems_per_s']:.3g} scores/s")
     cal = base.model_copy(update={
+        **update,
         "source": f"moestack tune on {name} (torch {torch.__version__}), {spec.name} seq {seq} tp {tp} ep {ep}; "
-                  f"KDA, sparse attention, top-k, CPU Adam from {base.device} defaults",
+                  f"CPU Adam from {base.device} defaults",
         "device": name,
         "gemm_peak_eff": peak_eff,
         "flash_attn_fwd_eff": attn_f,
@@ -183,5 +276,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
     save_calibration(cal, path)
     print(f"8192^3 bf16 GEMM: {big * peak_bf16 / 1e12:.0f} TFLOP/s; SDPA fwd {attn_f * peak_bf16 / 1e12:.0f} / "
           f"bwd {attn_b * peak_bf16 / 1e12:.0f} TFLOP/s; copy {hbm:.0%} of HBM bandwidth; {len(points)} GEMM shapes")
+    for line in measured:
+        print(line)
     print(f"wrote {path} (use: moestack plan ... --calibration {path})")
     return cal

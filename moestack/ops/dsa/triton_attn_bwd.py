@@ -1,0 +1,291 @@
+"""Sparse MQA attention backward in Triton: Delta precompute, dQ, and dKV by atomics or by a sorted scatter.
+
+With P = softmax over a query's selected keys (rebuilt from the forward's lse), dP = dO V^T,
+dS = P (dP - Delta) with Delta = rowsum(dO * O) - dlse (the lse gradient folds into Delta), then
+dQ = scale dS K and, per selected row s, dKV[s] += scale dS^T Q (+ P^T dO on the value dims).
+Many queries select the same key row, so dKV is a scatter-add. Two ways, selectable (`dkv_mode`):
+  * "atomic": one fused kernel per (token, head block) computes dQ and adds its [BLOCK_K, D] dKV tiles into an
+    fp32 buffer with relaxed fp32 atomics. Fast; the summation order (so the last bits) varies run to run.
+  * "sorted": deterministic. dQ comes from the same kernel without atomics; a second kernel, one program per
+    (token, block of slots) looping over all head blocks, writes each (query, slot) contribution row to an fp32
+    buffer (a chunk of queries at a time, so memory stays bounded); the chunk's (query, slot) pairs are sorted by
+    key row and a segment-sum kernel adds each key's rows in that fixed order. Costs the scores twice and the
+    buffer's write + read through HBM.
+
+Shape legend: B batch, T queries, S keys, H heads, D = V + R latent dims, K selected slots, N = B*T tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks
+
+DKV_MODES = ("atomic", "sorted")
+SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
+
+
+def _bwd_configs(with_heads: bool = True):
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    shapes = [(64, 32, 8, 1), (32, 32, 8, 1), (32, 64, 8, 1), (16, 64, 4, 2), (16, 32, 4, 2), (64, 16, 8, 1)]
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in shapes]
+
+
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, H, s_on, s_oh, HAS_DLSE: tl.constexpr, V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Delta[n, h] = sum_v dO[n,h,v] O[n,h,v] - dlse[n,h]  (o, do [N,H,V] with the same strides; dlse, delta [N,H])."""
+    n = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs = n.to(tl.int64) * s_on + offs_h[:, None] * s_oh + tl.arange(0, V)[None, :]
+    o = tl.load(O + offs, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + n.to(tl.int64) * H + offs_h, mask=mask_h, other=0.0)
+    tl.store(DELTA + n.to(tl.int64) * H + offs_h, delta, mask=mask_h)
+
+
+@triton.jit
+def _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log2):
+    """P [BH,BK] and dS = P (dP - Delta), the gradient of the logit scale * q.k, of one tile (masked -> 0)."""
+    s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+    p = tl.exp2(s * scale_log2 - lse2[:, None])
+    p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)
+    dp = tl.dot(do, tl.trans(k_c))
+    ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.autotune(
+    configs=_bwd_configs(),
+    key=["H", "K", "V", "R", "ATOMIC"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    reset_to_zero=["DKV"],
+    restore_value=["DQ"],
+)
+@triton.jit
+def _sparse_mqa_bwd_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    T, H, K, scale, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    s_dkb, s_dks,
+    V: tl.constexpr, R: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, head block): dQ in registers over all slots; with ATOMIC, dKV tiles by atomics."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = (pid_t // T).to(tl.int64)
+    t = (pid_t % T).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_c = tl.arange(0, V)
+    offs_r = tl.arange(0, R)
+
+    q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+    do = tl.load(DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    n = pid_t.to(tl.int64)
+    lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + n * H + offs_h, mask=mask_h, other=0.0)
+    kv_base = KV + b * s_kb
+    dkv_base = DKV + b * s_dkb
+    idx_base = IDX + b * s_ib + t * s_it
+
+    dq_c = tl.zeros([BLOCK_H, V], dtype=tl.float32)
+    dq_r = tl.zeros([BLOCK_H, R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        row = tl.where(valid, ids, 0).to(tl.int64)
+        k_c = tl.load(kv_base + row[:, None] * s_ks + offs_c[None, :], mask=valid[:, None], other=0.0)
+        k_r = tl.load(kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None], other=0.0)
+        p, ds = _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log2)
+        ds = (ds * scale).to(q_c.dtype)
+        dq_c += tl.dot(ds, k_c)
+        dq_r += tl.dot(ds, k_r)
+        if ATOMIC:
+            dk_c = tl.dot(tl.trans(ds), q_c) + tl.dot(tl.trans(p.to(do.dtype)), do)  # [BK, V]
+            dk_r = tl.dot(tl.trans(ds), q_r)
+            dst = dkv_base + row[:, None] * s_dks
+            tl.atomic_add(dst + offs_c[None, :], dk_c, mask=valid[:, None], sem="relaxed")
+            tl.atomic_add(dst + V + offs_r[None, :], dk_r, mask=valid[:, None], sem="relaxed")
+
+    dq_rows = DQ + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+    tl.store(dq_rows + offs_c[None, :], dq_c.to(DQ.dtype.element_ty), mask=mask_h[:, None])
+    tl.store(dq_rows + V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=mask_h[:, None])
+
+
+@triton.autotune(configs=_bwd_configs(), key=["H", "K", "V", "R"], prune_configs_by={"early_config_prune": _prune_head_blocks})
+@triton.jit
+def _sparse_mqa_dkv_rows_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, BUF,
+    n0, T, H, K, scale, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    V: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program per (token n0 + i, block of slots): that block's dKV contribution rows summed over all heads,
+    written to BUF[i, slot, :] (fp32 [chunk, K, D])."""
+    i = tl.program_id(0)
+    pid_t = n0 + i
+    b = (pid_t // T).to(tl.int64)
+    t = (pid_t % T).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, V)
+    offs_r = tl.arange(0, R)
+    ids = tl.load(IDX + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)
+    valid = ids >= 0
+    row = tl.where(valid, ids, 0).to(tl.int64)
+    kv_rows = KV + b * s_kb + row[:, None] * s_ks
+    k_c = tl.load(kv_rows + offs_c[None, :], mask=valid[:, None], other=0.0)
+    k_r = tl.load(kv_rows + V + offs_r[None, :], mask=valid[:, None], other=0.0)
+    n = pid_t.to(tl.int64)
+
+    dk_c = tl.zeros([BLOCK_K, V], dtype=tl.float32)
+    dk_r = tl.zeros([BLOCK_K, R], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+        do_ptrs = DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_c[None, :]
+        do = tl.load(do_ptrs, mask=mask_h[:, None], other=0.0)
+        lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        delta = tl.load(DELTA + n * H + offs_h, mask=mask_h, other=0.0)
+        p, ds = _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log2)
+        ds = (ds * scale).to(q_c.dtype)
+        dk_c += tl.dot(tl.trans(ds), q_c) + tl.dot(tl.trans(p.to(do.dtype)), do)
+        dk_r += tl.dot(tl.trans(ds), q_r)
+
+    D: tl.constexpr = V + R
+    dst = BUF + (i.to(tl.int64) * K + offs_k[:, None]) * D
+    tl.store(dst + offs_c[None, :], dk_c, mask=(offs_k < K)[:, None])
+    tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None])
+
+
+@triton.jit
+def _segment_sum_kernel(
+    BUF, ORDER, KEYS, STARTS, DKV, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """DKV[key] += sum of BUF rows ORDER[STARTS[u] : STARTS[u+1]] for unique key u, in that (sorted) order."""
+    u = tl.program_id(0)
+    key = tl.load(KEYS + u)
+    if key >= 0:
+        start = tl.load(STARTS + u)
+        end = tl.load(STARTS + u + 1)
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for j0 in range(start, end, BLOCK_J):
+                offs_j = j0 + tl.arange(0, BLOCK_J)
+                rows = tl.load(ORDER + offs_j, mask=offs_j < end, other=0)
+                x = tl.load(BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < end)[:, None] & mask_d[None, :], other=0.0)
+                acc += tl.sum(x, 0)
+            dst = DKV + key.to(tl.int64) * D + offs_d
+            tl.store(dst, tl.load(dst, mask=mask_d) + acc, mask=mask_d)
+
+
+def attention_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """Delta [B,T,H] fp32 = rowsum(dO * O) - dlse, for o, do [B,T,H,V] (same layout)."""
+    B, T, H, V = o.shape
+    o, do = o.contiguous(), do.contiguous()
+    delta = torch.empty((B, T, H), device=o.device, dtype=torch.float32)
+    dlse_ = delta if dlse is None else dlse.float().contiguous()
+    bh = 16
+    _delta_kernel[(B * T, triton.cdiv(H, bh))](
+        o, do, dlse_, delta, H, o.stride(1), o.stride(2), HAS_DLSE=dlse is not None, V=V, BLOCK_H=bh
+    )
+    return delta
+
+
+def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
+    """dKV by the deterministic sorted scatter over chunks of tokens (see module docstring)."""
+    B, T, H, D = q.shape
+    S, K, V = kv.shape[1], idx.shape[-1], do.shape[-1]
+    N = B * T
+    chunk = max(1, min(N, buffer_bytes // (K * D * 4)))
+    buf = torch.empty((chunk, K, D), device=q.device, dtype=torch.float32)
+    # global key row of every (token, slot): b * S + idx, or -1
+    batch_off = (torch.arange(B, device=q.device, dtype=torch.int64) * S)[:, None, None]
+    keys_all = torch.where(idx >= 0, idx.long() + batch_off, -1).view(N, K)
+    dkv_flat = dkv32.view(B * S, D)
+    for n0 in range(0, N, chunk):
+        n = min(chunk, N - n0)
+
+        def grid(meta):
+            return (n, triton.cdiv(K, meta["BLOCK_K"]))
+
+        _sparse_mqa_dkv_rows_kernel[grid](
+            q, kv, idx, do, lse, delta, buf,
+            n0, T, H, K, scale, scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1),
+            idx.stride(0), idx.stride(1),
+            do.stride(0), do.stride(1), do.stride(2),
+            V=V, R=D - V,
+        )  # fmt: skip
+        keys_sorted, order = torch.sort(keys_all[n0 : n0 + n].reshape(-1), stable=True)
+        uniq, counts = torch.unique_consecutive(keys_sorted, return_counts=True)
+        starts = torch.zeros(uniq.numel() + 1, device=q.device, dtype=torch.int64)
+        starts[1:] = torch.cumsum(counts, 0)
+        _segment_sum_kernel[(uniq.numel(),)](buf, order, uniq, starts, dkv_flat, D=D, BLOCK_J=16, BLOCK_D=128)
+
+
+def sparse_mqa_bwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float,
+    dkv_mode: str = "atomic",
+    sorted_buffer_bytes: int = SORTED_BUFFER_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dq [B,T,H,D] q.dtype, dkv [B,S,D] kv.dtype) of sparse_mqa_fwd's outputs."""
+    if dkv_mode not in DKV_MODES:
+        raise ValueError(f"dkv_mode '{dkv_mode}' is not one of {DKV_MODES}")
+    B, T, H, D = q.shape
+    K, V = idx.shape[-1], o.shape[-1]
+    q, kv, do = q.contiguous(), kv.contiguous(), do.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    lse = lse.contiguous()
+    delta = attention_delta(o, do, dlse)
+    dq = torch.full_like(q, float("nan"))
+    dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    atomic = dkv_mode == "atomic"
+
+    def grid(meta):
+        return (B * T, triton.cdiv(H, meta["BLOCK_H"]))
+
+    _sparse_mqa_bwd_kernel[grid](
+        q, kv, idx, do, lse, delta, dq, dkv32,
+        T, H, K, scale, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        do.stride(0), do.stride(1), do.stride(2),
+        dkv32.stride(0), dkv32.stride(1),
+        V=V, R=D - V, ATOMIC=atomic,
+    )  # fmt: skip
+    if not atomic:
+        _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, sorted_buffer_bytes)
+    return dq, dkv32.to(kv.dtype)

@@ -1,0 +1,164 @@
+"""Sparse MQA attention forward in Triton: every head of a token attends to that token's selected latent rows.
+
+One program per (token, block of heads, slice of the value dims). Heads are the M dimension of the tiles: in MQA
+form all heads of a token read the same K selected rows, so one gather of a [BLOCK_K, D] key block feeds a
+[BLOCK_H, BLOCK_K] score tile for BLOCK_H heads at once. Head counts that are not a multiple of BLOCK_H (20, 96)
+are padded and masked. The key latent is split into its value part (first V dims, V = kv_lora = 512) and its
+rope part (R = D - V = 64) because Triton tiles need power-of-two widths. With V = 512 a [64, 512] fp32
+accumulator is 128 KB of registers, so the value dims may be split across programs (BLOCK_V = V / 2): each
+slice recomputes the scores, trading ~50% more QK^T work for half the accumulator (autotune picks).
+
+Shape legend: B batch, T queries, S keys, H heads, D = V + R latent dims, K selected slots per query.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET=1 must be set before this module is imported (CPU tests do it).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _prune_head_blocks(configs, named_args, **kwargs):
+    """Drop head blocks wider than the padded head count and value slices wider than V."""
+    H, V = named_args["H"], kwargs.get("V", named_args.get("V"))
+    cap = max(16, triton.next_power_of_2(H))
+    kept = [c for c in configs if c.kwargs["BLOCK_H"] <= cap and c.kwargs.get("BLOCK_V", 0) <= V]
+    return kept or configs[:1]
+
+
+def fwd_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_V": 32}, num_warps=4, num_stages=1)]
+    out = []
+    for bh, bk, bv, w, s in [
+        (64, 64, 256, 8, 2),
+        (64, 32, 512, 8, 2),
+        (64, 64, 512, 8, 1),
+        (32, 64, 512, 8, 2),
+        (32, 64, 256, 4, 2),
+        (16, 64, 512, 4, 2),
+        (16, 64, 256, 4, 2),
+    ]:
+        out.append(triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_V": bv}, num_warps=w, num_stages=s))
+    return out
+
+
+@triton.autotune(
+    configs=fwd_configs(),
+    key=["H", "K", "V", "R"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    restore_value=["O"],
+)
+@triton.jit
+def _sparse_mqa_fwd_kernel(
+    Q, KV, IDX, O, LSE,
+    T, H, K, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    s_lb, s_lt,
+    V: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = pid_t // T
+    t = pid_t % T
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_c = tl.arange(0, V)
+    offs_r = tl.arange(0, R)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+
+    q_rows = Q + b.to(tl.int64) * s_qb + t.to(tl.int64) * s_qt + offs_h[:, None] * s_qh
+    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)  # [BH, V]
+    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)  # [BH, R]
+    kv_base = KV + b.to(tl.int64) * s_kb
+    idx_base = IDX + b.to(tl.int64) * s_ib + t.to(tl.int64) * s_it
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64) * s_ks
+        k_c = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)  # [BK, V]
+        k_r = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BK, R]
+        s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BLOCK_V == V:
+            v = k_c
+        else:
+            v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a query with no key: o = 0, lse = -inf (as the reference)
+    o = acc / l_safe[:, None]
+    o_ptrs = O + b.to(tl.int64) * s_ob + t.to(tl.int64) * s_ot + offs_h[:, None] * s_oh + offs_v[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_h[:, None])
+    if pid_v == 0:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        tl.store(LSE + b.to(tl.int64) * s_lb + t.to(tl.int64) * s_lt + offs_h, lse, mask=mask_h)
+
+
+def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int) -> None:
+    """One-line ValueErrors for shapes the kernels cannot take."""
+    if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3:
+        raise ValueError(f"q [B,T,H,D], kv [B,S,D], idx [B,T,K] expected; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}, {tuple(idx.shape)}")  # fmt: skip
+    B, T, H, D = q.shape
+    if kv.shape[0] != B or kv.shape[2] != D or idx.shape[:2] != (B, T):
+        raise ValueError(f"kv {tuple(kv.shape)} / idx {tuple(idx.shape)} do not match q {tuple(q.shape)}")
+    R = D - v_dim
+    for name, n in (("v_dim", v_dim), ("q.shape[-1] - v_dim", R)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} = {n} must be a power of two >= 16 for the Triton DSA kernels (512 / 64 in MLA)")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be int32 (got {idx.dtype}); -1 marks an empty slot")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv dtype {kv.dtype} must equal q dtype {q.dtype}")
+
+
+def sparse_mqa_fwd(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32)."""
+    check_inputs(q, kv, idx, v_dim)
+    B, T, H, D = q.shape
+    K = idx.shape[-1]
+    q, kv = q.contiguous(), kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    o = torch.full((B, T, H, v_dim), float("nan"), device=q.device, dtype=q.dtype)
+    lse = torch.full((B, T, H), float("nan"), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (B * T, triton.cdiv(H, meta["BLOCK_H"]), v_dim // min(meta["BLOCK_V"], v_dim))
+
+    _sparse_mqa_fwd_kernel[grid](
+        q, kv, idx, o, lse,
+        T, H, K, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        V=v_dim, R=D - v_dim,
+    )  # fmt: skip
+    return o, lse

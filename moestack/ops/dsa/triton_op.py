@@ -1,0 +1,64 @@
+"""DSA Triton backend: the sparse MQA attention autograd.Function and the dispatcher registration.
+
+    sparse_mqa_attention_triton(q, kv, idx, v_dim, scale, dkv_mode="atomic")  ->  (o, lse)
+
+Forward saves q, kv, idx, o and lse (no [T, K] intermediates); backward rebuilds P from lse. Both outputs are
+differentiable (the lse gradient folds into Delta). dkv_mode picks the dKV scatter ("atomic" or the deterministic
+"sorted"); the environment variable MOESTACK_DSA_DKV sets the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moestack.ops.dsa.triton_attn_bwd import DKV_MODES, sparse_mqa_bwd
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, sparse_mqa_fwd
+
+DKV_ENV_VAR = "MOESTACK_DSA_DKV"
+
+
+class _SparseMQAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, idx, v_dim, scale, dkv_mode):
+        o, lse = sparse_mqa_fwd(q, kv, idx, v_dim, scale)
+        ctx.save_for_backward(q, kv, idx, o, lse)
+        ctx.scale, ctx.dkv_mode = scale, dkv_mode
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, kv, idx, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dkv = sparse_mqa_bwd(q, kv, idx, o, lse, do, dlse, ctx.scale, ctx.dkv_mode)
+        return dq, dkv, None, None, None, None
+
+
+def sparse_mqa_attention_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    v_dim: int,
+    scale: float,
+    dkv_mode: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 (-1 = empty) -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32).
+
+    Same contract as reference.sparse_mqa_attention. D - v_dim and v_dim must be powers of two (64 / 512 in MLA).
+    Packed documents (B == 1) need nothing extra: idx already keeps each query inside its document.
+    """
+    mode = dkv_mode or os.environ.get(DKV_ENV_VAR, "atomic")
+    if mode not in DKV_MODES:
+        raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES} (argument or {DKV_ENV_VAR})")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q dtype {q.dtype} is not supported by the Triton DSA kernels; use fp32, fp16 or bf16")
+    if torch.is_autocast_enabled(q.device.type) and q.dtype != kv.dtype:
+        kv = kv.to(q.dtype)
+    return _SparseMQAttention.apply(q, kv, idx, v_dim, scale, mode)
+
+
+def triton_available(q: torch.Tensor) -> bool:
+    """CUDA tensors, or any tensor when the kernels were built for the interpreter (TRITON_INTERPRET=1)."""
+    return (q.is_cuda or INTERPRET) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)

@@ -367,6 +367,7 @@ def test_backend_registry(monkeypatch):
         calls.append(x.shape)
         return ref.grouped_mm_loop(x, w, offs)
 
+    monkeypatch.setattr(moe_ops, "PREFERENCE", ("triton", "torch", "reference"))
     monkeypatch.setitem(moe_ops._BACKENDS, "triton", (fake, lambda: False))
     assert moe_ops.resolve_backend() == "torch"  # unavailable: skipped by auto-selection ...
     with pytest.raises(ValueError, match="not available"):

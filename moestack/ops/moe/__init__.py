@@ -5,12 +5,18 @@ reference.py, shared by every backend). Backends:
     "torch":     torch's native grouped GEMM where supported (CUDA, bf16, aligned), else a padded-bmm or
                  per-expert fallback (reference.grouped_mm); always available.
     "reference": the per-expert loop (reference.grouped_mm_loop); always available.
-    "triton":    not registered yet; a Triton / FP8 grouped GEMM registers itself here.
-Selection: explicit `backend` argument > env MOESTACK_MOE_BACKEND > first available of PREFERENCE.
+    "triton":    Triton grouped GEMM (triton_grouped_gemm.py), persistent, no host sync; CUDA or TRITON_INTERPRET=1.
+    "auto":      triton at or below the measured crossover of mean rows per expert, else torch (gemm_select.py).
+    "fp8":       e4m3 blockwise-scaled expert GEMMs, 1x128 activation tiles, 128x128 weight blocks
+                 (fp8_grouped_gemm.py); CUDA sm90 only, never chosen by default.
+Selection: explicit `backend` argument > env MOESTACK_MOE_BACKEND > first available of PREFERENCE
+("auto" leads only on CUDA; triton and fp8 are chosen by name or through auto).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from typing import Callable
 
@@ -30,7 +36,7 @@ from moestack.ops.moe.reference import (
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 ENV_VAR = "MOESTACK_MOE_BACKEND"
-PREFERENCE = ("triton", "torch", "reference")
+PREFERENCE = ("auto", "torch", "reference") if torch.cuda.is_available() else ("torch", "reference")
 _BACKENDS: dict[str, tuple[GroupedMM, Callable[[], bool]]] = {}
 
 
@@ -69,6 +75,30 @@ def grouped_mm(
 
 register_backend("torch", reference.grouped_mm)
 register_backend("reference", grouped_mm_loop)
+
+
+def _lazy(module: str, attr: str) -> GroupedMM:
+    """Import the kernel module on first call, so TRITON_INTERPRET set by a test before that call is seen."""
+
+    def fn(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        return getattr(importlib.import_module(module), attr)(x_ND, w_EDF, offs_E)
+
+    return fn
+
+
+def _triton_available() -> bool:
+    has_triton = importlib.util.find_spec("triton") is not None
+    return has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _fp8_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() >= (8, 9)
+
+
+register_backend("triton", _lazy("moestack.ops.moe.triton_grouped_gemm", "grouped_mm"), _triton_available)
+register_backend("auto", _lazy("moestack.ops.moe.gemm_select", "grouped_mm_auto"))
+register_backend("fp8", _lazy("moestack.ops.moe.fp8_grouped_gemm", "grouped_mm"), _fp8_available)
 
 __all__ = [
     "ENV_VAR",

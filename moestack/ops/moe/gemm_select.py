@@ -1,0 +1,74 @@
+"""The "auto" grouped GEMM: Triton for small experts, torch's grouped GEMM for large ones, by measured crossover.
+
+The choice uses only host-known numbers: mean rows per expert N / E (no read of offs, so no host sync) and the
+GEMM shape (D, F). Below or at the crossover the Triton kernel (moestack.ops.moe.triton_grouped_gemm) runs,
+above it torch's. Crossovers come from `benchmarks/grouped_gemm.py --write-crossover PATH` (JSON, format below);
+point MOESTACK_MOE_CROSSOVER at that file to use it, else the defaults here apply.
+
+JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}}  key "DxF" = GEMM in-width x out-width.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moestack.ops.moe import reference
+
+ENV_VAR = "MOESTACK_MOE_CROSSOVER"
+# Default: the issue's measurement (torch's grouped GEMM falls off below ~128 rows per expert on H200).
+DEFAULT_ROWS = 128
+
+
+@dataclass
+class CrossoverTable:
+    """Largest mean rows per expert at which Triton is chosen: per GEMM shape "DxF", else default_rows."""
+
+    default_rows: int = DEFAULT_ROWS
+    by_shape: dict[str, int] = field(default_factory=dict)
+
+    def threshold(self, D: int, F: int) -> int:
+        return self.by_shape.get(f"{D}x{F}", self.default_rows)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CrossoverTable:
+        if not isinstance(d.get("default_rows"), int):
+            raise ValueError("crossover JSON: default_rows must be an int (mean rows per expert)")
+        by_shape = {str(k): int(v) for k, v in d.get("by_shape", {}).items()}
+        return cls(d["default_rows"], by_shape)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CrossoverTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps({"default_rows": self.default_rows, "by_shape": self.by_shape}, indent=1))
+
+
+@functools.cache
+def default_table() -> CrossoverTable:
+    """The table from $MOESTACK_MOE_CROSSOVER if set, else the built-in default (read once per process)."""
+    path = os.environ.get(ENV_VAR)
+    return CrossoverTable.load(path) if path else CrossoverTable()
+
+
+def choose(N: int, E: int, D: int, F: int, table: CrossoverTable | None = None) -> str:
+    """"triton" when mean rows per expert N / E is at most the crossover for (D, F), else "torch"."""
+    table = table or default_table()
+    return "triton" if N <= table.threshold(D, F) * E else "torch"
+
+
+def grouped_mm_auto(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The "auto" backend (same contract as reference.grouped_mm). Triton only on CUDA in bf16 / fp16."""
+    dtype = reference._compute_dtype(x_ND, w_EDF)
+    if x_ND.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        if choose(x_ND.shape[0], w_EDF.shape[0], w_EDF.shape[1], w_EDF.shape[2]) == "triton":
+            from moestack.ops.moe import triton_grouped_gemm
+
+            return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E)
+    return reference.grouped_mm(x_ND, w_EDF, offs_E)

@@ -156,6 +156,9 @@ class MoESpec(StrictModel):
     shared_intermediate_size: int = Field(default=0, ge=0)  # total width of the fused shared experts
     shared_expert_gate: bool = False  # shared(x) * sigmoid(w . x), w [d] (Qwen2-MoE / Qwen3-Next)
     router: RouterSpec = RouterSpec()
+    # static-capacity, sync-free token layout: rows per expert = ceil(factor * T*K / E); overflow dropped by
+    # routing weight (counted in MoE.last_dropped). None = dropless (default).
+    capacity_factor: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:

@@ -26,6 +26,7 @@ from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
 from moestack.ops import moe as moe_ops
+from moestack.ops.moe import routing
 
 
 class Router(nn.Module):
@@ -43,6 +44,7 @@ class Router(nn.Module):
         bias = torch.zeros(num_experts, dtype=torch.float32) if spec.selection_bias else None
         self.register_buffer("selection_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = by device / env
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast)."""
@@ -50,16 +52,15 @@ class Router(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         s = self.spec
-        topk_idx_TK, topk_w_TK, scores_TE = moe_ops.route(
+        topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
             logits_TE, self.selection_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
-            s.scaling_factor,
+            s.scaling_factor, backend=self.backend,
         )
         if self.training:
             # Recompute under activation checkpointing counts a forward twice; the sign-based update is invariant
             # to that uniform factor. Eval forwards are not counted.
             with torch.no_grad():
-                idx_N = topk_idx_TK.reshape(-1)
-                self.tokens_per_expert.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+                self.tokens_per_expert.add_(counts_E)
         return topk_idx_TK, topk_w_TK, scores_TE
 
     @torch.no_grad()
@@ -158,8 +159,12 @@ def sequence_aux_loss(
 class MoE(nn.Module):
     """Stable LatentMoE (spec.latent_size set) or plain MoE layer, with optional fused shared experts.
 
-    After each forward: `last_expert_counts` [E] int64 (routed slots per expert, detached) and `last_aux_loss`
-    (the detached sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0), for logging.
+    After each forward: `last_expert_counts` [E] int64 (routed slots per expert, detached), `last_dropped` (int64
+    device scalar: slots dropped by spec.capacity_factor, 0 when dropless) and `last_aux_loss` (the detached
+    sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0), for logging.
+
+    Token path: moestack.ops.moe.routing (backend "triton" on CUDA, "reference" elsewhere; `router.backend`
+    overrides). `row_align` pads each expert's row block to a multiple (for grouped GEMMs that want it).
 
     Host syncs: none on the native grouped-GEMM path (CUDA bf16); the grouped-GEMM fallbacks (CPU, fp32 on GPU,
     unaligned shapes) read the largest expert group on the host once per GEMM (moestack/ops/moe/README.md).
@@ -192,6 +197,8 @@ class MoE(nn.Module):
         )
         self.last_aux_loss: torch.Tensor | None = None
         self.last_expert_counts: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None
+        self.row_align = 1
         # set by moestack.parallel (TP / SP / CP): the ranks one sequence's tokens are split over
         self.seq_shard_group: dist.ProcessGroup | None = None
 
@@ -203,9 +210,13 @@ class MoE(nn.Module):
         topk_idx_TK, topk_w_TK, scores_TE = self.router(x_TD)
 
         h_TL = self.down_proj(x_TD) if self.down_proj is not None else x_TD
-        perm = moe_ops.permute(topk_idx_TK, E)
-        y_NL = self.experts(moe_ops.gather_sorted(h_TL, perm, K), perm.offs_E)
-        y_TL = moe_ops.unpermute_combine(y_NL, perm, topk_w_TK)
+        backend = self.router.backend
+        cap = None
+        if self.spec.capacity_factor is not None:
+            cap = routing.capacity_rows(B * T, K, E, self.spec.capacity_factor, self.row_align)
+        d = routing.dispatch(topk_idx_TK, E, self.row_align, cap, topk_w_TK.detach(), backend)
+        y_RL = self.experts(routing.gather(h_TL, d, backend), d.offs_E)
+        y_TL = routing.combine(y_RL, d, topk_w_TK, backend)
         if self.latent_norm is not None:
             y_TL = self.latent_norm(y_TL)
         out_TD = self.up_proj(y_TL) if self.up_proj is not None else y_TL
@@ -213,7 +224,8 @@ class MoE(nn.Module):
             out_TD = out_TD + self.shared(x_TD)
         out_BTD = out_TD.view(B, T, D)
 
-        self.last_expert_counts = perm.counts_E.detach()
+        self.last_expert_counts = d.counts_E.detach()
+        self.last_dropped = d.dropped
         coef = self.spec.router.seq_aux_loss_coef
         if coef > 0:
             aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), coef, self.seq_shard_group)

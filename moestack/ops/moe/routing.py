@@ -1,0 +1,255 @@
+"""The routing dispatcher: route -> dispatch (expert-major layout) -> gather -> [grouped GEMMs] -> combine.
+
+Backends: "triton" (fused router kernel, counting-sort permutation, gather / combine kernels; CUDA, or the CPU
+interpreter under TRITON_INTERPRET=1) and "reference" (pure torch, always available; the spec).
+Selection: explicit `backend` > env MOESTACK_MOE_ROUTING_BACKEND > "triton" on CUDA, else "reference".
+
+The layout (`Dispatch`) has R rows, a static number (no host sync decides it):
+    dropless, align a:   expert e owns rows [start_e, start_e + count_e), start_e = sum_{j<e} ceil(count_j/a)*a;
+                         R = N if a == 1 else N + E*(a-1) (an upper bound; rows after offs_E[-1] are padding)
+    capacity C:          expert e owns rows [e*C, (e+1)*C); its slots beyond C (lowest priority first) are dropped
+Padding rows read no token (slot -1): gather writes zeros there, combine never reads them.
+
+Legend: T tokens, E experts, K top-k, N = T*K (token, slot) pairs ("slots", flat index t*K + k), R rows of the
+expert-major buffer, D row width.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+from moestack.ops.moe import reference
+
+ENV_VAR = "MOESTACK_MOE_ROUTING_BACKEND"
+BACKENDS = ("triton", "reference")
+
+
+class Dispatch(NamedTuple):
+    """Where each routed (token, slot) pair lives in the expert-major buffer, and back. All on the device."""
+
+    row_of_slot_N: torch.Tensor  # int64 [N]: row of slot t*K+k, -1 if dropped
+    slot_of_row_R: torch.Tensor  # int64 [R]: slot feeding row r, -1 for padding
+    counts_E: torch.Tensor  # int64 [E]: routed slots per expert (before any drop)
+    offs_E: torch.Tensor  # int32 [E]: cumulative row ends for the grouped GEMM (padding included)
+    dropped: torch.Tensor  # int64 []: slots dropped by the capacity limit (0 when dropless)
+    top_k: int
+    exact: bool  # dropless and unpadded: rows are a permutation of the slots (R == N)
+
+
+def triton_available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """explicit > env MOESTACK_MOE_ROUTING_BACKEND > "triton" on CUDA (when installed) > "reference"."""
+    name = backend or os.environ.get(ENV_VAR) or None
+    if name is None:
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"MoE routing backend must be one of {BACKENDS}, got {name!r} (set {ENV_VAR} or backend=)")
+    if name == "triton" and not triton_available():
+        raise ValueError(f"MoE routing backend 'triton' needs triton and CUDA (or TRITON_INTERPRET=1); use 'reference'")
+    return name
+
+
+def capacity_rows(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, align: int = 1) -> int:
+    """Rows per expert in static-capacity mode: ceil(factor * T*K / E), rounded up to `align`, at least align."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    c = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    return max(align, -(-c // align) * align)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# route
+
+
+def route(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    top_k: int,
+    score: str = "sigmoid",
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.route plus per-expert slot counts: (topk_idx_TK int64, topk_w_TK, scores_TE, counts_E int64).
+
+    The Triton kernel takes fp32 logits (the router's dtype); other dtypes (fp64 tests) take the reference.
+    """
+    name = resolve_backend(backend, logits_TE.device)
+    if name == "triton" and logits_TE.dtype == torch.float32:
+        from moestack.ops.moe.triton_router import route_triton
+
+        return route_triton(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)
+    idx, w, scores = reference.route(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)
+    counts = torch.bincount(idx.reshape(-1), minlength=logits_TE.shape[1])  # integer counts: exact in any order
+    return idx, w, scores, counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _slot_of_row(row_of_slot_N: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Invert row_of_slot (dropped slots, -1, land in a discarded extra row); padding rows stay -1."""
+    N = row_of_slot_N.numel()
+    out = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=row_of_slot_N.device)
+    target = torch.where(row_of_slot_N >= 0, row_of_slot_N, num_rows)
+    out.scatter_(0, target, torch.arange(N, device=row_of_slot_N.device))
+    return out[:num_rows]
+
+
+def _dispatch_capacity(
+    flat_N: torch.Tensor, counts_E: torch.Tensor, num_experts: int, cap: int, priority_N: torch.Tensor, top_k: int
+) -> Dispatch:
+    """Static capacity: per expert keep the `cap` slots of highest priority (ties: lower slot index), drop the
+    rest. Two stable device sorts (priority, then expert) give that order without a host sync."""
+    N = flat_N.numel()
+    by_priority_N = torch.sort(priority_N.detach(), descending=True, stable=True).indices
+    order_N = by_priority_N[torch.sort(flat_N[by_priority_N], stable=True).indices]
+    expert_sorted_N = flat_N[order_N]
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_N = torch.arange(N, device=flat_N.device) - starts_E[expert_sorted_N]
+    row_sorted_N = torch.where(rank_N < cap, expert_sorted_N * cap + rank_N, -1)
+    row_of_slot_N = torch.empty_like(row_sorted_N).scatter_(0, order_N, row_sorted_N)
+    offs_E = (torch.arange(1, num_experts + 1, device=flat_N.device) * cap).to(torch.int32)
+    dropped = (counts_E - cap).clamp_min(0).sum()
+    return Dispatch(row_of_slot_N, _slot_of_row(row_of_slot_N, num_experts * cap), counts_E, offs_E, dropped,
+                    top_k, False)
+
+
+def _dispatch_reference(topk_idx_TK: torch.Tensor, num_experts: int, align: int) -> Dispatch:
+    """Dropless layout from one stable sort (reference.permute), with optional per-expert row padding."""
+    T, K = topk_idx_TK.shape
+    N = T * K
+    perm = reference.permute(topk_idx_TK, num_experts)
+    if align == 1:
+        zero = torch.zeros((), dtype=torch.int64, device=topk_idx_TK.device)
+        return Dispatch(perm.inverse_N, perm.order_N, perm.counts_E, perm.offs_E, zero, K, True)
+    counts_E = perm.counts_E
+    padded_E = (counts_E + align - 1) // align * align
+    shift_E = (torch.cumsum(padded_E, 0) - padded_E) - (torch.cumsum(counts_E, 0) - counts_E)
+    expert_sorted_N = topk_idx_TK.reshape(-1)[perm.order_N]
+    row_sorted_N = torch.arange(N, device=topk_idx_TK.device) + shift_E[expert_sorted_N]
+    row_of_slot_N = torch.empty_like(row_sorted_N).scatter_(0, perm.order_N, row_sorted_N)
+    R = N + num_experts * (align - 1)
+    zero = torch.zeros((), dtype=torch.int64, device=topk_idx_TK.device)
+    offs_E = torch.cumsum(padded_E, 0).to(torch.int32)
+    return Dispatch(row_of_slot_N, _slot_of_row(row_of_slot_N, R), counts_E, offs_E, zero, K, False)
+
+
+def dispatch(
+    topk_idx_TK: torch.Tensor,
+    num_experts: int,
+    align: int = 1,
+    capacity: int | None = None,
+    priority_TK: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> Dispatch:
+    """The expert-major layout of the routed slots; no host sync on either backend.
+
+    Args:
+        topk_idx_TK: int64 [T, K] chosen experts.
+        align: pad each expert's row block to a multiple of this (dropless mode); 1 = no padding.
+        capacity: rows per expert (static-capacity mode, see `capacity_rows`); None = dropless.
+        priority_TK: [T, K] drop order in capacity mode (higher kept first; the layer passes the routing
+            weights). Required with capacity.
+    Within an expert the kept slots are in token order (dropless) or priority order (capacity).
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    T, K = topk_idx_TK.shape
+    flat_N = topk_idx_TK.reshape(-1)
+    if capacity is not None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 row per expert, got {capacity}")
+        if priority_TK is None or priority_TK.shape != topk_idx_TK.shape:
+            raise ValueError("capacity mode needs priority_TK with topk_idx_TK's shape (e.g. the routing weights)")
+        counts_E = torch.bincount(flat_N, minlength=num_experts)
+        return _dispatch_capacity(flat_N, counts_E, num_experts, capacity, priority_TK.reshape(-1), K)
+    if resolve_backend(backend, topk_idx_TK.device) == "triton":
+        from moestack.ops.moe.triton_permute import dispatch_triton
+
+        return dispatch_triton(topk_idx_TK, num_experts, align)
+    return _dispatch_reference(topk_idx_TK, num_experts, align)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gather / combine
+
+
+def _as_permutation(d: Dispatch) -> reference.Permutation:
+    return reference.Permutation(d.slot_of_row_R, d.row_of_slot_N, d.slot_of_row_R // d.top_k, d.counts_E, d.offs_E)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x_RD[r] = h_TD[slot_of_row[r] // K] (zero for padding rows); backward sums each token's K row gradients
+    in slot order (deterministic; dropped slots add nothing)."""
+
+    @staticmethod
+    def forward(ctx, h_TD, slot_of_row_R, row_of_slot_N, K):
+        T, D = h_TD.shape
+        ctx.save_for_backward(row_of_slot_N)
+        ctx.K = K
+        h_pad = torch.cat([h_TD, h_TD.new_zeros((1, D))])
+        return h_pad[torch.where(slot_of_row_R >= 0, slot_of_row_R // K, T)]
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (row_of_slot_N,) = ctx.saved_tensors
+        R, D = grad_RD.shape
+        g_pad = torch.cat([grad_RD, grad_RD.new_zeros((1, D))])
+        g_TKD = g_pad[torch.where(row_of_slot_N >= 0, row_of_slot_N, R)].view(-1, ctx.K, D)
+        return g_TKD.sum(1, dtype=torch.promote_types(grad_RD.dtype, torch.float32)).to(grad_RD.dtype), None, None, None
+
+
+def gather(h_TD: torch.Tensor, d: Dispatch, backend: str | None = None) -> torch.Tensor:
+    """Expert-major copy of the routed inputs [R, D] (padding rows zero). Deterministic forward and backward."""
+    if resolve_backend(backend, h_TD.device) == "triton":
+        from moestack.ops.moe.triton_permute import gather_triton
+
+        return gather_triton(h_TD, d)
+    if d.exact:
+        return reference.gather_sorted(h_TD, _as_permutation(d), d.top_k)
+    return _GatherRows.apply(h_TD, d.slot_of_row_R, d.row_of_slot_N, d.top_k)
+
+
+def combine(y_RD: torch.Tensor, d: Dispatch, topk_w_TK: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)] (dropped slots add nothing), summed over k in order in
+    fp32; returns y_RD's dtype. Deterministic forward and backward, no atomics."""
+    if resolve_backend(backend, y_RD.device) == "triton":
+        from moestack.ops.moe.triton_permute import combine_triton
+
+        return combine_triton(y_RD, d, topk_w_TK)
+    if d.exact:
+        return reference.unpermute_combine(y_RD, _as_permutation(d), topk_w_TK)
+    T, K = topk_w_TK.shape
+    R, D = y_RD.shape
+    dtype = torch.promote_types(torch.promote_types(y_RD.dtype, topk_w_TK.dtype), torch.float32)
+    y_pad = torch.cat([y_RD, y_RD.new_zeros((1, D))])
+    y_TKD = y_pad[torch.where(d.row_of_slot_N >= 0, d.row_of_slot_N, R)].view(T, K, D)
+    return (y_TKD.to(dtype) * topk_w_TK.to(dtype).unsqueeze(-1)).sum(1).to(y_RD.dtype)
+
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "Dispatch",
+    "capacity_rows",
+    "combine",
+    "dispatch",
+    "gather",
+    "resolve_backend",
+    "route",
+    "triton_available",
+]

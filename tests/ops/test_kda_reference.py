@@ -204,11 +204,11 @@ def test_default_backend_on_cpu_is_reference(clean_registry, monkeypatch):
     torch.testing.assert_close(S, S_ref, rtol=0, atol=0)
 
 
-def test_triton_is_opt_in(clean_registry):
-    """Until the Triton backend passes an in-model GPU check it is never picked automatically (RESULTS.md)."""
-    register_backend("triton", lambda *a, **kw: None, available=lambda: True)
-    assert "triton" not in kda_ops.AUTO_ORDER
-    assert resolve_backend() == "reference" and resolve_backend("triton") == "triton"
+def test_triton_is_default_for_cuda_only(clean_registry):
+    """Triton leads AUTO_ORDER (CUDA inputs); CPU tensors still get the reference (Triton declines them)."""
+    register_backend("triton", lambda *a, **kw: None, available=lambda: True, supports=lambda t: t.is_cuda)
+    assert kda_ops.AUTO_ORDER[0] == "triton"
+    assert resolve_backend(q=torch.zeros(1, 1, 1, 4)) == "reference" and resolve_backend("triton") == "triton"
 
 
 def test_auto_selection_respects_availability_and_support(clean_registry, monkeypatch):

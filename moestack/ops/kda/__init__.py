@@ -39,10 +39,10 @@ __all__ = [
 ]
 
 ENV_VAR = "MOESTACK_KDA_BACKEND"
-# The Triton backend is opt-in (backend="triton" or MOESTACK_KDA_BACKEND=triton): its op-level GPU checks pass, but
-# inside the model under bf16 autocast the first training steps went non-finite on the H200 (2026-11-29), and it is
-# slower than fla's chunk_kda (benchmarks/RESULTS.md). It rejoins the automatic order once both are fixed.
-AUTO_ORDER = ("reference",)
+# "triton" first: it is picked for CUDA inputs (triton_supports). It was opt-in for a while after in-model bf16
+# training went non-finite on the H200 (2026-11-29); the cause was the power-series triangular inverse, which
+# loses every digit for correlated keys (tests/ops/test_kda_triton.py::test_correlated_keys_weak_gates).
+AUTO_ORDER = ("triton", "reference")
 
 # fn(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size) -> (o, final_state)
 KDAFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]

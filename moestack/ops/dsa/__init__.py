@@ -26,6 +26,7 @@ OPS = ("sparse_mqa_attention", "indexer_topk_from_inputs", "indexer_kl_loss")
 class _Backend:
     fn: Callable
     available: Callable[[torch.Tensor], bool]  # given the op's first tensor (device / dtype checks)
+    automatic: Callable[[torch.Tensor], bool]  # may the default order pick it (False: only when named)
 
 
 _REGISTRY: dict[str, dict[str, _Backend]] = {op: {} for op in OPS}
@@ -36,11 +37,16 @@ def register_backend(
     fn: Callable,
     available: Callable[[torch.Tensor], bool] = lambda t: True,
     op: str = "sparse_mqa_attention",
+    automatic: Callable[[torch.Tensor], bool] | None = None,
 ) -> None:
-    """Register (or replace) `fn` as backend `name` for `op` (one of OPS); fn has the op's signature."""
+    """Register (or replace) `fn` as backend `name` for `op` (one of OPS); fn has the op's signature.
+
+    `automatic` (default: `available`) narrows what the default order may pick, e.g. Triton kernels run on CPU
+    tensors under the interpreter when named, but are never picked for CPU tensors by default.
+    """
     if op not in _REGISTRY:
         raise ValueError(f"unknown DSA op '{op}'; ops are {OPS}")
-    _REGISTRY[op][name] = _Backend(fn, available)
+    _REGISTRY[op][name] = _Backend(fn, available, automatic or available)
 
 
 def backends(op: str = "sparse_mqa_attention") -> list[str]:
@@ -64,7 +70,7 @@ def select_backend(op: str, lead: torch.Tensor, backend: str | None = None) -> s
                 )
             return name
     for candidate in PREFERENCE:
-        if candidate in table and table[candidate].available(lead):
+        if candidate in table and table[candidate].available(lead) and table[candidate].automatic(lead):
             return candidate
     raise RuntimeError(f"no available DSA backend for {op}")  # unreachable while "reference" is registered
 
@@ -112,6 +118,32 @@ def indexer_kl_loss(
 register_backend("reference", reference.sparse_mqa_attention_blockwise, op="sparse_mqa_attention")
 register_backend("reference", reference.indexer_topk_from_inputs, op="indexer_topk_from_inputs")
 register_backend("reference", reference.indexer_kl_loss, op="indexer_kl_loss")
+
+
+def _register_triton() -> None:
+    """Backend "triton" for sparse_mqa_attention where Triton imports: picked by default for CUDA tensors; CPU
+    tensors only when named and the kernels were built for the interpreter (TRITON_INTERPRET=1, tests)."""
+    try:
+        from moestack.ops.dsa import triton_op
+    except ImportError:  # no triton in this environment: the reference serves every op
+        return
+    register_backend(
+        "triton",
+        triton_op.sparse_mqa_attention_triton,
+        available=triton_op.triton_available,
+        op="sparse_mqa_attention",
+        automatic=lambda t: t.is_cuda,
+    )
+    register_backend(
+        "triton",
+        triton_op.indexer_topk_triton,
+        available=triton_op.triton_available,
+        op="indexer_topk_from_inputs",
+        automatic=lambda t: t.is_cuda,
+    )
+
+
+_register_triton()
 
 __all__ = [
     "ENV_VAR",

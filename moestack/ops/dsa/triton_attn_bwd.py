@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, padded_dims
 
 DKV_MODES = ("atomic", "sorted")
 SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
@@ -35,14 +35,18 @@ def _bwd_configs(with_heads: bool = True):
 
 
 @triton.jit
-def _delta_kernel(O, DO, DLSE, DELTA, H, s_on, s_oh, HAS_DLSE: tl.constexpr, V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _delta_kernel(
+    O, DO, DLSE, DELTA, H, s_on, s_oh, HAS_DLSE: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, BLOCK_H: tl.constexpr
+):  # fmt: skip
     """Delta[n, h] = sum_v dO[n,h,v] O[n,h,v] - dlse[n,h]  (o, do [N,H,V] with the same strides; dlse, delta [N,H])."""
     n = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs = n.to(tl.int64) * s_on + offs_h[:, None] * s_oh + tl.arange(0, V)[None, :]
-    o = tl.load(O + offs, mask=mask_h[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + offs, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    offs_v = tl.arange(0, VP)
+    offs = n.to(tl.int64) * s_on + offs_h[:, None] * s_oh + offs_v[None, :]
+    mask = mask_h[:, None] & (offs_v < V)[None, :]
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + n.to(tl.int64) * H + offs_h, mask=mask_h, other=0.0)
@@ -76,7 +80,7 @@ def _sparse_mqa_bwd_kernel(
     s_ib, s_it,
     s_ob, s_ot, s_oh,
     s_dkb, s_dks,
-    V: tl.constexpr, R: tl.constexpr, ATOMIC: tl.constexpr,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, head block): dQ in registers over all slots; with ATOMIC, dKV tiles by atomics."""
@@ -86,13 +90,16 @@ def _sparse_mqa_bwd_kernel(
     t = (pid_t % T).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_c = tl.arange(0, V)
-    offs_r = tl.arange(0, R)
+    offs_c = tl.arange(0, VP)
+    offs_r = tl.arange(0, RP)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
 
     q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
-    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)
-    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-    do = tl.load(DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    do_ptrs = DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_c[None, :]
+    do = tl.load(do_ptrs, mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     n = pid_t.to(tl.int64)
     lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
@@ -101,15 +108,15 @@ def _sparse_mqa_bwd_kernel(
     dkv_base = DKV + b * s_dkb
     idx_base = IDX + b * s_ib + t * s_it
 
-    dq_c = tl.zeros([BLOCK_H, V], dtype=tl.float32)
-    dq_r = tl.zeros([BLOCK_H, R], dtype=tl.float32)
+    dq_c = tl.zeros([BLOCK_H, VP], dtype=tl.float32)
+    dq_r = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         valid = ids >= 0
         row = tl.where(valid, ids, 0).to(tl.int64)
-        k_c = tl.load(kv_base + row[:, None] * s_ks + offs_c[None, :], mask=valid[:, None], other=0.0)
-        k_r = tl.load(kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None], other=0.0)
+        k_c = tl.load(kv_base + row[:, None] * s_ks + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+        k_r = tl.load(kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
         p, ds = _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log2)
         ds = (ds * scale).to(q_c.dtype)
         dq_c += tl.dot(ds, k_c)
@@ -118,12 +125,13 @@ def _sparse_mqa_bwd_kernel(
             dk_c = tl.dot(tl.trans(ds), q_c) + tl.dot(tl.trans(p.to(do.dtype)), do)  # [BK, V]
             dk_r = tl.dot(tl.trans(ds), q_r)
             dst = dkv_base + row[:, None] * s_dks
-            tl.atomic_add(dst + offs_c[None, :], dk_c, mask=valid[:, None], sem="relaxed")
-            tl.atomic_add(dst + V + offs_r[None, :], dk_r, mask=valid[:, None], sem="relaxed")
+            tl.atomic_add(dst + offs_c[None, :], dk_c, mask=valid[:, None] & mask_c[None, :], sem="relaxed")
+            if R > 0:
+                tl.atomic_add(dst + V + offs_r[None, :], dk_r, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
 
     dq_rows = DQ + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
-    tl.store(dq_rows + offs_c[None, :], dq_c.to(DQ.dtype.element_ty), mask=mask_h[:, None])
-    tl.store(dq_rows + V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=mask_h[:, None])
+    tl.store(dq_rows + offs_c[None, :], dq_c.to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    tl.store(dq_rows + V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
 
 
 @triton.autotune(configs=_bwd_configs(), key=["H", "K", "V", "R"], prune_configs_by={"early_config_prune": _prune_head_blocks})
@@ -135,7 +143,7 @@ def _sparse_mqa_dkv_rows_kernel(
     s_kb, s_ks,
     s_ib, s_it,
     s_ob, s_ot, s_oh,
-    V: tl.constexpr, R: tl.constexpr,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program per (token n0 + i, block of slots): that block's dKV contribution rows summed over all heads,
@@ -145,26 +153,28 @@ def _sparse_mqa_dkv_rows_kernel(
     b = (pid_t // T).to(tl.int64)
     t = (pid_t % T).to(tl.int64)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_c = tl.arange(0, V)
-    offs_r = tl.arange(0, R)
+    offs_c = tl.arange(0, VP)
+    offs_r = tl.arange(0, RP)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
     ids = tl.load(IDX + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)
     valid = ids >= 0
     row = tl.where(valid, ids, 0).to(tl.int64)
     kv_rows = KV + b * s_kb + row[:, None] * s_ks
-    k_c = tl.load(kv_rows + offs_c[None, :], mask=valid[:, None], other=0.0)
-    k_r = tl.load(kv_rows + V + offs_r[None, :], mask=valid[:, None], other=0.0)
+    k_c = tl.load(kv_rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+    k_r = tl.load(kv_rows + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
     n = pid_t.to(tl.int64)
 
-    dk_c = tl.zeros([BLOCK_K, V], dtype=tl.float32)
-    dk_r = tl.zeros([BLOCK_K, R], dtype=tl.float32)
+    dk_c = tl.zeros([BLOCK_K, VP], dtype=tl.float32)
+    dk_r = tl.zeros([BLOCK_K, RP], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
-        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)
-        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
         do_ptrs = DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_c[None, :]
-        do = tl.load(do_ptrs, mask=mask_h[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=mask_h[:, None] & mask_c[None, :], other=0.0)
         lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
         delta = tl.load(DELTA + n * H + offs_h, mask=mask_h, other=0.0)
@@ -175,8 +185,8 @@ def _sparse_mqa_dkv_rows_kernel(
 
     D: tl.constexpr = V + R
     dst = BUF + (i.to(tl.int64) * K + offs_k[:, None]) * D
-    tl.store(dst + offs_c[None, :], dk_c, mask=(offs_k < K)[:, None])
-    tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None])
+    tl.store(dst + offs_c[None, :], dk_c, mask=(offs_k < K)[:, None] & mask_c[None, :])
+    tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -210,7 +220,7 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     dlse_ = delta if dlse is None else dlse.float().contiguous()
     bh = 16
     _delta_kernel[(B * T, triton.cdiv(H, bh))](
-        o, do, dlse_, delta, H, o.stride(1), o.stride(2), HAS_DLSE=dlse is not None, V=V, BLOCK_H=bh
+        o, do, dlse_, delta, H, o.stride(1), o.stride(2), HAS_DLSE=dlse is not None, V=V, VP=padded_dims(V, 0)[0], BLOCK_H=bh
     )
     return delta
 
@@ -220,6 +230,7 @@ def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     B, T, H, D = q.shape
     S, K, V = kv.shape[1], idx.shape[-1], do.shape[-1]
     N = B * T
+    VP, RP = padded_dims(V, D - V)
     chunk = max(1, min(N, buffer_bytes // (K * D * 4)))
     buf = torch.empty((chunk, K, D), device=q.device, dtype=torch.float32)
     # global key row of every (token, slot): b * S + idx, or -1
@@ -239,7 +250,7 @@ def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
             kv.stride(0), kv.stride(1),
             idx.stride(0), idx.stride(1),
             do.stride(0), do.stride(1), do.stride(2),
-            V=V, R=D - V,
+            V=V, R=D - V, VP=VP, RP=RP,
         )  # fmt: skip
         keys_sorted, order = torch.sort(keys_all[n0 : n0 + n].reshape(-1), stable=True)
         uniq, counts = torch.unique_consecutive(keys_sorted, return_counts=True)
@@ -272,6 +283,7 @@ def sparse_mqa_bwd(
     dq = torch.full_like(q, float("nan"))
     dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     atomic = dkv_mode == "atomic"
+    VP, RP = padded_dims(V, D - V)
 
     def grid(meta):
         return (B * T, triton.cdiv(H, meta["BLOCK_H"]))
@@ -284,7 +296,7 @@ def sparse_mqa_bwd(
         idx.stride(0), idx.stride(1),
         do.stride(0), do.stride(1), do.stride(2),
         dkv32.stride(0), dkv32.stride(1),
-        V=V, R=D - V, ATOMIC=atomic,
+        V=V, R=D - V, VP=VP, RP=RP, ATOMIC=atomic,
     )  # fmt: skip
     if not atomic:
         _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, sorted_buffer_bytes)

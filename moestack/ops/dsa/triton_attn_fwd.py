@@ -26,8 +26,8 @@ LN2 = 0.6931471805599453
 
 
 def _prune_head_blocks(configs, named_args, **kwargs):
-    """Drop head blocks wider than the padded head count and value slices wider than V."""
-    H, V = named_args["H"], kwargs.get("V", named_args.get("V"))
+    """Drop head blocks wider than the padded head count and value slices wider than the padded value dims."""
+    H, V = named_args["H"], kwargs.get("VP", named_args.get("VP", 1 << 30))
     cap = max(16, triton.next_power_of_2(H))
     kept = [c for c in configs if c.kwargs["BLOCK_H"] <= cap and c.kwargs.get("BLOCK_V", 0) <= V]
     return kept or configs[:1]
@@ -65,7 +65,7 @@ def _sparse_mqa_fwd_kernel(
     s_ib, s_it,
     s_ob, s_ot, s_oh,
     s_lb, s_lt,
-    V: tl.constexpr, R: tl.constexpr,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
@@ -75,13 +75,15 @@ def _sparse_mqa_fwd_kernel(
     t = pid_t % T
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_c = tl.arange(0, V)
-    offs_r = tl.arange(0, R)
+    offs_c = tl.arange(0, VP)  # value dims, padded to a power of two (VP == V == 512 in MLA)
+    offs_r = tl.arange(0, RP)  # rope dims, padded (RP == R == 64 in MLA; R may be 0)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
 
     q_rows = Q + b.to(tl.int64) * s_qb + t.to(tl.int64) * s_qt + offs_h[:, None] * s_qh
-    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None], other=0.0)  # [BH, V]
-    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None], other=0.0)  # [BH, R]
+    q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)  # [BH, VP]
+    q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # [BH, RP]
     kv_base = KV + b.to(tl.int64) * s_kb
     idx_base = IDX + b.to(tl.int64) * s_ib + t.to(tl.int64) * s_it
 
@@ -93,8 +95,8 @@ def _sparse_mqa_fwd_kernel(
         ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         valid = ids >= 0
         rows = kv_base + tl.where(valid, ids, 0).to(tl.int64) * s_ks
-        k_c = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)  # [BK, V]
-        k_r = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BK, R]
+        k_c = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)  # [BK, VP]
+        k_r = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
         s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -102,20 +104,25 @@ def _sparse_mqa_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if BLOCK_V == V:
+        if BLOCK_V == VP:
             v = k_c
         else:
-            v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None] & (offs_v < V)[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a query with no key: o = 0, lse = -inf (as the reference)
     o = acc / l_safe[:, None]
     o_ptrs = O + b.to(tl.int64) * s_ob + t.to(tl.int64) * s_ot + offs_h[:, None] * s_oh + offs_v[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_h[:, None])
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_h[:, None] & (offs_v < V)[None, :])
     if pid_v == 0:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(LSE + b.to(tl.int64) * s_lb + t.to(tl.int64) * s_lt + offs_h, lse, mask=mask_h)
+
+
+def padded_dims(V: int, R: int) -> tuple[int, int]:
+    """Tile widths (powers of two >= 16) of the value part and the rope part of the latent."""
+    return max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(max(R, 1)))
 
 
 def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int) -> None:
@@ -126,10 +133,8 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: in
     B, T, H, D = q.shape
     if kv.shape[0] != B or kv.shape[2] != D or idx.shape[:2] != (B, T):
         raise ValueError(f"kv {tuple(kv.shape)} / idx {tuple(idx.shape)} do not match q {tuple(q.shape)}")
-    R = D - v_dim
-    for name, n in (("v_dim", v_dim), ("q.shape[-1] - v_dim", R)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} = {n} must be a power of two >= 16 for the Triton DSA kernels (512 / 64 in MLA)")
+    if not 0 < v_dim <= D:
+        raise ValueError(f"v_dim = {v_dim} must be in 1..{D} (the value part of the latent kv[..., :v_dim])")
     if idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"idx must be int32 (got {idx.dtype}); -1 marks an empty slot")
     if kv.dtype != q.dtype:
@@ -148,8 +153,10 @@ def sparse_mqa_fwd(
     o = torch.full((B, T, H, v_dim), float("nan"), device=q.device, dtype=q.dtype)
     lse = torch.full((B, T, H), float("nan"), device=q.device, dtype=torch.float32)
 
+    VP, RP = padded_dims(v_dim, D - v_dim)
+
     def grid(meta):
-        return (B * T, triton.cdiv(H, meta["BLOCK_H"]), v_dim // min(meta["BLOCK_V"], v_dim))
+        return (B * T, triton.cdiv(H, meta["BLOCK_H"]), VP // min(meta["BLOCK_V"], VP))
 
     _sparse_mqa_fwd_kernel[grid](
         q, kv, idx, o, lse,
@@ -159,6 +166,6 @@ def sparse_mqa_fwd(
         idx.stride(0), idx.stride(1),
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
-        V=v_dim, R=D - v_dim,
+        V=v_dim, R=D - v_dim, VP=VP, RP=RP,
     )  # fmt: skip
     return o, lse

@@ -62,3 +62,10 @@ def sparse_mqa_attention_triton(
 def triton_available(q: torch.Tensor) -> bool:
     """CUDA tensors, or any tensor when the kernels were built for the interpreter (TRITON_INTERPRET=1)."""
     return (q.is_cuda or INTERPRET) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def indexer_topk_triton(q_idx, k_idx, w, top_k, cu_seqlens=None):
+    """Registered as backend "triton" of indexer_topk_from_inputs; see triton_indexer.indexer_topk_triton."""
+    from moestack.ops.dsa.triton_indexer import indexer_topk_triton as _topk
+
+    return _topk(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)

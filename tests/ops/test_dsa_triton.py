@@ -1,0 +1,189 @@
+"""Triton DSA kernels against the PyTorch reference: sparse MQA attention (o, lse, dq, dkv; both dKV modes),
+indexer top-k, dispatcher registration.
+
+CPU: kernels under TRITON_INTERPRET=1 in fp32 at tiny shapes (the interpreter's fp32 dot is exact, bounds tight).
+GPU (`-m gpu`, scripts/gpu_check.sh): bf16 at full size (576 = 512 + 64 latent, k = 2048), bf16 bounds.
+Fresh seeded random inputs; kernel outputs are allocated NaN-poisoned, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are decorated
+pytest.importorskip("triton")
+
+from moestack.ops import dsa as dsa_ops  # noqa: E402
+from moestack.ops.dsa import reference as ref  # noqa: E402
+from moestack.ops.dsa.triton_indexer import indexer_topk_triton  # noqa: E402
+from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton  # noqa: E402
+
+CPU_TOL = 2e-5
+GPU_TOL_OUT, GPU_TOL_GRAD = 2e-2, 3e-2  # bf16 inputs, bf16 P in the PV / dKV products
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _random_idx(B, T, K, seed, cu=None, device="cpu"):
+    """Per query a random subset of its visible keys (causal, same document), -1 padded, in random slot order."""
+    g = torch.Generator().manual_seed(seed)
+    doc = None if cu is None else ref.document_ids(torch.tensor(cu), T)
+    idx = torch.full((B, T, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            lo = 0 if doc is None else int(cu[int(doc[t])])
+            vis = torch.arange(lo, t + 1)
+            n = int(torch.randint(1, min(K, len(vis)) + 1, (1,), generator=g))
+            pick = vis[torch.randperm(len(vis), generator=g)[:n]]
+            idx[b, t, torch.randperm(K, generator=g)[:n]] = pick.to(torch.int32)
+    return idx.to(device)
+
+
+def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, T, H, V + R, generator=g, device=device, dtype=torch.float32)
+    kv = torch.randn(B, T, V + R, generator=g, device=device, dtype=torch.float32)
+    scale = (V + R) ** -0.5
+    qa, ka = q.to(dtype).requires_grad_(), kv.to(dtype).requires_grad_()
+    o, lse = sparse_mqa_attention_triton(qa, ka, idx, V, scale, dkv_mode=mode)
+    do = torch.randn(o.shape, generator=g, device=device, dtype=torch.float32)
+    dlse = torch.randn(lse.shape, generator=g, device=device, dtype=torch.float32)
+    ((o.float() * do).sum() + (lse * dlse).sum()).backward()
+
+    q64, kv64 = qa.detach().double().requires_grad_(), ka.detach().double().requires_grad_()
+    ro, rlse = ref.sparse_mqa_attention(q64, kv64, idx, V, scale)
+    ((ro * do.double()).sum() + (rlse * dlse.double()).sum()).backward()
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert _rel(o, ro) < tol_o, ("o", _rel(o, ro))
+    assert _rel(lse, rlse) < tol_o, ("lse", _rel(lse, rlse))
+    assert _rel(qa.grad, q64.grad) < tol_g, ("dq", _rel(qa.grad, q64.grad))
+    assert _rel(ka.grad, kv64.grad) < tol_g, ("dkv", _rel(ka.grad, kv64.grad))
+
+
+# ------------------------------------------------------------------------------------------------ CPU (interpreter)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "sorted"])
+@pytest.mark.parametrize("H", [20, 33])  # 20: one full + one padded head block; 33: three blocks
+def test_attention_matches_reference(H, mode):
+    B, T, V, R, K = 3 - H // 20, 17, 32, 16, 18  # T, K not multiples of the 16-wide blocks
+    _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=H), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
+
+
+def test_attention_odd_dims_and_no_rope():
+    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works."""
+    for V, R in [(20, 8), (24, 0)]:
+        idx = _random_idx(1, 9, 5, seed=V)
+        _check_attention(1, 9, 3, V, R, 5, idx, "atomic", torch.float32, "cpu", CPU_TOL, CPU_TOL, seed=V)
+
+
+def test_attention_varlen_packed():
+    cu = [0, 5, 6, 17]
+    idx = _random_idx(1, 17, 6, seed=3, cu=cu)
+    _check_attention(1, 17, 4, 32, 16, 6, idx, "sorted", torch.float32, "cpu", CPU_TOL, CPU_TOL)
+
+
+def test_all_keys_selected_equals_dense():
+    """k >= T with every visible key selected (padding -1 after them): sparse == dense causal attention."""
+    B, T, H, V, R, K = 1, 13, 5, 32, 16, 16
+    g = torch.Generator().manual_seed(7)
+    q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
+    ar = torch.arange(K)
+    idx = torch.where(ar[None, :] <= torch.arange(T)[:, None], ar[None, :], -1).to(torch.int32)[None]
+    o, lse = sparse_mqa_attention_triton(q, kv, idx, V, 0.3)
+    do_, dl_ = ref.dense_mqa_attention(q.double(), kv.double(), V, 0.3)
+    assert _rel(o, do_) < CPU_TOL and _rel(lse, dl_) < CPU_TOL
+
+
+def test_empty_rows_and_bad_input():
+    q, kv = torch.randn(1, 3, 2, 48), torch.randn(1, 3, 48)
+    idx = torch.tensor([[[-1, -1], [0, -1], [2, 1]]], dtype=torch.int32)
+    o, lse = sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
+    assert torch.all(o[0, 0] == 0) and torch.all(lse[0, 0] == float("-inf"))  # as the reference
+    with pytest.raises(ValueError, match="v_dim"):
+        sparse_mqa_attention_triton(q, kv, idx, 64, 0.2)
+    with pytest.raises(ValueError, match="dkv_mode"):
+        sparse_mqa_attention_triton(q, kv, idx, 32, 0.2, dkv_mode="fast")
+
+
+def _assert_same_topk(got, q, k, w, top_k, cu):
+    """Equal selected-score multisets and -1 counts (index order may differ on exact ties)."""
+    S = ref.indexer_scores(q.double(), k.double(), w.double(), cu)
+    want = ref.indexer_topk(S, top_k)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values  # noqa: E731
+    torch.testing.assert_close(sc(got), sc(want), rtol=1e-5, atol=1e-5)
+    assert torch.all(got.long() <= torch.arange(got.shape[1])[None, :, None])  # causal
+
+
+@pytest.mark.parametrize("cu", [None, [0, 10, 25, 37]])
+def test_indexer_topk_matches_reference(cu):
+    g = torch.Generator().manual_seed(11)
+    B, T, Hi, Di = 1, 37, 4, 20
+    q, k, w = torch.randn(B, T, Hi, Di, generator=g), torch.randn(B, T, Di, generator=g), torch.randn(B, T, Hi, generator=g)
+    cu_t = None if cu is None else torch.tensor(cu)
+    got = indexer_topk_triton(q, k, w, 8, cu_t, chunk_bytes=16 * T * 4)  # several chunks
+    assert got.dtype == torch.int32 and got.shape == (B, T, 8)
+    _assert_same_topk(got, q, k, w, 8, cu_t)
+
+
+def test_dispatcher_registration():
+    q = torch.randn(1, 4, 2, 48)
+    assert "triton" in dsa_ops.backends("sparse_mqa_attention")
+    assert dsa_ops.select_backend("sparse_mqa_attention", q) == "reference"  # never picked for CPU by default
+    assert dsa_ops.select_backend("sparse_mqa_attention", q, "triton") == "triton"  # interpreter, when named
+    idx = _random_idx(1, 4, 3, seed=1)
+    o, _ = dsa_ops.sparse_mqa_attention(q, torch.randn(1, 4, 48), idx, 32, 0.2, backend="triton")
+    assert o.shape == (1, 4, 2, 32)
+
+
+# ------------------------------------------------------------------------------------------------ GPU, bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["atomic", "sorted"])
+@pytest.mark.parametrize("H", [20, 64, 96])
+def test_attention_gpu_bf16_full_size(H, mode):
+    B, T, V, R, K = 1, 1000, 512, 64, 256
+    g = torch.Generator().manual_seed(H)
+    idx = torch.stack([torch.cat((torch.randperm(t + 1, generator=g)[:K], torch.full((max(0, K - t - 1),), -1)))
+                       for t in range(T)]).to(torch.int32)[None].cuda()  # fmt: skip
+    _check_attention(B, T, H, V, R, K, idx, mode, torch.bfloat16, "cuda", GPU_TOL_OUT, GPU_TOL_GRAD)
+
+
+@pytest.mark.gpu
+def test_attention_gpu_k2048_varlen():
+    cu = [0, 1500, 1501, 4096]
+    T, K = 4096, 2048
+    g = torch.Generator().manual_seed(5)
+    doc = ref.document_ids(torch.tensor(cu), T)
+    rows = []
+    for t in range(T):
+        lo = cu[int(doc[t])]
+        pick = lo + torch.randperm(t + 1 - lo, generator=g)[:K]
+        rows.append(torch.cat((pick, torch.full((K - len(pick),), -1))))
+    idx = torch.stack(rows).to(torch.int32)[None].cuda()
+    _check_attention(1, T, 64, 512, 64, K, idx, "atomic", torch.bfloat16, "cuda", GPU_TOL_OUT, GPU_TOL_GRAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cu", [None, [0, 3000, 8192]])
+def test_indexer_topk_gpu(cu):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    B, T, Hi, Di = 1, 8192, 32, 128
+    q = torch.randn(B, T, Hi, Di, generator=g, device="cuda")
+    k = torch.randn(B, T, Di, generator=g, device="cuda")
+    w = torch.randn(B, T, Hi, generator=g, device="cuda") * Hi**-0.5
+    cu_t = None if cu is None else torch.tensor(cu, device="cuda")
+    got = indexer_topk_triton(q, k, w, 2048, cu_t)  # fp32 inputs: tf32 dots, compare score multisets loosely
+    want = ref.indexer_topk_from_inputs(q, k, w, 2048, cu_seqlens=cu_t)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    overlap = (torch.sort(got, -1).values == torch.sort(want, -1).values).float().mean()
+    assert overlap > 0.95, float(overlap)

@@ -1,0 +1,230 @@
+"""FP8 (e4m3) expert GEMMs with fine-grained scales, forward and backward: the "fp8" grouped GEMM backend.
+
+Recipe (DeepSeek-V3's, fp32 accumulation promoted every 128 of the reduction):
+    forward  y  = x w         x: 1x128 tiles along D            w[e]: 128x128 blocks
+    dgrad    dx = dy w^T      dy: 1x128 tiles along F           w[e]^T: the same 128x128 blocks, transposed
+    wgrad    dw = x^T dy      x and dy: 128x1 tiles along each expert's tokens (the reduction of this GEMM)
+Each MMA covers exactly one 128-wide slice of the reduction, whose two scales are constant over it, so
+acc += dot(q_a, q_b) * s_a * s_b in fp32 is exact up to the MMA's own rounding. For the weight gradient the scales
+must be constant along tokens, hence 128x1 (per column, 128 tokens of one expert) for both operands: DeepSeek-V3
+used 1x128 for dY only where dY's reduction is its feature dim (dgrad); in wgrad a 1x128 tiling of dY would vary
+along the reduction. The token tiles are aligned to expert starts (fp8_quant.quantize_token_tiles).
+
+What backward saves: x quantised as the wgrad operand (qT [D, P] fp8 + fp32 scales: about half the bytes of bf16
+x, and exactly what wgrad reads, so no dequantise / requantise), w (the parameter itself, no copy: backward
+requantises w^T, whose blocks and scales equal the forward's), offs. This replaces memory/precision.py's per-row
+FP8 storage for this backend (it also composes with it: ExpertSeam then saves its own copy).
+
+Weights are requantised on every call (one read of w, one fp8 write); caching them across micro-batches of one
+optimizer step is left to a later change.
+
+Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe.triton_grouped_gemm import _check, _expert_tiles, _num_programs, _pick, _rows_bucket
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _mm_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1)]
+    shapes = [(64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 3)]
+    return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _wgrad_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BD": 16, "BF": 32}, num_warps=4, num_stages=1)]
+    shapes = [(128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4)]
+    return [triton.Config({"BD": d, "BF": f}, num_warps=w, num_stages=s) for d, f, w, s in shapes]
+
+
+@triton.autotune(configs=_mm_configs(), key=["ROWS_BUCKET", "K", "F", "E"])
+@triton.jit
+def fp8_grouped_mm_fwd_kernel(
+    qx, sx, qw, sw, y, offs, N, K, F, E,
+    stride_xn, stride_sxn, stride_we, stride_wk, stride_wf, stride_swe, stride_swk, stride_yn,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr = 128,
+):
+    """y[rows of e] = sum over k-blocks of (qx @ qw[e]) * sx[row, kb] * sw[e, kb, col // 128]. Same persistent
+    schedule as triton_grouped_gemm.grouped_mm_fwd_kernel; BK = 128 = the quantisation group."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    o_e = tl.arange(0, BE)
+    b_start, b_end, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, BM)
+    n_ntiles = tl.cdiv(F, BN)
+    b_work_end = b_tile_end * n_ntiles
+    total = tl.sum(b_tiles, 0) * n_ntiles
+    o_m, o_n, o_k = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    for t in range(pid, total, nprog):
+        e = tl.sum((b_work_end <= t).to(tl.int32), 0)
+        sel = o_e == e
+        tiles_e = _pick(b_tiles, sel)
+        local = t - (_pick(b_work_end, sel) - tiles_e * n_ntiles)
+        i_n, i_m = local // tiles_e, local % tiles_e
+        rows = _pick(b_start, sel) + i_m * BM + o_m  # [BM]
+        m_rows = rows < _pick(b_end, sel)
+        rows64 = rows.to(tl.int64)
+        cols = i_n * BN + o_n  # [BN]
+        m_cols = cols < F
+        e64 = e.to(tl.int64)
+        p_x = qx + rows64[:, None] * stride_xn
+        p_w = qw + e64 * stride_we + cols.to(tl.int64)[None, :] * stride_wf
+        p_sx = sx + rows64 * stride_sxn  # [BM]
+        p_sw = sw + e64 * stride_swe + cols // BK  # [BN]
+        b_acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            ks = kb * BK + o_k
+            m_k = ks < K
+            b_x = tl.load(p_x + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_w = tl.load(p_w + ks[:, None] * stride_wk, mask=m_k[:, None] & m_cols[None, :], other=0.0)  # [BK, BN]
+            b_sx = tl.load(p_sx + kb, mask=m_rows, other=0.0)  # [BM]
+            b_sw = tl.load(p_sw + kb * stride_swk, mask=m_cols, other=0.0)  # [BN]
+            b_acc += tl.dot(b_x, b_w, input_precision=PRECISION) * b_sx[:, None] * b_sw[None, :]
+        p_y = y + rows64[:, None] * stride_yn + cols[None, :]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+    used = tl.load(offs + E - 1)
+    for t in range(pid, tl.cdiv(N - used, BM) * n_ntiles, nprog):
+        rows = used + (t // n_ntiles) * BM + o_m
+        cols = (t % n_ntiles) * BN + o_n
+        p_y = y + rows.to(tl.int64)[:, None] * stride_yn + cols[None, :]
+        tl.store(p_y, tl.zeros((BM, BN), dtype=y.dtype.element_ty), mask=(rows < N)[:, None] & (cols < F)[None, :])
+
+
+@triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"])
+@triton.jit
+def fp8_grouped_mm_wgrad_kernel(
+    qxT, sx, qdyT, sdy, dw, offs, D, F, E, P,
+    stride_we, stride_wd, stride_wf,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+    G: tl.constexpr = 128,
+):
+    """dw[e] = sum over e's token tiles g of (qxT[:, g] @ qdyT[:, g]^T) * sx[g, d] * sdy[g, f]."""
+    i_t, e = tl.program_id(0), tl.program_id(1)
+    n_ftiles = tl.cdiv(F, BF)
+    i_d, i_f = i_t // n_ftiles, i_t % n_ftiles
+    o_e = tl.arange(0, BE)
+    _, _, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, G)
+    sel = o_e == e
+    g_end = _pick(b_tile_end, sel)
+    g_start = g_end - _pick(b_tiles, sel)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_f = i_f * BF + tl.arange(0, BF)
+    o_g = tl.arange(0, G)
+    m_d, m_f = o_d < D, o_f < F
+    p_x = qxT + o_d.to(tl.int64)[:, None] * P  # [BD, 1]
+    p_dy = qdyT + o_f.to(tl.int64)[:, None] * P  # [BF, 1]
+    b_acc = tl.zeros((BD, BF), dtype=tl.float32)
+    for g in range(g_start, g_end):
+        toks = (g * G + o_g).to(tl.int64)  # [G]; g * G < 2^31 (padded token count)
+        b_x = tl.load(p_x + toks[None, :], mask=m_d[:, None], other=0.0)  # [BD, G]
+        b_dy = tl.load(p_dy + toks[None, :], mask=m_f[:, None], other=0.0)  # [BF, G]
+        b_sx = tl.load(sx + g * D + o_d, mask=m_d, other=0.0)  # [BD]
+        b_sdy = tl.load(sdy + g * F + o_f, mask=m_f, other=0.0)  # [BF]
+        b_acc += tl.dot(b_x, tl.trans(b_dy), input_precision=PRECISION) * b_sx[:, None] * b_sdy[None, :]
+    p_dw = dw + e.to(tl.int64) * stride_we + o_d[:, None] * stride_wd + o_f[None, :] * stride_wf
+    tl.store(p_dw, b_acc.to(dw.dtype.element_ty), mask=m_d[:, None] & m_f[None, :])
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 only in the interpreter tests
+
+
+def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [N, F] from 1x128-quantised x (qx [N, K], sx [N, K/128]) and 128x128-quantised w (qw [E, K, F] with K
+    contiguous, sw [E, K/128, F/128]). Rows >= offs[-1] are zero."""
+    N, K = qx.shape
+    E, _, F = qw.shape
+    assert qx.stride(1) == 1 and qw.stride(1) == 1 and sw.is_contiguous()
+    y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
+    if N == 0 or F == 0:
+        return y
+    max_programs = _num_programs(qx.device)
+
+    def grid(meta):
+        return (max(1, min(max_programs, (triton.cdiv(N, meta["BM"]) + E) * triton.cdiv(F, meta["BN"]))),)
+
+    fp8_grouped_mm_fwd_kernel[grid](
+        qx, sx, qw, sw, y, offs_E, N, K, F, E,
+        qx.stride(0), sx.stride(0), qw.stride(0), qw.stride(1), qw.stride(2), sw.stride(0), sw.stride(1), y.stride(0),
+        _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx),
+    )
+    return y
+
+
+def fp8_grouped_wgrad_quantized(qxT, sx, qdyT, sdy, offs_E, like: torch.Tensor) -> torch.Tensor:
+    """dw [E, D, F] from token-tile-quantised x and dy (fp8_quant.quantize_token_tiles); zero for empty experts;
+    in like's dtype, laid out as like when like is the transposed view of a contiguous [E, F, D] parameter."""
+    D, P = qxT.shape
+    F = qdyT.shape[0]
+    E = like.shape[0]
+    if like.transpose(1, 2).is_contiguous():
+        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
+    else:
+        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(D, meta["BD"]) * triton.cdiv(F, meta["BF"]), E)
+
+    fp8_grouped_mm_wgrad_kernel[grid](
+        qxT, sx, qdyT, sdy, dw, offs_E, D, F, E, P, dw.stride(0), dw.stride(1), dw.stride(2),
+        _rows_bucket(P, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qxT),
+    )
+    return dw
+
+
+class Fp8GroupedMM(torch.autograd.Function):
+    """y = grouped x @ w in FP8 (module docstring has the recipe and what is saved). `q_dtype` float32 runs the
+    same kernels on unrounded scaled values (interpreter tests of the scale logic)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8):
+        qx, sx = fq.quantize_rows(x_ND, q_dtype)
+        qw, sw = fq.quantize_blocks(w_EDF, q_dtype)
+        y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype)
+        saved_x = fq.quantize_token_tiles(x_ND, offs_E, q_dtype) if ctx.needs_input_grad[1] else (None, None)
+        ctx.save_for_backward(*saved_x, w_EDF, offs_E)
+        ctx.q_dtype, ctx.x_dtype = q_dtype, x_ND.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_NF):
+        qxT, sxT, w_EDF, offs_E = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qdy, sdy = fq.quantize_rows(dy_NF, ctx.q_dtype)
+            qwT, swT = fq.quantize_blocks(w_EDF.transpose(1, 2), ctx.q_dtype)
+            dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            qdyT, sdyT = fq.quantize_token_tiles(dy_NF, offs_E, ctx.q_dtype)
+            dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
+        return dx, dw, None, None
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The "fp8" backend: same contract as reference.grouped_mm; output in the autocast dtype inside autocast,
+    else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe)."""
+    from moestack.ops.moe.reference import _compute_dtype
+
+    _check(x_ND, w_EDF, offs_E)
+    dtype = _compute_dtype(x_ND, w_EDF)
+    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous())
+
+
+def grouped_mm_fp8_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """The forward spec in torch: dequantise(quantise(x)) @ dequantise(quantise(w)) per expert, fp32."""
+    from moestack.ops.moe.reference import grouped_mm_loop
+
+    qx, sx = fq.quantize_rows_ref(x_ND)
+    qw, sw = fq.quantize_blocks_ref(w_EDF)
+    return grouped_mm_loop(fq.dequantize_rows(qx, sx), fq.dequantize_blocks(qw, sw), offs_E)

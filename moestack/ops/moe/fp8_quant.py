@@ -1,0 +1,208 @@
+"""FP8 e4m3 quantisation for the expert GEMMs, fine-grained scales (DeepSeek-V3 style): Triton kernels + torch spec.
+
+Three groupings, each with one fp32 scale = amax(|group|) / 448 (1 for an all-zero group) and q = x / scale
+rounded to e4m3 (values saturate at +-448 by construction):
+    rows 1x128      x [N, K] -> q [N, K], s [N, ceil(K/128)]            activations along the reduction dim
+                    (forward x, and dY for the input gradient)
+    blocks 128x128  w [E, K, F] -> q [E, K, F], s [E, ceil(K/128), ceil(F/128)]   weights; q is laid out with K
+                    (dim 1, the reduction) contiguous, so the same function serves w (forward) and w^T (dX)
+    token tiles 128x1 along tokens, per expert: x [N, D], offs -> qT [D, P], s [G, D]   operands of the weight
+                    gradient, whose reduction runs over each expert's tokens. Tile g covers 128 rows of one expert
+                    (expert tiles are numbered in expert order, as the grouped GEMM schedule numbers m-tiles with
+                    BM = 128); rows past the expert's end are zeros. Stored transposed (tokens contiguous: the
+                    reduction dim contiguous, the layout Hopper's FP8 MMA wants). G = ceil(N/128) + E bounds the
+                    tile count without reading offs on the host; P = 128 G.
+
+`*_ref` functions are the torch spec (loop-clear, CPU-testable). `out_dtype=torch.float32` makes the Triton
+kernels write the unrounded x / scale (used by the interpreter tests, whose fp8 casts round wrongly).
+
+Legend: N rows, K reduction width, F output width, E experts, D width, G token tiles, P = 128 G padded tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128  # tile / block edge of every grouping
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def _cast(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return v.clamp(-FP8_MAX, FP8_MAX).to(out_dtype)
+
+
+def num_token_tiles(N: int, E: int) -> int:
+    """Upper bound on the per-expert 128-row tiles of N rows over E experts (host-known, no sync)."""
+    return triton.cdiv(N, GROUP) + E
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch spec
+
+
+def quantize_rows_ref(x_NK: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = x_NK.shape
+    nk = triton.cdiv(K, GROUP)
+    xp = torch.nn.functional.pad(x_NK.float(), (0, nk * GROUP - K)).view(N, nk, GROUP)
+    s = _scale(xp.abs().amax(-1))  # [N, nk]
+    q = _cast(xp / s[..., None], out_dtype).view(N, nk * GROUP)[:, :K]
+    return q, s
+
+
+def quantize_blocks_ref(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    E, K, F = w_EKF.shape
+    nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)
+    wp = torch.nn.functional.pad(w_EKF.float(), (0, nf * GROUP - F, 0, nk * GROUP - K))
+    blocks = wp.view(E, nk, GROUP, nf, GROUP)
+    s = _scale(blocks.abs().amax(dim=(2, 4)))  # [E, nk, nf]
+    q = _cast(blocks / s[:, :, None, :, None], out_dtype).view(E, nk * GROUP, nf * GROUP)[:, :K, :F]
+    return q, s
+
+
+def quantize_token_tiles_ref(
+    x_ND: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    N, D = x_ND.shape
+    E = offs_E.numel()
+    G = num_token_tiles(N, E)
+    qT = torch.zeros((D, G * GROUP), dtype=out_dtype, device=x_ND.device)
+    s = torch.ones((G, D), dtype=torch.float32, device=x_ND.device)
+    g, start = 0, 0
+    for end in offs_E.tolist():
+        for r0 in range(start, end, GROUP):
+            tile = x_ND[r0:min(r0 + GROUP, end)].float()  # [<=128, D]
+            s[g] = _scale(tile.abs().amax(0))
+            qT[:, g * GROUP:g * GROUP + tile.shape[0]] = _cast(tile / s[g], out_dtype).t()
+            g += 1
+        start = end
+    return qT, s
+
+
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q [N, K] * s [N, ceil(K/128)] broadcast over each 128-column group, fp32."""
+    return q.float() * s.repeat_interleave(GROUP, dim=1)[:, : q.shape[1]]
+
+
+def dequantize_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q [E, K, F] * s [E, ceil(K/128), ceil(F/128)] broadcast over each 128x128 block, fp32."""
+    K, F = q.shape[1:]
+    full = s.repeat_interleave(GROUP, dim=1).repeat_interleave(GROUP, dim=2)[:, :K, :F]
+    return q.float() * full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def fp8_quant_rows_kernel(x, q, s, N, K, stride_xn, stride_qn, stride_sn, BM: tl.constexpr, G: tl.constexpr):
+    i_m, i_k = tl.program_id(0), tl.program_id(1)
+    rows = i_m * BM + tl.arange(0, BM)
+    cols = i_k * G + tl.arange(0, G)
+    m_r = rows < N
+    mask = m_r[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BM, G]
+    b_amax = tl.max(tl.abs(b_x), 1)
+    b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)  # [BM]
+    b_q = tl.clamp(b_x / b_s[:, None], -448.0, 448.0)
+    tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_q.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + rows64 * stride_sn + i_k, b_s, mask=m_r)
+
+
+@triton.jit
+def fp8_quant_blocks_kernel(
+    w, q, s, K, F, stride_we, stride_wk, stride_wf, stride_qe, stride_qk, stride_qf, G: tl.constexpr
+):
+    i_k, i_f, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nk, nf = tl.cdiv(K, G), tl.cdiv(F, G)
+    o_k = i_k * G + tl.arange(0, G)
+    o_f = i_f * G + tl.arange(0, G)
+    mask = (o_k < K)[:, None] & (o_f < F)[None, :]
+    e64 = e.to(tl.int64)
+    b_w = tl.load(w + e64 * stride_we + o_k[:, None] * stride_wk + o_f[None, :] * stride_wf, mask=mask,
+                  other=0.0).to(tl.float32)  # [G, G]
+    b_amax = tl.max(tl.max(tl.abs(b_w), 1), 0)
+    b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)
+    b_q = tl.clamp(b_w / b_s, -448.0, 448.0)
+    tl.store(q + e64 * stride_qe + o_k[:, None] * stride_qk + o_f[None, :] * stride_qf, b_q.to(q.dtype.element_ty),
+             mask=mask)
+    tl.store(s + (e64 * nk + i_k) * nf + i_f, b_s)
+
+
+@triton.jit
+def fp8_quant_token_tiles_kernel(x, qT, s, offs, N, D, E, P, stride_xn, BE: tl.constexpr, BD: tl.constexpr,
+                                 G: tl.constexpr):
+    g, i_d = tl.program_id(0), tl.program_id(1)
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_end = tl.load(offs + o_e, mask=m_e, other=0)
+    b_start = tl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
+    b_tiles = tl.where(m_e, (tl.maximum(b_end - b_start, 0) + G - 1) // G, 0)
+    b_tile_end = tl.cumsum(b_tiles, 0)
+    if g < tl.sum(b_tiles, 0):
+        e = tl.sum((b_tile_end <= g).to(tl.int32), 0)
+        sel = o_e == e
+        first = tl.sum(tl.where(sel, b_tile_end - b_tiles, 0), 0)
+        rows = tl.sum(tl.where(sel, b_start, 0), 0) + (g - first) * G + tl.arange(0, G)  # [G]
+        m_r = rows < tl.sum(tl.where(sel, b_end, 0), 0)
+        o_d = i_d * BD + tl.arange(0, BD)
+        m_d = o_d < D
+        b_x = tl.load(x + rows.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
+                      other=0.0).to(tl.float32)  # [G, BD]
+        b_amax = tl.max(tl.abs(b_x), 0)
+        b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)  # [BD]
+        b_q = tl.clamp(b_x / b_s[None, :], -448.0, 448.0)
+        cols = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT
+        tl.store(qT + o_d.to(tl.int64)[None, :] * P + cols[:, None], b_q.to(qT.dtype.element_ty), mask=m_d[None, :])
+        tl.store(s + g.to(tl.int64) * D + o_d, b_s, mask=m_d)
+
+
+def quantize_rows(x_NK: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 tiles along the last dim: q [N, K] (out_dtype), s [N, ceil(K/128)] fp32."""
+    x_NK = x_NK.contiguous()
+    N, K = x_NK.shape
+    q = torch.empty((N, K), device=x_NK.device, dtype=out_dtype)
+    s = torch.empty((N, triton.cdiv(K, GROUP)), device=x_NK.device, dtype=torch.float32)
+    if N:
+        BM = 32
+        fp8_quant_rows_kernel[(triton.cdiv(N, BM), triton.cdiv(K, GROUP))](
+            x_NK, q, s, N, K, x_NK.stride(0), q.stride(0), s.stride(0), BM=BM, G=GROUP, num_warps=4)
+    return q, s
+
+
+def quantize_blocks(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks: q [E, K, F] with K (the reduction dim) contiguous, s [E, ceil(K/128), ceil(F/128)] fp32.
+    w may be any strided view (pass w^T for the input gradient: same blocks, transposed)."""
+    E, K, F = w_EKF.shape
+    q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
+    nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)
+    s = torch.empty((E, nk, nf), device=w_EKF.device, dtype=torch.float32)
+    fp8_quant_blocks_kernel[(nk, nf, E)](
+        w_EKF, q, s, K, F, *w_EKF.stride(), *q.stride(), G=GROUP, num_warps=8)
+    return q, s
+
+
+def quantize_token_tiles(
+    x_ND: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x1 tiles along each expert's tokens: qT [D, P] (tokens contiguous), s [G, D] fp32 (see module doc).
+    Tiles past the last expert's are left unwritten (never read)."""
+    x_ND = x_ND.contiguous()
+    N, D = x_ND.shape
+    E = offs_E.numel()
+    G = num_token_tiles(N, E)
+    P = G * GROUP
+    qT = torch.empty((D, P), device=x_ND.device, dtype=out_dtype)
+    s = torch.empty((G, D), device=x_ND.device, dtype=torch.float32)
+    BD = 64
+    fp8_quant_token_tiles_kernel[(G, triton.cdiv(D, BD))](
+        x_ND, qT, s, offs_E, N, D, E, P, x_ND.stride(0), BE=triton.next_power_of_2(E), BD=BD, G=GROUP, num_warps=4)
+    return qT, s

@@ -119,11 +119,19 @@ class Experts(nn.Module):
         """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
         return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend)
 
-    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs)."""
+    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
+        backend: the routing backend (moestack.ops.moe.routing); "triton" fuses the activation (one kernel each
+        way, saves only gate_up), else the eager glu_activation."""
         gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
-        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-        a_NI = glu_activation(gate_NI, up_NI, self.activation, self.situ_beta, self.situ_linear_beta)
+        fused = gate_up_N2I.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if fused and routing.resolve_backend(backend, gate_up_N2I.device) == "triton":
+            from moestack.ops.moe.triton_activation import fused_glu
+
+            a_NI = fused_glu(gate_up_N2I, self.activation, self.situ_beta, self.situ_linear_beta)
+        else:
+            gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+            a_NI = glu_activation(gate_NI, up_NI, self.activation, self.situ_beta, self.situ_linear_beta)
         return self.grouped_mm(a_NI, self.w_down.transpose(1, 2), offs_E)
 
     @torch.no_grad()
@@ -215,7 +223,7 @@ class MoE(nn.Module):
         if self.spec.capacity_factor is not None:
             cap = routing.capacity_rows(B * T, K, E, self.spec.capacity_factor, self.row_align)
         d = routing.dispatch(topk_idx_TK, E, self.row_align, cap, topk_w_TK.detach(), backend)
-        y_RL = self.experts(routing.gather(h_TL, d, backend), d.offs_E)
+        y_RL = self.experts(routing.gather(h_TL, d, backend), d.offs_E, backend)
         y_TL = routing.combine(y_RL, d, topk_w_TK, backend)
         if self.latent_norm is not None:
             y_TL = self.latent_norm(y_TL)

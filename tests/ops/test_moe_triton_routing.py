@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 pytest.importorskip("triton")
 
-from moestack.config.model_spec import MoESpec, RouterSpec  # noqa: E402
-from moestack.model.mlp import glu_activation  # noqa: E402
-from moestack.model.moe import MoE  # noqa: E402
-from moestack.ops.moe import reference as ref  # noqa: E402
-from moestack.ops.moe import routing  # noqa: E402
+from moestack.config.model_spec import MoESpec, RouterSpec
+from moestack.model.mlp import glu_activation
+from moestack.model.moe import MoE
+from moestack.ops.moe import reference as ref
+from moestack.ops.moe import routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -196,16 +196,33 @@ def test_bad_inputs_one_line_errors(monkeypatch):
         routing.resolve_backend(None, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
+def test_fused_glu_matches_eager(kind):
+    from moestack.ops.moe.triton_activation import fused_glu
+
+    g = torch.Generator().manual_seed(11)
+    gu = (torch.randn(13, 2 * 40, generator=g, dtype=torch.float64) * 6).to(DEV)  # saturates tanh(g/4)
+    da = torch.randn(13, 40, generator=g, dtype=torch.float64).to(DEV)
+    x = gu.float().requires_grad_()
+    a = fused_glu(x, kind, 4.0, 25.0)
+    xr = gu.clone().requires_grad_()
+    a_r = glu_activation(*xr.chunk(2, dim=-1), kind, 4.0, 25.0)
+    assert a.dtype == torch.float32 and rel_err(a, a_r) < 1e-6
+    (a.double() * da).sum().backward()
+    (a_r * da).sum().backward()
+    assert rel_err(x.grad, xr.grad) < 1e-5
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the layer on the Triton path
 
 D_, E_, K_, I_, L_ = 24, 8, 2, 16, 12
 
 LAYER_VARIANTS = {
-    "latent": dict(latent_size=L_, num_shared_experts=1, shared_intermediate_size=20,
-                   router=RouterSpec(seq_aux_loss_coef=0.05)),
-    "plain_softmax_groups": dict(router=RouterSpec(score="softmax", num_groups=4, topk_groups=2, renormalize=False,
-                                                   scaling_factor=2.0, seq_aux_loss_coef=0.01)),
+    "latent": {"latent_size": L_, "num_shared_experts": 1, "shared_intermediate_size": 20,
+                   "router": RouterSpec(seq_aux_loss_coef=0.05)},
+    "plain_softmax_groups": {"router": RouterSpec(score="softmax", num_groups=4, topk_groups=2, renormalize=False,
+                                                   scaling_factor=2.0, seq_aux_loss_coef=0.01)},
 }
 
 
@@ -304,9 +321,9 @@ def test_gpu_router_k3_shape():
     x = torch.randn(T, E, device="cuda") * 2
     bias = torch.randn(E, device="cuda") * 0.05
     x.requires_grad_()
-    idx, w, s, counts = routing.route(x, bias, K, backend="triton")
+    idx, w, _, counts = routing.route(x, bias, K, backend="triton")
     xr = x.detach().clone().requires_grad_()
-    idx_r, w_r, s_r = ref.route(xr, bias, K)
+    idx_r, w_r, _ = ref.route(xr, bias, K)
     same = (idx == idx_r).all(-1).float().mean().item()
     assert same > 0.999, f"router ids agree on {same:.5f} of tokens"  # 1-ulp sigmoid differences may flip near-ties
     assert torch.equal(counts, torch.bincount(idx.flatten(), minlength=E))

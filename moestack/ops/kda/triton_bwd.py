@@ -145,6 +145,28 @@ def _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K: tl.constexpr, BT: tl.const
     return b_k, b_b, b_bl, b_beta
 
 
+@triton.jit
+def _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K: tl.constexpr, BT: tl.constexpr,
+                           SUB: tl.constexpr, BKS: tl.constexpr):
+    """Akk [BT, BT] (strictly lower) summed over channel blocks of BKS, each loaded from k, rk and gc: the
+    score loop keeps ~6 [BT, BKS] tiles live, which at BKS = K = 128 alone filled the register file."""
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t) < t_end
+    n = t_end - t0
+    b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
+    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
+    b_akk = tl.zeros([BT, BT], tl.float32)
+    for col0 in range(0, K, BKS):
+        b_bl = _gc_row(p_gc + col0, BT - 1, n, H * K, K - col0, BKS)
+        b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
+        b_b = tl.where(m_t[:, None], b_b, b_bl[None, :])
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * b_rk[:, None]
+        b_a, _ = _intra_scores(b_k, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, False)
+        b_akk += b_a
+    return b_akk
+
+
 @triton.autotune(configs=_configs([
     triton.Config({"BV": 32}, num_warps=8, num_stages=1),
     triton.Config({"BV": 64}, num_warps=8, num_stages=1),
@@ -157,7 +179,7 @@ def kda_bwd_kernel_wy(
     dv, dbeta, p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
     H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr,
+    BKS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     """Backward, part 1 of 2, one program per (chunk slot, head): the contractions over V and the WY form.
 
@@ -167,65 +189,83 @@ def kda_bwd_kernel_wy(
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
-    b_k, b_b, b_bl, b_beta = _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K, BT, BK, BETA_SIGMOID)
-    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
-    slow = tl.load(flag + i_c * H + i_h) != 0
-    b_akk, _ = _intra_scores(b_k, b_k, b_b, p_gc, t_end - t0, H * K, K, slow, BT, SUB, BK, False)
-    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
-
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = (t0 + o_t) < t_end
     n = t_end - t0
     DT = h.dtype.element_ty
 
-    b_dqp = tl.zeros([BT, BK], tl.float32)  # dO S^T
-    b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
-    b_dkd = tl.zeros([BT, BK], tl.float32)  # D dS'^T
-    b_da = tl.zeros([BT, BT], tl.float32)  # dO D^T
-    b_gm = tl.zeros([BT, BT], tl.float32)  # dD (beta v)^T  (= dU Y_v^T)
-    b_dsl = tl.zeros([BK], tl.float32)  # rowsum(S * dS')
-    b_dbeta = tl.zeros([BT], tl.float32)
+    # Two passes over V, each with few accumulators live (one pass held six tiles and spilled ~4 KB per thread);
+    # the second re-reads the chunk's S, which is cheaper than the spills.
+    # Pass 1: dQp = dO S^T, dKd = D dS'^T, dAqk = Tril(dO D^T), rowsum(S * dS').
+    b_dqp = tl.zeros([BT, BK], tl.float32)
+    b_dkd = tl.zeros([BT, BK], tl.float32)
+    b_da = tl.zeros([BT, BT], tl.float32)
+    b_dsl = tl.zeros([BK], tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         b_do = tl.load(_tok_ptr(do, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
                        padding_option="zero").to(DT)
-        b_ddv = tl.load(_tok_ptr(dd, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
-                        padding_option="zero")
         b_dv_ = tl.load(_tok_ptr(d, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
                         padding_option="zero")
-        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
-                      padding_option="zero").to(tl.float32)
         b_h = tl.load(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
                       padding_option="zero")
         b_dh = tl.load(_state_ptr(dh, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
                        padding_option="zero")
         b_dqp += tl.dot(b_do, tl.trans(b_h))
-        b_dsw += tl.dot(b_ddv, tl.trans(b_h))
         b_dkd += tl.dot(b_dv_, tl.trans(b_dh))
         b_da += tl.dot(b_do, tl.trans(b_dv_))
-        b_ddf = b_ddv.to(tl.float32)
-        b_gm += tl.dot(b_ddf, tl.trans(b_beta[:, None] * b_v))
         b_dsl += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        b_dyv = tl.dot(tl.trans(b_minv), b_ddf)  # X^T dU
-        tl.store(_tok_ptr(dv, t0, n, H, i_h, V, BT, BV, i_v * BV), (b_beta[:, None] * b_dyv).to(dv.dtype.element_ty),
-                 boundary_check=(0, 1))
-        b_dbeta += tl.sum(b_dyv * b_v, 1)
-
     tl.store(_tok_ptr(p_dqp, t0, n, H, i_h, K, BT, BK), b_dqp, boundary_check=(0, 1))
     tl.store(_tok_ptr(p_dkd, t0, n, H, i_h, K, BT, BK), b_dkd, boundary_check=(0, 1))
     b_da = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None], b_da, 0.0)
     tl.store(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), b_da, boundary_check=(0, 1))
-    # k and b again rather than kept live through the V loop (registers: cheaper to reload than to spill).
-    b_k, b_b, b_bl, _ = _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K, BT, BK, BETA_SIGMOID)
+
+    # Pass 2: Akk and X = (I + Diag(beta) Akk)^-1 again, then dW = -dD S^T, dU = dD through the WY form.
+    b_bl = _gc_row(gc + (t0.to(tl.int64) * H + i_h) * K, BT - 1, n, H * K, K, BK)
     tl.store(p_dbl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_bl) * b_dsl, mask=o_k < K)
+    b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    slow = tl.load(flag + i_c * H + i_h) != 0
+    b_akk = _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K, BT, SUB, BKS)
+    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
+    b_gm = tl.zeros([BT, BT], tl.float32)  # dD (beta v)^T  (= dU Y_v^T)
+    b_dbeta = tl.zeros([BT], tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        b_ddv = tl.load(_tok_ptr(dd, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                        padding_option="zero")
+        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV, i_v * BV), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_h = tl.load(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
+                      padding_option="zero")
+        b_dsw += tl.dot(b_ddv, tl.trans(b_h))
+        b_ddf = b_ddv.to(tl.float32)
+        b_gm += tl.dot(b_ddf, tl.trans(b_beta[:, None] * b_v))
+        b_dyv = tl.dot(tl.trans(b_minv), b_ddf)  # X^T dU
+        tl.store(_tok_ptr(dv, t0, n, H, i_h, V, BT, BV, i_v * BV), (b_beta[:, None] * b_dyv).to(dv.dtype.element_ty),
+                 boundary_check=(0, 1))
+        b_dbeta += tl.sum(b_dyv * b_v, 1)
     # WY form: W = X Diag(beta) (k exp(b)), U = X Diag(beta) v; dN = -StrictTril(X^T dW W^T + X^T dU U^T).
-    b_kp = b_k * tl.exp(b_b)
-    b_w = tl.dot(b_minv, b_beta[:, None] * b_kp)
-    b_dyk = -tl.dot(tl.trans(b_minv), b_dsw)  # X^T dW
-    b_dn = tl.dot(b_dyk, tl.trans(b_w)) + tl.dot(tl.dot(tl.trans(b_minv), b_gm), tl.trans(b_minv))
+    # The K-wide part goes by channel blocks (registers): dD S^T is parked in p_dkp, whose block c is then read
+    # and overwritten by Diag(beta) X^T dW.
+    tl.store(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BK), b_dsw, boundary_check=(0, 1))
+    tl.debug_barrier()
+    b_dn = tl.dot(tl.dot(tl.trans(b_minv), b_gm), tl.trans(b_minv))
+    b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
+    for col0 in range(0, K, BKS):
+        p_c = _tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BKS, col0)
+        b_dsw_c = tl.load(p_c, boundary_check=(0, 1), padding_option="zero")
+        b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
+        b_kp = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                       padding_option="zero").to(tl.float32) * b_rk[:, None] * tl.exp(b_b)  # 0 on padded rows
+        b_dyk = -tl.dot(tl.trans(b_minv), b_dsw_c)  # X^T dW
+        b_dbeta += tl.sum(b_dyk * b_kp, 1)
+        b_dn += tl.dot(b_dyk, tl.trans(tl.dot(b_minv, b_beta[:, None] * b_kp)))  # (X^T dW) W^T
+        tl.debug_barrier()  # every thread has read block c before it is overwritten
+        tl.store(p_c, b_beta[:, None] * b_dyk, boundary_check=(0, 1))
     b_dn = tl.where(o_t[:, None] > o_t[None, :], -b_dn, 0.0)  # d(Diag(beta) Akk)
-    b_dbeta += tl.sum(b_dn * b_akk, 1) + tl.sum(b_dyk * b_kp, 1)
-    tl.store(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BK), b_beta[:, None] * b_dyk, boundary_check=(0, 1))
+    b_dbeta += tl.sum(b_dn * b_akk, 1)
     tl.store(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), b_beta[:, None] * b_dn, boundary_check=(0, 1))
     if BETA_SIGMOID:
         b_dbeta = b_dbeta * b_beta * (1.0 - b_beta)
@@ -391,7 +431,8 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
         h, dh, d, dd, do,
         dv, dbeta, *part.values(),
         H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BKS=min(64, triton.next_power_of_2(K)),
+        BETA_SIGMOID=beta_sigmoid,
     )
     return dv, dbeta, part
 

@@ -293,20 +293,21 @@ def kda_fwd_kernel_intra(
     slow = span > SPAN_MAX
     tl.store(flag + i_c * H + i_h, slow.to(tl.int32))
     b_akk, b_aqk = _intra_scores(b_q, b_k, b_b, p_gc, n, H * K, K, slow, BT, SUB, BK, True)
-    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)  # X = (I + Diag(beta) Akk)^-1
-
+    # Store what no longer needs the inverse first, so q, Aqk and the Kd factor are dead during its matmul chain
+    # (registers: the program ran at 255 per thread with spills).
     b_e = tl.exp(b_b)
-    b_w = tl.dot(b_minv, b_beta[:, None] * b_k * b_e)
+    tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BK), (b_q * b_e).to(qp.dtype.element_ty), boundary_check=(0, 1))
+    b_bl = _gc_row(p_gc, BT - 1, n, H * K, K, BK)
+    tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BK), (b_k * tl.exp(b_bl[None, :] - b_b)).to(kd.dtype.element_ty),
+             boundary_check=(0, 1))
+    b_kp = b_beta[:, None] * b_k * b_e
+    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)  # X = (I + Diag(beta) Akk)^-1
+    tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), tl.dot(b_minv, b_kp).to(w.dtype.element_ty),
+             boundary_check=(0, 1))
     b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV), boundary_check=(0, 1), padding_option="zero")
     b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
-    b_bl = _gc_row(p_gc, BT - 1, n, H * K, K, BK)
-    b_kd = b_k * tl.exp(b_bl[None, :] - b_b)
-
-    tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BK), (b_q * b_e).to(qp.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BK), b_kd.to(kd.dtype.element_ty), boundary_check=(0, 1))
     tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BV), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
     tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, b_bl, mask=o_k < K)
 
 

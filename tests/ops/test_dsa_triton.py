@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are decorated
 pytest.importorskip("triton")
 
-from moestack.ops import dsa as dsa_ops  # noqa: E402
-from moestack.ops.dsa import reference as ref  # noqa: E402
-from moestack.ops.dsa.triton_indexer import indexer_topk_triton  # noqa: E402
-from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton  # noqa: E402
+from moestack.ops import dsa as dsa_ops
+from moestack.ops.dsa import reference as ref
+from moestack.ops.dsa.triton_indexer import indexer_topk_triton
+from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
 
 CPU_TOL = 2e-5
 GPU_TOL_OUT, GPU_TOL_GRAD = 2e-2, 3e-2  # bf16 inputs, bf16 P in the PV / dKV products
@@ -118,7 +118,7 @@ def _assert_same_topk(got, q, k, w, top_k, cu):
     S = ref.indexer_scores(q.double(), k.double(), w.double(), cu)
     want = ref.indexer_topk(S, top_k)
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values  # noqa: E731
+    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
     torch.testing.assert_close(sc(got), sc(want), rtol=1e-5, atol=1e-5)
     assert torch.all(got.long() <= torch.arange(got.shape[1])[None, :, None])  # causal
 
@@ -127,7 +127,11 @@ def _assert_same_topk(got, q, k, w, top_k, cu):
 def test_indexer_topk_matches_reference(cu):
     g = torch.Generator().manual_seed(11)
     B, T, Hi, Di = 1, 37, 4, 20
-    q, k, w = torch.randn(B, T, Hi, Di, generator=g), torch.randn(B, T, Di, generator=g), torch.randn(B, T, Hi, generator=g)
+    q, k, w = (
+        torch.randn(B, T, Hi, Di, generator=g),
+        torch.randn(B, T, Di, generator=g),
+        torch.randn(B, T, Hi, generator=g),
+    )
     cu_t = None if cu is None else torch.tensor(cu)
     got = indexer_topk_triton(q, k, w, 8, cu_t, chunk_bytes=16 * T * 4)  # several chunks
     assert got.dtype == torch.int32 and got.shape == (B, T, 8)

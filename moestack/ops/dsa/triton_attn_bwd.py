@@ -17,6 +17,8 @@ Shape legend: B batch, T queries, S keys, H heads, D = V + R latent dims, K sele
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,10 +29,12 @@ DKV_MODES = ("atomic", "sorted")
 SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
 
 
-def _bwd_configs(with_heads: bool = True):
+def _bwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    shapes = [(64, 32, 8, 1), (32, 32, 8, 1), (32, 64, 8, 1), (16, 64, 4, 2), (16, 32, 4, 2), (64, 16, 8, 1)]
+    shapes = [(32, 32, 8, 1), (64, 32, 8, 1), (16, 64, 4, 2)]
+    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+        shapes = shapes[:1]
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in shapes]
 
 
@@ -69,9 +73,8 @@ def _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log
     key=["H", "K", "V", "R", "ATOMIC"],
     prune_configs_by={"early_config_prune": _prune_head_blocks},
     reset_to_zero=["DKV"],
-    restore_value=["DQ"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H", "K"])
 def _sparse_mqa_bwd_kernel(
     Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
     T, H, K, scale, scale_log2,
@@ -116,7 +119,9 @@ def _sparse_mqa_bwd_kernel(
         valid = ids >= 0
         row = tl.where(valid, ids, 0).to(tl.int64)
         k_c = tl.load(kv_base + row[:, None] * s_ks + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
-        k_r = tl.load(kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        k_r = tl.load(
+            kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
+        )
         p, ds = _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log2)
         ds = (ds * scale).to(q_c.dtype)
         dq_c += tl.dot(ds, k_c)
@@ -134,8 +139,10 @@ def _sparse_mqa_bwd_kernel(
     tl.store(dq_rows + V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
 
 
-@triton.autotune(configs=_bwd_configs(), key=["H", "K", "V", "R"], prune_configs_by={"early_config_prune": _prune_head_blocks})
-@triton.jit
+@triton.autotune(
+    configs=_bwd_configs()[:2], key=["H", "K", "V", "R"], prune_configs_by={"early_config_prune": _prune_head_blocks}
+)
+@triton.jit(do_not_specialize=["n0", "T", "H", "K"])
 def _sparse_mqa_dkv_rows_kernel(
     Q, KV, IDX, DO, LSE, DELTA, BUF,
     n0, T, H, K, scale, scale_log2,
@@ -206,7 +213,9 @@ def _segment_sum_kernel(
             for j0 in range(start, end, BLOCK_J):
                 offs_j = j0 + tl.arange(0, BLOCK_J)
                 rows = tl.load(ORDER + offs_j, mask=offs_j < end, other=0)
-                x = tl.load(BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < end)[:, None] & mask_d[None, :], other=0.0)
+                x = tl.load(
+                    BUF + rows[:, None] * D + offs_d[None, :], mask=(offs_j < end)[:, None] & mask_d[None, :], other=0.0
+                )
                 acc += tl.sum(x, 0)
             dst = DKV + key.to(tl.int64) * D + offs_d
             tl.store(dst, tl.load(dst, mask=mask_d) + acc, mask=mask_d)
@@ -220,7 +229,17 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     dlse_ = delta if dlse is None else dlse.float().contiguous()
     bh = 16
     _delta_kernel[(B * T, triton.cdiv(H, bh))](
-        o, do, dlse_, delta, H, o.stride(1), o.stride(2), HAS_DLSE=dlse is not None, V=V, VP=padded_dims(V, 0)[0], BLOCK_H=bh
+        o,
+        do,
+        dlse_,
+        delta,
+        H,
+        o.stride(1),
+        o.stride(2),
+        HAS_DLSE=dlse is not None,
+        V=V,
+        VP=padded_dims(V, 0)[0],
+        BLOCK_H=bh,
     )
     return delta
 
@@ -240,7 +259,7 @@ def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     for n0 in range(0, N, chunk):
         n = min(chunk, N - n0)
 
-        def grid(meta):
+        def grid(meta, n=n):
             return (n, triton.cdiv(K, meta["BLOCK_K"]))
 
         _sparse_mqa_dkv_rows_kernel[grid](

@@ -37,14 +37,13 @@ def fwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_V": 32}, num_warps=4, num_stages=1)]
     out = []
-    for bh, bk, bv, w, s in [
+    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+        return [triton.Config({"BLOCK_H": 64, "BLOCK_K": 64, "BLOCK_V": 256}, num_warps=8, num_stages=2)]
+    for bh, bk, bv, w, s in [  # few configs: each compile of these wide tiles takes seconds
         (64, 64, 256, 8, 2),
         (64, 32, 512, 8, 2),
-        (64, 64, 512, 8, 1),
         (32, 64, 512, 8, 2),
-        (32, 64, 256, 4, 2),
         (16, 64, 512, 4, 2),
-        (16, 64, 256, 4, 2),
     ]:
         out.append(triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_V": bv}, num_warps=w, num_stages=s))
     return out
@@ -54,9 +53,8 @@ def fwd_configs():
     configs=fwd_configs(),
     key=["H", "K", "V", "R"],
     prune_configs_by={"early_config_prune": _prune_head_blocks},
-    restore_value=["O"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H", "K"])
 def _sparse_mqa_fwd_kernel(
     Q, KV, IDX, O, LSE,
     T, H, K, scale_log2,
@@ -130,7 +128,7 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: in
     if q.dim() != 4 or kv.dim() != 3 or idx.dim() != 3:
         raise ValueError(f"q [B,T,H,D], kv [B,S,D], idx [B,T,K] expected; got {tuple(q.shape)}, "
                          f"{tuple(kv.shape)}, {tuple(idx.shape)}")  # fmt: skip
-    B, T, H, D = q.shape
+    B, T, _H, D = q.shape
     if kv.shape[0] != B or kv.shape[2] != D or idx.shape[:2] != (B, T):
         raise ValueError(f"kv {tuple(kv.shape)} / idx {tuple(idx.shape)} do not match q {tuple(q.shape)}")
     if not 0 < v_dim <= D:

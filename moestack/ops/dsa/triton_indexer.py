@@ -24,12 +24,12 @@ def _configs():
         return [triton.Config({"BLOCK_T": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s)
-        for bt, bs, w, s in [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)]
+        for bt, bs, w, s in [(64, 128, 4, 3), (128, 128, 8, 3)]
     ]
 
 
 @triton.autotune(configs=_configs(), key=["Hi", "DP"], restore_value=["OUT"])
-@triton.jit
+@triton.jit(do_not_specialize=["t0", "t1", "Hi"])
 def _indexer_scores_kernel(
     Q, KI, W, DOC, OUT,
     t0, t1, Hi,
@@ -90,7 +90,7 @@ def indexer_topk_triton(
         t1 = min(T, t0 + rows)
         I = torch.full((B, t1 - t0, t1), float("-inf"), device=q_idx.device, dtype=torch.float32)
 
-        def grid(meta):
+        def grid(meta, t0=t0, t1=t1):
             return (triton.cdiv(t1 - t0, meta["BLOCK_T"]), triton.cdiv(t1, meta["BLOCK_S"]), B)
 
         _indexer_scores_kernel[grid](

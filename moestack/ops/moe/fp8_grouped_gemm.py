@@ -30,7 +30,14 @@ import triton
 import triton.language as tl
 
 from moestack.ops.moe import fp8_quant as fq
-from moestack.ops.moe.triton_grouped_gemm import _check, _expert_tiles, _num_programs, _pick, _rows_bucket
+from moestack.ops.moe.triton_grouped_gemm import (
+    _check,
+    _expert_tiles,
+    _num_programs,
+    _pick,
+    _rows_bucket,
+    quick_bench,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -49,7 +56,7 @@ def _wgrad_configs() -> list[triton.Config]:
     return [triton.Config({"BD": d, "BF": f}, num_warps=w, num_stages=s) for d, f, w, s in shapes]
 
 
-@triton.autotune(configs=_mm_configs(), key=["ROWS_BUCKET", "K", "F", "E"])
+@triton.autotune(configs=_mm_configs(), key=["ROWS_BUCKET", "K", "F", "E"], do_bench=quick_bench)
 @triton.jit
 def fp8_grouped_mm_fwd_kernel(
     qx, sx, qw, sw, y, offs, N, K, F, E,
@@ -101,7 +108,7 @@ def fp8_grouped_mm_fwd_kernel(
         tl.store(p_y, tl.zeros((BM, BN), dtype=y.dtype.element_ty), mask=(rows < N)[:, None] & (cols < F)[None, :])
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"])
+@triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"], do_bench=quick_bench)
 @triton.jit
 def fp8_grouped_mm_wgrad_kernel(
     qxT, sx, qdyT, sdy, dw, offs, D, F, E, P,

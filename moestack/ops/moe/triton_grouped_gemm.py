@@ -28,14 +28,22 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _rows_bucket(N: int, E: int) -> int:
-    """Mean rows per expert rounded up to a power of two: the autotune key that separates small-expert shapes."""
-    return triton.next_power_of_2(max(1, N // max(E, 1)))
+    """Mean rows per expert, bucketed (<=32, <=128, <=512, more): the autotune key that separates small-expert
+    shapes from large ones without a tuning run per batch size."""
+    mean = N // max(E, 1)
+    return next((b for b in (32, 128, 512) if mean <= b), 4096)
+
+
+def quick_bench(kernel_call, quantiles):
+    """The autotuner's timer with short windows: a few configs x many shapes must tune in seconds."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
 def _mm_configs() -> list[triton.Config]:
@@ -69,7 +77,7 @@ def _pick(vec, sel):
     return tl.sum(tl.where(sel, vec, 0), 0)
 
 
-@triton.autotune(configs=_mm_configs(), key=["ROWS_BUCKET", "K", "F", "E"])
+@triton.autotune(configs=_mm_configs(), key=["ROWS_BUCKET", "K", "F", "E"], do_bench=quick_bench)
 @triton.jit
 def grouped_mm_fwd_kernel(
     x, w, y, offs, N, K, F, E,
@@ -114,7 +122,7 @@ def grouped_mm_fwd_kernel(
         tl.store(p_y, tl.zeros((BM, BN), dtype=y.dtype.element_ty), mask=(rows < N)[:, None] & (cols < F)[None, :])
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"])
+@triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"], do_bench=quick_bench)
 @triton.jit
 def grouped_mm_wgrad_kernel(
     x, dy, dw, offs, D, F, E,

@@ -157,20 +157,25 @@ def _measure_cuda(model, optimizer, inputs, targets, autocast) -> MemoryReport:
     by_kind: dict[str, float] = {}
     marks: list[int] = []
     labels = _Labels()
+    in_forward = [False]  # recompute reruns parts inside backward: only the first forward is attributed
 
     def enter(label):
-        marks.append(torch.cuda.memory_allocated(device))
+        if in_forward[0]:
+            marks.append(torch.cuda.memory_allocated(device))
 
     def leave(label):
-        by_kind[label] = by_kind.get(label, 0.0) + torch.cuda.memory_allocated(device) - marks.pop()
+        if in_forward[0]:
+            by_kind[label] = by_kind.get(label, 0.0) + torch.cuda.memory_allocated(device) - marks.pop()
 
     with _restored(model):
         handles = labels.hooks(model, enter, leave)
         try:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
+            in_forward[0] = True
             with autocast():
                 loss = model(inputs, targets)
+            in_forward[0] = False
             acts = torch.cuda.memory_allocated(device) - base
             loss.backward()
             torch.cuda.synchronize(device)

@@ -38,6 +38,17 @@ class GemmPoint(StrictModel):
     efficiency: float = Field(gt=0, le=1)
 
 
+class PartCalibration(StrictModel):
+    """One layer part kind (kda, mla, gqa, mamba2, moe, dense) measured whole by `moestack tune`
+    (planner/measure_parts.py) at one device's shape, with the backends that ran."""
+
+    tokens: int = Field(gt=0)  # tokens per micro-batch of the measurement
+    fwd_extra_s_per_token: float  # measured forward - the analytic forward terms, per token (may be < 0)
+    bwd_extra_s_per_token: float  # the same for backward
+    act_bytes_per_token: float = Field(ge=0)  # saved by autograd under no recompute, autocast weight copies excluded
+    backend: str = ""  # what ran (e.g. "kda=reference")
+
+
 class Calibration(StrictModel):
     source: str  # where the numbers come from (file, device, date)
     device: str  # device they were measured on
@@ -62,6 +73,7 @@ class Calibration(StrictModel):
     runtime_reserved_gib: float = Field(ge=0)  # CUDA context, NCCL buffers, allocator slack per device
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     gemm_points: list[GemmPoint] = []
+    parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
 
     def gemm_efficiency(self, tokens: float, n: int, k: int, dtype: str = "bf16", grouped: bool = False) -> float:
         """Fraction of the dtype's peak reached by [tokens, k] @ [k, n] (tokens per expert when grouped)."""

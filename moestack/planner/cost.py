@@ -667,6 +667,16 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     idx_b = 2.0 * part.indexer_flops * Tsp / (peak * cal.flash_attn_bwd_eff)
     elem_f = elementwise_time(part.elem_bytes * T / tp + cast_f, cluster, cal)
     elem_b = elementwise_time(2.0 * part.elem_bytes * T / tp + cast_b, cluster, cal)
+    # what a whole-part measurement (tune) found beyond the analytic terms, per token; priced as elementwise work
+    # (it is recomputed under selective and full recompute alike)
+    measured = cal.parts.get(part.kind)
+    if measured is not None:
+        base_f = g_fwd + attn_f + sparse_f + kda_f + idx_f + elem_f
+        base_b = 2.0 * g_fwd + attn_b + sparse_b + kda_b + idx_b + elem_b
+        extra_f = max(measured.fwd_extra_s_per_token * T / tp, -0.5 * base_f)
+        extra_b = max(measured.bwd_extra_s_per_token * T / tp, -0.5 * base_b)
+        elem_f += extra_f
+        elem_b += extra_b
     over = cal.kernel_overhead_s
     core_f = attn_f + sparse_f + kda_f + idx_f
     core_b = attn_b + sparse_b + kda_b + idx_b
@@ -759,6 +769,30 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     T, tp = ctx.tokens, ctx.plan.tp
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp
+    copies = autocast_weight_copies(part, ctx) if mode == "none" else 0.0
+    measured = ctx.cal.parts.get(part.kind)
+    if measured is not None and ctx.plan.precision != "fp8":
+        # measured bytes per token (no recompute); selective keeps the analytic fraction of them
+        frac = 1.0
+        if mode == "selective":
+            frac = _analytic_act(part, "selective", ctx) / max(_analytic_act(part, "none", ctx), 1e-9)
+        return T * measured.act_bytes_per_token / tp * frac + copies
+    return _analytic_act(part, mode, ctx) + copies
+
+
+def autocast_weight_copies(part: PartWork, ctx: Ctx) -> float:
+    """bf16 copies of fp32 GEMM weights that autocast makes in forward and autograd keeps for backward: the
+    single-device trainer keeps fp32 weights under autocast (distributed plans run FSDP2 with bf16 params, no
+    copies). Selective and full recompute redo the casts (memory/recompute.py)."""
+    if ctx.plan.devices != 1:
+        return 0.0
+    dense = sum(g.params for g in part.gemms if not g.expert and not g.fp32)
+    expert = sum(g.params for g in part.gemms if g.expert) * part.num_experts
+    return BF16 * (dense + expert)
+
+
+def _analytic_act(part: PartWork, mode: str, ctx: Ctx) -> float:
+    T, tp = ctx.tokens, ctx.plan.tp
     fp8 = ctx.plan.precision == "fp8"
     # summed over many layers and micro-batches, expert loads average out: stored expert activations use the mean
     # load (the transient dispatch buffers carry MOE_MEMORY_HEADROOM instead)

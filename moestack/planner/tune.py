@@ -20,7 +20,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moestack.planner.calibration import Calibration, GemmPoint, load_calibration, save_calibration
+from moestack.planner.calibration import (
+    Calibration,
+    GemmPoint,
+    PartCalibration,
+    load_calibration,
+    save_calibration,
+)
 
 
 def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
@@ -185,6 +191,64 @@ def measure_hbm(bw_bytes_s: float) -> float:
     return min(1.0, 2 * x.numel() / t / bw_bytes_s)
 
 
+def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -> dict[str, PartCalibration]:
+    """Measure each layer part whole (planner/measure_parts.py) and keep what the analytic terms miss."""
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.memory.report import single_device_plan
+    from moestack.planner.cost import Ctx, model_work, part_cost
+    from moestack.planner.measure_parts import local_expert_spec, measure_parts
+
+    timings = measure_parts(spec, mbs, seq, ep)
+    if plan is None:
+        plan = single_device_plan(spec.name, seq, mbs, cluster="h200-1gpu")
+    plan = plan.model_copy(update={"tp": 1, "cp": 1, "etp": 1, "ep": 1, "devices": 1})
+    local = local_expert_spec(spec, ep)
+    cluster = load_cluster_spec(plan.cluster).with_devices(1)
+    ctx = Ctx(plan, local, cluster, cal, float(mbs * seq))
+    work = model_work(local, seq)
+    backends = _backend_names()
+    out: dict[str, PartCalibration] = {}
+    for layer in work.layers:
+        for part in layer.parts:
+            t = timings.get(part.kind)
+            if t is None or part.kind in out:
+                continue
+            pc = part_cost(part, ctx)
+            act = max(0.0, t.saved_bytes - t.weight_copy_bytes)
+            out[part.kind] = PartCalibration(
+                tokens=t.tokens, fwd_extra_s_per_token=(t.fwd_s - pc.fwd) / t.tokens,
+                bwd_extra_s_per_token=(t.bwd_s - pc.bwd) / t.tokens, act_bytes_per_token=act / t.tokens,
+                backend=backends.get(part.kind, ""))
+    return out
+
+
+def _backend_names() -> dict[str, str]:
+    """Which backend each op dispatcher picks in this process (recorded next to the part measurements)."""
+    names: dict[str, str] = {}
+    try:
+        from moestack.ops import kda
+
+        names["kda"] = f"kda={kda.resolve_backend()}"
+    except Exception as err:  # noqa: BLE001 - only a label
+        names["kda"] = f"kda=? ({err})"
+    try:
+        import torch
+
+        from moestack.ops import dsa
+
+        probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
+        names["mla"] = f"dsa={dsa.select_backend('sparse_mqa_attention', probe)}"
+    except Exception as err:  # noqa: BLE001
+        names["mla"] = f"dsa=? ({err})"
+    try:
+        from moestack.ops import moe
+
+        names["moe"] = f"grouped_mm={moe.resolve_backend()}"
+    except Exception as err:  # noqa: BLE001
+        names["moe"] = f"grouped_mm=? ({err})"
+    return names
+
+
 def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int | None) -> Calibration | None:
     """Measure and write the calibration; returns it (None without a GPU)."""
     import torch
@@ -260,8 +324,16 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                                                      tokens, peak_bf16, attn_f)
         measured.append(f"sparse attention ({dsa_backend}) fwd {sf * peak_bf16 / 1e12:.1f} / bwd "
                         f"{sb * peak_bf16 / 1e12:.1f} TFLOP/s; indexer top-k {update['topk_elems_per_s']:.3g} scores/s")
+    cal = base.model_copy(update={**update, "gemm_points": points, "gemm_peak_eff": peak_eff, "hbm_eff": hbm,
+                                  "flash_attn_fwd_eff": attn_f, "flash_attn_bwd_eff": attn_b, "parts": {}})
+    parts = calibrate_parts(spec, cal, plan, mbs, seq, ep)
+    for kind, pc in parts.items():
+        measured.append(f"{kind} part: {pc.fwd_extra_s_per_token * pc.tokens * 1e3:+.1f} ms fwd / "
+                        f"{pc.bwd_extra_s_per_token * pc.tokens * 1e3:+.1f} ms bwd beyond the analytic terms, "
+                        f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
     cal = base.model_copy(update={
         **update,
+        "parts": parts,
         "source": f"moestack tune on {name} (torch {torch.__version__}), {spec.name} seq {seq} tp {tp} ep {ep}; "
                   f"CPU Adam from {base.device} defaults",
         "device": name,

@@ -44,7 +44,7 @@ class _Toy(nn.Module):
     def forward(self, ids):
         h = self.norm(self.proj(self.embed(ids))).reshape(-1, self.proj.out_features)
         N = h.shape[0]
-        offs = torch.tensor([(e + 1) * N // self.E for e in range(self.E)], dtype=torch.int32)
+        offs = torch.tensor([(e + 1) * N // self.E for e in range(self.E)], dtype=torch.int32, device=h.device)
         y = self.experts(h, offs)
         return self.lm_head(y).square().mean()
 

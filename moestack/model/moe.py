@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moestack.config.model_spec import MoESpec, RouterSpec
@@ -48,9 +47,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast)."""
-        dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        logits_TE = routing.router_logits(x_TD, self.weight)  # fp32; split-bf16 GEMMs for bf16 x on CUDA
         s = self.spec
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
             logits_TE, self.selection_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,

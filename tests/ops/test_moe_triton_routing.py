@@ -86,6 +86,23 @@ def test_router_matches_reference(case):
     assert rel_err(xt2.grad, xr2.grad) < 1e-5
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_split_bf16_router_logits_are_fp32_accurate(x_dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 96, generator=g).to(x_dtype)
+    W = torch.randn(20, 96, generator=g) * 0.1
+    gl = torch.randn(33, 20, generator=g, dtype=torch.float64)
+    xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
+    logits = routing.router_logits(xs, Ws, split_bf16=True)
+    x64, W64 = x.double().requires_grad_(), W.double().requires_grad_()
+    ref_logits = x64 @ W64.T
+    assert logits.dtype == torch.float32 and rel_err(logits, ref_logits) < 3e-5
+    (logits.double() * gl).sum().backward()
+    (ref_logits * gl).sum().backward()
+    assert rel_err(Ws.grad, W64.grad) < 3e-5
+    assert rel_err(xs.grad, x64.grad) < (1e-2 if x_dtype == torch.bfloat16 else 3e-5)
+
+
 def test_router_ties_lower_index_wins():
     """Identical logits and bias on experts 2, 5, 6 (and saturated ones): lower ids first, as the reference."""
     T, E, K = 5, 12, 3

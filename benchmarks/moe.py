@@ -22,7 +22,6 @@ layer time that is not expert GEMM (1 - GEMMs alone / layer), speed-up vs the pl
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -189,12 +188,15 @@ def run_shape(shape, gemm: str, rep_ms: int) -> list[str]:
         t_ref_f = bench(layer_fwd("reference"), rep_ms)
 
     tag = f"{name} (E{e_loc}/{e_rt} K{K} T{T} L{L} I{inter}, max/mean load {skew:.2f}, gemm {gemm})"
-    return [
+    fwd_row = (
         f"| {tag} | fwd | {t_lf:.2f} | {flops_fwd / t_lf / 1e9:.0f} | {100 * (1 - t_gf / t_lf):.1f}% | "
-        f"{t_pf / t_lf:.2f}x | {t_lf / t_gf:.2f} | {t_gf:.2f} | {t_ref_f:.2f} | {t_rf:.2f} / {t_rf32:.2f} |",
+        f"{t_pf / t_lf:.2f}x | {t_lf / t_gf:.2f} | {t_gf:.2f} | {t_ref_f:.2f} | {t_rf:.2f} / {t_rf32:.2f} |"
+    )
+    fb_row = (
         f"| {tag} | fwd+bwd | {t_lb:.2f} | {3 * flops_fwd / t_lb / 1e9:.0f} | {100 * (1 - t_gb / t_lb):.1f}% | "
-        f"{t_pb / t_lb:.2f}x | {t_lb / t_gb:.2f} | {t_gb:.2f} | - | - |",
-    ]
+        f"{t_pb / t_lb:.2f}x | {t_lb / t_gb:.2f} | {t_gb:.2f} | - | - |"
+    )
+    return [fwd_row, fb_row]
 
 
 def main() -> None:
@@ -221,7 +223,7 @@ def main() -> None:
                 print(row, flush=True)
         except torch.OutOfMemoryError:
             print(f"| {shape[0]} | skipped: out of memory |", flush=True)
-        except Exception as e:  # one failing shape must not end the run
+        except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
             print(f"| {shape[0]} | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
                   flush=True)
         torch.cuda.empty_cache()

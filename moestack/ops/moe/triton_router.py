@@ -200,7 +200,7 @@ def route_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused routing.route: fp32 logits [T, E] -> (topk_idx int64 [T, K], topk_w fp32 [T, K], scores fp32 [T, E],
     counts int64 [E]). Same rule and tie order as reference.route; differentiable w.r.t. logits."""
-    T, E = logits_TE.shape
+    E = logits_TE.shape[1]
     if logits_TE.dtype != torch.float32:
         raise ValueError(f"logits_TE must be float32 for the Triton router, got {logits_TE.dtype}")
     if score not in ("sigmoid", "softmax"):

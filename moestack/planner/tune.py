@@ -273,6 +273,13 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
     device = load_cluster_spec(plan.cluster if plan else "h200-1gpu").device
     peak_bf16 = device.peak_flops("bf16")
     base = load_calibration()
+    # backend choice per hot op first, so every efficiency below is measured with the backend that will run
+    from moestack.planner.tune_ops import tune_ops
+
+    choices = tune_ops(spec, tokens, tp, ep)
+    for c in choices:
+        timings = ", ".join(f"{b} {ms:.2f} ms" for b, ms in sorted(c.ms.items(), key=lambda kv: kv[1]))
+        print(f"{c.op} [{c.key}]: {c.backend} ({timings or 'only the reference passed'})")
     points: list[GemmPoint] = []
     work = model_work(spec, seq)
     seen = set()

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moestack.ops import tuned
 from moestack.ops.dsa import reference
 
 ENV_VAR = "MOESTACK_DSA_BACKEND"
 PREFERENCE = ("triton", "reference")
-OPS = ("sparse_mqa_attention", "indexer_topk_from_inputs", "indexer_kl_loss")
+OPS = ("sparse_mqa_attention", "indexer_topk_from_inputs", "indexer_kl_loss", "attention_probs_target")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ def sparse_mqa_attention(
 
     See reference.sparse_mqa_attention.
     """
+    if backend is None and not os.environ.get(ENV_VAR):  # a choice measured by `moestack tune` at this shape
+        choice = tuned.lookup("dsa.sparse_mqa_attention", tuned.dsa_key(q, idx), q.device)
+        entry = _REGISTRY["sparse_mqa_attention"].get(choice) if choice else None
+        if entry is not None and entry.available(q):
+            backend = choice
     name = select_backend("sparse_mqa_attention", q, backend)
     return _REGISTRY["sparse_mqa_attention"][name].fn(q, kv, idx, v_dim, scale)
 
@@ -115,9 +121,26 @@ def indexer_kl_loss(
     return _REGISTRY["indexer_kl_loss"][name].fn(index_scores, attn_probs_target, idx)
 
 
+def attention_probs_target(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    scale: float,
+    lse: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The indexer's KL target (head-summed attention probabilities, L1-normalised), no gradient; see
+    reference.attention_probs_target."""
+    name = select_backend("attention_probs_target", q, backend)
+    return _REGISTRY["attention_probs_target"][name].fn(q, kv, scale, lse=lse, idx=idx, cu_seqlens=cu_seqlens)
+
+
 register_backend("reference", reference.sparse_mqa_attention_blockwise, op="sparse_mqa_attention")
 register_backend("reference", reference.indexer_topk_from_inputs, op="indexer_topk_from_inputs")
 register_backend("reference", reference.indexer_kl_loss, op="indexer_kl_loss")
+register_backend("reference", reference.attention_probs_target, op="attention_probs_target")
 
 
 def _register_triton() -> None:
@@ -141,6 +164,13 @@ def _register_triton() -> None:
         op="indexer_topk_from_inputs",
         automatic=lambda t: t.is_cuda,
     )
+    register_backend(
+        "triton",
+        triton_op.attention_probs_target_triton,
+        available=triton_op.triton_available,
+        op="attention_probs_target",
+        automatic=lambda t: t.is_cuda,
+    )
 
 
 _register_triton()
@@ -148,6 +178,7 @@ _register_triton()
 __all__ = [
     "ENV_VAR",
     "OPS",
+    "attention_probs_target",
     "backends",
     "indexer_kl_loss",
     "indexer_topk_from_inputs",

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from moestack.ops import tuned
+
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
     kda_gate_k3,
@@ -109,6 +111,11 @@ def resolve_backend(backend: str | None = None, q: torch.Tensor | None = None) -
         if not _BACKENDS[name].available():
             raise RuntimeError(f"KDA backend '{name}' is registered but not available here (not installed?)")
         return name
+    if q is not None:  # a choice measured by `moestack tune` at this shape wins over the fixed order
+        choice = tuned.lookup("kda", tuned.kda_key(q), q.device)
+        b = _BACKENDS.get(choice) if choice else None
+        if b is not None and b.available() and (b.supports is None or b.supports(q)):
+            return choice
     for cand in AUTO_ORDER:
         b = _BACKENDS.get(cand)
         if b is not None and b.available() and (q is None or b.supports is None or b.supports(q)):

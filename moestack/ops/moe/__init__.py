@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from moestack.ops import tuned
 from moestack.ops.moe import reference
 from moestack.ops.moe.reference import (
     Permutation,
@@ -70,6 +71,10 @@ def grouped_mm(
 ) -> torch.Tensor:
     """out[rows of e] = x[rows of e] @ w[e] with the selected backend. x [N, D] sorted by expert, w [E, D, F],
     offs int32 [E] cumulative row ends. Returns [N, F]."""
+    if backend is None and not os.environ.get(ENV_VAR):  # a choice measured by `moestack tune` at this shape
+        choice = tuned.lookup("moe.grouped_mm", tuned.grouped_mm_key(x_ND, w_EDF), x_ND.device)
+        if choice in _BACKENDS and _BACKENDS[choice][1]():
+            backend = choice
     return _BACKENDS[resolve_backend(backend)][0](x_ND, w_EDF, offs_E)
 
 

@@ -61,8 +61,7 @@ def _wgrad_configs() -> list[triton.Config]:
 def fp8_grouped_mm_fwd_kernel(
     qx, sx, qw, sw, y, offs, N, K, F, E,
     stride_xn, stride_sxn, stride_we, stride_wk, stride_wf, stride_swe, stride_swk, stride_yn,
-    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr = 128,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     """y[rows of e] = sum over k-blocks of (qx @ qw[e]) * sx[row, kb] * sw[e, kb, col // 128]. Same persistent
     schedule as triton_grouped_gemm.grouped_mm_fwd_kernel; BK = 128 = the quantisation group."""
@@ -113,8 +112,7 @@ def fp8_grouped_mm_fwd_kernel(
 def fp8_grouped_mm_wgrad_kernel(
     qxT, sx, qdyT, sdy, dw, offs, D, F, E, P,
     stride_we, stride_wd, stride_wf,
-    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
-    G: tl.constexpr = 128,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, G: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
 ):
     """dw[e] = sum over e's token tiles g of (qxT[:, g] @ qdyT[:, g]^T) * sx[g, d] * sdy[g, f]."""
     i_t, e = tl.program_id(0), tl.program_id(1)
@@ -164,7 +162,7 @@ def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype) -> 
     fp8_grouped_mm_fwd_kernel[grid](
         qx, sx, qw, sw, y, offs_E, N, K, F, E,
         qx.stride(0), sx.stride(0), qw.stride(0), qw.stride(1), qw.stride(2), sw.stride(0), sw.stride(1), y.stride(0),
-        _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx),
+        _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx), BK=fq.GROUP,
     )
     return y
 
@@ -185,7 +183,7 @@ def fp8_grouped_wgrad_quantized(qxT, sx, qdyT, sdy, offs_E, like: torch.Tensor) 
 
     fp8_grouped_mm_wgrad_kernel[grid](
         qxT, sx, qdyT, sdy, dw, offs_E, D, F, E, P, dw.stride(0), dw.stride(1), dw.stride(2),
-        _rows_bucket(P, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qxT),
+        _rows_bucket(P, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qxT), G=fq.GROUP,
     )
     return dw
 

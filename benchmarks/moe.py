@@ -16,7 +16,8 @@ no shared experts), forward and forward+backward; the expert GEMMs alone on the 
 (gate_up and down, same backend); a plain PyTorch MoE on the same weights (sigmoid + topk, argsort +
 index_select + grouped_mm + eager activation + index_add). Reported: ms (median of CUDA-event timings by
 triton.testing.do_bench), TFLOP/s on expert FLOPs (6*N*L*I forward, 3x for forward+backward), the share of
-layer time that is not expert GEMM (1 - GEMMs alone / layer), speed-up vs the plain MoE, and layer / GEMMs alone.
+layer time that is not expert GEMM (1 - GEMMs alone / layer), the share outside all GEMMs (also subtracting the
+router logits, down- and up-projection GEMMs timed alone), speed-up vs the plain MoE, and layer / GEMMs alone.
 """
 
 from __future__ import annotations
@@ -175,6 +176,19 @@ def run_shape(shape, gemm: str, rep_ms: int) -> list[str]:
     def plain_fb():
         layer.plain_torch(x).backward(gy)
 
+    m = layer.moe
+    y_lat = torch.randn(T, L, device=DEV, dtype=dtype, requires_grad=True)
+    g_lat = torch.randn(T, L, device=DEV, dtype=dtype)
+    g_log = torch.randn(T, e_rt, device=DEV)
+
+    def dense(backward: bool):
+        """The layer's other GEMMs alone: router logits, down- and up-projection (LatentMoE)."""
+        outs = [(routing.router_logits(x.view(T, -1), layer.router.weight), g_log)]
+        if m.down_proj is not None:
+            outs += [(m.down_proj(x.view(T, -1)), g_lat), (m.up_proj(y_lat), gy.view(T, -1))]
+        if backward:
+            torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+
     with torch.no_grad():
         t_gf = bench(gemm_fwd, rep_ms)
         t_lf = bench(layer_fwd("triton"), rep_ms)
@@ -186,14 +200,18 @@ def run_shape(shape, gemm: str, rep_ms: int) -> list[str]:
     t_pb = bench(plain_fb, rep_ms, [x, *params])
     with torch.no_grad():
         t_ref_f = bench(layer_fwd("reference"), rep_ms)
+        t_df = bench(lambda: dense(False), rep_ms)
+    t_db = bench(lambda: dense(True), rep_ms, [x, y_lat, *params])
 
     tag = f"{name} (E{e_loc}/{e_rt} K{K} T{T} L{L} I{inter}, max/mean load {skew:.2f}, gemm {gemm})"
     fwd_row = (
         f"| {tag} | fwd | {t_lf:.2f} | {flops_fwd / t_lf / 1e9:.0f} | {100 * (1 - t_gf / t_lf):.1f}% | "
+        f"{100 * (1 - (t_gf + t_df) / t_lf):.1f}% | "
         f"{t_pf / t_lf:.2f}x | {t_lf / t_gf:.2f} | {t_gf:.2f} | {t_ref_f:.2f} | {t_rf:.2f} / {t_rf32:.2f} |"
     )
     fb_row = (
         f"| {tag} | fwd+bwd | {t_lb:.2f} | {3 * flops_fwd / t_lb / 1e9:.0f} | {100 * (1 - t_gb / t_lb):.1f}% | "
+        f"{100 * (1 - (t_gb + t_db) / t_lb):.1f}% | "
         f"{t_pb / t_lb:.2f}x | {t_lb / t_gb:.2f} | {t_gb:.2f} | - | - |"
     )
     return [fwd_row, fb_row]
@@ -208,10 +226,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("| moe benchmark | needs a CUDA GPU |")
         return
-    print(f"| shape | pass | layer ms | expert TFLOP/s | non-GEMM share | vs plain torch MoE | layer / GEMMs | "
+    print(f"| shape | pass | layer ms | expert TFLOP/s | non-expert-GEMM share | share outside all GEMMs | vs plain torch MoE | layer / GEMMs | "
           f"GEMMs ms | ref-routing fwd ms | router logits ms: split-bf16 / fp32 |  ({torch.cuda.get_device_name()}, "
           f"torch {torch.__version__})")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     if args.gemm not in moe_ops.available_backends():
         print(f"| gemm {args.gemm} | not registered here; available: {moe_ops.available_backends()} |")
         return

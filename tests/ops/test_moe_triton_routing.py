@@ -373,3 +373,22 @@ def test_gpu_layer_bf16_k3_shape(align):
         assert rel_err(gp[n], gp_r[n]) < 2e-2, n
     assert torch.equal(out, out2) and torch.equal(gx, gx2)
     assert all(torch.equal(gp[n], gp2[n]) for n in gp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_gpu_layer_has_no_host_sync(capacity_factor):
+    """Dropless and static-capacity layers run forward + backward with no device-to-host sync (after warm-up,
+    which autotunes)."""
+    spec = MoESpec(num_experts=16, top_k=4, expert_intermediate_size=256, latent_size=256,
+                   capacity_factor=capacity_factor)
+    m = MoE(512, spec, "situ_glu").cuda().to(torch.bfloat16)
+    m.init_weights(0.02)
+    x = torch.randn(2, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    m(x).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -16,6 +16,7 @@ expert-major buffer, D row width.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -42,8 +43,13 @@ class Dispatch(NamedTuple):
     exact: bool  # dropless and unpadded: rows are a permutation of the slots (R == N)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -52,7 +58,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     """explicit > env MOESTACK_MOE_ROUTING_BACKEND > "triton" on CUDA (when installed) > "reference"."""
     name = backend or os.environ.get(ENV_VAR) or None
     if name is None:
-        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "reference"
+        return "triton" if device.type == "cuda" and _triton_installed() else "reference"
     if name not in BACKENDS:
         raise ValueError(f"MoE routing backend must be one of {BACKENDS}, got {name!r} (set {ENV_VAR} or backend=)")
     if name == "triton" and not triton_available():
@@ -66,6 +72,13 @@ def capacity_rows(num_tokens: int, top_k: int, num_experts: int, capacity_factor
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     c = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
     return max(align, -(-c // align) * align)
+
+
+def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed slots per expert, int64 [E]. An integer scatter-add: exact in any order, and unlike
+    torch.bincount on CUDA (which reads the max id on the host) free of host syncs."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,7 +173,7 @@ def route(
 
         return route_triton(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)
     idx, w, scores = reference.route(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)
-    counts = torch.bincount(idx.reshape(-1), minlength=logits_TE.shape[1])  # integer counts: exact in any order
+    counts = expert_counts(idx, logits_TE.shape[1])
     return idx, w, scores, counts
 
 
@@ -243,7 +256,7 @@ def dispatch(
             raise ValueError(f"capacity must be >= 1 row per expert, got {capacity}")
         if priority_TK is None or priority_TK.shape != topk_idx_TK.shape:
             raise ValueError("capacity mode needs priority_TK with topk_idx_TK's shape (e.g. the routing weights)")
-        counts_E = torch.bincount(flat_N, minlength=num_experts)
+        counts_E = expert_counts(flat_N, num_experts)
         return _dispatch_capacity(flat_N, counts_E, num_experts, capacity, priority_TK.reshape(-1), K)
     if resolve_backend(backend, topk_idx_TK.device) == "triton":
         from moestack.ops.moe.triton_permute import dispatch_triton
@@ -316,6 +329,7 @@ __all__ = [
     "capacity_rows",
     "combine",
     "dispatch",
+    "expert_counts",
     "gather",
     "resolve_backend",
     "route",

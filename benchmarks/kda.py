@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -150,7 +151,12 @@ def main() -> None:
                    help="skip the remaining variants (a '|' row each) once this many seconds have passed")
     p.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
     p.add_argument("--json", default=None)
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune our kernels over their full config lists (default: the first config of each, "
+                        "MOESTACK_KDA_AUTOTUNE=0, chosen from ptxas register/spill reports; saves ~1 min of compiles)")
     args = p.parse_args()
+    if not args.autotune:
+        os.environ.setdefault("MOESTACK_KDA_AUTOTUNE", "0")  # read when the kernels are decorated (first import)
 
     t_start = time.perf_counter()
     names = ["ours", "ours-save"] + ([] if args.no_fla or not _fla_installed() else ["fla"])
@@ -165,6 +171,8 @@ def main() -> None:
         for backward in (False, True):
             for name in names:
                 mode = "fwd+bwd" if backward else "fwd"
+                if name == "ours-save" and not backward:
+                    continue  # the same forward as "ours" (plus stores)
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"| {shape} | {mode} | {name} | skipped: time budget ({args.budget_s:.0f} s) spent | | | |")
                     continue

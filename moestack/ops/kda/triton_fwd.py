@@ -80,49 +80,6 @@ def _gate_fwd(b_x, a, GATE: tl.constexpr, LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
-def _kda_prologue(
-    q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
-    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-):
-    """Load one chunk's q, k, gate, beta and do the elementwise work. Rows t0 + i >= t_end are zeros.
-
-    Returns q~ (= scale * normalised q) [BT, BK], k_hat [BT, BK], gate input (x + dt_bias) [BT, BK],
-    log-decay g [BT, BK], b = cumsum(g) [BT, BK], beta [BT], 1/||q|| [BT], 1/||k|| [BT]; all fp32.
-    """
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_t = (t0 + o_t) < t_end
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    n = t_end - t0
-    b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    b_x = tl.load(_tok_ptr(g, t0, n, H, i_h, K, BT, BK), boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    if HAS_DT_BIAS:
-        b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-    if GATE != 0:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    else:
-        a = 1.0
-    b_g = tl.where(m_tk, _gate_fwd(b_x, a, GATE, LOWER_BOUND), 0.0)
-    b_b = tl.cumsum(b_g, axis=0)
-    if L2NORM:
-        b_rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + L2_EPS)
-        b_rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + L2_EPS)
-        b_q = b_q * b_rq[:, None]
-        b_k = b_k * b_rk[:, None]
-    else:
-        b_rq = tl.full([BT], 1.0, tl.float32)
-        b_rk = tl.full([BT], 1.0, tl.float32)
-    b_q = b_q * scale
-    b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
-    return b_q, b_k, b_x, b_g, b_b, b_beta, b_rq, b_rk
-
-
-@triton.jit
 def _row(b_x, i, BT: tl.constexpr):
     """Row i of a [BT, X] register tile, as [X]."""
     return tl.sum(tl.where((tl.arange(0, BT) == i)[:, None], b_x, 0.0), 0)
@@ -258,11 +215,25 @@ def _chunk_coords(chunk_map, cu_seqlens, i_c, BT: tl.constexpr):
     return t0, t_end
 
 
+@triton.jit
+def _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K: tl.constexpr, BT: tl.constexpr, BKS: tl.constexpr):
+    """Columns col0.. of the chunk's cumulative log-decay b [BT, BKS] read back from gc, padded rows repeating the
+    last valid row (as the zero gates of padding would), and that last row b_last [BKS]. (A padded row at b = 0
+    would put exp(b_i - r) ~ e^+300 next to its zero k: NaN.)"""
+    b_bl = _gc_row(p_gc + col0, BT - 1, n, H * K, K - col0, BKS)
+    b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
+    return tl.where(m_t[:, None], b_b, b_bl[None, :]), b_bl
+
+
 # ---- kernels -------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=_configs([triton.Config({}, num_warps=8), triton.Config({}, num_warps=16)]),
-                 key=["K", "V", "GATE", "L2NORM"])
+# BKS (channel block): at K = 128, BKS = 32 and 8 warps compiles without spills (ptxas, sm_90), 64 spills ~0.4 KB.
+@triton.autotune(configs=_configs([
+    triton.Config({"BKS": 32}, num_warps=8),
+    triton.Config({"BKS": 64}, num_warps=8),
+    triton.Config({"BKS": 32}, num_warps=16),
+]), key=["K", "V", "GATE", "L2NORM"])
 @triton.jit
 def kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
@@ -270,45 +241,79 @@ def kda_fwd_kernel_intra(
     scale, H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr,
+    L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
     exact-path flag [NC, H]."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
-    b_q, b_k, b_x, b_g, b_b, b_beta, b_rq, b_rk = _kda_prologue(
-        q, k, g, beta, A_log, dt_bias, i_h, t0, t_end, H, scale,
-        K, BT, BK, GATE, LOWER_BOUND, HAS_DT_BIAS, L2NORM, L2_EPS, BETA_SIGMOID)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = (t0 + o_t) < t_end
     n = t_end - t0
-    tl.store(_tok_ptr(gc, t0, n, H, i_h, K, BT, BK), b_b, boundary_check=(0, 1))
+    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
+    # Everything K-wide goes by channel blocks of BKS, re-reading q, k and b (L1/L2 hits): a [BT, K] fp32 tile
+    # costs 32 registers per thread at 8 warps, and the score loop keeps ~6 of them live.
+    # Pass 1: gate and chunk cumsum (b, stored to gc), row norms of q and k.
+    b_sq = tl.zeros([BT], tl.float32)
+    b_sk = tl.zeros([BT], tl.float32)
+    for col0 in range(0, K, BKS):
+        b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32)
+        b_sq += tl.sum(b_q * b_q, 1)
+        b_sk += tl.sum(b_k * b_k, 1)
+        _, b_g = _load_gate(g, dt_bias, A_log, i_h, t0, t_end, H, col0, K, BT, BKS, GATE, LOWER_BOUND, HAS_DT_BIAS)
+        tl.store(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), tl.cumsum(b_g, axis=0), boundary_check=(0, 1))
+    if L2NORM:
+        b_rq = tl.rsqrt(b_sq + L2_EPS)
+        b_rk = tl.rsqrt(b_sk + L2_EPS)
+    else:
+        b_rq = tl.full([BT], 1.0, tl.float32)
+        b_rk = tl.full([BT], 1.0, tl.float32)
     tl.store(rq + (t0 + o_t).to(tl.int64) * H + i_h, b_rq, mask=m_t)
     tl.store(rk + (t0 + o_t).to(tl.int64) * H + i_h, b_rk, mask=m_t)
-    tl.debug_barrier()  # rows of b are read back below by other threads
-    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K
+    b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
+    tl.debug_barrier()  # b is read back below, by rows and by other threads
     span = _max_span(p_gc, n, H * K, K, BT, SUB, BK)
     slow = span > SPAN_MAX
     tl.store(flag + i_c * H + i_h, slow.to(tl.int32))
-    b_akk, b_aqk = _intra_scores(b_q, b_k, b_b, p_gc, n, H * K, K, slow, BT, SUB, BK, True)
-    # Store what no longer needs the inverse first, so q, Aqk and the Kd factor are dead during its matmul chain
-    # (registers: the program ran at 255 per thread with spills).
-    b_e = tl.exp(b_b)
+
+    # Pass 2: Akk, Aqk; Qp = q~ exp(b), Kd = k exp(b_last - b), b_last.
+    b_akk = tl.zeros([BT, BT], tl.float32)
+    b_aqk = tl.zeros([BT, BT], tl.float32)
+    for col0 in range(0, K, BKS):
+        b_b, b_bl = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
+        b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * b_rk[:, None]
+        b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True)
+        b_akk += b_a
+        b_aqk += b_aq
+        tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BKS, col0), (b_q * tl.exp(b_b)).to(qp.dtype.element_ty),
+                 boundary_check=(0, 1))
+        tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BKS, col0),
+                 (b_k * tl.exp(b_bl[None, :] - b_b)).to(kd.dtype.element_ty), boundary_check=(0, 1))
+        o_kc = col0 + tl.arange(0, BKS)
+        tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_kc, b_bl, mask=o_kc < K)
     tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BK), (b_q * b_e).to(qp.dtype.element_ty), boundary_check=(0, 1))
-    b_bl = _gc_row(p_gc, BT - 1, n, H * K, K, BK)
-    tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BK), (b_k * tl.exp(b_bl[None, :] - b_b)).to(kd.dtype.element_ty),
-             boundary_check=(0, 1))
-    b_kp = b_beta[:, None] * b_k * b_e
-    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)  # X = (I + Diag(beta) Akk)^-1
-    tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BK), tl.dot(b_minv, b_kp).to(w.dtype.element_ty),
-             boundary_check=(0, 1))
-    b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BV), boundary_check=(0, 1), padding_option="zero")
-    b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
-    tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BV), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, b_bl, mask=o_k < K)
+
+    # Pass 3: X = (I + Diag(beta) Akk)^-1, W = X Diag(beta) (k exp(b)), U = X Diag(beta) v.
+    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    for col0 in range(0, K, BKS):
+        b_b, _ = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                      padding_option="zero").to(tl.float32) * (b_rk * b_beta)[:, None]
+        tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), tl.dot(b_minv, b_k * tl.exp(b_b)).to(w.dtype.element_ty),
+                 boundary_check=(0, 1))
+    for col0 in range(0, V, BKS):
+        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
+        b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
+        tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKS, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.autotune(configs=_configs([

@@ -79,7 +79,8 @@ class BenchLayer:
         idx, w, scores, idx_global = self.route(x_TD)
         h = m.down_proj(x_TD) if m.down_proj is not None else x_TD
         d = routing.dispatch(idx, self.e_local, m.row_align, backend=backend)
-        y = routing.combine(m.experts(routing.gather(h, d, backend), d.offs_E, backend), d, w, backend)
+        m.experts.routing_backend = backend
+        y = routing.combine(m.experts(routing.gather(h, d, backend), d.offs_E), d, w, backend)
         if m.latent_norm is not None:
             y = m.latent_norm(y)
         out = m.up_proj(y) if m.up_proj is not None else y

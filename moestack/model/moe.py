@@ -111,18 +111,19 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
         self.backend: str | None = None  # grouped GEMM backend; None = registry default (moestack.ops.moe)
+        self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = by device / env
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
         return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend)
 
-    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
-        backend: the routing backend (moestack.ops.moe.routing); "triton" fuses the activation (one kernel each
-        way, saves only gate_up), else the eager glu_activation."""
+        With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
+        each way that saves only gate_up; otherwise the eager glu_activation."""
         gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
         fused = gate_up_N2I.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        if fused and routing.resolve_backend(backend, gate_up_N2I.device) == "triton":
+        if fused and routing.resolve_backend(self.routing_backend, gate_up_N2I.device) == "triton":
             from moestack.ops.moe.triton_activation import fused_glu
 
             a_NI = fused_glu(gate_up_N2I, self.activation, self.situ_beta, self.situ_linear_beta)
@@ -168,7 +169,7 @@ class MoE(nn.Module):
     device scalar: slots dropped by spec.capacity_factor, 0 when dropless) and `last_aux_loss` (the detached
     sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0), for logging.
 
-    Token path: moestack.ops.moe.routing (backend "triton" on CUDA, "reference" elsewhere; `router.backend`
+    Token path: moestack.ops.moe.routing (backend "triton" on CUDA, "reference" elsewhere; `routing_backend`
     overrides). `row_align` pads each expert's row block to a multiple (for grouped GEMMs that want it).
 
     Host syncs: none on the native grouped-GEMM path (CUDA bf16); the grouped-GEMM fallbacks (CPU, fp32 on GPU,
@@ -207,6 +208,16 @@ class MoE(nn.Module):
         # set by moestack.parallel (TP / SP / CP): the ranks one sequence's tokens are split over
         self.seq_shard_group: dist.ProcessGroup | None = None
 
+    @property
+    def routing_backend(self) -> str | None:
+        """Backend of the token path (moestack.ops.moe.routing): router, dispatch, gather, combine and the
+        experts' activation. None = by device / env MOESTACK_MOE_ROUTING_BACKEND."""
+        return self.router.backend
+
+    @routing_backend.setter
+    def routing_backend(self, name: str | None) -> None:
+        self.router.backend = self.experts.routing_backend = name
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """x_BTD [B, T, D] -> [B, T, D]. Backward through the output also backpropagates the aux loss."""
         B, T, D = x_BTD.shape
@@ -220,7 +231,7 @@ class MoE(nn.Module):
         if self.spec.capacity_factor is not None:
             cap = routing.capacity_rows(B * T, K, E, self.spec.capacity_factor, self.row_align)
         d = routing.dispatch(topk_idx_TK, E, self.row_align, cap, topk_w_TK.detach(), backend)
-        y_RL = self.experts(routing.gather(h_TL, d, backend), d.offs_E, backend)
+        y_RL = self.experts(routing.gather(h_TL, d, backend), d.offs_E)
         y_TL = routing.combine(y_RL, d, topk_w_TK, backend)
         if self.latent_norm is not None:
             y_TL = self.latent_norm(y_TL)

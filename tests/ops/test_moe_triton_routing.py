@@ -252,7 +252,7 @@ def make_layer(variant: str, seed: int, **overrides) -> MoE:
 
 
 def run_layer(m: MoE, x: torch.Tensor, gy: torch.Tensor, backend: str):
-    m.router.backend = backend
+    m.routing_backend = backend
     m.zero_grad()
     xx = x.clone().requires_grad_()
     out = m(xx)

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moestack.ops.moe import reference  # noqa: E402
 
-SHAPES = {  # name: (E, D, I)
+SHAPES = {  # name: (E, D, I); K3 EP16 first: it is the shape the FP8 and layer targets are set at
+    "k3_ep16": (56, 3584, 3072),
     "e56_2048_1024": (56, 2048, 1024),
     "e224_1024_512": (224, 1024, 512),
-    "k3_ep16": (56, 3584, 3072),
 }
 TOKENS = [16, 32, 64, 128, 256, 586, 2341]
 BUDGET_S = 140.0

@@ -45,14 +45,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _mm_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BM": 16, "BN": 32}, num_warps=4, num_stages=1)]
-    shapes = [(64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)]
+    # two fp32 [BM, BN] tiles live per thread (the accumulator and the scaled 128-slice product): 128x256 spills
+    shapes = [(64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 3)]
     return [triton.Config({"BM": m, "BN": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 def _wgrad_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BD": 16, "BF": 32}, num_warps=4, num_stages=1)]
-    shapes = [(128, 128, 8, 3), (128, 256, 8, 3)]
+    shapes = [(128, 128, 8, 3), (64, 128, 4, 4)]
     return [triton.Config({"BD": d, "BF": f}, num_warps=w, num_stages=s) for d, f, w, s in shapes]
 
 

@@ -337,6 +337,11 @@ def test_fp8_gpu(kind, E, D, F):
                              (fq.quantize_blocks(w), fq.quantize_blocks_ref(w))]:
         assert rel_err(s, sr) < 1e-6
         assert (q.float() != qr.float()).float().mean() < 1e-3, "fp8 values differ beyond a tie-rounding"
+    qT, sT = fq.quantize_token_tiles(x, offs)
+    qTr, sTr = fq.quantize_token_tiles_ref(x, offs)
+    n_tiles = sum((c + 127) // 128 for c in counts)  # tiles past these are never written nor read
+    assert rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
+    assert (qT[:, :n_tiles * 128].float() != qTr[:, :n_tiles * 128].float()).float().mean() < 1e-3
     x.requires_grad_(True)
     w.requires_grad_(True)
     y = f8.grouped_mm(x, w, offs)

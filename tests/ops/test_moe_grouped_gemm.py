@@ -208,12 +208,13 @@ def test_auto_gpu_no_host_sync():
     x, w, offs = make_case([64] * 56, 1024, 1024, torch.bfloat16)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    for backend in ("triton", "auto"):  # warm-up: autotuning synchronises, the tuned launches must not
-        moe_ops.grouped_mm(x, w, offs, backend=backend).sum().backward()
+    for backend in ("fp8", "triton", "auto"):  # warm-up: autotuning synchronises, the tuned launches must not
+        y = moe_ops.grouped_mm(x, w, offs, backend=backend)
+        y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for backend in ("triton", "auto"):
+        for backend in ("fp8", "triton", "auto"):
             y = moe_ops.grouped_mm(x, w, offs, backend=backend)
             y.backward(torch.ones_like(y))
     finally:

@@ -123,6 +123,81 @@ def kernel_report() -> None:
             print(f"  kernel {fn.__name__}: no metadata ({e!r})")
 
 
+def layer_op_rows(rep: int) -> None:
+    """The layer's short convolution + SiLU: PyTorch (model.kda.ShortConv) vs the fused kernel, bf16, fwd and
+    fwd+bwd at the issue's first shape (C = 32 heads x 128), one document per row and packed documents."""
+    from triton.testing import do_bench
+
+    from moestack.model.kda import ShortConv, _doc_positions
+    from moestack.ops.kda.short_conv import short_conv_silu
+
+    B, T, C, W = 1, 32768, 4096, 4
+    conv = ShortConv(C, W).cuda()
+    conv.init_weights(0.02)
+    x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    cu = torch.tensor([0, 1000, 9000, 20000, T], device="cuda")
+    variants = {"torch": lambda x, pos: F.silu(conv(x, pos)),
+                "fused": lambda x, pos: short_conv_silu(x, conv.weight, pos)}
+    print("\n| layer op | mode | impl | ms | Mtok/s | | speedup |\n|---|---|---|---|---|---|---|", flush=True)
+    for docs, pos in (("1 doc", None), ("4 docs", _doc_positions(T, cu, x.device))):
+        for backward in (False, True):
+            ms = {}
+            for name, fn in variants.items():
+                try:
+                    xi = x.clone().requires_grad_(backward)
+
+                    def run(fn=fn, xi=xi, pos=pos, backward=backward):
+                        y = fn(xi, pos)
+                        if backward:
+                            y.backward(dy)
+
+                    run()
+                    ms[name] = do_bench(run, warmup=10, rep=rep, grad_to_none=[xi, conv.weight], return_mode="median")
+                except Exception as e:  # report and go on
+                    print(f"| conv+silu {B}x{T}x{C} {docs} | {'fwd+bwd' if backward else 'fwd'} | {name} | "
+                          f"error: {type(e).__name__}: {str(e)[:160]} | | | |", flush=True)
+            for name, t in ms.items():
+                sp = f"{ms['torch'] / t:.2f} vs torch" if "torch" in ms and name != "torch" else ""
+                print(f"| conv+silu {B}x{T}x{C} {docs} | {'fwd+bwd' if backward else 'fwd'} | {name} | {t:.3f} | "
+                      f"{B * T / t / 1e3:.2f} | | {sp} |", flush=True)
+
+
+def gated_norm_rows(rep: int) -> None:
+    """The layer's output RMSNorm * sigmoid gate: PyTorch (model.kda's form) vs the fused kernel, bf16."""
+    from triton.testing import do_bench
+
+    from moestack.model.norm import RMSNorm
+    from moestack.ops.kda.gated_norm import gated_rmsnorm
+
+    shape = (1, 32768, 32, 128)
+    norm = RMSNorm(128, eps=1e-6).cuda()
+    o, z = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dy = torch.randn_like(o)
+    variants = {"torch": lambda o, z: norm(o).to(z.dtype) * torch.sigmoid(z),
+                "fused": lambda o, z: gated_rmsnorm(o, z, norm.weight, norm.eps)}
+    for backward in (False, True):
+        ms = {}
+        for name, fn in variants.items():
+            try:
+                ins = [t.clone().requires_grad_(backward) for t in (o, z)]
+
+                def run(fn=fn, ins=ins, backward=backward):
+                    y = fn(*ins)
+                    if backward:
+                        y.backward(dy)
+
+                run()
+                ms[name] = do_bench(run, warmup=10, rep=rep, grad_to_none=[*ins, norm.weight], return_mode="median")
+            except Exception as e:  # report and go on
+                print(f"| gated rmsnorm 1x32768x32x128 | {'fwd+bwd' if backward else 'fwd'} | {name} | "
+                      f"error: {type(e).__name__}: {str(e)[:160]} | | | |", flush=True)
+        for name, t in ms.items():
+            sp = f"{ms['torch'] / t:.2f} vs torch" if "torch" in ms and name != "torch" else ""
+            print(f"| gated rmsnorm 1x32768x32x128 | {'fwd+bwd' if backward else 'fwd'} | {name} | {t:.3f} | "
+                  f"{32768 / t / 1e3:.2f} | | {sp} |", flush=True)
+
+
 def _fla_installed() -> bool:
     """fla-core is optional (carried to the GPU as a wheel): without it, one '|' row says so and ours runs alone."""
     import importlib.util
@@ -151,6 +226,7 @@ def main() -> None:
                    help="skip the remaining variants (a '|' row each) once this many seconds have passed")
     p.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-layer-ops", action="store_true", help="skip the short conv + SiLU rows")
     p.add_argument("--autotune", action="store_true",
                    help="autotune our kernels over their full config lists (default: the first config of each, "
                         "MOESTACK_KDA_AUTOTUNE=0, chosen from ptxas register/spill reports; saves ~1 min of compiles)")
@@ -214,6 +290,9 @@ def main() -> None:
 
     if "ours" in names:
         kernel_report()
+    if not args.no_layer_ops:
+        layer_op_rows(args.rep)
+        gated_norm_rows(args.rep)
     print("\n| shape BxTxHxD | mode | backend | ms | Mtok/s | TFLOP/s | speedup vs fla |")
     print("|---|---|---|---|---|---|---|")
     fla_ms = {(r["shape"], r["mode"]): r["ms"] for r in results if r["name"] == "fla"}

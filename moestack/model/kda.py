@@ -16,6 +16,7 @@ N packed documents.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,34 @@ class ShortConv(nn.Module):
         del std
         bound = 1.0 / math.sqrt(self.kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
+
+
+# The layer's elementwise ops run as fused Triton kernels on CUDA (fp32 inside, one pass each way); on CPU, for
+# fp64 (reference checks), or with MOESTACK_KDA_FUSED_LAYER_OPS=0, the PyTorch forms below (the kernels' specs).
+FUSED_OPS_ENV = "MOESTACK_KDA_FUSED_LAYER_OPS"
+
+
+def _fused_ops(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype != torch.float64 and os.environ.get(FUSED_OPS_ENV, "1") != "0"
+
+
+def _gated_norm(norm: RMSNorm, o: torch.Tensor, z: torch.Tensor, act: str) -> torch.Tensor:
+    """RMSNorm(o) * act(z) per head (ops/kda/gated_norm.py when fused)."""
+    if _fused_ops(o):
+        from moestack.ops.kda.gated_norm import gated_rmsnorm  # imports Triton: only where it runs
+
+        return gated_rmsnorm(o, z, norm.weight, norm.eps, act)
+    gate = torch.sigmoid(z) if act == "sigmoid" else F.silu(z)
+    return norm(o).to(gate.dtype) * gate
+
+
+def _conv_silu(conv: ShortConv, x_BTC: torch.Tensor, pos_T: torch.Tensor | None) -> torch.Tensor:
+    """silu(conv(x)) (ops/kda/short_conv.py when fused)."""
+    if _fused_ops(x_BTC):
+        from moestack.ops.kda.short_conv import short_conv_silu  # imports Triton: only where it runs
+
+        return short_conv_silu(x_BTC, conv.weight, pos_T)
+    return F.silu(conv(x_BTC, pos_T))
 
 
 def _fp32_or_wider(x: torch.Tensor) -> torch.dtype:
@@ -144,9 +173,9 @@ class KDAAttention(nn.Module):
             assert B == 1, f"packed documents (cu_seqlens) need B == 1, got B={B}"
             pos_T = _doc_positions(T, cu_seqlens, x_BTD.device)
 
-        q = F.silu(self.q_conv(self.q_proj(x_BTD), pos_T)).view(B, T, H, K)
-        k = F.silu(self.k_conv(self.k_proj(x_BTD), pos_T)).view(B, T, H, K)
-        v = F.silu(self.v_conv(self.v_proj(x_BTD), pos_T)).view(B, T, HV, K)
+        q = _conv_silu(self.q_conv, self.q_proj(x_BTD), pos_T).view(B, T, H, K)
+        k = _conv_silu(self.k_conv, self.k_proj(x_BTD), pos_T).view(B, T, H, K)
+        v = _conv_silu(self.v_conv, self.v_proj(x_BTD), pos_T).view(B, T, HV, K)
         q, k = _l2norm(q, self.spec.l2_eps), _l2norm(k, self.spec.l2_eps)
         if HV != H:  # value head j reads q/k head j // (HV / H)
             q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
@@ -168,8 +197,7 @@ class KDAAttention(nn.Module):
             chunk_size=self.spec.chunk_size,
         )
         z_BTHV = self._output_gate(x_BTD).view(B, T, HV, K)
-        gate_BTHV = torch.sigmoid(z_BTHV) if self.spec.output_gate_act == "sigmoid" else F.silu(z_BTHV)
-        o_BTHV = self.o_norm(o_BTHV).to(gate_BTHV.dtype) * gate_BTHV
+        o_BTHV = _gated_norm(self.o_norm, o_BTHV, z_BTHV, self.spec.output_gate_act)
         return self.o_proj(o_BTHV.reshape(B, T, HV * K))
 
     @torch.no_grad()

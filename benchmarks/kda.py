@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--save-mode", action="store_true", help="(default now) ours with recompute=False too")
     p.add_argument("--backends", nargs="*", default=None, help="subset of: ours ours-save fla")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    p.add_argument("--budget-s", type=float, default=130.0,
+    p.add_argument("--budget-s", type=float, default=110.0,
                    help="skip the remaining variants (a '|' row each) once this many seconds have passed")
     p.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
     p.add_argument("--json", default=None)

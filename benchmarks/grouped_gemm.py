@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestack.ops.moe import reference  # noqa: E402
+from moestack.ops.moe import reference
 
 SHAPES = {  # name: (E, D, I); K3 EP16 first: it is the shape the FP8 and layer targets are set at
     "k3_ep16": (56, 3584, 3072),

@@ -19,10 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are decorated
 pytest.importorskip("triton")
 
-from moestack.ops import moe as moe_ops  # noqa: E402
-from moestack.ops.moe import gemm_select  # noqa: E402
-from moestack.ops.moe import triton_grouped_gemm as tgg  # noqa: E402
-from moestack.ops.moe.reference import grouped_mm_loop  # noqa: E402
+from moestack.ops import moe as moe_ops
+from moestack.ops.moe import fp8_grouped_gemm as f8
+from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe import gemm_select
+from moestack.ops.moe import triton_grouped_gemm as tgg
+from moestack.ops.moe.reference import grouped_mm_loop
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -224,9 +226,6 @@ def test_auto_gpu_no_host_sync():
 
 # ---------------------------------------------------------------------------------------------------------------
 # FP8: quantisation spec vs plain loops (CPU, torch), kernel logic in the interpreter with unrounded fp32 "q"
-
-from moestack.ops.moe import fp8_grouped_gemm as f8  # noqa: E402
-from moestack.ops.moe import fp8_quant as fq  # noqa: E402
 
 E4M3_REL = 2.0**-4  # round to nearest, 3 mantissa bits, normal range
 

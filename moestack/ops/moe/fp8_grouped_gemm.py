@@ -90,7 +90,7 @@ def fp8_grouped_mm_fwd_kernel(
         p_sx = sx + rows64 * stride_sxn  # [BM]
         p_sw = sw + e64 * stride_swe + cols // BK  # [BN]
         b_acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BK)):
+        for kb in range(tl.cdiv(K, BK)):
             ks = kb * BK + o_k
             m_k = ks < K
             b_x = tl.load(p_x + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)  # [BM, BK]

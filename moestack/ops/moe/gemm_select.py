@@ -66,9 +66,9 @@ def choose(N: int, E: int, D: int, F: int, table: CrossoverTable | None = None) 
 def grouped_mm_auto(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """The "auto" backend (same contract as reference.grouped_mm). Triton only on CUDA in bf16 / fp16."""
     dtype = reference._compute_dtype(x_ND, w_EDF)
-    if x_ND.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        if choose(x_ND.shape[0], w_EDF.shape[0], w_EDF.shape[1], w_EDF.shape[2]) == "triton":
-            from moestack.ops.moe import triton_grouped_gemm
+    small = choose(x_ND.shape[0], w_EDF.shape[0], w_EDF.shape[1], w_EDF.shape[2]) == "triton"
+    if small and x_ND.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        from moestack.ops.moe import triton_grouped_gemm
 
-            return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E)
+        return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E)
     return reference.grouped_mm(x_ND, w_EDF, offs_E)

@@ -159,9 +159,7 @@ class GatedMLA(nn.Module):
             q_idx, k_idx, w = self.indexer(x_BTD.detach(), q_lat_BTL.detach(), rope)
             kv_BTX = torch.cat((c_kv_BTC, k_rope_BTR), dim=-1)  # the shared MQA latent [c_kv | k_rope]
             if self.sparse:
-                o_BTHV, loss = self._sparse_attention(
-                    q_nope_BTHN, q_rope_BTHR, kv_BTX, q_idx, k_idx, w, cu_seqlens
-                )
+                o_BTHV, loss = self._sparse_attention(q_nope_BTHN, q_rope_BTHR, kv_BTX, q_idx, k_idx, w, cu_seqlens)
             else:
                 o_BTHV = self._dense_attention(q_nope_BTHN, q_rope_BTHR, c_kv_BTC, k_rope_BTR, cu_seqlens)
                 with torch.no_grad():
@@ -237,7 +235,7 @@ class GatedMLA(nn.Module):
         o_lat_BTHC, lse_BTH = dsa_ops.sparse_mqa_attention(q_abs_BTHX, kv_BTX, idx_BTK, self.kv_lora_rank, self.scale)
         _, w_uv_HVC = self._kv_b_heads()
         o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HVC.to(o_lat_BTHC.dtype))
-        target_BTK = dsa_ref.attention_probs_target(
+        target_BTK = dsa_ops.attention_probs_target(
             q_abs_BTHX.detach(), kv_BTX.detach(), self.scale, lse=lse_BTH.detach(), idx=idx_BTK
         )
         scores_BTK = dsa_ref.indexer_scores_at_blockwise(q_idx, k_idx, w, idx_BTK)

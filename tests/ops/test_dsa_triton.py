@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from moestack.ops import dsa as dsa_ops
 from moestack.ops.dsa import reference as ref
-from moestack.ops.dsa.triton_indexer import indexer_topk_triton
+from moestack.ops.dsa.triton_indexer import attention_probs_target_triton, indexer_topk_triton
 from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
 
 CPU_TOL = 2e-5
@@ -58,7 +58,7 @@ def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, s
     ((o.float() * do).sum() + (lse * dlse).sum()).backward()
 
     q64, kv64 = qa.detach().double().requires_grad_(), ka.detach().double().requires_grad_()
-    ro, rlse = ref.sparse_mqa_attention(q64, kv64, idx, V, scale)
+    ro, rlse = ref.sparse_mqa_attention_blockwise(q64, kv64, idx, V, scale)  # bounded memory at full size
     ((ro * do.double()).sum() + (rlse * dlse.double()).sum()).backward()
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert _rel(o, ro) < tol_o, ("o", _rel(o, ro))
@@ -70,7 +70,7 @@ def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, s
 # ------------------------------------------------------------------------------------------------ CPU (interpreter)
 
 
-@pytest.mark.parametrize("mode", ["atomic", "sorted"])
+@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted"])
 @pytest.mark.parametrize("H", [20, 33])  # 20: one full + one padded head block; 33: three blocks
 def test_attention_matches_reference(H, mode):
     B, T, V, R, K = 3 - H // 20, 17, 32, 16, 18  # T, K not multiples of the 16-wide blocks
@@ -138,6 +138,19 @@ def test_indexer_topk_matches_reference(cu):
     _assert_same_topk(got, q, k, w, 8, cu_t)
 
 
+def test_probs_target_matches_reference():
+    """The sparse-stage KL target from the attention's lse (head-summed probabilities over the selection)."""
+    g = torch.Generator().manual_seed(13)
+    B, T, H, D, K = 2, 11, 20, 48, 7
+    q, kv = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, D, generator=g)
+    idx = _random_idx(B, T, K, seed=13)
+    _, lse = ref.sparse_mqa_attention(q, kv, idx, 32, 0.2)
+    got = attention_probs_target_triton(q, kv, 0.2, lse=lse, idx=idx)
+    want = ref.attention_probs_target(q.double(), kv.double(), 0.2, lse=lse.double(), idx=idx)
+    assert torch.all(got[idx < 0] == 0)
+    assert _rel(got, want) < CPU_TOL
+
+
 def test_dispatcher_registration():
     q = torch.randn(1, 4, 2, 48)
     assert "triton" in dsa_ops.backends("sparse_mqa_attention")
@@ -146,13 +159,15 @@ def test_dispatcher_registration():
     idx = _random_idx(1, 4, 3, seed=1)
     o, _ = dsa_ops.sparse_mqa_attention(q, torch.randn(1, 4, 48), idx, 32, 0.2, backend="triton")
     assert o.shape == (1, 4, 2, 32)
+    for op in ("indexer_topk_from_inputs", "attention_probs_target"):
+        assert dsa_ops.select_backend(op, q) == "reference" and "triton" in dsa_ops.backends(op)
 
 
 # ------------------------------------------------------------------------------------------------ GPU, bf16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["atomic", "sorted"])
+@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted"])
 @pytest.mark.parametrize("H", [20, 64, 96])
 def test_attention_gpu_bf16_full_size(H, mode):
     B, T, V, R, K = 1, 1000, 512, 64, 256
@@ -189,5 +204,37 @@ def test_indexer_topk_gpu(cu):
     got = indexer_topk_triton(q, k, w, 2048, cu_t)  # fp32 inputs: tf32 dots, compare score multisets loosely
     want = ref.indexer_topk_from_inputs(q, k, w, 2048, cu_seqlens=cu_t)
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    overlap = (torch.sort(got, -1).values == torch.sort(want, -1).values).float().mean()
-    assert overlap > 0.95, float(overlap)
+    chosen = torch.zeros(T, T + 1, dtype=torch.bool, device="cuda")  # column T collects the -1 slots
+    chosen.scatter_(1, want[0].long() % (T + 1), True)
+    hits = chosen.gather(1, got[0].long() % (T + 1))[got[0] >= 0]
+    assert hits.float().mean() > 0.99, float(hits.float().mean())  # near-tie flips only
+
+
+@pytest.mark.gpu
+def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
+    """The Gated DSA layer (proxy dims: 20 heads, latent 512 + 64, indexer 32 x 128) in sparse mode, bf16 autocast:
+    the "triton" backend (picked by default on CUDA) against MOESTACK_DSA_BACKEND=reference, output and grads."""
+    from moestack.config.model_spec import IndexerSpec, MLASpec
+    from moestack.model.dsa import GatedMLA
+
+    spec = MLASpec(
+        num_heads=20, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, use_rope=False, output_gate=True, indexer=IndexerSpec(num_heads=32, head_dim=128, top_k=256),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = GatedMLA(1536, spec, 1e-5).cuda()
+    layer.init_weights(0.02)
+    x = torch.randn(1, 1024, 1536, device="cuda")
+    runs = {}
+    for name in ("triton", "reference"):
+        monkeypatch.setenv(dsa_ops.ENV_VAR, name)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.float().square().mean().backward()
+        runs[name] = (y.float(), xi.grad.float(), layer.kv_a_proj.weight.grad.float(), layer.last_indexer_loss)
+    (y_t, gx_t, gw_t, loss_t), (y_r, gx_r, gw_r, loss_r) = runs["triton"], runs["reference"]
+    # both bf16; differences come from accumulation order and the top-k flips it causes on near ties
+    assert _rel(y_t, y_r) < 5e-2 and _rel(gx_t, gx_r) < 8e-2 and _rel(gw_t, gw_r) < 8e-2
+    assert abs(float(loss_t) - float(loss_r)) < 2e-2 * max(1.0, abs(float(loss_r)))

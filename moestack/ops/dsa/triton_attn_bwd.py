@@ -3,9 +3,13 @@
 With P = softmax over a query's selected keys (rebuilt from the forward's lse), dP = dO V^T,
 dS = P (dP - Delta) with Delta = rowsum(dO * O) - dlse (the lse gradient folds into Delta), then
 dQ = scale dS K and, per selected row s, dKV[s] += scale dS^T Q (+ P^T dO on the value dims).
-Many queries select the same key row, so dKV is a scatter-add. Two ways, selectable (`dkv_mode`):
+Many queries select the same key row, so dKV is a scatter-add. Three ways, selectable (`dkv_mode`):
   * "atomic": one fused kernel per (token, head block) computes dQ and adds its [BLOCK_K, D] dKV tiles into an
-    fp32 buffer with relaxed fp32 atomics. Fast; the summation order (so the last bits) varies run to run.
+    fp32 buffer with relaxed fp32 atomics. The summation order (so the last bits) varies run to run; with
+    H / BLOCK_H head blocks per token it issues that many atomics per (token, slot, dim).
+  * "atomic_split": dQ from the same kernel without atomics; a second kernel per (token, block of slots) sums
+    the contribution over all heads first, then one atomic per (token, slot, dim). Recomputes the scores and
+    dP (+2 of the 5 products) to cut the atomic traffic by H / BLOCK_H.
   * "sorted": deterministic. dQ comes from the same kernel without atomics; a second kernel, one program per
     (token, block of slots) looping over all head blocks, writes each (query, slot) contribution row to an fp32
     buffer (a chunk of queries at a time, so memory stays bounded); the chunk's (query, slot) pairs are sorted by
@@ -25,17 +29,31 @@ import triton.language as tl
 
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, padded_dims
 
-DKV_MODES = ("atomic", "sorted")
+DKV_MODES = ("atomic", "atomic_split", "sorted")
 SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
 
 
-def _bwd_configs():
+def _bwd_configs(shapes):
+    """(BLOCK_H, BLOCK_K, warps, stages) list -> configs; one config under the interpreter or MOESTACK_DSA_AUTOTUNE=0."""
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    shapes = [(32, 32, 8, 1), (64, 32, 8, 1), (16, 64, 4, 2)]
     if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
         shapes = shapes[:1]
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in shapes]
+
+
+# From an sm_90 compile (ptxas -v) of each: the dQ accumulator [BLOCK_H, 576] fp32 lives in registers, so wide
+# head blocks spill; 64-head blocks fit (wgmma) only without the dKV atomics' extra tiles.
+_BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1)]
+_ROWS_SHAPES = [(32, 32, 8, 1), (16, 32, 4, 2)]
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    """As _prune_head_blocks; with ATOMIC also drop 64-head blocks (over 227 KB of shared memory on sm_90)."""
+    kept = _prune_head_blocks(configs, named_args, **kwargs)
+    if kwargs.get("ATOMIC", False):
+        kept = [c for c in kept if c.kwargs["BLOCK_H"] < 64] or kept[:1]
+    return kept
 
 
 @triton.jit
@@ -69,9 +87,9 @@ def _scores_and_ds(q_c, q_r, do, lse2, delta, k_c, k_r, valid, mask_h, scale_log
 
 
 @triton.autotune(
-    configs=_bwd_configs(),
+    configs=_bwd_configs(_BWD_SHAPES),
     key=["H", "K", "V", "R", "ATOMIC"],
-    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    prune_configs_by={"early_config_prune": _prune_bwd},
     reset_to_zero=["DKV"],
 )
 @triton.jit(do_not_specialize=["T", "H", "K"])
@@ -140,21 +158,26 @@ def _sparse_mqa_bwd_kernel(
 
 
 @triton.autotune(
-    configs=_bwd_configs()[:2], key=["H", "K", "V", "R"], prune_configs_by={"early_config_prune": _prune_head_blocks}
+    configs=_bwd_configs(_ROWS_SHAPES),
+    key=["H", "K", "V", "R", "ATOMIC"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    reset_to_zero=["DKV"],
 )
 @triton.jit(do_not_specialize=["n0", "T", "H", "K"])
 def _sparse_mqa_dkv_rows_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, BUF,
+    Q, KV, IDX, DO, LSE, DELTA, BUF, DKV,
     n0, T, H, K, scale, scale_log2,
     s_qb, s_qt, s_qh,
     s_kb, s_ks,
     s_ib, s_it,
     s_ob, s_ot, s_oh,
-    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
+    s_dkb, s_dks,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token n0 + i, block of slots): that block's dKV contribution rows summed over all heads,
-    written to BUF[i, slot, :] (fp32 [chunk, K, D])."""
+    """One program per (token n0 + i, block of slots): that block's dKV contribution rows summed over all heads.
+    ATOMIC: added into DKV[b, idx] (fp32) with one atomic per element and (token, slot), whatever H is;
+    else written to BUF[i, slot, :] (fp32 [chunk, K, D]) for the sorted scatter."""
     i = tl.program_id(0)
     pid_t = n0 + i
     b = (pid_t // T).to(tl.int64)
@@ -190,10 +213,15 @@ def _sparse_mqa_dkv_rows_kernel(
         dk_c += tl.dot(tl.trans(ds), q_c) + tl.dot(tl.trans(p.to(do.dtype)), do)
         dk_r += tl.dot(tl.trans(ds), q_r)
 
-    D: tl.constexpr = V + R
-    dst = BUF + (i.to(tl.int64) * K + offs_k[:, None]) * D
-    tl.store(dst + offs_c[None, :], dk_c, mask=(offs_k < K)[:, None] & mask_c[None, :])
-    tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None] & mask_r[None, :])
+    if ATOMIC:
+        dst = DKV + b * s_dkb + row[:, None] * s_dks
+        tl.atomic_add(dst + offs_c[None, :], dk_c, mask=valid[:, None] & mask_c[None, :], sem="relaxed")
+        if R > 0:
+            tl.atomic_add(dst + V + offs_r[None, :], dk_r, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
+    else:
+        dst = BUF + (i.to(tl.int64) * K + offs_k[:, None]) * (V + R)
+        tl.store(dst + offs_c[None, :], dk_c, mask=(offs_k < K)[:, None] & mask_c[None, :])
+        tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -244,12 +272,32 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     return delta
 
 
+def _dkv_rows(q, kv, idx, do, lse, delta, scale, buf, dkv32, n0, n):
+    """_sparse_mqa_dkv_rows_kernel over tokens [n0, n0 + n): atomics into dkv32 when buf is None, else rows to buf."""
+    T, H, D = q.shape[1], q.shape[2], q.shape[3]
+    K, V = idx.shape[-1], do.shape[-1]
+    VP, RP = padded_dims(V, D - V)
+
+    def grid(meta):
+        return (n, triton.cdiv(K, meta["BLOCK_K"]))
+
+    _sparse_mqa_dkv_rows_kernel[grid](
+        q, kv, idx, do, lse, delta, dkv32 if buf is None else buf, dkv32,
+        n0, T, H, K, scale, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        do.stride(0), do.stride(1), do.stride(2),
+        dkv32.stride(0), dkv32.stride(1),
+        V=V, R=D - V, VP=VP, RP=RP, ATOMIC=buf is None,
+    )  # fmt: skip
+
+
 def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     """dKV by the deterministic sorted scatter over chunks of tokens (see module docstring)."""
-    B, T, H, D = q.shape
-    S, K, V = kv.shape[1], idx.shape[-1], do.shape[-1]
+    B, T, _, D = q.shape
+    S, K = kv.shape[1], idx.shape[-1]
     N = B * T
-    VP, RP = padded_dims(V, D - V)
     chunk = max(1, min(N, buffer_bytes // (K * D * 4)))
     buf = torch.empty((chunk, K, D), device=q.device, dtype=torch.float32)
     # global key row of every (token, slot): b * S + idx, or -1
@@ -258,19 +306,7 @@ def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     dkv_flat = dkv32.view(B * S, D)
     for n0 in range(0, N, chunk):
         n = min(chunk, N - n0)
-
-        def grid(meta, n=n):
-            return (n, triton.cdiv(K, meta["BLOCK_K"]))
-
-        _sparse_mqa_dkv_rows_kernel[grid](
-            q, kv, idx, do, lse, delta, buf,
-            n0, T, H, K, scale, scale * LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), kv.stride(1),
-            idx.stride(0), idx.stride(1),
-            do.stride(0), do.stride(1), do.stride(2),
-            V=V, R=D - V, VP=VP, RP=RP,
-        )  # fmt: skip
+        _dkv_rows(q, kv, idx, do, lse, delta, scale, buf, dkv32, n0, n)
         keys_sorted, order = torch.sort(keys_all[n0 : n0 + n].reshape(-1), stable=True)
         uniq, counts = torch.unique_consecutive(keys_sorted, return_counts=True)
         starts = torch.zeros(uniq.numel() + 1, device=q.device, dtype=torch.int64)
@@ -317,6 +353,8 @@ def sparse_mqa_bwd(
         dkv32.stride(0), dkv32.stride(1),
         V=V, R=D - V, VP=VP, RP=RP, ATOMIC=atomic,
     )  # fmt: skip
-    if not atomic:
+    if dkv_mode == "atomic_split":
+        _dkv_rows(q, kv, idx, do, lse, delta, scale, None, dkv32, 0, B * T)
+    elif dkv_mode == "sorted":
         _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, sorted_buffer_bytes)
     return dq, dkv32.to(kv.dtype)

@@ -1,4 +1,5 @@
-"""Lightning-indexer top-k, phase A: Triton block scoring + torch.topk over chunks of query rows.
+"""Lightning-indexer top-k (phase A: Triton block scoring + torch.topk over chunks of query rows) and the
+sparse-stage KL target (head-summed attention probabilities over the selected keys) in Triton.
 
 For a chunk of query rows [t0, t1) a Triton kernel writes the scores I[t, s] = sum_j w[t,j] ReLU(q[t,j] . k[s])
 for keys s < t1 only (causal; -inf outside the document with cu_seqlens), tiles above the diagonal are skipped
@@ -102,3 +103,81 @@ def indexer_topk_triton(
         )  # fmt: skip
         out.append(ref.indexer_topk(I, top_k))
     return torch.cat(out, dim=1)
+
+
+def _target_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_H": 64, "BLOCK_K": 64}, num_warps=8, num_stages=2),
+            triton.Config({"BLOCK_H": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)]  # fmt: skip
+
+
+@triton.autotune(configs=_target_configs(), key=["H", "K", "VP", "RP"])
+@triton.jit(do_not_specialize=["T", "H", "K"])
+def _probs_target_kernel(
+    Q, KV, IDX, LSE, P,
+    T, H, K, scale_log2,
+    s_qb, s_qt, s_qh, s_kb, s_ks, s_ib, s_it,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """P[n, k] = sum_h exp(scale q[n,h] . kv[idx[n,k]] - lse[n,h]) for one (token, block of slots); 0 at -1."""
+    n = tl.program_id(0).to(tl.int64)
+    b = n // T
+    t = n % T
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, VP)
+    offs_r = tl.arange(0, RP)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
+    ids = tl.load(IDX + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)
+    valid = ids >= 0
+    rows = KV + b * s_kb + tl.where(valid, ids, 0).to(tl.int64)[:, None] * s_ks
+    k_c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+    k_r = tl.load(rows + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+        q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
+        p = tl.exp2(s * scale_log2 - lse2[:, None])
+        acc += tl.sum(tl.where(mask_h[:, None] & valid[None, :], p, 0.0), 0)
+    tl.store(P + n * K + offs_k, acc, mask=offs_k < K)
+
+
+@torch.no_grad()
+def attention_probs_target_triton(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    scale: float,
+    lse: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """reference.attention_probs_target for the sparse stage (idx and the attention op's lse given): [B,T,K] fp32,
+    the head-summed attention probabilities over the selected keys, L1-normalised, 0 at -1 slots. The dense
+    warm-up target (idx None) is delegated to the reference."""
+    if idx is None or lse is None:
+        return ref.attention_probs_target(q, kv, scale, lse=lse, idx=idx, cu_seqlens=cu_seqlens)
+    B, T, H, D = q.shape
+    K = idx.shape[-1]
+    V = min(D, 512)  # scores need no value split: any tiling of D works; 512 + 64 is MLA's
+    VP, RP = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(max(D - V, 1)))
+    q, kv, idx, lse = q.contiguous(), kv.to(q.dtype).contiguous(), idx.to(torch.int32).contiguous(), lse.contiguous()
+    p = torch.full((B, T, K), float("nan"), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (B * T, triton.cdiv(K, meta["BLOCK_K"]))
+
+    _probs_target_kernel[grid](
+        q, kv, idx, lse.float(), p,
+        T, H, K, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
+        V=V, R=D - V, VP=VP, RP=RP,
+    )  # fmt: skip
+    return p / p.sum(-1, keepdim=True)

@@ -54,7 +54,7 @@ def sparse_mqa_attention_triton(
         raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES} (argument or {DKV_ENV_VAR})")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} is not supported by the Triton DSA kernels; use fp32, fp16 or bf16")
-    if torch.is_autocast_enabled(q.device.type) and q.dtype != kv.dtype:
+    if kv.dtype != q.dtype:  # e.g. a bf16 query (autocast matmul) against an fp32 normalised latent
         kv = kv.to(q.dtype)
     return _SparseMQAttention.apply(q, kv, idx, v_dim, scale, mode)
 
@@ -69,3 +69,10 @@ def indexer_topk_triton(q_idx, k_idx, w, top_k, cu_seqlens=None):
     from moestack.ops.dsa.triton_indexer import indexer_topk_triton as _topk
 
     return _topk(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
+
+
+def attention_probs_target_triton(q, kv, scale, lse=None, idx=None, cu_seqlens=None):
+    """Registered as backend "triton" of attention_probs_target; see triton_indexer.attention_probs_target_triton."""
+    from moestack.ops.dsa.triton_indexer import attention_probs_target_triton as _target
+
+    return _target(q, kv, scale, lse=lse, idx=idx, cu_seqlens=cu_seqlens)

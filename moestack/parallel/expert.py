@@ -26,6 +26,7 @@ P ranks in the EP group, n domains, D ranks per domain.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
@@ -149,6 +151,7 @@ class ExpertParallelExperts(Experts):
     """
 
     ep_dispatcher: Dispatcher
+    ep_etp_group: dist.ProcessGroup | None = None  # expert tensor parallelism (etp > 1)
 
     def local_forward(self, x_RL: torch.Tensor, offs_X: torch.Tensor) -> torch.Tensor:
         """The local experts on rows sorted by local expert (Experts.forward on this rank's weight shard)."""
@@ -161,7 +164,10 @@ class ExpertParallelExperts(Experts):
     def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         offs = offs_E.long()
         counts_E = torch.diff(offs, prepend=offs.new_zeros(1))
-        return self.ep_dispatcher(h_NL, counts_E, self.local_forward)
+        local_fn = self.local_forward
+        if self.ep_etp_group is not None:  # expert tensor parallelism: the etp peers share the rows, split I
+            local_fn = functools.partial(etp_local_forward, group=self.ep_etp_group, local_fn=self.local_forward)
+        return self.ep_dispatcher(h_NL, counts_E, local_fn)
 
 
 def _shard_dim0(param: nn.Parameter, ep_mesh: DeviceMesh) -> nn.Parameter:
@@ -171,6 +177,51 @@ def _shard_dim0(param: nn.Parameter, ep_mesh: DeviceMesh) -> nn.Parameter:
     block = param.shape[0] // P
     local = param.detach()[j * block : (j + 1) * block].clone()
     dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                            stride=param.stride())
+    return nn.Parameter(dt, requires_grad=param.requires_grad)
+
+
+def etp_local_forward(x_RL: torch.Tensor, offs_X: torch.Tensor, group: dist.ProcessGroup, local_fn: LocalFn
+                      ) -> torch.Tensor:
+    """Expert tensor parallelism around the local experts: every rank of the etp group holds the same experts with
+    1/etp of each one's intermediate dim (column-parallel gate/up, row-parallel down). The rows that reached any of
+    them are shared (an all-gather as one all-to-all with uneven splits), each computes its partial outputs
+    (x W_gate_up,t -> act -> W_down,t), and the partial sums go back to the rank the rows came from and are added
+    (the row-parallel reduce, as the reverse all-to-all plus a sum). Exact; rows sorted by local expert in and out.
+    """
+    P = dist.get_world_size(group)
+    R = x_RL.shape[0]
+    offs = offs_X.long()
+    counts_X = torch.diff(offs, prepend=offs.new_zeros(1))
+    recv_PX = exchange_counts(counts_X.expand(P, -1), group)  # [src etp rank, local expert]
+    (out_splits,) = _splits(recv_PX)
+    in_splits = [R] * P
+    x_all = all_to_all(x_RL.repeat(P, 1), out_splits, in_splits, group)  # (src, expert)
+    order = regroup_index(recv_PX.unsqueeze(-1), sum(out_splits))  # -> (expert, src)
+    offs_all = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
+    y_part = local_fn(x_all[order], offs_all)[invert_index(order)]  # my partial sums, rows (src, expert)
+    return all_to_all(y_part, in_splits, out_splits, group).view(P, R, x_RL.shape[1]).sum(0)
+
+
+def _shard_experts_2d(param: nn.Parameter, mesh_2d: DeviceMesh, gate_up: bool) -> nn.Parameter:
+    """This rank's (expert block, intermediate slice) of w_gate_up [E, 2I, L] or w_down [E, L, I] as a DTensor on
+    the (ep, etp) mesh: Shard(0) over ep; over etp, w_down is Shard(2) and w_gate_up keeps the gate rows and the up
+    rows of its slice ([gate_t; up_t], i.e. _StridedShard(1, split_factor=2): DCP and full_tensor() see the global
+    [gate; up] layout)."""
+    ep, etp = mesh_2d.size(0), mesh_2d.size(1)
+    j, t = mesh_2d.get_local_rank(0), mesh_2d.get_local_rank(1)
+    E = param.shape[0]
+    block = param.detach()[j * (E // ep) : (j + 1) * (E // ep)]
+    if gate_up:
+        Eb, two_I, L = block.shape
+        I_loc = two_I // 2 // etp
+        local = block.view(Eb, 2, two_I // 2, L)[:, :, t * I_loc : (t + 1) * I_loc].reshape(Eb, 2 * I_loc, L)
+        placements = [Shard(0), _StridedShard(1, split_factor=2)]
+    else:
+        I_loc = block.shape[2] // etp
+        local = block[:, :, t * I_loc : (t + 1) * I_loc]
+        placements = [Shard(0), Shard(2)]
+    dt = DTensor.from_local(local.clone(), mesh_2d, placements, run_check=False, shape=param.shape,
                             stride=param.stride())
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 
@@ -187,13 +238,17 @@ def make_dispatcher(kind: str, ep_mesh: DeviceMesh, domain_groups: tuple | None 
     raise ConfigError(f"plan.dispatcher: unknown dispatcher {kind!r}; allowed: 'flat', 'hierarchical'")
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: Dispatcher) -> list[str]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: Dispatcher,
+                          ep_etp_mesh: DeviceMesh | None = None) -> list[str]:
     """Shard the routed experts of every MoE under `model` over `ep_mesh` and install the dispatcher.
 
-    Works on a whole model or a pipeline stage, before FSDP (FSDP then shards the local expert blocks over the
-    expert-data-parallel mesh). Returns the names of the converted `experts` modules.
+    ep_etp_mesh: the 2-D (ep, etp) expert mesh for expert tensor parallelism (etp > 1): each expert's intermediate
+    dim is split over etp as well (`etp_local_forward`). Works on a whole model or a pipeline stage, before FSDP
+    (FSDP then shards the local expert blocks over the expert-data-parallel mesh). Returns the names of the
+    converted `experts` modules.
     """
     P = ep_mesh.size()
+    etp = ep_etp_mesh.size(1) if ep_etp_mesh is not None else 1
     converted = []
     for name, module in model.named_modules():
         if not isinstance(module, MoE):
@@ -202,10 +257,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatcher: Dis
         E = experts.w_gate_up.shape[0]
         if E % P:
             raise ConfigError(f"plan.ep: {P} does not divide the {E} routed experts of {name}; choose ep dividing {E}")
-        experts.w_gate_up = _shard_dim0(experts.w_gate_up, ep_mesh)
-        experts.w_down = _shard_dim0(experts.w_down, ep_mesh)
+        if etp > 1:
+            inter = experts.w_down.shape[2]
+            if inter % etp:
+                raise ConfigError(f"plan.etp: {etp} does not divide the expert intermediate size {inter} of {name}")
+            experts.w_gate_up = _shard_experts_2d(experts.w_gate_up, ep_etp_mesh, gate_up=True)
+            experts.w_down = _shard_experts_2d(experts.w_down, ep_etp_mesh, gate_up=False)
+        else:
+            experts.w_gate_up = _shard_dim0(experts.w_gate_up, ep_mesh)
+            experts.w_down = _shard_dim0(experts.w_down, ep_mesh)
         experts.__class__ = ExpertParallelExperts
         experts.ep_dispatcher = dispatcher
+        experts.ep_etp_group = ep_etp_mesh.get_group(1) if etp > 1 else None
         converted.append(f"{name}.experts")
     return converted
 

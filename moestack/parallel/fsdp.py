@@ -42,12 +42,15 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     expert_mesh: DeviceMesh | None = None,
     expert_grad_divide: float | None = None,
+    dense_grad_divide: float | None = None,
 ) -> nn.Module:
     """Shard `model` (a whole Transformer or a pipeline stage of one) with FSDP2, in place; returns it.
 
     dp_mesh: 2-D (dp_replicate, dp_shard) mesh for dense params. expert_mesh: the edp mesh for EP-sharded expert
     weights (None when experts are not EP-sharded: they then shard with their block). expert_grad_divide: the
-    data-parallel degree dp (see the module docstring). The root group covers what is left (embed, norm, head).
+    data-parallel degree dp (see the module docstring). dense_grad_divide: the divide factor of every other group
+    when dp_mesh holds more than the data-parallel ranks (under CP: dp, not dp * cp). The root group covers what is
+    left (embed, norm, head).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
     reshard = zero_stage == 3
@@ -63,8 +66,14 @@ def apply_fsdp(
         if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
             _shard(moe.router, dp_mesh, reshard, fp32_policy)
         _shard(block, dp_mesh, reshard, mp_policy)
+        if dense_grad_divide is not None:
+            block.set_gradient_divide_factor(float(dense_grad_divide))
+            if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
+                moe.router.set_gradient_divide_factor(float(dense_grad_divide))
     # the root's parameters are used first (embed) and last (head): resharding them after forward buys nothing
     _shard(model, dp_mesh, False, mp_policy)
+    if dense_grad_divide is not None:
+        model.set_gradient_divide_factor(float(dense_grad_divide))
     return model
 
 

@@ -75,6 +75,18 @@ class Meshes:
         return self.dense["dp_replicate", "dp_shard"]
 
     @property
+    def cp(self) -> DeviceMesh:
+        return self.dense["cp"]
+
+    @property
+    def dp_cp(self) -> DeviceMesh:
+        """2-D (dp_replicate, dp_shard x cp) mesh: FSDP2 shards dense parameters over the data-parallel AND context-
+        parallel ranks (the CP ranks hold shares of one gradient, which its reduce-scatter adds up)."""
+        if self.plan.cp == 1:
+            return self.dp
+        return self.dense["dp_replicate", "dp_shard_cp"]
+
+    @property
     def tp(self) -> DeviceMesh:
         return self.dense["tp"]
 
@@ -108,11 +120,15 @@ class Meshes:
 
 def check_supported(plan: Plan) -> None:
     """Degrees this build can run; a one-line ConfigError naming the missing piece otherwise."""
-    if plan.cp > 1:
-        raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) is not implemented yet (moestack.parallel has "
-                          "no context.py); use cp 1")
-    if plan.etp > 1:
-        raise ConfigError(f"plan.etp: expert tensor parallelism ({plan.etp}) is not implemented yet; use etp 1")
+    if plan.cp > 1 and plan.tp > 1:
+        raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) together with tp ({plan.tp}) is not implemented; "
+                          "use one of them")
+    if plan.cp > 1 and plan.pp > 1:
+        raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) with pipeline stages (pp {plan.pp}) is not "
+                          "implemented; use pp 1")
+    if plan.cp > 1 and plan.recompute.kda != "none":
+        raise ConfigError(f"plan.recompute.kda: '{plan.recompute.kda}' cannot recompute a KDA layer under context "
+                          "parallelism (its state relay would deadlock); use 'none'")
 
 
 def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int | None = None) -> Meshes:
@@ -135,5 +151,7 @@ def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int
     hier = DeviceMesh(device_type, layout.hier, mesh_dim_names=HIER_DIMS) if layout.hier is not None else None
     # the data-parallel ranks (distinct tokens) as one group: loss means and router load counts reduce over it
     dp_group = dense["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    if plan.cp > 1:
+        dense["dp_shard", "cp"]._flatten("dp_shard_cp")  # the FSDP shard dim under CP (Meshes.dp_cp)
     stage_group = dense["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage").get_group()
     return Meshes(plan, dense, experts, hier, dp_group, stage_group)

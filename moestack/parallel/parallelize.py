@@ -1,7 +1,8 @@
 """`parallelize(model, plan, meshes)`: the one place a built model becomes a parallel one, in a fixed order.
 
     1. expert parallelism (expert.py), then tensor parallelism (DTensor plans, moestack.parallel.tensor), which
-       leaves the already-EP-sharded expert weights alone and runs each MoE on its rank's own tokens
+       leaves the already-EP-sharded expert weights alone and runs each MoE on its rank's own tokens, or context
+       parallelism (context.py: sequence split, KDA state relay, gathered MLA latent)
     2. memory policies: activation recompute / offload (moestack.memory.apply)
     3. compile: not applied here yet (the plan has no compile switch)
     4. FSDP2 / ZeRO (fsdp.py), last, so it shards the already TP/EP-sharded parameters
@@ -21,6 +22,7 @@ from torch import nn
 
 from moestack.config.base import ConfigError
 from moestack.config.plan import Plan
+from moestack.parallel.context import apply_cp
 from moestack.parallel.expert import apply_expert_parallel, make_dispatcher
 from moestack.parallel.fsdp import apply_fsdp, mixed_precision
 from moestack.parallel.mesh import Meshes
@@ -46,11 +48,15 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     param_dtype: the dtype FSDP gathers parameters in for compute (torch.bfloat16 for bf16 training on GPUs;
     None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32; master weights stay fp32.
     """
-    if plan.ep > 1:
+    expert_sharded = plan.ep > 1 or plan.etp > 1
+    if expert_sharded:
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None
-        apply_expert_parallel(model, meshes.ep, make_dispatcher(plan.dispatcher, meshes.ep, groups))
+        ep_etp = meshes.experts["ep", "etp"] if plan.etp > 1 else None
+        apply_expert_parallel(model, meshes.ep, make_dispatcher(plan.dispatcher, meshes.ep, groups), ep_etp)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True)
+    if plan.cp > 1:
+        apply_cp(model, meshes.cp)
     if _needs_memory_policies(plan):
         if plan.offload.experts and plan.devices > 1:
             raise ConfigError("plan.offload.experts: expert offload with more than one device is not supported yet "
@@ -60,10 +66,11 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     # FSDP2 over the data-parallel ranks (also for zero_stage 0: a replicate-only mesh gives plain DDP semantics)
     apply_fsdp(
         model,
-        meshes.dp,
+        meshes.dp_cp,
         plan.zero_stage,
         mixed_precision(param_dtype),
-        expert_mesh=meshes.edp if plan.ep > 1 else None,
-        expert_grad_divide=plan.dp if plan.ep > 1 else None,
+        expert_mesh=meshes.edp if expert_sharded else None,
+        expert_grad_divide=plan.dp if expert_sharded else None,
+        dense_grad_divide=plan.dp if plan.cp > 1 else None,  # CP shares add up; only the dp replicas average
     )
     return model

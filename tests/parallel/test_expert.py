@@ -90,6 +90,8 @@ CASES = {
     "skew_ep4": dict(ep=4, dispatcher="flat", skew=True),
     "hier_skew": dict(ep=4, dispatcher="hierarchical", domain=2, skew=True),
     "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
+    "etp2_ep2": dict(ep=2, etp=2, dispatcher="flat"),  # expert tensor parallelism folded with EP (edp 1)
+    "etp2_ep2_skew": dict(ep=2, etp=2, dispatcher="flat", skew=True),
 }
 
 
@@ -136,12 +138,14 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     out_ref, dx_ref, grads_ref = _reference(copy.deepcopy(ref_moe), x_global, w_out, world)
 
     plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=world,
-                     dp_shard=world, zero_stage=3, ep=case["ep"], dispatcher=case["dispatcher"])
+                     dp_shard=world, zero_stage=3, ep=case["ep"], etp=case.get("etp", 1),
+                     dispatcher=case["dispatcher"])
     meshes = build_meshes(plan, "cpu", ep_domain_size=case.get("domain"))
     groups = meshes.ep_domain_groups() if case["dispatcher"] == "hierarchical" else None
     moe = copy.deepcopy(ref_moe)
+    ep_etp = meshes.experts["ep", "etp"] if case.get("etp", 1) > 1 else None
     apply_expert_parallel(torch.nn.ModuleDict({"moe": moe}), meshes.ep,
-                          make_dispatcher(case["dispatcher"], meshes.ep, groups))
+                          make_dispatcher(case["dispatcher"], meshes.ep, groups), ep_etp)
     assert isinstance(moe.experts.w_gate_up, DTensor)
 
     seen = []  # weak references to the rows each local expert call received
@@ -163,6 +167,9 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     E_loc = E // case["ep"]
     j = meshes.ep.get_local_rank()
     for pname in ("w_gate_up", "w_down"):
+        if ep_etp is not None:  # edp is 1 here: the (ep, etp) shards of the gradient gather to the global one
+            errs[pname] = _rel(getattr(moe.experts, pname).grad.full_tensor(), grads_ref[f"experts.{pname}"])
+            continue
         grad = getattr(moe.experts, pname).grad.to_local().clone()
         if meshes.edp.size() > 1:
             dist.all_reduce(grad, group=meshes.edp.get_group())

@@ -15,6 +15,9 @@ Weight gradient: one program per (expert, d-tile, f-tile) tile of dW; it loops o
 chunks (an empty expert stores zeros). The output is written in the strides of w, so for the transposed view of
 an [E, F, D] parameter the gradient lands contiguous in the parameter's own layout.
 
+No atomics anywhere: every output element is written by one program with a fixed reduction order, so results
+are bitwise reproducible run to run.
+
 Loads are plain masked tl.load (rows start at arbitrary offsets, so TMA descriptors with their 16-byte alignment
 rule do not fit without padding); Triton pipelines them with cp.async and issues wgmma on Hopper.
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
 from moestack.model.mlp import glu_activation
-from moestack.model.moe import MoE, Experts
+from moestack.model.moe import Experts, MoE
 from moestack.parallel.comm import all_to_all, exchange_counts
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -691,11 +691,12 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag")
         tp_f = _overlapped(2 * coll, g_fwd, plan.tp_comm_overlap)
         tp_b = _overlapped(3 * coll, 2 * g_fwd, plan.tp_comm_overlap)
-    # context parallel: ring exchange of K/V (attention) overlapped with the attention core; recurrent mixers pass
-    # their final state rank to rank (sequential, exposed)
+    # context parallel (moestack/parallel/context.py): all-gather of the MLA latent (+ indexer keys) overlapped with
+    # the attention core; recurrent mixers relay their final state rank to rank, so the ranks run the layer one
+    # after another (sequential, exposed)
     cp_f = cp_b = 0.0
     if plan.cp > 1:
-        cp_f, cp_b = _cp_times(part, ctx, attn_f + sparse_f + idx_f, attn_b + sparse_b + idx_b)
+        cp_f, cp_b = _cp_times(part, ctx, attn_f + sparse_f + idx_f, attn_b + sparse_b + idx_b, kda_f, kda_b)
     # expert parallel all-to-all: dispatch + combine each way (+ ETP gather / scatter of dispatched tokens)
     a2a_one = 0.0
     if part.kind == "moe":
@@ -735,7 +736,12 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     return out
 
 
-def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -> tuple[float, float]:
+def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float, rec_f: float = 0.0, rec_b: float = 0.0
+              ) -> tuple[float, float]:
+    """Exposed CP time of one sub-layer: (fwd, bwd). Attention: the latent (and DSA indexer key) all-gather, hidden
+    behind the attention core. Recurrent mixers (rec_f / rec_b: the recurrence's own time on this rank's shard):
+    the state relay makes rank r start after ranks 0..r-1 finished theirs, so a micro-batch waits cp - 1 shards'
+    recurrence plus the hops, forward and backward (no micro-batch fills the wait outside a pipeline schedule)."""
     plan, cluster, spec = ctx.plan, ctx.cluster, ctx.spec
     T, cp = ctx.tokens, plan.cp
     if part.kind in ("mla", "gqa"):
@@ -745,6 +751,8 @@ def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -> tuple[f
         else:
             assert spec.mla is not None
             kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
+            if spec.mla.indexer is not None:
+                kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
         comm = ring_time(cluster, cp * T * kv, cp, plan.tp, "ag")
         return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
     if part.kind in ("kda", "mamba2"):
@@ -755,7 +763,7 @@ def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -> tuple[f
             assert spec.mamba2 is not None
             state = spec.mamba2.inner_size * spec.mamba2.state_size * FP32 / plan.tp
         hop = p2p_time(cluster, state, plan.tp)
-        return (cp - 1) * hop, (cp - 1) * hop
+        return (cp - 1) * (hop + rec_f), (cp - 1) * (hop + rec_b)
     return 0.0, 0.0
 
 

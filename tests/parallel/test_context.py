@@ -86,3 +86,24 @@ def test_cp4_state_relay_over_three_hops():
     results = run_ranks(__file__, "_all_worker", world_size=4, timeout=240,
                         configs={"tiny": {"spec": tiny_spec(), "seed": 1}})
     _check([r["tiny"] for r in results])
+
+
+def test_planner_models_cp_and_etp():
+    """The cost model accepts cp and etp plans; the KDA state relay's serialisation shows up as exposed CP time."""
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.config.plan import make_plan
+    from moestack.planner.calibration import load_calibration
+    from moestack.planner.cost import CostModel
+    from moestack.planner.profile import load_any_model_spec, profile_model
+
+    spec, seq = load_any_model_spec("proxy"), 16384
+    cm = CostModel(spec, load_cluster_spec("h200-cluster").with_devices(8), load_calibration(), seq,
+                   profile_model(spec, seq).train_flops_per_token)
+    base = dict(model="proxy", cluster="h200-cluster", devices=8, seq_len=seq, global_batch_size=8)
+    cp_comm = {}
+    for cp in (2, 4):
+        c = cm.evaluate(make_plan(**base, cp=cp, dp_shard=8 // cp, zero_stage=3, ep=8, etp=1))
+        cp_comm[cp] = c.time.get("cp_comm", 0.0)
+        assert c.step_time_s > 0
+    assert cp_comm[4] > cp_comm[2] > 0, cp_comm
+    assert cm.evaluate(make_plan(**base, dp_shard=8, zero_stage=3, ep=4, etp=2)).step_time_s > 0

@@ -259,7 +259,9 @@ def test_gpu_bf16_correlated_keys():
     x["A_log"] = torch.zeros(2)
     x["beta"] = x["beta"] + 3.0
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
-    errs = check(x, gate="k3", tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+    # 2x the usual bf16 bounds: the inverse runs in tf32 (~1e-3 on X for keys this correlated, triton_fwd.py
+    # INV_PRECISION); the failure this guards against was a relative error of ~1e8.
+    errs = check(x, gate="k3", tol_out=2 * GPU_TOL_OUT, tol_grad=2 * GPU_TOL_GRAD)
     print("\nKDA_GPU_ERR correlated-keys " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 

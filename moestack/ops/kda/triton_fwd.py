@@ -31,6 +31,10 @@ SUB = 16  # rows of a diagonal sub-block; each has its own reference point for t
 # (factors stay within e^+-80, fp32 reaches e^88). Chunks beyond it take the exact per-column path.
 SPAN_MAX = 80.0
 GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
+# Matmul precision of the triangular inverse X (it feeds W, U and every gradient). tf32: X to ~1e-4 relative for
+# independent keys, ~1e-3 for strongly correlated ones (cos 0.8-0.9; torch simulation), and no register spills
+# in K1 / B3a. tf32x3 (MOESTACK_KDA_INV_PRECISION=tf32x3): ~fp32 accuracy, ~0.3 KB spills per thread (ptxas).
+INV_PRECISION = tl.constexpr(os.environ.get("MOESTACK_KDA_INV_PRECISION", "tf32"))
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
@@ -196,7 +200,8 @@ def _unit_lower_inverse(b_n, BT: tl.constexpr):
     s = 2
     for _ in range(5):  # s = 2, 4, 8, 16, 32
         m_c = (row // s == col // s + 1) & ((col // s) % 2 == 0)
-        b_y = b_y - tl.dot(tl.dot(b_y, tl.where(m_c, b_n, 0.0)), b_y)
+        b_t = tl.dot(b_y, tl.where(m_c, b_n, 0.0), input_precision=INV_PRECISION)
+        b_y = b_y - tl.dot(b_t, b_y, input_precision=INV_PRECISION)
         s = s * 2
     return b_y
 

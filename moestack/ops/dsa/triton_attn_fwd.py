@@ -64,7 +64,6 @@ def _sparse_mqa_fwd_kernel(
     s_kb, s_ks,
     s_ib, s_it,
     s_ob, s_ot, s_oh,
-    s_lb, s_lt,
     V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
@@ -117,7 +116,7 @@ def _sparse_mqa_fwd_kernel(
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_h[:, None] & (offs_v < V)[None, :])
     if pid_v == 0:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-        tl.store(LSE + b.to(tl.int64) * s_lb + t.to(tl.int64) * s_lt + offs_h, lse, mask=mask_h)
+        tl.store(LSE + pid_t.to(tl.int64) * H + offs_h, lse, mask=mask_h)  # lse contiguous [B*T, H]
 
 
 def padded_dims(V: int, R: int) -> tuple[int, int]:
@@ -165,7 +164,6 @@ def sparse_mqa_fwd(
         kv.stride(0), kv.stride(1),
         idx.stride(0), idx.stride(1),
         o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
         V=v_dim, R=D - v_dim, VP=VP, RP=RP,
     )  # fmt: skip
     return o, lse

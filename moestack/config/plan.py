@@ -94,6 +94,10 @@ class Plan(StrictModel):
     precision: Literal["bf16", "fp8"] = "bf16"  # fp8: GEMMs of linear layers and experts in FP8 (rowwise scales)
     optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
     dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)
+    # flat dispatcher transfer order: one all_to_all_single ("backend"), or point-to-point with the largest chunks
+    # first, or in rotating rounds that avoid receiver hot spots (moestack/parallel/comm.py)
+    ep_send_order: Literal["backend", "largest_first", "rotate"] = "backend"
+    shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
     ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
     predicted: PlanPrediction | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -23,31 +24,89 @@ from torch.distributed.tensor import DTensor
 Group = dist.ProcessGroup | None
 
 
+# Send orders of an all-to-all (see `send_schedule`): "backend" = one all_to_all_single (the library orders the
+# transfers), "largest_first" = point-to-point, biggest chunks posted first, "rotate" = point-to-point in P-1 rounds,
+# round s sends to rank (me + s) % P (every round is a permutation: no rank receives from all others at once).
+SendOrder = Literal["backend", "largest_first", "rotate"]
+SEND_ORDERS = ("backend", "largest_first", "rotate")
+
+
 class _AllToAll(torch.autograd.Function):
     """y = all_to_all_single(x) with uneven splits along dim 0; dx = the reverse exchange of dy."""
 
     @staticmethod
-    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group  # no tensors saved
-        return _all_to_all(x_ND, out_splits, in_splits, group)
+    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group,
+                order: SendOrder) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.order = out_splits, in_splits, group, order  # no tensors
+        return _all_to_all(x_ND, out_splits, in_splits, group, order)
 
     @staticmethod
     def backward(ctx, dy_ND: torch.Tensor):
-        return _all_to_all(dy_ND, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        return _all_to_all(dy_ND, ctx.in_splits, ctx.out_splits, ctx.group, ctx.order), None, None, None, None
 
 
-def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
+def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group,
+                order: SendOrder = "backend") -> torch.Tensor:
     assert x_ND.shape[0] == sum(in_splits), f"{x_ND.shape[0]} rows but in_splits sum to {sum(in_splits)}"
     x_ND = x_ND.contiguous()
     y_ND = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
-    dist.all_to_all_single(y_ND, x_ND, out_splits, in_splits, group=group)
+    if order == "backend":
+        dist.all_to_all_single(y_ND, x_ND, out_splits, in_splits, group=group)
+    else:
+        _all_to_all_p2p(y_ND, x_ND, out_splits, in_splits, group, order)
     return y_ND
 
 
-def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group = None) -> torch.Tensor:
+def send_schedule(in_splits: list[int], me: int, order: SendOrder) -> list[list[int]]:
+    """The peers this rank sends to, as rounds (each round is waited for before the next starts).
+
+    largest_first: one round, peers by descending chunk size (ties by distance from me, so that not every rank
+    starts with rank 0), empty chunks dropped. rotate: P-1 rounds of one peer, (me + s) % P (empty chunks still
+    take their round: the receiver of round s expects this rank then)."""
+    P = len(in_splits)
+    peers = [(me + s) % P for s in range(1, P)]
+    if order == "largest_first":
+        return [sorted((p for p in peers if in_splits[p]), key=lambda p: -in_splits[p])]
+    if order == "rotate":
+        return [[p] for p in peers]
+    raise ValueError(f"order: unknown send order {order!r}; use one of {SEND_ORDERS}")
+
+
+def _all_to_all_p2p(y_ND: torch.Tensor, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group: Group, order: SendOrder) -> None:
+    """all_to_all_single as point-to-point transfers in the order `send_schedule` gives (chunks along dim 0 of
+    contiguous tensors are contiguous views, so nothing is copied besides the local chunk)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    send = x_ND.split(in_splits)
+    recv = y_ND.split(out_splits)
+    recv[me].copy_(send[me])
+    peer = (lambda p: dist.get_global_rank(group, p)) if group is not None else (lambda p: p)
+    rounds = send_schedule(in_splits, me, order)
+    if order == "largest_first":  # every receive posted up front, then the sends largest first
+        reqs = [dist.irecv(recv[p], src=peer(p), group=group) for p in range(P) if p != me and out_splits[p]]
+        reqs += [dist.isend(send[p], dst=peer(p), group=group) for p in rounds[0]]
+        for r in reqs:
+            r.wait()
+        return
+    for s, (dst,) in enumerate(rounds, start=1):  # rotate: round s sends to me + s, receives from me - s
+        src = (me - s) % P
+        reqs = []
+        if out_splits[src]:
+            reqs.append(dist.irecv(recv[src], src=peer(src), group=group))
+        if in_splits[dst]:
+            reqs.append(dist.isend(send[dst], dst=peer(dst), group=group))
+        for r in reqs:
+            r.wait()
+
+
+def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group = None,
+               order: SendOrder = "backend") -> torch.Tensor:
     """Send rows in_splits[p] (consecutive, in rank order) of x_ND [N, ...] to rank p of `group`; receive
-    out_splits[p] rows from rank p. Returns [sum(out_splits), ...], rows grouped by source rank. Differentiable."""
-    return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group)
+    out_splits[p] rows from rank p. Returns [sum(out_splits), ...], rows grouped by source rank. Differentiable.
+    order: how the transfers are issued (SendOrder above); the result is the same."""
+    if order not in SEND_ORDERS:
+        raise ValueError(f"order: unknown send order {order!r}; use one of {SEND_ORDERS}")
+    return _AllToAll.apply(x_ND, list(out_splits), list(in_splits), group, order)
 
 
 def exchange_counts(send_counts_PX: torch.Tensor, group: Group = None) -> torch.Tensor:

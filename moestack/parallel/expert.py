@@ -40,7 +40,7 @@ from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
 from moestack.model.mlp import glu_activation
 from moestack.model.moe import Experts, MoE
-from moestack.parallel.comm import all_to_all, exchange_counts
+from moestack.parallel.comm import SendOrder, all_to_all, exchange_counts
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,8 +81,8 @@ def _splits(*counts: torch.Tensor) -> list[list[int]]:
 class FlatDispatcher:
     """One all-to-all per direction over the whole EP group."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, send_order: SendOrder = "backend"):
+        self.group, self.order = group, send_order
         self.size = dist.get_world_size(group)
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
@@ -91,11 +91,11 @@ class FlatDispatcher:
         recv_PX = exchange_counts(send_PX, self.group)
         in_splits, out_splits = _splits(send_PX, recv_PX)
         R = sum(out_splits)
-        x_RL = all_to_all(h_NL, out_splits, in_splits, self.group)  # (src rank, local expert)
+        x_RL = all_to_all(h_NL, out_splits, in_splits, self.group, self.order)  # (src rank, local expert)
         order_R = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (local expert, src rank)
         offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
         y_RL = local_fn(x_RL[order_R], offs_X)[invert_index(order_R)]
-        return all_to_all(y_RL, in_splits, out_splits, self.group)
+        return all_to_all(y_RL, in_splits, out_splits, self.group, self.order)
 
 
 class HierarchicalDispatcher:
@@ -226,11 +226,13 @@ def _shard_experts_2d(param: nn.Parameter, mesh_2d: DeviceMesh, gate_up: bool) -
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 
 
-def make_dispatcher(kind: str, ep_mesh: DeviceMesh, domain_groups: tuple | None = None) -> Dispatcher:
+def make_dispatcher(kind: str, ep_mesh: DeviceMesh, domain_groups: tuple | None = None,
+                    send_order: SendOrder = "backend") -> Dispatcher:
     """"flat" -> FlatDispatcher(ep group); "hierarchical" -> HierarchicalDispatcher(*domain_groups)
-    (domain_groups = (intra-domain group, cross-domain group), see Meshes.ep_domain_groups)."""
+    (domain_groups = (intra-domain group, cross-domain group), see Meshes.ep_domain_groups). send_order: how the
+    flat dispatcher issues its transfers (moestack.parallel.comm.SendOrder)."""
     if kind == "flat":
-        return FlatDispatcher(ep_mesh.get_group())
+        return FlatDispatcher(ep_mesh.get_group(), send_order)
     if kind == "hierarchical":
         if domain_groups is None:
             raise ConfigError("plan.dispatcher: 'hierarchical' needs an EP domain size (ranks per fast domain)")

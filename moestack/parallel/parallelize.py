@@ -52,7 +52,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     if expert_sharded:
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None
         ep_etp = meshes.experts["ep", "etp"] if plan.etp > 1 else None
-        apply_expert_parallel(model, meshes.ep, make_dispatcher(plan.dispatcher, meshes.ep, groups), ep_etp)
+        apply_expert_parallel(model, meshes.ep, make_dispatcher(plan.dispatcher, meshes.ep, groups, plan.ep_send_order),
+                              ep_etp)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True)
     if plan.cp > 1:

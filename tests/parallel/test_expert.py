@@ -68,6 +68,19 @@ def test_domain_limited_routing_keeps_tokens_in_few_domains():
     assert max(len(set((row // 8).tolist())) for row in free) > max_domains
 
 
+def test_send_schedules():
+    from moestack.parallel.comm import send_schedule
+
+    splits = [5, 0, 9, 9, 2]  # rank 1's view: chunk sizes to ranks 0..4
+    assert send_schedule(splits, 1, "largest_first") == [[2, 3, 0, 4]]  # by size, ties by distance, no empties
+    assert send_schedule(splits, 1, "rotate") == [[2], [3], [4], [0]]
+    # rotate: in round s every rank sends to a different rank (a permutation), so nobody is a hot spot
+    for s in range(4):
+        assert sorted(send_schedule(splits, me, "rotate")[s][0] for me in range(5)) == list(range(5))
+    with pytest.raises(ValueError, match="order"):
+        send_schedule(splits, 0, "random")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 4 ranks
 
@@ -90,6 +103,8 @@ CASES = {
     "skew_ep4": dict(ep=4, dispatcher="flat", skew=True),
     "hier_skew": dict(ep=4, dispatcher="hierarchical", domain=2, skew=True),
     "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
+    "largest_first_ep4": dict(ep=4, dispatcher="flat", order="largest_first"),
+    "rotate_skew_ep4": dict(ep=4, dispatcher="flat", order="rotate", skew=True),
     "etp2_ep2": dict(ep=2, etp=2, dispatcher="flat"),  # expert tensor parallelism folded with EP (edp 1)
     "etp2_ep2_skew": dict(ep=2, etp=2, dispatcher="flat", skew=True),
 }
@@ -145,7 +160,8 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     moe = copy.deepcopy(ref_moe)
     ep_etp = meshes.experts["ep", "etp"] if case.get("etp", 1) > 1 else None
     apply_expert_parallel(torch.nn.ModuleDict({"moe": moe}), meshes.ep,
-                          make_dispatcher(case["dispatcher"], meshes.ep, groups), ep_etp)
+                          make_dispatcher(case["dispatcher"], meshes.ep, groups, case.get("order", "backend")),
+                          ep_etp)
     assert isinstance(moe.experts.w_gate_up, DTensor)
 
     seen = []  # weak references to the rows each local expert call received

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from a2a import routed_counts, timed  # noqa: E402
+from a2a import routed_counts, timed
 
-from moestack.parallel.comm import SEND_ORDERS  # noqa: E402
-from moestack.parallel.expert import FlatDispatcher  # noqa: E402
+from moestack.parallel.comm import SEND_ORDERS
+from moestack.parallel.expert import FlatDispatcher
 
 TOKENS, WIDTH, EXPERTS, TOP_K, SKEW = 2048, 1024, 64, 8, 1.2
 
@@ -62,7 +62,7 @@ def main() -> None:
         try:
             disp = FlatDispatcher(dist.group.WORLD, order)
 
-            def step():
+            def step(disp=disp):
                 y = disp(h, counts, lambda x, offs: x * 1.0)
                 y.backward(grad)
 
@@ -70,7 +70,7 @@ def main() -> None:
             base = base or t
             if rank == 0:
                 print(f"| {order} | {t * 1e3:.2f} | {t / base:.2f}x | |", flush=True)
-        except Exception as e:  # one failing order must not hide the others
+        except Exception as e:  # noqa: BLE001 (one failing order must not hide the others)
             if rank == 0:
                 print(f"| {order} | error: {type(e).__name__}: {str(e)[:120]} | | |", flush=True)
     dist.destroy_process_group()

@@ -26,6 +26,7 @@ from moestack.parallel.context import apply_cp
 from moestack.parallel.expert import apply_expert_parallel, make_dispatcher
 from moestack.parallel.fsdp import apply_fsdp, mixed_precision
 from moestack.parallel.mesh import Meshes
+from moestack.parallel.overlap import apply_shared_expert_overlap
 from moestack.parallel.tensor import apply_tp
 
 
@@ -58,6 +59,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         apply_tp(model, meshes.tp, sequence_parallel=True)
     if plan.cp > 1:
         apply_cp(model, meshes.cp)
+    if plan.shared_expert_overlap:
+        apply_shared_expert_overlap(model)
     if _needs_memory_policies(plan):
         if plan.offload.experts and plan.devices > 1:
             raise ConfigError("plan.offload.experts: expert offload with more than one device is not supported yet "

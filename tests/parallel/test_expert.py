@@ -105,6 +105,7 @@ CASES = {
     "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
     "largest_first_ep4": dict(ep=4, dispatcher="flat", order="largest_first"),
     "rotate_skew_ep4": dict(ep=4, dispatcher="flat", order="rotate", skew=True),
+    "overlap_ep4": dict(ep=4, dispatcher="flat", overlap=True),  # shared experts via moestack.parallel.overlap
     "etp2_ep2": dict(ep=2, etp=2, dispatcher="flat"),  # expert tensor parallelism folded with EP (edp 1)
     "etp2_ep2_skew": dict(ep=2, etp=2, dispatcher="flat", skew=True),
 }
@@ -163,6 +164,10 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
                           make_dispatcher(case["dispatcher"], meshes.ep, groups, case.get("order", "backend")),
                           ep_etp)
     assert isinstance(moe.experts.w_gate_up, DTensor)
+    if case.get("overlap"):
+        from moestack.parallel.overlap import apply_shared_expert_overlap
+
+        apply_shared_expert_overlap(torch.nn.ModuleDict({"moe": moe}))
 
     seen = []  # weak references to the rows each local expert call received
     local_forward = moe.experts.local_forward
@@ -179,6 +184,8 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     if case.get("recompute"):
         errs["recomputed"] = float(len(seen) == 2)  # the forward, then its recompute in backward
     errs |= {"out": _rel(out, out_ref[rows]), "dx": _rel(x.grad, dx_ref[rows])}
+    if case.get("overlap"):
+        errs["overlap_not_used"] = float(getattr(moe, "_shared_overlap_calls", 0) != 1)
     # expert grads: my shard, summed over the edp replicas holding the same experts (they saw other tokens)
     E_loc = E // case["ep"]
     j = meshes.ep.get_local_rank()

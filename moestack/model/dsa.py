@@ -238,5 +238,5 @@ class GatedMLA(nn.Module):
         target_BTK = dsa_ops.attention_probs_target(
             q_abs_BTHX.detach(), kv_BTX.detach(), self.scale, lse=lse_BTH.detach(), idx=idx_BTK
         )
-        scores_BTK = dsa_ref.indexer_scores_at_blockwise(q_idx, k_idx, w, idx_BTK)
+        scores_BTK = dsa_ops.indexer_scores_at(q_idx, k_idx, w, idx_BTK)
         return o_BTHV, dsa_ops.indexer_kl_loss(scores_BTK, target_BTK)

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from moestack.ops import dsa as dsa_ops
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_indexer import attention_probs_target_triton, indexer_topk_triton
+from moestack.ops.dsa.triton_indexer_scores import indexer_scores_at_triton
 from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
 
 CPU_TOL = 2e-5
@@ -151,6 +152,26 @@ def test_probs_target_matches_reference():
     assert _rel(got, want) < CPU_TOL
 
 
+def test_indexer_scores_at_and_grads():
+    """Scores at the selected keys (-inf at -1) and the gradients of q_idx, k_idx, w through the sparse KL loss."""
+    g = torch.Generator().manual_seed(17)
+    B, T, Hi, Di, K = 2, 13, 3, 20, 6
+    q, k, w = (torch.randn(*s, generator=g) for s in ((B, T, Hi, Di), (B, T, Di), (B, T, Hi)))
+    idx = _random_idx(B, T, K, seed=17)
+    p = torch.rand(B, T, K, generator=g).masked_fill(idx < 0, 0)
+    p = p / p.sum(-1, keepdim=True)
+    got_in = [x.clone().requires_grad_() for x in (q, k, w)]
+    want_in = [x.double().requires_grad_() for x in (q, k, w)]
+    I_got = indexer_scores_at_triton(*got_in, idx)
+    I_want = ref.indexer_scores_at(*want_in, idx)
+    assert torch.equal(I_got == float("-inf"), idx < 0)
+    assert _rel(I_got.masked_fill(idx < 0, 0), I_want.masked_fill(idx < 0, 0)) < CPU_TOL
+    ref.indexer_kl_loss(I_got, p).backward()
+    ref.indexer_kl_loss(I_want, p.double()).backward()
+    for a, b in zip(got_in, want_in, strict=True):
+        assert _rel(a.grad, b.grad) < CPU_TOL
+
+
 def test_dispatcher_registration():
     q = torch.randn(1, 4, 2, 48)
     assert "triton" in dsa_ops.backends("sparse_mqa_attention")
@@ -159,7 +180,7 @@ def test_dispatcher_registration():
     idx = _random_idx(1, 4, 3, seed=1)
     o, _ = dsa_ops.sparse_mqa_attention(q, torch.randn(1, 4, 48), idx, 32, 0.2, backend="triton")
     assert o.shape == (1, 4, 2, 32)
-    for op in ("indexer_topk_from_inputs", "attention_probs_target"):
+    for op in ("indexer_topk_from_inputs", "attention_probs_target", "indexer_scores_at"):
         assert dsa_ops.select_backend(op, q) == "reference" and "triton" in dsa_ops.backends(op)
 
 

@@ -20,7 +20,13 @@ from moestack.ops.dsa import reference
 
 ENV_VAR = "MOESTACK_DSA_BACKEND"
 PREFERENCE = ("triton", "reference")
-OPS = ("sparse_mqa_attention", "indexer_topk_from_inputs", "indexer_kl_loss", "attention_probs_target")
+OPS = (
+    "sparse_mqa_attention",
+    "indexer_topk_from_inputs",
+    "indexer_kl_loss",
+    "attention_probs_target",
+    "indexer_scores_at",
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,15 @@ def indexer_kl_loss(
     return _REGISTRY["indexer_kl_loss"][name].fn(index_scores, attn_probs_target, idx)
 
 
+def indexer_scores_at(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """Indexer scores of the selected keys [B,T,K] fp32 (-inf at -1), differentiable in q_idx, k_idx, w; see
+    reference.indexer_scores_at."""
+    name = select_backend("indexer_scores_at", q_idx, backend)
+    return _REGISTRY["indexer_scores_at"][name].fn(q_idx, k_idx, w, idx)
+
+
 def attention_probs_target(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -141,6 +156,7 @@ register_backend("reference", reference.sparse_mqa_attention_blockwise, op="spar
 register_backend("reference", reference.indexer_topk_from_inputs, op="indexer_topk_from_inputs")
 register_backend("reference", reference.indexer_kl_loss, op="indexer_kl_loss")
 register_backend("reference", reference.attention_probs_target, op="attention_probs_target")
+register_backend("reference", reference.indexer_scores_at_blockwise, op="indexer_scores_at")
 
 
 def _register_triton() -> None:
@@ -171,6 +187,13 @@ def _register_triton() -> None:
         op="attention_probs_target",
         automatic=lambda t: t.is_cuda,
     )
+    register_backend(
+        "triton",
+        triton_op.indexer_scores_at_triton,
+        available=triton_op.triton_available,
+        op="indexer_scores_at",
+        automatic=lambda t: t.is_cuda,
+    )
 
 
 _register_triton()
@@ -181,6 +204,7 @@ __all__ = [
     "attention_probs_target",
     "backends",
     "indexer_kl_loss",
+    "indexer_scores_at",
     "indexer_topk_from_inputs",
     "register_backend",
     "select_backend",

@@ -76,3 +76,10 @@ def attention_probs_target_triton(q, kv, scale, lse=None, idx=None, cu_seqlens=N
     from moestack.ops.dsa.triton_indexer import attention_probs_target_triton as _target
 
     return _target(q, kv, scale, lse=lse, idx=idx, cu_seqlens=cu_seqlens)
+
+
+def indexer_scores_at_triton(q_idx, k_idx, w, idx):
+    """Registered as backend "triton" of indexer_scores_at; see triton_indexer_scores.indexer_scores_at_triton."""
+    from moestack.ops.dsa.triton_indexer_scores import indexer_scores_at_triton as _scores
+
+    return _scores(q_idx, k_idx, w, idx)

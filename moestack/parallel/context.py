@@ -25,8 +25,8 @@ Per module (every rank runs the whole layer stack on its own tokens; the model c
                 [B, T, Di] is all-gathered too; top-k runs over the queries [0, (r+1)*T_l) (earlier rows zero, then
                 dropped: causal, so the local rows see exactly the keys they would on one device); the KL loss of
                 the local queries rides on the output divided by cp (the single-device loss is the mean over all
-                queries, and CP gradients are summed over the ranks). Dense DSA warm-up (KL over all keys) is not
-                implemented under CP.
+                queries, and CP gradients are summed over the ranks). Dense DSA warm-up: dense attention as
+                above, and the KL over all visible keys from the same zero-padded block of rows.
   GQA           keys and values all-gathered (per head; GQA has no latent), causal mask by global position.
   MoE           per token: no change. The sequence-wise aux loss sums its expert counts over the CP group
                 (`MoE.seq_shard_group`).
@@ -237,9 +237,7 @@ def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor
     T = kv_full.shape[1]
 
     loss = None
-    if m.indexer is not None and not m.sparse:
-        raise NotImplementedError("context parallelism: the DSA dense warm-up (sparse=False) is not implemented")
-    if m.indexer is None:
+    if m.indexer is None or not m.sparse:
         kv = m.kv_b_proj(kv_full[..., :C]).view(B, T, H, N + V)
         k_nope, v = kv.split([N, V], dim=-1)
         k = torch.cat((k_nope, kv_full[..., None, C:].expand(B, T, H, R).to(k_nope)), -1)
@@ -247,6 +245,8 @@ def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=_visible(cp, T_l, x_BTD.device), scale=m.scale)
         o_BTHV = o.transpose(1, 2)
+        if m.indexer is not None:  # dense warm-up: KL of the indexer to the dense attention over keys [0, t1)
+            loss = _dense_indexer_loss(m, cp, x_BTD, q_lat, q_nope, q_rope, kv_full, rope)
     else:
         q_idx, k_idx, w = m.indexer(x_BTD.detach(), q_lat.detach(), rope)
         k_idx_full = gather_shards(k_idx, cp.mesh, SEQ_DIM, partial_grad=True)
@@ -263,8 +263,8 @@ def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor
         o_lat, lse = dsa_ops.sparse_mqa_attention(q_abs, kv_full, idx, C, m.scale)
         _, w_uv = m._kv_b_heads()
         o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(o_lat.dtype))
-        target = dsa_ref.attention_probs_target(q_abs.detach(), kv_full.detach(), m.scale, lse=lse.detach(), idx=idx)
-        scores = dsa_ref.indexer_scores_at_blockwise(q_idx, k_idx_full, w, idx)
+        target = dsa_ops.attention_probs_target(q_abs.detach(), kv_full.detach(), m.scale, lse=lse.detach(), idx=idx)
+        scores = dsa_ops.indexer_scores_at(q_idx, k_idx_full, w, idx)
         loss = dsa_ops.indexer_kl_loss(scores, target)
 
     if m.g_proj is not None:
@@ -274,6 +274,21 @@ def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor
         m.last_indexer_loss = loss.detach()  # rank-local KL, for logging
         y = attach_aux_loss(y, loss * (m.indexer_loss_coef / cp.size))
     return y
+
+
+def _dense_indexer_loss(m: GatedMLA, cp: CPInfo, x_BTD, q_lat, q_nope, q_rope, kv_full, rope) -> torch.Tensor:
+    """The DSA dense warm-up's KL for my T_l queries. The dense target and score ops are causal over equal query
+    and key lengths, so my queries sit at their global rows [t0, t1) of a zero-padded [0, t1) block (earlier rows
+    are dropped; later keys are invisible to my queries anyway)."""
+    T_l = x_BTD.shape[1]
+    t0, t1 = cp.rank * T_l, (cp.rank + 1) * T_l
+    q_idx, k_idx, w = m.indexer(x_BTD.detach(), q_lat.detach(), rope)
+    k_idx_full = gather_shards(k_idx, cp.mesh, SEQ_DIM, partial_grad=True)[:, :t1]
+    with torch.no_grad():
+        q_abs = F.pad(m._absorb_query(q_nope, q_rope), (0, 0, 0, 0, t0, 0))
+        target = dsa_ref.attention_probs_target(q_abs, kv_full[:, :t1], m.scale)[:, t0:]
+    scores = dsa_ref.indexer_scores(F.pad(q_idx, (0, 0, 0, 0, t0, 0)), k_idx_full, F.pad(w, (0, 0, t0, 0)))
+    return dsa_ops.indexer_kl_loss(scores[:, t0:], target)
 
 
 def _wrap_mla(m: GatedMLA, cp: CPInfo) -> None:

@@ -23,13 +23,15 @@ from test_tensor import tiny_spec
 B, T = 2, 32
 
 
-def _cp_worker(rank: int, world_size: int, spec, seed: int = 0) -> dict:
+def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from moestack.model.transformer import build_model
     from moestack.parallel.context import apply_cp, sync_cp_grads
 
     ref = build_model(spec, "cpu", seed=seed).double()
+    for layer in ref.dsa_layers().values():
+        layer.sparse = not dense_dsa
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world_size,))
     apply_cp(model, mesh)
@@ -70,9 +72,10 @@ def _no_indexer_rope():
 
 
 def test_cp2_kda_sparse_dsa_moe_matches_single_process():
-    """Tiny preset (KDA x3 + Gated DSA sparse with indexer, dense MLP, LatentMoE + aux loss) and dense MLA
-    with rope, on 2 CP ranks."""
-    configs = {"tiny": {"spec": tiny_spec()}, "mla_rope": {"spec": _no_indexer_rope(), "seed": 1}}
+    """Tiny preset (KDA x3 + Gated DSA sparse with indexer, dense MLP, LatentMoE + aux loss), the DSA dense
+    warm-up (dense attention + KL over all keys), and dense MLA with rope, on 2 CP ranks."""
+    configs = {"tiny": {"spec": tiny_spec()}, "mla_rope": {"spec": _no_indexer_rope(), "seed": 1},
+               "dense_dsa": {"spec": tiny_spec(), "dense_dsa": True}}
     results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240, configs=configs)
     for name in configs:
         _check([r[name] for r in results])

@@ -102,7 +102,7 @@ def test_planner_models_cp_and_etp():
     spec, seq = load_any_model_spec("proxy"), 16384
     cm = CostModel(spec, load_cluster_spec("h200-cluster").with_devices(8), load_calibration(), seq,
                    profile_model(spec, seq).train_flops_per_token)
-    base = dict(model="proxy", cluster="h200-cluster", devices=8, seq_len=seq, global_batch_size=8)
+    base = {"model": "proxy", "cluster": "h200-cluster", "devices": 8, "seq_len": seq, "global_batch_size": 8}
     cp_comm = {}
     for cp in (2, 4):
         c = cm.evaluate(make_plan(**base, cp=cp, dp_shard=8 // cp, zero_stage=3, ep=8, etp=1))

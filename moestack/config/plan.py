@@ -97,6 +97,7 @@ class Plan(StrictModel):
     # flat dispatcher transfer order: one all_to_all_single ("backend"), or point-to-point with the largest chunks
     # first, or in rotating rounds that avoid receiver hot spots (moestack/parallel/comm.py)
     ep_send_order: Literal["backend", "largest_first", "rotate"] = "backend"
+    ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
     ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute

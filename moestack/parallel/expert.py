@@ -233,9 +233,13 @@ def make_dispatcher(kind: str, ep_mesh: DeviceMesh, domain_groups: tuple | None 
     flat dispatcher issues its transfers (moestack.parallel.comm.SendOrder)."""
     if kind == "flat":
         return FlatDispatcher(ep_mesh.get_group(), send_order)
-    if kind == "hierarchical":
+    if kind in ("hierarchical", "hierarchical_dedup"):
         if domain_groups is None:
             raise ConfigError("plan.dispatcher: 'hierarchical' needs an EP domain size (ranks per fast domain)")
+        if kind == "hierarchical_dedup":  # see moestack.parallel.dedup (needs apply_token_dedup afterwards)
+            from moestack.parallel.dedup import DedupHierarchicalDispatcher
+
+            return DedupHierarchicalDispatcher(*domain_groups)
         return HierarchicalDispatcher(*domain_groups)
     raise ConfigError(f"plan.dispatcher: unknown dispatcher {kind!r}; allowed: 'flat', 'hierarchical'")
 

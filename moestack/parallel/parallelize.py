@@ -23,6 +23,7 @@ from torch import nn
 from moestack.config.base import ConfigError
 from moestack.config.plan import Plan
 from moestack.parallel.context import apply_cp
+from moestack.parallel.dedup import apply_token_dedup
 from moestack.parallel.expert import apply_expert_parallel, make_dispatcher
 from moestack.parallel.fsdp import apply_fsdp, mixed_precision
 from moestack.parallel.mesh import Meshes
@@ -53,8 +54,10 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     if expert_sharded:
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None
         ep_etp = meshes.experts["ep", "etp"] if plan.etp > 1 else None
-        apply_expert_parallel(model, meshes.ep, make_dispatcher(plan.dispatcher, meshes.ep, groups, plan.ep_send_order),
-                              ep_etp)
+        kind = "hierarchical_dedup" if plan.dispatcher == "hierarchical" and plan.ep_token_dedup else plan.dispatcher
+        apply_expert_parallel(model, meshes.ep, make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order), ep_etp)
+        if kind == "hierarchical_dedup":
+            apply_token_dedup(model)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True)
     if plan.cp > 1:

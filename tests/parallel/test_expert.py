@@ -105,6 +105,8 @@ CASES = {
     "recompute_ep4": dict(ep=4, dispatcher="flat", recompute=True),
     "largest_first_ep4": dict(ep=4, dispatcher="flat", order="largest_first"),
     "rotate_skew_ep4": dict(ep=4, dispatcher="flat", order="rotate", skew=True),
+    "hier_dedup_2x2": dict(ep=4, dispatcher="hierarchical", domain=2, dedup=True),
+    "hier_dedup_skew": dict(ep=4, dispatcher="hierarchical", domain=2, dedup=True, skew=True),
     "overlap_ep4": dict(ep=4, dispatcher="flat", overlap=True),  # shared experts via moestack.parallel.overlap
     "etp2_ep2": dict(ep=2, etp=2, dispatcher="flat"),  # expert tensor parallelism folded with EP (edp 1)
     "etp2_ep2_skew": dict(ep=2, etp=2, dispatcher="flat", skew=True),
@@ -160,9 +162,13 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     groups = meshes.ep_domain_groups() if case["dispatcher"] == "hierarchical" else None
     moe = copy.deepcopy(ref_moe)
     ep_etp = meshes.experts["ep", "etp"] if case.get("etp", 1) > 1 else None
+    kind = "hierarchical_dedup" if case.get("dedup") else case["dispatcher"]
     apply_expert_parallel(torch.nn.ModuleDict({"moe": moe}), meshes.ep,
-                          make_dispatcher(case["dispatcher"], meshes.ep, groups, case.get("order", "backend")),
-                          ep_etp)
+                          make_dispatcher(kind, meshes.ep, groups, case.get("order", "backend")), ep_etp)
+    if case.get("dedup"):
+        from moestack.parallel.dedup import apply_token_dedup
+
+        assert apply_token_dedup(torch.nn.ModuleDict({"moe": moe})) == ["moe"]
     assert isinstance(moe.experts.w_gate_up, DTensor)
     if case.get("overlap"):
         from moestack.parallel.overlap import apply_shared_expert_overlap
@@ -184,6 +190,9 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     if case.get("recompute"):
         errs["recomputed"] = float(len(seen) == 2)  # the forward, then its recompute in backward
     errs |= {"out": _rel(out, out_ref[rows]), "dx": _rel(x.grad, dx_ref[rows])}
+    if case.get("dedup"):  # the dedup path ran and sent fewer copies than rows across domains
+        copies, rows_x = moe.experts.ep_dispatcher.last_cross
+        errs["dedup_not_fewer"] = float(not (copies < rows_x or rows_x == 0))
     if case.get("overlap"):
         errs["overlap_not_used"] = float(getattr(moe, "_shared_overlap_calls", 0) != 1)
     # expert grads: my shard, summed over the edp replicas holding the same experts (they saw other tokens)

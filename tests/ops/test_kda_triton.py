@@ -252,7 +252,7 @@ def test_gpu_bf16_varlen(recompute):
 @pytest.mark.gpu
 def test_gpu_bf16_correlated_keys():
     """Op level, full head size: keys sharing a direction (the in-model NaN case), weak and saturated gates."""
-    x = make_inputs(1, 1000, 2, 128, 128, h0=True, dtype=torch.float32, seed=23)
+    x = make_inputs(1, 1000, 2, 128, 128, h0=True, gate="k3", dtype=torch.float32, seed=23)  # A_log, dt_bias too
     shared = torch.randn(1, 1, 1, 128, generator=torch.Generator().manual_seed(6)) * 2
     x["q"], x["k"] = x["q"] + shared, x["k"] + shared
     x["g"] = torch.cat([x["g"][..., :64] - 8.0, x["g"][..., 64:] + 8.0], -1)  # k3: half saturated, half weak

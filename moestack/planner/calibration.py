@@ -42,9 +42,12 @@ class PartCalibration(StrictModel):
     """One layer part kind (kda, mla, gqa, mamba2, moe, dense) measured whole by `moestack tune`
     (planner/measure_parts.py) at one device's shape, with the backends that ran."""
 
-    tokens: int = Field(gt=0)  # tokens per micro-batch of the measurement
-    fwd_extra_s_per_token: float  # measured forward - the analytic forward terms, per token (may be < 0)
-    bwd_extra_s_per_token: float  # the same for backward
+    tokens: int = Field(gt=0)  # tokens per micro-batch of the (larger) measurement
+    # measured - analytic time = fixed + per_token * tokens, fitted on two token counts (each term >= 0)
+    fwd_extra_s_per_token: float = Field(ge=0)
+    bwd_extra_s_per_token: float = Field(ge=0)
+    fwd_fixed_s: float = Field(default=0.0, ge=0)  # per part per micro-batch pass (launch-bound small ops)
+    bwd_fixed_s: float = Field(default=0.0, ge=0)
     act_bytes_per_token: float = Field(ge=0)  # saved by autograd under no recompute, autocast weight copies excluded
     backend: str = ""  # what ran (e.g. "kda=reference")
 

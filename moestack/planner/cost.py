@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from moestack.config.cluster import GIB, ClusterSpec
 from moestack.config.model_spec import LayerKind, ModelSpec
-from moestack.config.plan import Plan
+from moestack.config.plan import Plan, RecomputePolicy
 from moestack.planner.calibration import Calibration
 
 BF16 = 2
@@ -671,12 +671,8 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     # (it is recomputed under selective and full recompute alike)
     measured = cal.parts.get(part.kind)
     if measured is not None:
-        base_f = g_fwd + attn_f + sparse_f + kda_f + idx_f + elem_f
-        base_b = 2.0 * g_fwd + attn_b + sparse_b + kda_b + idx_b + elem_b
-        extra_f = max(measured.fwd_extra_s_per_token * T / tp, -0.5 * base_f)
-        extra_b = max(measured.bwd_extra_s_per_token * T / tp, -0.5 * base_b)
-        elem_f += extra_f
-        elem_b += extra_b
+        elem_f += measured.fwd_fixed_s + measured.fwd_extra_s_per_token * T / tp
+        elem_b += measured.bwd_fixed_s + measured.bwd_extra_s_per_token * T / tp
     over = cal.kernel_overhead_s
     core_f = attn_f + sparse_f + kda_f + idx_f
     core_b = attn_b + sparse_b + kda_b + idx_b
@@ -1167,6 +1163,30 @@ class CostModel:
         cost.binding = binding_constraint(cost)
         return cost
 
+    @staticmethod
+    def _grads_build_up(plan: Plan) -> bool:
+        """True when gradients do not outlive the step: one device (no FSDP / DDP buffers), one micro-batch (no
+        accumulation), and the trainer's zero_grad(set_to_none=True). Backward then allocates them layer by layer
+        while it frees that layer's activations."""
+        return plan.devices == 1 and plan.num_microbatches == 1 and not plan.offload.optimizer
+
+    def _one_end_of_backward(self, plan: Plan, mem: dict[str, float]) -> None:
+        """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
+        LM head's gradient, the loss buffers) or at its end (all gradients), plus one layer's working set (the
+        gradients of its saved tensors, or its recomputed activations: the no-recompute bytes of the largest
+        layer)."""
+        kind_cost, _, _ = self.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
+        scratch = max(c.act for c in kind_cost)
+        head = (self.work.head.params * self.work.num_heads_out / plan.tp) * FP32
+        start = mem["activations"] + min(head, mem["gradients"]) + mem["buffers"]
+        end = mem["gradients"]
+        if start >= end:
+            mem["gradients"] = min(head, mem["gradients"])
+        else:
+            mem["activations"] = 0.0
+            mem["buffers"] = 0.0
+        mem["buffers"] += scratch
+
     def _dp_times(self, plan: Plan, dense: float, expert: float, fwd: float, bwd: float, m: int,
                   layers: int) -> tuple[float, float]:
         """Gradient reduction and parameter gathers over the data-parallel groups (dense: dp, stride tp*cp;
@@ -1298,6 +1318,8 @@ class CostModel:
             if plan.tp > 1:
                 buffers += T * spec.hidden_size * BF16
             mem["buffers"] = buffers
+            if self._grads_build_up(plan):
+                self._one_end_of_backward(plan, mem)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
             if sum(mem.values()) > sum(best.values()):
                 best = mem

@@ -95,9 +95,14 @@ def _saved_bytes(forward, device: torch.device) -> tuple[torch.Tensor, float]:
 
 
 def measure_parts(spec: ModelSpec, micro_batch: int, seq_len: int, ep: int = 1, reps: int = 3,
-                  device: torch.device | str = "cuda") -> dict[str, PartTiming]:
+                  device: torch.device | str = "cuda", chain: int = 3) -> dict[str, PartTiming]:
     """One block of each distinct layer kind, fp32 weights under bf16 autocast (the single-device trainer's
-    setup); each part (its pre-norm included) timed forward and forward+backward on random hidden states."""
+    setup); each part (its pre-norm included) timed forward and forward+backward on random hidden states.
+
+    The part is applied `chain` times in a row (as consecutive layers are) and the time divided by `chain`: in a
+    model the host launches one layer while the GPU still runs the previous one, and a lone part timed from idle
+    would charge its launch latency as if nothing overlapped it.
+    """
     from moestack.model.block import Block
 
     spec = local_expert_spec(spec, ep)
@@ -122,17 +127,25 @@ def measure_parts(spec: ModelSpec, micro_batch: int, seq_len: int, ep: int = 1, 
             x = torch.randn(micro_batch, seq_len, spec.hidden_size, device=device, requires_grad=True)
             dy = torch.randn_like(x)
 
-            def forward():
+            def forward(times: int = 1):
+                h = x
                 with torch.autocast(device.type, amp_dtype, enabled=cuda):
-                    return x + part(norm(x))
+                    for _ in range(times):
+                        h = h + part(norm(h))
+                return h
 
-            def fwd_bwd():
-                forward().backward(dy)
-
-            for _ in range(2):
-                fwd_bwd()
-            t_f = _time(forward, reps, device)
-            t_fb = _time(fwd_bwd, reps, device)
+            n = chain
+            try:
+                for _ in range(2):
+                    forward(n).backward(dy)
+            except torch.OutOfMemoryError:
+                n = 1
+                x.grad = None
+                if cuda:
+                    torch.cuda.empty_cache()
+                forward(n).backward(dy)
+            t_f = _time(lambda: forward(n), reps, device) / n
+            t_fb = _time(lambda: forward(n).backward(dy), reps, device) / n
             x.grad = None
             for p in block.parameters():
                 p.grad = None

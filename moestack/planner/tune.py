@@ -192,34 +192,61 @@ def measure_hbm(bw_bytes_s: float) -> float:
 
 
 def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -> dict[str, PartCalibration]:
-    """Measure each layer part whole (planner/measure_parts.py) and keep what the analytic terms miss."""
+    """Measure each layer part whole (planner/measure_parts.py) at two token counts and keep what the analytic
+    terms miss, as a fixed cost per pass plus a cost per token, and the saved bytes per token."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.memory.report import single_device_plan
     from moestack.planner.cost import Ctx, model_work, part_cost
     from moestack.planner.measure_parts import local_expert_spec, measure_parts
 
-    timings = measure_parts(spec, mbs, seq, ep)
     if plan is None:
         plan = single_device_plan(spec.name, seq, mbs, cluster="h200-1gpu")
     plan = plan.model_copy(update={"tp": 1, "cp": 1, "etp": 1, "ep": 1, "devices": 1})
     local = local_expert_spec(spec, ep)
     cluster = load_cluster_spec(plan.cluster).with_devices(1)
-    ctx = Ctx(plan, local, cluster, cal, float(mbs * seq))
-    work = model_work(local, seq)
+    # the second point halves the tokens (the sequence while it stays a few chunks long, else the batch)
+    small = (mbs, seq // 2) if seq >= 512 else (max(1, mbs // 2), seq)
+    points = [(mbs, seq), small] if small != (mbs, seq) else [(mbs, seq)]
+    extras: dict[str, list[tuple[float, float, float]]] = {}  # kind -> [(tokens, fwd extra, bwd extra)]
+    saved: dict[str, float] = {}
+    for b, s in points:
+        timings = measure_parts(spec, b, s, ep)
+        p = plan.model_copy(update={"micro_batch_size": b, "seq_len": s})
+        ctx = Ctx(p, local, cluster, cal, float(b * s))
+        seen: set[str] = set()
+        for layer in model_work(local, s).layers:
+            for part in layer.parts:
+                t = timings.get(part.kind)
+                if t is None or part.kind in seen:
+                    continue
+                seen.add(part.kind)
+                pc = part_cost(part, ctx)
+                extras.setdefault(part.kind, []).append((t.tokens, t.fwd_s - pc.fwd, t.bwd_s - pc.bwd))
+                if (b, s) == points[0]:
+                    saved[part.kind] = max(0.0, t.saved_bytes - t.weight_copy_bytes) / t.tokens
     backends = _backend_names()
     out: dict[str, PartCalibration] = {}
-    for layer in work.layers:
-        for part in layer.parts:
-            t = timings.get(part.kind)
-            if t is None or part.kind in out:
-                continue
-            pc = part_cost(part, ctx)
-            act = max(0.0, t.saved_bytes - t.weight_copy_bytes)
-            out[part.kind] = PartCalibration(
-                tokens=t.tokens, fwd_extra_s_per_token=(t.fwd_s - pc.fwd) / t.tokens,
-                bwd_extra_s_per_token=(t.bwd_s - pc.bwd) / t.tokens, act_bytes_per_token=act / t.tokens,
-                backend=backends.get(part.kind, ""))
+    for kind, pts in extras.items():
+        (f_fix, f_tok), (b_fix, b_tok) = (_fixed_and_per_token([(n, e[i]) for n, *e in pts]) for i in (0, 1))
+        out[kind] = PartCalibration(tokens=int(pts[0][0]), fwd_extra_s_per_token=f_tok, bwd_extra_s_per_token=b_tok,
+                                    fwd_fixed_s=f_fix, bwd_fixed_s=b_fix, act_bytes_per_token=saved[kind],
+                                    backend=backends.get(kind, ""))
     return out
+
+
+def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit extra = fixed + per_token * tokens through the points (two, or one), both terms >= 0."""
+    (n1, e1) = points[0]
+    if len(points) == 1 or points[1][0] == n1:
+        return 0.0, max(0.0, e1) / n1
+    (n2, e2) = points[1]
+    per = (e1 - e2) / (n1 - n2)
+    fixed = e1 - per * n1
+    if per < 0:
+        return max(0.0, e1), 0.0
+    if fixed < 0:
+        return 0.0, max(0.0, e1) / n1
+    return fixed, per
 
 
 def _backend_names() -> dict[str, str]:
@@ -335,8 +362,10 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                                   "flash_attn_fwd_eff": attn_f, "flash_attn_bwd_eff": attn_b, "parts": {}})
     parts = calibrate_parts(spec, cal, plan, mbs, seq, ep)
     for kind, pc in parts.items():
-        measured.append(f"{kind} part: {pc.fwd_extra_s_per_token * pc.tokens * 1e3:+.1f} ms fwd / "
-                        f"{pc.bwd_extra_s_per_token * pc.tokens * 1e3:+.1f} ms bwd beyond the analytic terms, "
+        measured.append(f"{kind} part: {(pc.fwd_fixed_s + pc.fwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms fwd / "
+                        f"{(pc.bwd_fixed_s + pc.bwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms bwd beyond the "
+                        f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
+                        f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
                         f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
     cal = base.model_copy(update={
         **update,

@@ -74,3 +74,25 @@ def test_measure_parts_runs_every_part_kind_on_cpu():
     assert set(timings) == kinds - {"none"}
     for t in timings.values():
         assert t.fwd_s > 0 and t.bwd_s > 0 and t.saved_bytes > 0 and t.tokens == 32
+
+
+def test_fixed_and_per_token_fit():
+    from moestack.planner.tune import _fixed_and_per_token
+
+    fixed, per = _fixed_and_per_token([(100, 1.0), (50, 0.6)])
+    assert fixed == pytest.approx(0.2) and per == pytest.approx(0.008)
+    assert _fixed_and_per_token([(100, 1.0), (50, 0.4)]) == (0.0, 0.01)  # negative fixed -> all per token
+    assert _fixed_and_per_token([(100, 1.0), (50, 1.2)]) == (1.0, 0.0)  # smaller run slower -> all fixed
+    assert _fixed_and_per_token([(100, -1.0)]) == (0.0, 0.0)
+
+
+def test_single_device_peak_is_one_end_of_backward():
+    """One device, one micro-batch: gradients build up while activations are freed, so the peak holds either
+    the activations (+ the LM head's gradient) or all gradients, never both in full."""
+    base = load_calibration()
+    none, full = _evaluate(base), _evaluate(base, recompute="full")
+    weights = none.memory["weights"]
+    assert none.memory["gradients"] < 0.2 * weights  # only the LM head's gradient at the start of backward
+    assert full.memory["gradients"] == pytest.approx(weights)  # fp32 grads of fp32 weights at the end
+    assert full.memory["activations"] == 0.0
+    assert _evaluate(base, devices=1).memory_total <= _evaluate(base, mbs=2).memory_total

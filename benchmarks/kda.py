@@ -2,6 +2,11 @@
 
     python3 benchmarks/kda.py                      # the three issue shapes, forward and forward+backward
     python3 benchmarks/kda.py --shapes 1x4096x8x128 --no-fla
+    python3 benchmarks/kda.py --quick --fla-ref 4.083,21.1     # < 90 s: headline shape, old vs new variants
+
+Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
+suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands) and "+k2=BV:warps"
+(MOESTACK_KDA_K2: a fixed forward-recurrence config), e.g. "ours-save+bf16+k2=16:4".
 
 Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
 (an activated log-decay, as fla's own tests draw it), beta = sigmoid(N(0, 1)). Ours runs `kda_fused(gate="none",
@@ -22,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x H x D
+# --quick: the measured defaults next to the new variants (old first, so a budget cut drops new ones)
+QUICK_BACKENDS = ["ours", "ours+bf16", "ours+k2=16:4", "ours-save", "ours-save+bf16", "ours+bf16+k2=16:4"]
 
 
 def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
@@ -43,8 +50,41 @@ def make_inputs(B, T, H, D, seed=0):
     )
 
 
+def _variant_env(name: str) -> dict:
+    """Environment switches of an "ours..." variant name (module docstring)."""
+    env = {}
+    for part in name.split("+")[1:]:
+        if part == "bf16":
+            env["MOESTACK_KDA_INTRA_DOTS"] = "bf16"
+        elif part.startswith("k2="):
+            env["MOESTACK_KDA_K2"] = part[3:]
+        else:
+            raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' (use +bf16 or +k2=BV:warps)")
+    return env
+
+
+class _env_set:
+    """Set environment variables for the duration of a with-block (the switches are read per call)."""
+
+    def __init__(self, env: dict):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        for n, val in self.env.items():
+            self.old[n] = os.environ.get(n)
+            os.environ[n] = val
+
+    def __exit__(self, *exc):
+        for n, val in self.old.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+
+
 def runner(name: str, x: dict, backward: bool):
     """A closure running one forward (and backward) of backend `name` on inputs x."""
+    env = {}
     if name == "fla":
         from fla.ops.kda import chunk_kda
 
@@ -53,7 +93,8 @@ def runner(name: str, x: dict, backward: bool):
     else:
         from moestack.ops.kda.triton_op import kda_fused
 
-        recompute = name != "ours-save"
+        env = _variant_env(name)
+        recompute = not name.startswith("ours-save")
 
         def fwd(q, k, v, g, beta):
             return kda_fused(q, k, v, g, beta, gate="none", l2norm=True, beta_sigmoid=False, recompute=recompute)[0]
@@ -62,15 +103,19 @@ def runner(name: str, x: dict, backward: bool):
     do = torch.randn_like(x["v"]) if backward else None
 
     def run():
-        o = fwd(*ins)
-        if backward:
-            o.backward(do)
+        with _env_set(env):
+            o = fwd(*ins)
+            if backward:
+                o.backward(do)
         return o
 
     return run, ins
 
 
-def breakdown(x: dict, rep: int) -> dict:
+K2_CONFIGS = ("16:4", "16:8", "32:4", "64:8")  # K2 (BV, warps) variants the breakdown times next to the default
+
+
+def breakdown(x: dict, rep: int, skip_bwd: bool = False) -> dict:
     """Median ms of each of our kernels on inputs x (bf16, gate='none', L2 norm in kernel, as the main table)."""
     from triton.testing import do_bench
 
@@ -89,8 +134,13 @@ def breakdown(x: dict, rep: int) -> dict:
                                                        inter_dtype=q.dtype, **kw)
     intra = steps["fwd intra (K1)"]()
     rec = dict(n_seqs=B, V=V, out_dtype=v.dtype, store_ht=False)
+    steps["fwd intra (K1) bf16 dots"] = lambda: tf.kda_fwd_intra(
+        q, k, v, g, beta, None, None, cmap, cu, beta_sigmoid=False, inter_dtype=q.dtype, intra_dots="bf16", **kw)
     steps["fwd recurrence + output (K2)"] = lambda: tf.kda_fwd_recurrence(intra, None, offs, cu, store_o=True,
                                                                          store_states=False, **rec)
+    for cfg in K2_CONFIGS:
+        steps[f"fwd recurrence + output (K2) BV:warps={cfg}"] = lambda cfg=cfg: tf.kda_fwd_recurrence(
+            intra, None, offs, cu, store_o=True, store_states=False, k2_config=cfg, **rec)
     steps["fwd recurrence, states only (bwd recompute)"] = lambda: tf.kda_fwd_recurrence(
         intra, None, offs, cu, store_o=False, store_states=True, **rec)
     _, _, h, d = steps["fwd recurrence, states only (bwd recompute)"]()
@@ -102,7 +152,15 @@ def breakdown(x: dict, rep: int) -> dict:
     part = steps["bwd wy (B3a)"]()[2]
     steps["bwd scores (B3b)"] = lambda: tb.kda_bwd_scores(q, k, g, None, None, intra, cmap, cu, dict(part), **kw)
     steps["bwd scores (B3b)"]()
-    return {name: do_bench(fn, warmup=25, rep=rep, return_mode="median") for name, fn in steps.items()}
+    out = {}
+    for name, fn in steps.items():
+        if skip_bwd and name.startswith("bwd"):
+            continue
+        try:
+            out[name] = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+        except Exception as e:  # one failing variant (a config that does not compile) must not stop the rest
+            print(f"| kernel {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | |", flush=True)
+    return out
 
 
 def kernel_report() -> None:
@@ -123,7 +181,7 @@ def kernel_report() -> None:
             print(f"  kernel {fn.__name__}: no metadata ({e!r})")
 
 
-def layer_op_rows(rep: int) -> None:
+def layer_op_rows(rep: int, quick: bool = False) -> None:
     """The layer's short convolution + SiLU: PyTorch (model.kda.ShortConv) vs the fused kernel, bf16, fwd and
     fwd+bwd at the issue's first shape (C = 32 heads x 128), one document per row and packed documents."""
     from triton.testing import do_bench
@@ -138,9 +196,11 @@ def layer_op_rows(rep: int) -> None:
     dy = torch.randn_like(x)
     cu = torch.tensor([0, 1000, 9000, 20000, T], device="cuda")
     variants = {"torch": lambda x, pos: F.silu(conv(x, pos)),
-                "fused": lambda x, pos: short_conv_silu(x, conv.weight, pos)}
+                "fused": lambda x, pos: short_conv_silu(x, conv.weight, pos, bwd="fused"),
+                "fused, two-pass bwd": lambda x, pos: short_conv_silu(x, conv.weight, pos, bwd="two_pass")}
     print("\n| layer op | mode | impl | ms | Mtok/s | | speedup |\n|---|---|---|---|---|---|---|", flush=True)
-    for docs, pos in (("1 doc", None), ("4 docs", _doc_positions(T, cu, x.device))):
+    docs_list = (("1 doc", None),) if quick else (("1 doc", None), ("4 docs", _doc_positions(T, cu, x.device)))
+    for docs, pos in docs_list:
         for backward in (False, True):
             ms = {}
             for name, fn in variants.items():
@@ -225,6 +285,14 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=110.0,
                    help="skip the remaining variants (a '|' row each) once this many seconds have passed")
     p.add_argument("--breakdown", action="store_true", help="also time each of our kernels")
+    p.add_argument("--quick", action="store_true",
+                   help="< 90 s on an H200: the first shape only, no fla, ours old vs new variants, kernel breakdown, "
+                        "short conv rows")
+    p.add_argument("--fla-ref", nargs=2, type=float, default=None, metavar=("FWD_MS", "FWDBWD_MS"),
+                   help="fla's fwd and fwd+bwd ms at the first shape, measured elsewhere (fla's autotune takes "
+                        "~100 s): used for the speedup column and labelled as such")
+    p.add_argument("--fla-ref-source", default="H200 2026-11-29: fwd run2 same-process, fwd+bwd previous session",
+                   help="where the --fla-ref numbers come from (printed with them)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-layer-ops", action="store_true", help="skip the short conv + SiLU rows")
     p.add_argument("--autotune", action="store_true",
@@ -235,6 +303,10 @@ def main() -> None:
         os.environ.setdefault("MOESTACK_KDA_AUTOTUNE", "0")  # read when the kernels are decorated (first import)
 
     t_start = time.perf_counter()
+    if args.quick:
+        args.shapes, args.no_fla, args.breakdown, args.rep = args.shapes[:1], True, True, 300
+        args.budget_s = min(args.budget_s, 70.0)
+        args.backends = args.backends or QUICK_BACKENDS
     names = ["ours", "ours-save"] + ([] if args.no_fla or not _fla_installed() else ["fla"])
     names = args.backends or names
     results = []
@@ -247,7 +319,7 @@ def main() -> None:
         for backward in (False, True):
             for name in names:
                 mode = "fwd+bwd" if backward else "fwd"
-                if name == "ours-save" and not backward:
+                if name.startswith("ours-save") and not backward:
                     continue  # the same forward as "ours" (plus stores)
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"| {shape} | {mode} | {name} | skipped: time budget ({args.budget_s:.0f} s) spent | | | |")
@@ -274,28 +346,39 @@ def main() -> None:
                 del run, ins
                 torch.cuda.empty_cache()
         if args.breakdown and "ours" in names:
-            for step, ms in breakdown(x, args.rep).items():
+            for step, ms in breakdown(x, args.rep, skip_bwd=args.quick).items():
                 results.append(dict(shape=shape, name="ours kernel", mode=step, ms=ms, tok_s=B * T / ms * 1e3,
                                     tflops=0.0))
                 print(f"  {shape} kernel {step:45s} {ms:8.3f} ms", flush=True)
+        names_o = ("o", "dq", "dk", "dv", "dg", "dbeta")
         if "fla" in outs and "ours" in outs:
-            names_o = ("o", "dq", "dk", "dv", "dg", "dbeta")
             errs = {n: rel_rms(a, b) for n, a, b in zip(names_o, outs["ours"], outs["fla"])}
             print(f"  {shape} ours vs fla rel-RMS: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
             for r in results:
                 if r["shape"] == shape and r["name"] == "ours":
                     r["vs_fla"] = errs
+        for name in outs:  # variants against the default (the GPU tests check each against the fp64 reference)
+            if name.startswith("ours") and name != "ours" and "ours" in outs:
+                errs = {n: rel_rms(a, b) for n, a, b in zip(names_o, outs[name], outs["ours"])}
+                print(f"| {shape} | rel-RMS vs ours | {name} | " + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+                      + " | | | |", flush=True)
         del x, outs
         torch.cuda.empty_cache()
 
     if "ours" in names:
         kernel_report()
     if not args.no_layer_ops:
-        layer_op_rows(args.rep)
-        gated_norm_rows(args.rep)
+        layer_op_rows(args.rep, quick=args.quick)
+        if not args.quick:
+            gated_norm_rows(args.rep)
     print("\n| shape BxTxHxD | mode | backend | ms | Mtok/s | TFLOP/s | speedup vs fla |")
     print("|---|---|---|---|---|---|---|")
     fla_ms = {(r["shape"], r["mode"]): r["ms"] for r in results if r["name"] == "fla"}
+    if args.fla_ref:
+        for mode, ms in zip(("fwd", "fwd+bwd"), args.fla_ref):
+            fla_ms.setdefault((args.shapes[0], mode), ms)
+            print(f"| {args.shapes[0]} | {mode} | fla (reference, not this run: {args.fla_ref_source}) | {ms:.3f} "
+                  f"| | | |")
     for r in results:
         ref = fla_ms.get((r["shape"], r["mode"]))
         sp = f"{ref / r['ms']:.2f}" if ref and r["name"] != "fla" else ""

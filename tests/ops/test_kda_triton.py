@@ -210,6 +210,23 @@ def test_recompute_matches_save():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_k2_fixed_config(monkeypatch):
+    """$MOESTACK_KDA_K2 = "BV:warps" launches the forward recurrence with that config (here 2 V-blocks)."""
+    monkeypatch.setenv("MOESTACK_KDA_K2", "16:4")
+    x = make_inputs(2, 63, 2, 16, 32, h0=True, seed=31)
+    x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
+    check(x, gate="none", fused=False, recompute=True)
+
+
+@pytest.mark.parametrize("env,value", [("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
+                                       ("MOESTACK_KDA_INTRA_DOTS", "fp8")])
+def test_bad_switches(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    x = make_inputs(1, 8, 1, 16, 16, seed=2)
+    with pytest.raises(ValueError, match=env):
+        kda_fused(x["q"], x["k"], x["v"], x["g"], x["beta"], gate="none")
+
+
 def test_dispatcher_backend():
     from moestack.ops.kda import chunk_kda, registered_backends
 
@@ -250,8 +267,10 @@ def test_gpu_bf16_varlen(recompute):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_correlated_keys():
+@pytest.mark.parametrize("intra_dots", ["tf32", "bf16"])
+def test_gpu_bf16_correlated_keys(intra_dots, monkeypatch):
     """Op level, full head size: keys sharing a direction (the in-model NaN case), weak and saturated gates."""
+    monkeypatch.setenv("MOESTACK_KDA_INTRA_DOTS", intra_dots)
     x = make_inputs(1, 1000, 2, 128, 128, h0=True, gate="k3", dtype=torch.float32, seed=23)  # A_log, dt_bias too
     shared = torch.randn(1, 1, 1, 128, generator=torch.Generator().manual_seed(6)) * 2
     x["q"], x["k"] = x["q"] + shared, x["k"] + shared
@@ -262,7 +281,21 @@ def test_gpu_bf16_correlated_keys():
     # 2x the usual bf16 bounds: the inverse runs in tf32 (~1e-3 on X for keys this correlated, triton_fwd.py
     # INV_PRECISION); the failure this guards against was a relative error of ~1e8.
     errs = check(x, gate="k3", tol_out=2 * GPU_TOL_OUT, tol_grad=2 * GPU_TOL_GRAD)
-    print("\nKDA_GPU_ERR correlated-keys " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    print(f"\nKDA_GPU_ERR correlated-keys {intra_dots} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", ["MOESTACK_KDA_INTRA_DOTS=bf16", "MOESTACK_KDA_K2=16:4", "MOESTACK_KDA_K2=64:8",
+                                 "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K2=16:4"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gpu_bf16_switches(env, recompute, monkeypatch):
+    """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""
+    for item in env.split():
+        monkeypatch.setenv(*item.split("="))
+    cu = torch.tensor([0, 17, 300, 301, 1000], dtype=torch.int32, device="cuda")
+    x = make_inputs(1, 1000, 4, 128, 128, n_seqs=4, gate="k3", dtype=torch.bfloat16, device="cuda", seed=98)
+    errs = check(x, gate="k3", cu_seqlens=cu, recompute=recompute, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+    print(f"\nKDA_GPU_ERR {env} recompute={recompute} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
 def _train_kda_layer(backend: str, monkeypatch, steps: int = 50) -> list[float]:

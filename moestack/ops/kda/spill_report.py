@@ -1,6 +1,6 @@
 """Compile the KDA kernels for sm_90 without a GPU and print ptxas's register / spill report per kernel.
 
-    python -m moestack.ops.kda.spill_report [k1 k2 b2 b3a b3b]     # env: BKS, BV, BKC, NW, GATE pick the variant
+    python -m moestack.ops.kda.spill_report [k1 k2 b2 b3a b3b]     # env: BKS, BV, BKC, NW, GATE, LOWP pick the variant
 
 Catches compile errors before a GPU run and shows register pressure (spills cost more than re-reading a tile from
 L1/L2 here). K = V = 128, bf16 intermediates. The PTX goes to a temporary folder and through the ptxas bundled
@@ -65,7 +65,8 @@ def main() -> None:
                 {"g": F32, "beta": F32, "A_log": F32, "dt_bias": F32, "chunk_map": I32, "cu_seqlens": I32,
                  "gl": F32, "gc": F32, "rq": F32, "rk": F32, "flag": I32},
                 {**COMMON, "BV": 128, "GATE": _env("GATE", 0), "LOWER_BOUND": -5.0, "HAS_DT_BIAS": fused,
-                 "L2NORM": fused, "L2_EPS": 1e-6, "BETA_SIGMOID": False, "SPAN_MAX": 80.0, "BKS": _env("BKS", 32)},
+                 "L2NORM": fused, "L2_EPS": 1e-6, "BETA_SIGMOID": False, "SPAN_MAX": 80.0, "BKS": _env("BKS", 32),
+                 "LOWP": bool(_env("LOWP", 0))},
                 {"scale": "fp32", "H": "i32"}, warps)
     rec = {"K": 128, "V": 128, "BT": 64, "BK": 128, "BV": bv}
     if "k2" in only:

@@ -35,6 +35,13 @@ GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
 # independent keys, ~1e-3 for strongly correlated ones (cos 0.8-0.9; torch simulation), and no register spills
 # in K1 / B3a. tf32x3 (MOESTACK_KDA_INV_PRECISION=tf32x3): ~fp32 accuracy, ~0.3 KB spills per thread (ptxas).
 INV_PRECISION = tl.constexpr(os.environ.get("MOESTACK_KDA_INV_PRECISION", "tf32"))
+# Operands of K1's score dots (Akk, Aqk) and WY dots (W = X.., U = X..): "tf32" (fp32 operands, measured
+# default) or "bf16" (bf16 operands, fp32 accumulate: half the shared-memory staging, twice the tensor-core rate;
+# the decay factors are bounded, <= 1 off the diagonal sub-blocks, so only the 8-bit mantissa is lost). The
+# inverse itself stays at INV_PRECISION. Read per call (kda_fwd_intra's intra_dots=, else this variable).
+INTRA_DOTS_ENV = "MOESTACK_KDA_INTRA_DOTS"
+INTRA_DOTS = ("tf32", "bf16")
+K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, see k2_config_choice
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
@@ -159,9 +166,10 @@ def _exact_diag_factor(b_b, j, BT: tl.constexpr, SUB: tl.constexpr, STRICT: tl.c
 
 @triton.jit
 def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
-                  BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, WITH_Q: tl.constexpr):
+                  BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, WITH_Q: tl.constexpr,
+                  LOWP: tl.constexpr = False):
     """Akk (strictly lower) and, if WITH_Q, Aqk (lower incl. diagonal), [BT, BT] fp32. b_b [BT, BK] is the
-    chunk's cumulative log-decay, also readable by rows at p_gc (see _gc_row)."""
+    chunk's cumulative log-decay, also readable by rows at p_gc (see _gc_row). LOWP: bf16 dot operands."""
     o_t = tl.arange(0, BT)
     b_akk = tl.zeros([BT, BT], tl.float32)
     b_aqk = tl.zeros([BT, BT], tl.float32)
@@ -169,9 +177,15 @@ def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
         r = _gc_row(p_gc, c * SUB + SUB - 1, n, stride, ncol, BK)
         e_l, e_r = _stripe_factors(b_b, r, c, slow, BT, SUB)
         b_kr = b_k * e_r
-        b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
-        if WITH_Q:
-            b_aqk += tl.dot(b_q * e_l, tl.trans(b_kr))
+        if LOWP:
+            b_krt = tl.trans(b_kr.to(tl.bfloat16))
+            b_akk += tl.dot((b_k * e_l).to(tl.bfloat16), b_krt)
+            if WITH_Q:
+                b_aqk += tl.dot((b_q * e_l).to(tl.bfloat16), b_krt)
+        else:
+            b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
+            if WITH_Q:
+                b_aqk += tl.dot(b_q * e_l, tl.trans(b_kr))
     if slow:
         # Exact diagonal sub-blocks, one column at a time (only for gates too strong for the factorisation).
         for j in range(BT):
@@ -247,6 +261,7 @@ def kda_fwd_kernel_intra(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
+    LOWP: tl.constexpr,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
@@ -296,7 +311,7 @@ def kda_fwd_kernel_intra(
                       padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * b_rk[:, None]
-        b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True)
+        b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True, LOWP)
         b_akk += b_a
         b_aqk += b_aq
         tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BKS, col0), (b_q * tl.exp(b_b)).to(qp.dtype.element_ty),
@@ -309,15 +324,25 @@ def kda_fwd_kernel_intra(
 
     # Pass 3: X = (I + Diag(beta) Akk)^-1, W = X Diag(beta) (k exp(b)), U = X Diag(beta) v.
     b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    if LOWP:
+        b_minv_d = b_minv.to(tl.bfloat16)
+    else:
+        b_minv_d = b_minv
     for col0 in range(0, K, BKS):
         b_b, _ = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * (b_rk * b_beta)[:, None]
-        tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), tl.dot(b_minv, b_k * tl.exp(b_b)).to(w.dtype.element_ty),
+        b_kb = b_k * tl.exp(b_b)
+        if LOWP:
+            b_kb = b_kb.to(tl.bfloat16)
+        tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), tl.dot(b_minv_d, b_kb).to(w.dtype.element_ty),
                  boundary_check=(0, 1))
     for col0 in range(0, V, BKS):
         b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
-        b_u = tl.dot(b_minv, b_beta[:, None] * b_v.to(tl.float32))
+        b_bv = b_beta[:, None] * b_v.to(tl.float32)
+        if LOWP:
+            b_bv = b_bv.to(tl.bfloat16)
+        b_u = tl.dot(b_minv_d, b_bv)
         tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKS, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
@@ -388,15 +413,23 @@ def kda_fwd_kernel_recurrence(
 # ---- launchers -----------------------------------------------------------------------------------------------
 
 
+def intra_dots_choice(intra_dots: str | None = None) -> str:
+    """K1's dot operand precision: the argument, else $MOESTACK_KDA_INTRA_DOTS, else "tf32"."""
+    choice = intra_dots or os.environ.get(INTRA_DOTS_ENV) or "tf32"
+    if choice not in INTRA_DOTS:
+        raise ValueError(f"intra_dots={choice!r} is unknown: use one of {INTRA_DOTS} (argument or ${INTRA_DOTS_ENV})")
+    return choice
+
+
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
                   lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
-                  l2_eps: float = 1e-6) -> dict:
+                  l2_eps: float = 1e-6, intra_dots: str | None = None) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
     Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype), gl [NC, H, K] fp32 (b of the
     chunk's last row), and for backward gc [T, H, K] fp32 (b), rq, rk [T, H] fp32 (inverse norms; 1 without the
-    norm) and flag [NC, H] int32 (1 = the chunk took the exact path).
+    norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -421,15 +454,31 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         scale, H,
         K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX,
+        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=intra_dots_choice(intra_dots) == "bf16",
     )
     return out
 
 
+def k2_config_choice(k2_config: str | None = None) -> tuple[int, int] | None:
+    """K2's (BV, num_warps) override: the argument, else $MOESTACK_KDA_K2 ("BV:warps", e.g. "16:4"), else None
+    (the autotuned / first config). Smaller BV = more programs (V/BV x N x H) for the sequential chunk walk."""
+    spec = k2_config or os.environ.get(K2_ENV)
+    if not spec:
+        return None
+    try:
+        bv, nw = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"k2_config={spec!r} must be 'BV:warps', e.g. '16:4' (argument or ${K2_ENV})") from None
+    if bv not in (16, 32, 64, 128) or nw not in (2, 4, 8):
+        raise ValueError(f"k2_config={spec!r}: BV must be 16/32/64/128 and warps 2/4/8 (argument or ${K2_ENV})")
+    return bv, nw
+
+
 def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int, out_dtype,
-                       store_o: bool, store_ht: bool, store_states: bool):
+                       store_o: bool, store_ht: bool, store_states: bool, k2_config: str | None = None):
     """Run the recurrence kernel over the intra outputs. Returns (o [T, H, V] or None, ht [N, H, K, V] fp32 or
-    None, h [NC, H, K, V] or None (state entering each chunk), d [T, H, V] or None (the chunks' U - W S))."""
+    None, h [NC, H, K, V] or None (state entering each chunk), d [T, H, V] or None (the chunks' U - W S)).
+    k2_config: see k2_config_choice."""
     w = intra["w"]
     T, H, K = w.shape
     NC = intra["gl"].shape[0]
@@ -442,12 +491,18 @@ def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: in
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), n_seqs, H)
 
-    kda_fwd_kernel_recurrence[grid](
+    kern, extra = kda_fwd_kernel_recurrence, {}
+    choice = k2_config_choice(k2_config)
+    if choice is not None:  # a fixed config: the plain jit function under the autotuner
+        kern = getattr(kda_fwd_kernel_recurrence, "fn", kda_fwd_kernel_recurrence)
+        extra = dict(BV=choice[0], num_warps=choice[1], num_stages=2)
+    kern[grid](
         w, intra["u"], intra["qp"], intra["kd"], intra["aqk"], intra["gl"],
         dummy if h0 is None else h0, chunk_offsets, cu_seqlens,
         dummy if o is None else o, dummy if ht is None else ht, dummy if h is None else h, dummy if d is None else d,
         H,
         K=K, V=V, BT=BT, BK=triton.next_power_of_2(K),
         HAS_H0=h0 is not None, STORE_HT=store_ht, STORE_H=store_states, STORE_D=store_states, STORE_O=store_o,
+        **extra,
     )
     return o, ht, h, d

@@ -25,6 +25,7 @@ from moestack.ops.kda.triton_fwd import (
     GATE_KIMI,
     GATE_NONE,
     INTERPRET,
+    intra_dots_choice,
     kda_fwd_intra,
     kda_fwd_recurrence,
 )
@@ -87,7 +88,8 @@ class _KDATriton(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.float().contiguous()
         intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
                               lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
-                              beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q))
+                              beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q),
+                              intra_dots=cfg["intra_dots"])
         save = not cfg["recompute"]
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
@@ -106,7 +108,7 @@ class _KDATriton(torch.autograd.Function):
             intra = kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"],
                                   gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
                                   l2_eps=cfg["l2_eps"], beta_sigmoid=cfg["beta_sigmoid"],
-                                  inter_dtype=_inter_dtype(q))
+                                  inter_dtype=_inter_dtype(q), intra_dots=cfg["intra_dots"])
             _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                             store_o=False, store_ht=False, store_states=True)
         else:
@@ -171,6 +173,7 @@ def kda_fused(
         l2_eps=float(l2_eps),
         beta_sigmoid=bool(beta_sigmoid),
         recompute=bool(recompute),
+        intra_dots=intra_dots_choice(),  # $MOESTACK_KDA_INTRA_DOTS, fixed here so a recompute matches the forward
     )
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None

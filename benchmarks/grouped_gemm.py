@@ -3,6 +3,7 @@
     python3 benchmarks/grouped_gemm.py                                   # default: all shapes, < 150 s on an H200
     python3 benchmarks/grouped_gemm.py --write-crossover crossover.json  # also write the "auto" crossover table
     python3 benchmarks/grouped_gemm.py --shapes k3_ep16 --tokens 64,2341
+    python3 benchmarks/grouped_gemm.py --quick     # K3 EP16 at 32/64/128/586 tok/exp + fp8 quantiser times (< 90 s)
 
 Per expert-FFN shape (E experts, width D, intermediate I; SwiGLU: gate_up D -> 2I, down I -> D) and tokens per
 expert (uniform, N = E * tokens rows): each of the two GEMMs timed forward and forward+backward (dX and dW) for
@@ -10,7 +11,14 @@ torch (moestack.ops.moe.reference.grouped_mm, i.e. torch's native grouped GEMM),
 bf16 inputs (weights as the transposed view of [E, F, D], like Experts passes). Times are medians of CUDA-event
 timings after a warm-up that also absorbs autotuning. TFLOP/s = 2 N D F (forward), 3x that (forward+backward).
 Rows "layer" add the two GEMMs. Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which
-triton's forward+backward beats torch's at every measured point below it (0: never).
+triton's forward+backward beats torch's at every measured point below it (0: never); "triton" there is the kernel
+family $MOESTACK_MOE_GG_KERNEL selects (persistent by default, swap when set).
+
+Variants, old and new side by side: triton = the persistent kernel, swap = swap-AB kernels at <= SWAP_MAX_ROWS
+mean rows (persistent above), fp8 = v1 (weights requantised every call), fp8v2 = cached fp8 weights (steady state
+of several micro-batches per optimizer step: the weights do not change between the timed calls) and the scalar
+weight scale per tile. "err": each variant's forward relative error vs torch (bf16 ~1e-3 expected; fp8 ~3e-2, and
+fp8v2 the same as fp8).
 """
 
 from __future__ import annotations
@@ -36,10 +44,32 @@ TOKENS = [16, 32, 64, 128, 256, 586, 2341]
 BUDGET_S = 140.0
 
 
-def backends() -> dict:
-    from moestack.ops.moe import fp8_grouped_gemm, triton_grouped_gemm
+QUICK_TOKENS = [32, 64, 128, 586]
+QUICK_BUDGET_S = 70.0  # --quick starts no new token count after this (compilation included)
 
-    return {"torch": reference.grouped_mm, "triton": triton_grouped_gemm.grouped_mm, "fp8": fp8_grouped_gemm.grouped_mm}
+
+def backends() -> dict:
+    from functools import partial
+
+    from moestack.ops.moe import fp8_grouped_gemm as f8
+    from moestack.ops.moe import triton_grouped_gemm as tg
+
+    return {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
+            "swap": partial(tg.grouped_mm, variant="swap"), "fp8": partial(f8.grouped_mm, v2=False),
+            "fp8v2": partial(f8.grouped_mm, v2=True)}
+
+
+def quant_times(E: int, D: int, F: int, tokens: int) -> str:
+    """One '|' row: ms of the fp8 quantisers at this GEMM (rows of x, blocks of w, token tiles of x)."""
+    import triton.testing
+
+    from moestack.ops.moe import fp8_quant as fq
+
+    x, w, offs, _ = make_gemm(E, D, F, tokens, seed=7)
+    x, w = x.detach(), w.detach()
+    t = [triton.testing.do_bench(fn, warmup=5, rep=30) for fn in
+         (lambda: fq.quantize_rows(x), lambda: fq.quantize_blocks(w), lambda: fq.quantize_token_tiles(x, offs))]
+    return f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} |"
 
 
 def median_ms(fn, target_ms: float = 60.0) -> float:
@@ -104,7 +134,12 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per expert, comma list")
     ap.add_argument("--write-crossover", default=None, help="write the auto selector's JSON table here")
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=f"k3_ep16 at {QUICK_TOKENS} tok/exp, fp8 quantiser times")
     args = ap.parse_args()
+    budget_s = BUDGET_S
+    if args.quick:
+        args.shapes, args.tokens = "k3_ep16", ",".join(map(str, QUICK_TOKENS))
+        budget_s = QUICK_BUDGET_S
     if not torch.cuda.is_available():
         print("| needs a CUDA GPU |")
         return 1
@@ -112,18 +147,22 @@ def main() -> int:
     fns = backends()
     if args.no_fp8:
         fns.pop("fp8")
+        fns.pop("fp8v2")
     names = list(fns)
+    from moestack.ops.moe.triton_grouped_gemm import resolve_variant
+
+    auto_kernel = "swap" if resolve_variant(None) == "swap" else "triton"  # what backend "auto" runs when small
     print(f"# grouped GEMM, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 inputs")
     head = ["shape", "tok/exp", "gemm"] + [f"{n} {p} TF/s" for p in ("fwd", "f+b") for n in names]
-    head += ["triton/torch fwd", "triton/torch f+b"] + (["fp8/best-bf16 fwd", "fp8/best-bf16 f+b"] if "fp8" in fns else [])
+    head += [f"{a}/{b} {p}" for a, b in RATIOS if a in fns for p in ("fwd", "f+b")] + ["err"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     points: dict[str, list[tuple[int, float, float]]] = {}
     for shape in args.shapes.split(","):
         E, D, I = SHAPES[shape]
         for tokens in map(int, args.tokens.split(",")):
-            if time.perf_counter() - t0 > BUDGET_S:
-                print(f"| {shape} | {tokens} | skipped: time budget of {BUDGET_S:.0f} s spent |")
+            if time.perf_counter() - t0 > budget_s:
+                print(f"| {shape} | {tokens} | skipped: time budget of {budget_s:.0f} s spent |")
                 continue
             layer = {n: [0.0, 0.0] for n in names}
             flops_layer = 0.0
@@ -137,8 +176,13 @@ def main() -> int:
                 except torch.OutOfMemoryError as e:
                     print(f"| {shape} | {tokens} | {gemm} | OOM: {str(e).splitlines()[0]} |")
                     continue
+                errs = {}
+                with torch.no_grad():
+                    y_ref = reference.grouped_mm(x, w, offs).float()
                 for n, fn in fns.items():
                     try:
+                        with torch.no_grad():
+                            errs[n] = float((fn(x, w, offs).float() - y_ref).norm() / y_ref.norm())
                         ms[n] = time_gemm(fn, x, w, offs, dy)
                     except Exception as e:  # one failing variant must not stop the table
                         print(f"| {shape} | {tokens} | {gemm} | {n} failed: {type(e).__name__}: "
@@ -146,11 +190,17 @@ def main() -> int:
                         ms[n] = (float("nan"), float("nan"))
                     layer[n][0] += ms[n][0]
                     layer[n][1] += ms[n][1]
-                del x, w, dy
-                _row(shape, tokens, gemm, names, ms, flops)
-                if "torch" in ms and "triton" in ms:
-                    points.setdefault(f"{Din}x{Fout}", []).append((tokens, ms["torch"][1], ms["triton"][1]))
-            _row(shape, tokens, "layer", names, {n: tuple(v) for n, v in layer.items()}, flops_layer)
+                del x, w, dy, y_ref
+                _row(shape, tokens, gemm, names, ms, flops, " ".join(f"{n} {e:.0e}" for n, e in errs.items()
+                                                                      if n != "torch"))
+                if "torch" in ms and auto_kernel in ms:
+                    points.setdefault(f"{Din}x{Fout}", []).append((tokens, ms["torch"][1], ms[auto_kernel][1]))
+                if args.quick and "fp8" in fns:
+                    try:
+                        print(quant_times(E, Din, Fout, tokens), flush=True)
+                    except Exception as e:
+                        print(f"| quant ms | {tokens} | failed: {type(e).__name__}: {str(e)[:200]} |")
+            _row(shape, tokens, "layer", names, {n: tuple(v) for n, v in layer.items()}, flops_layer, "")
             torch.cuda.empty_cache()
     table = {k: crossover(v) for k, v in points.items()}
     if table:
@@ -159,21 +209,31 @@ def main() -> int:
         if args.write_crossover:
             from moestack.ops.moe.gemm_select import CrossoverTable
 
-            CrossoverTable(default, table).save(args.write_crossover)
+            kernel = "swap" if auto_kernel == "swap" else None
+            CrossoverTable(default, table, kernel).save(args.write_crossover)
             print(f"wrote {args.write_crossover} (use: MOESTACK_MOE_CROSSOVER={args.write_crossover})")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
-def _row(shape, tokens, gemm, names, ms, flops) -> None:
+RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("fp8", "bf16"), ("fp8v2", "bf16"),
+          ("fp8v2", "fp8")]  # "bf16": the best of torch / triton / swap
+
+
+def _row(shape, tokens, gemm, names, ms, flops, err) -> None:
     tf = {n: (flops / (ms[n][0] * 1e9), 3 * flops / (ms[n][1] * 1e9)) for n in names if n in ms}
     cells = [shape, str(tokens), gemm]
     cells += [fmt(tf[n][p]) if n in tf else "-" for p in (0, 1) for n in names]
-    if "torch" in ms and "triton" in ms:
-        cells += [f"{ms['torch'][p] / ms['triton'][p]:.2f}x" for p in (0, 1)]
-    if "fp8" in ms:
-        best = [min(ms[n][p] for n in ("torch", "triton") if n in ms) for p in (0, 1)]
-        cells += [f"{best[p] / ms['fp8'][p]:.2f}x" for p in (0, 1)]
+    for a, b in RATIOS:
+        if a not in names:
+            continue
+        for p in (0, 1):
+            if b == "bf16":
+                den = min((ms[n][p] for n in ("torch", "triton", "swap") if n in ms), default=float("nan"))
+            else:
+                den = ms[b][p] if b in ms else float("nan")
+            cells.append(f"{den / ms[a][p]:.2f}x" if a in ms else "-")
+    cells.append(err)
     print("| " + " | ".join(cells) + " |", flush=True)
 
 

@@ -64,14 +64,15 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["persistent", "swap"])
 @pytest.mark.parametrize("counts,D,F,tail", CPU_CASES)
-def test_triton_forward_backward_interpreter(counts, D, F, tail):
+def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_triton_bf16_gpu")
     x, w, offs = make_case(counts, D, F, torch.float32, seed=len(counts) + D, tail=tail)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs)
+    y = tgg.grouped_mm(x, w, offs, variant=variant)
     used = int(offs[-1])
     y_ref = loop_fp64(x, w, offs)
     assert torch.isfinite(y).all()
@@ -150,6 +151,13 @@ def test_crossover_table_choice_and_json(tmp_path):
     assert gemm_select.choose(N=56 * 512, E=56, D=2048, F=2048, table=table) == "torch"
     with pytest.raises(ValueError, match="default_rows"):
         gemm_select.CrossoverTable.from_dict({"by_shape": {}})
+    swap = gemm_select.CrossoverTable(64, {}, kernel="swap")
+    swap.save(path)
+    assert gemm_select.CrossoverTable.load(path).kernel == "swap"
+    with pytest.raises(ValueError, match="kernel"):
+        gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "fast"})
+    with pytest.raises(ValueError, match="MOESTACK_MOE_GG_KERNEL"):
+        tgg.resolve_variant("fast")
 
 
 def test_auto_on_cpu_matches_torch():
@@ -183,14 +191,19 @@ def gpu_counts(kind: str, E: int) -> list[int]:
     return [int(v) for v in torch.randint(0, 400, (E,), generator=g)]
 
 
+SWAP_GPU_CASES = [c for c in GPU_CASES if c[0] in ("uniform16", "uniform100", "skew", "odd")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,E,D,F", GPU_CASES)
-def test_triton_bf16_gpu(kind, E, D, F):
+@pytest.mark.parametrize("variant,kind,E,D,F", [("persistent", *c) for c in GPU_CASES] +
+                         [("swap", *c) for c in SWAP_GPU_CASES])
+def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
+    monkeypatch.setattr(tgg, "SWAP_MAX_ROWS", 10**6)  # swap at every size here (skew: a few large experts)
     counts = gpu_counts(kind, E)
     x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + D, tail=5)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs)
+    y = tgg.grouped_mm(x, w, offs, variant=variant)
     used = int(offs[-1])
     xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     y_ref = grouped_mm_loop(xr, wr, offs)
@@ -199,7 +212,7 @@ def test_triton_bf16_gpu(kind, E, D, F):
     dxr, dwr = torch.autograd.grad(y_ref, (xr, wr), dy.float())
     errs = {"y": rel_err(y[:used], y_ref[:used]), "dx": rel_err(dx[:used], dxr[:used]), "dw": rel_err(dw, dwr)}
     if any(v > 1e-2 for v in errs.values()):
-        print(f"MOE_GEMM_GPU_ERR triton {kind} E={E} D={D} F={F}: {errs}")
+        print(f"MOE_GEMM_GPU_ERR triton {variant} {kind} E={E} D={D} F={F}: {errs}")
     assert all(v < 1e-2 for v in errs.values()), errs
     assert (y[used:] == 0).all()
     assert (dw[torch.tensor(counts) == 0] == 0).all()
@@ -324,6 +337,36 @@ def test_fp8_kernels_logic_interpreter():
     assert (dw[1] == 0).all() and dw.stride() == w.stride()
 
 
+def test_fp8_v2_weight_cache_interpreter():
+    """v2 (cached weight blocks, per-tile weight scale) equals v1 and the fp64 loop; the cache hits while the
+    parameter is unchanged and refreshes after an in-place update (its version counter moves)."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case; the GPU runs test_fp8_v2_gpu")
+    from moestack.ops.moe import fp8_weight_cache as wc
+
+    wc.clear()
+    counts = [20, 0, 9, 3]
+    x, w, offs = make_case(counts, 136, 144, torch.float32, seed=11, tail=2)
+    param = w.transpose(1, 2).clone().requires_grad_(True)  # [E, F, D] leaf, passed as a view like Experts does
+    dy = torch.randn(x.shape[0], 144, generator=torch.Generator().manual_seed(3))
+    used = int(offs[-1])
+    outs = {}
+    for v2 in (False, True):
+        xg = x.clone().requires_grad_(True)
+        y = f8.Fp8GroupedMM.apply(xg, param.transpose(1, 2), offs, torch.float32, v2)
+        outs[v2] = (y, *torch.autograd.grad(y, (xg, param), dy))
+    for a, b in zip(outs[True], outs[False]):
+        assert rel_err(a, b) < 1e-6
+    for step in range(2):
+        hits = wc.stats["hits"]
+        y2 = f8.Fp8GroupedMM.apply(x, param.transpose(1, 2), offs, torch.float32, True)
+        assert wc.stats["hits"] == hits + (step == 0), "served from the cache only while the parameter is unchanged"
+        y_ref = grouped_mm_loop(x.double(), param.detach().double().transpose(1, 2), offs)
+        assert rel_err(y2[:used], y_ref[:used]) < 1e-5 and (y2[used:] == 0).all()
+        with torch.no_grad():
+            param.mul_(-1.5).add_(0.01)  # optimizer-like in-place update: the next call must see the new weights
+
+
 FP8_RMS = 0.05  # e4m3 on both operands: ~2.5-3% relative RMS per operand, ~4% on a product of random data
 
 
@@ -360,3 +403,32 @@ def test_fp8_gpu(kind, E, D, F):
     assert all(errs[k] <= bounds[k] for k in errs), errs
     assert (y[used:] == 0).all()
     assert (dw[torch.tensor(counts) == 0] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,E,D,F", [c for c in GPU_CASES if c[0] in ("uniform16", "odd")])
+def test_fp8_v2_gpu(kind, E, D, F):
+    """v2 (cached weight blocks, scalar weight scale per tile) matches v1, hits the cache on a repeat call and
+    follows an in-place update of the parameter."""
+    from moestack.ops.moe import fp8_weight_cache as wc
+
+    counts = gpu_counts(kind, E)
+    x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + F + 1, tail=5)
+    param = w.transpose(1, 2).clone().requires_grad_(True)
+    used = int(offs[-1])
+    dy = torch.randn(x.shape[0], F, device=DEV, dtype=torch.bfloat16)
+    outs = {}
+    for v2 in (False, True):
+        xg = x.clone().requires_grad_(True)
+        y = f8.grouped_mm(xg, param.transpose(1, 2), offs, v2=v2)
+        outs[v2] = (y[:used], *torch.autograd.grad(y, (xg, param), dy))
+    errs = [rel_err(a, b) for a, b in zip(outs[True], outs[False])]
+    assert all(e < 2e-3 for e in errs), errs  # the same fp8 values; scale products associate differently
+    hits = wc.stats["hits"]
+    f8.grouped_mm(x, param.transpose(1, 2), offs, v2=True)
+    assert wc.stats["hits"] == hits + 1
+    with torch.no_grad():
+        param.mul_(-0.5)
+    y = f8.grouped_mm(x, param.transpose(1, 2), offs, v2=True)
+    spec = f8.grouped_mm_fp8_reference(x, param.detach().transpose(1, 2), offs)
+    assert rel_err(y[:used], spec[:used]) < 1e-2, "v2 must requantise after the parameter changed"

@@ -15,8 +15,12 @@ x, and exactly what wgrad reads, so no dequantise / requantise), w (the paramete
 requantises w^T, whose blocks and scales equal the forward's), offs. This replaces memory/precision.py's per-row
 FP8 storage for this backend (it also composes with it: ExpertSeam then saves its own copy).
 
-Weights are requantised on every call (one read of w, one fp8 write); caching them across micro-batches of one
-optimizer step is left to a later change.
+v1 (default) requantises the weights on every call (one bf16 read of w and one fp8 write, three times the bytes
+the GEMM itself then reads: at few rows per expert the GEMM streams weights, so this alone made fp8 ~0.4x of bf16).
+v2 (`MOESTACK_FP8_V2=1`, or v2=True): fp8_weight_cache.py keeps each weight's fp8 blocks and scales (forward and
+dX layouts) until the parameter's version counter moves (any in-place update, e.g. optimizer.step), so all
+micro-batches of one step quantise once; and the forward kernel applies the weight scale as one scalar per tile
+when BN divides 128 (one 128x128 block column) instead of a [BN] vector per 128-slice.
 
 Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
 """
@@ -30,6 +34,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe import fp8_weight_cache
 from moestack.ops.moe.triton_grouped_gemm import (
     _check,
     _expert_tiles,
@@ -40,6 +45,11 @@ from moestack.ops.moe.triton_grouped_gemm import (
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
+
+
+def use_v2(v2: bool | None) -> bool:
+    return os.environ.get(V2_ENV, "0") == "1" if v2 is None else bool(v2)
 
 
 def _mm_configs() -> list[triton.Config]:
@@ -62,10 +72,12 @@ def _wgrad_configs() -> list[triton.Config]:
 def fp8_grouped_mm_fwd_kernel(
     qx, sx, qw, sw, y, offs, N, K, F, E,
     stride_xn, stride_sxn, stride_we, stride_wk, stride_wf, stride_swe, stride_swk, stride_yn,
-    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BK: tl.constexpr, TILE_SW: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
 ):
     """y[rows of e] = sum over k-blocks of (qx @ qw[e]) * sx[row, kb] * sw[e, kb, col // 128]. Same persistent
-    schedule as triton_grouped_gemm.grouped_mm_fwd_kernel; BK = 128 = the quantisation group."""
+    schedule as triton_grouped_gemm.grouped_mm_fwd_kernel; BK = 128 = the quantisation group. TILE_SW (v2): when
+    BN divides BK the tile's columns lie in one weight block, so its scale is one scalar per 128-slice."""
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     o_e = tl.arange(0, BE)
     b_start, b_end, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, BM)
@@ -96,8 +108,12 @@ def fp8_grouped_mm_fwd_kernel(
             b_x = tl.load(p_x + ks[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
             b_w = tl.load(p_w + ks[:, None] * stride_wk, mask=m_k[:, None] & m_cols[None, :], other=0.0)  # [BK, BN]
             b_sx = tl.load(p_sx + kb, mask=m_rows, other=0.0)  # [BM]
-            b_sw = tl.load(p_sw + kb * stride_swk, mask=m_cols, other=0.0)  # [BN]
-            b_acc += tl.dot(b_x, b_w, input_precision=PRECISION) * b_sx[:, None] * b_sw[None, :]
+            if TILE_SW and BK % BN == 0:
+                b_s = b_sx * tl.load(sw + e64 * stride_swe + kb * stride_swk + (i_n * BN) // BK)  # [BM]
+                b_acc += tl.dot(b_x, b_w, input_precision=PRECISION) * b_s[:, None]
+            else:
+                b_sw = tl.load(p_sw + kb * stride_swk, mask=m_cols, other=0.0)  # [BN]
+                b_acc += tl.dot(b_x, b_w, input_precision=PRECISION) * b_sx[:, None] * b_sw[None, :]
         p_y = y + rows64[:, None] * stride_yn + cols[None, :]
         tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
     used = tl.load(offs + E - 1)
@@ -146,9 +162,9 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 only in the interpreter tests
 
 
-def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype, tile_sw: bool = False) -> torch.Tensor:
     """y [N, F] from 1x128-quantised x (qx [N, K], sx [N, K/128]) and 128x128-quantised w (qw [E, K, F] with K
-    contiguous, sw [E, K/128, F/128]). Rows >= offs[-1] are zero."""
+    contiguous, sw [E, K/128, F/128]). Rows >= offs[-1] are zero. tile_sw: v2's scalar weight scale per tile."""
     N, K = qx.shape
     E, _, F = qw.shape
     assert qx.stride(1) == 1 and qw.stride(1) == 1 and sw.is_contiguous()
@@ -163,7 +179,7 @@ def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype) -> 
     fp8_grouped_mm_fwd_kernel[grid](
         qx, sx, qw, sw, y, offs_E, N, K, F, E,
         qx.stride(0), sx.stride(0), qw.stride(0), qw.stride(1), qw.stride(2), sw.stride(0), sw.stride(1), y.stride(0),
-        _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx), BK=fq.GROUP,
+        _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx), BK=fq.GROUP, TILE_SW=tile_sw,
     )
     return y
 
@@ -194,13 +210,13 @@ class Fp8GroupedMM(torch.autograd.Function):
     same kernels on unrounded scaled values (interpreter tests of the scale logic)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8):
+    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, v2=False):
         qx, sx = fq.quantize_rows(x_ND, q_dtype)
-        qw, sw = fq.quantize_blocks(w_EDF, q_dtype)
-        y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype)
+        qw, sw = _weight_blocks(w_EDF, q_dtype, v2)
+        y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=v2)
         saved_x = fq.quantize_token_tiles(x_ND, offs_E, q_dtype) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*saved_x, w_EDF, offs_E)
-        ctx.q_dtype, ctx.x_dtype = q_dtype, x_ND.dtype
+        ctx.q_dtype, ctx.x_dtype, ctx.v2 = q_dtype, x_ND.dtype, v2
         return y
 
     @staticmethod
@@ -209,22 +225,30 @@ class Fp8GroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             qdy, sdy = fq.quantize_rows(dy_NF, ctx.q_dtype)
-            qwT, swT = fq.quantize_blocks(w_EDF.transpose(1, 2), ctx.q_dtype)
-            dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype)
+            qwT, swT = _weight_blocks(w_EDF.transpose(1, 2), ctx.q_dtype, ctx.v2)
+            dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=ctx.v2)
         if ctx.needs_input_grad[1]:
             qdyT, sdyT = fq.quantize_token_tiles(dy_NF, offs_E, ctx.q_dtype)
             dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks of w (reduction dim contiguous): from the per-version cache in v2, else quantised now."""
+    if v2:
+        return fp8_weight_cache.blocks(w_EKF, q_dtype)
+    return fq.quantize_blocks(w_EKF, q_dtype)
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, v2: bool | None = None) -> torch.Tensor:
     """The "fp8" backend: same contract as reference.grouped_mm; output in the autocast dtype inside autocast,
-    else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe)."""
+    else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe).
+    v2: cached weights + per-tile weight scale (module doc); None = $MOESTACK_FP8_V2 (default off)."""
     from moestack.ops.moe.reference import _compute_dtype
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
-    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous())
+    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), fq.FP8, use_v2(v2))
 
 
 def grouped_mm_fp8_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

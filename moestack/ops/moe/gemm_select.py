@@ -5,7 +5,9 @@ GEMM shape (D, F). Below or at the crossover the Triton kernel (moestack.ops.moe
 above it torch's. Crossovers come from `benchmarks/grouped_gemm.py --write-crossover PATH` (JSON, format below);
 point MOESTACK_MOE_CROSSOVER at that file to use it, else the defaults here apply.
 
-JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}}  key "DxF" = GEMM in-width x out-width.
+JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}, "kernel": "swap"}  key "DxF" = GEMM in-width x
+out-width; "kernel" (optional): the Triton kernel family for the small shapes ("persistent" / "swap",
+triton_grouped_gemm.resolve_variant), absent = $MOESTACK_MOE_GG_KERNEL, default persistent.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CrossoverTable:
 
     default_rows: int = DEFAULT_ROWS
     by_shape: dict[str, int] = field(default_factory=dict)
+    kernel: str | None = None  # Triton kernel family below the crossover; None = $MOESTACK_MOE_GG_KERNEL
 
     def threshold(self, D: int, F: int) -> int:
         return self.by_shape.get(f"{D}x{F}", self.default_rows)
@@ -40,14 +43,20 @@ class CrossoverTable:
         if not isinstance(d.get("default_rows"), int):
             raise ValueError("crossover JSON: default_rows must be an int (mean rows per expert)")
         by_shape = {str(k): int(v) for k, v in d.get("by_shape", {}).items()}
-        return cls(d["default_rows"], by_shape)
+        kernel = d.get("kernel")
+        if kernel not in (None, "persistent", "swap"):
+            raise ValueError(f"crossover JSON: kernel must be 'persistent' or 'swap', got {kernel!r}")
+        return cls(d["default_rows"], by_shape, kernel)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CrossoverTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps({"default_rows": self.default_rows, "by_shape": self.by_shape}, indent=1))
+        d = {"default_rows": self.default_rows, "by_shape": self.by_shape}
+        if self.kernel is not None:
+            d["kernel"] = self.kernel
+        Path(path).write_text(json.dumps(d, indent=1))
 
 
 @functools.cache
@@ -70,5 +79,5 @@ def grouped_mm_auto(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tenso
     if small and x_ND.is_cuda and dtype in (torch.bfloat16, torch.float16):
         from moestack.ops.moe import triton_grouped_gemm
 
-        return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E)
+        return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E, variant=default_table().kernel)
     return reference.grouped_mm(x_ND, w_EDF, offs_E)

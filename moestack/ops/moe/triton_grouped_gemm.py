@@ -21,7 +21,14 @@ are bitwise reproducible run to run.
 Loads are plain masked tl.load (rows start at arbitrary offsets, so TMA descriptors with their 16-byte alignment
 rule do not fit without padding); Triton pipelines them with cp.async and issues wgmma on Hopper.
 
-Legend: N rows, E experts, K reduction width (D in forward), F output width, BM/BN/BK tile sizes.
+Swap-AB variant (`MOESTACK_MOE_GG_KERNEL=swap`, or variant="swap"; default "persistent" = the kernel above):
+for few rows per expert (mean <= SWAP_MAX_ROWS) forward and dX compute y^T = w[e]^T x^T per (expert, f-tile,
+token-tile): the weight tile [BF, BK] is the MMA's M side (wgmma wants M >= 64 per warpgroup) and the expert's
+rows are its N side (BT = 16..128 from the mean rows per expert), so no MMA work or shared memory is spent on
+padding rows, and weight tiles stream through deep pipelines (the GEMM is bound by reading the weights there).
+Its weight gradient uses the same wgrad kernel with token chunks sized like BT.
+
+Legend: N rows, E experts, K reduction width (D in forward), F output width, BM/BN/BK tile sizes, BT token tile.
 """
 
 from __future__ import annotations
@@ -62,6 +69,45 @@ def _wgrad_configs() -> list[triton.Config]:
         return [triton.Config({"BD": 16, "BF": 32, "BM": 16}, num_warps=4, num_stages=1)]
     shapes = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
     return [triton.Config({"BD": d, "BF": f, "BM": m}, num_warps=w, num_stages=s) for d, f, m, w, s in shapes]
+
+
+KERNEL_ENV = "MOESTACK_MOE_GG_KERNEL"  # "persistent" (default) or "swap"
+SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_MOE_GG_SWAP_MAX_ROWS", "128"))  # swap only at or below this mean
+
+
+def _swap_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BF": 32, "BK": 16}, num_warps=4, num_stages=1)]
+    # weight streaming: 128-wide weight tiles, 3-4 stages in flight; shared memory (BT 16..128): 72..128 KB and
+    # 108..192 KB, so the first fits 2 programs per SM up to BT = 64 (checked: spill_report.py)
+    shapes = [(128, 64, 4, 4), (128, 128, 4, 3)]
+    return [triton.Config({"BF": f, "BK": k}, num_warps=w, num_stages=st) for f, k, w, st in shapes]
+
+
+def _prune_swap(configs, named_args, **kwargs):
+    """BT = 128 with BK = 128 spills (255 registers at 4 warps, dX layout): keep BK <= 64 there."""
+    keep = [c for c in configs if kwargs.get("BT", 0) < 128 or c.kwargs["BK"] <= 64]
+    return keep or configs
+
+
+def _wgrad_small_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BD": 16, "BF": 32}, num_warps=4, num_stages=1)]
+    # few rows per expert: the dW tile is written once after a short reduction (store bound), so wide tiles
+    shapes = [(128, 128, 4, 2), (128, 256, 8, 2)]
+    return [triton.Config({"BD": d, "BF": f}, num_warps=w, num_stages=st) for d, f, w, st in shapes]
+
+
+def swap_token_tile(N: int, E: int) -> int:
+    """The swap kernel's token tile BT: mean rows per expert rounded up to a power of two, within [16, 128]."""
+    return min(128, max(16, triton.next_power_of_2(max(1, N // max(E, 1)))))
+
+
+def resolve_variant(variant: str | None) -> str:
+    v = variant or os.environ.get(KERNEL_ENV, "persistent")
+    if v not in ("persistent", "swap"):
+        raise ValueError(f"{KERNEL_ENV} / variant must be 'persistent' or 'swap', got {v!r}")
+    return v
 
 
 @triton.jit
@@ -125,6 +171,58 @@ def grouped_mm_fwd_kernel(
         tl.store(p_y, tl.zeros((BM, BN), dtype=y.dtype.element_ty), mask=(rows < N)[:, None] & (cols < F)[None, :])
 
 
+@triton.autotune(configs=_swap_configs(), key=["ROWS_BUCKET", "K", "F", "E", "BT"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune_swap})
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})
+@triton.jit(do_not_specialize=["N", "E", "ROWS_BUCKET"])
+def grouped_mm_fwd_swap_kernel(
+    x, w, y, offs, N, K, F, E,
+    stride_xn, stride_xk, stride_we, stride_wk, stride_wf, stride_yn, stride_yf,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Swap-AB forward: acc [BF, BT] = w[e][:, f-tile]^T @ x[token-tile]^T, stored transposed into y. Same
+    persistent schedule as grouped_mm_fwd_kernel with (BM, BN) -> (BT, BF)."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    o_e = tl.arange(0, BE)
+    b_start, b_end, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, BT)
+    n_ftiles = tl.cdiv(F, BF)
+    b_work_end = b_tile_end * n_ftiles
+    total = tl.sum(b_tiles, 0) * n_ftiles
+    o_t, o_f, o_k = tl.arange(0, BT), tl.arange(0, BF), tl.arange(0, BK)
+    for t in range(pid, total, nprog):
+        e = tl.sum((b_work_end <= t).to(tl.int32), 0)
+        sel = o_e == e
+        tiles_e = _pick(b_tiles, sel)
+        local = t - (_pick(b_work_end, sel) - tiles_e * n_ftiles)
+        i_f, i_t = local // tiles_e, local % tiles_e
+        rows = _pick(b_start, sel) + i_t * BT + o_t  # [BT]
+        m_rows = rows < _pick(b_end, sel)
+        cols = i_f * BF + o_f  # [BF]
+        m_cols = cols < F
+        p_w = w + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wf  # [BF, 1]
+        p_x = x + rows.to(tl.int64)[None, :] * stride_xn  # [1, BT]
+        b_acc = tl.zeros((BF, BT), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + o_k
+            if EVEN_K:
+                b_w = tl.load(p_w + ks[None, :] * stride_wk, mask=m_cols[:, None], other=0.0)  # [BF, BK]
+                b_x = tl.load(p_x + ks[:, None] * stride_xk, mask=m_rows[None, :], other=0.0)  # [BK, BT]
+            else:
+                m_k = ks < K
+                b_w = tl.load(p_w + ks[None, :] * stride_wk, mask=m_cols[:, None] & m_k[None, :], other=0.0)
+                b_x = tl.load(p_x + ks[:, None] * stride_xk, mask=m_k[:, None] & m_rows[None, :], other=0.0)
+            b_acc = tl.dot(b_w, b_x, b_acc, input_precision=PRECISION)
+        p_y = y + rows.to(tl.int64)[None, :] * stride_yn + cols[:, None] * stride_yf  # [BF, BT]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_cols[:, None] & m_rows[None, :])
+    used = tl.load(offs + E - 1)
+    for t in range(pid, tl.cdiv(N - used, BT) * n_ftiles, nprog):
+        rows = used + (t // n_ftiles) * BT + o_t
+        cols = (t % n_ftiles) * BF + o_f
+        p_y = y + rows.to(tl.int64)[None, :] * stride_yn + cols[:, None] * stride_yf
+        tl.store(p_y, tl.zeros((BF, BT), dtype=y.dtype.element_ty), mask=(cols < F)[:, None] & (rows < N)[None, :])
+
+
 @triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"], do_bench=quick_bench)
 @triton.jit(do_not_specialize=["E", "ROWS_BUCKET"])
 def grouped_mm_wgrad_kernel(
@@ -154,6 +252,12 @@ def grouped_mm_wgrad_kernel(
     tl.store(p_dw, b_acc.to(dw.dtype.element_ty), mask=m_d[:, None] & m_f[None, :])
 
 
+# the same wgrad kernel for few rows per expert: token chunk BM = the swap kernel's BT (host), wide dW tiles
+grouped_mm_wgrad_small_kernel = triton.autotune(
+    configs=_wgrad_small_configs(), key=["ROWS_BUCKET", "D", "F", "E", "BM"], do_bench=quick_bench
+)(grouped_mm_wgrad_kernel.fn)
+
+
 def _precision(dtype: torch.dtype) -> str:
     """fp32 operands multiply in full fp32 (torch's default for matmul), not tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -173,14 +277,33 @@ def _num_programs(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """y [N, F] = x[rows of e] @ w[e]; x, w of one dtype (any strides), offs int32 [E]. Rows >= offs[-1] zero."""
+def use_swap(N: int, E: int, variant: str | None) -> bool:
+    """The swap-AB kernels run when chosen (variant / $MOESTACK_MOE_GG_KERNEL) and mean rows <= SWAP_MAX_ROWS."""
+    return resolve_variant(variant) == "swap" and N <= SWAP_MAX_ROWS * max(E, 1)
+
+
+def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor,
+                   variant: str | None = None) -> torch.Tensor:
+    """y [N, F] = x[rows of e] @ w[e]; x, w of one dtype (any strides), offs int32 [E]. Rows >= offs[-1] zero.
+    variant: "persistent" / "swap" / None (= $MOESTACK_MOE_GG_KERNEL, default persistent)."""
     N, K = x_NK.shape
     E, _, F = w_EKF.shape
     y = torch.empty((N, F), device=x_NK.device, dtype=x_NK.dtype)
     if N == 0 or F == 0:
         return y
     max_programs = _num_programs(x_NK.device)
+    if use_swap(N, E, variant):
+        BT = swap_token_tile(N, E)
+
+        def grid_swap(meta):
+            return (max(1, min(max_programs, (triton.cdiv(N, BT) + E) * triton.cdiv(F, meta["BF"]))),)
+
+        grouped_mm_fwd_swap_kernel[grid_swap](
+            x_NK, w_EKF, y, offs_E, N, K, F, E,
+            x_NK.stride(0), x_NK.stride(1), w_EKF.stride(0), w_EKF.stride(1), w_EKF.stride(2), y.stride(0),
+            y.stride(1), _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(x_NK.dtype), BT=BT,
+        )
+        return y
 
     def grid(meta):
         work = (triton.cdiv(N, meta["BM"]) + E) * triton.cdiv(F, meta["BN"])
@@ -194,7 +317,8 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
     return y
 
 
-def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor,
+                     variant: str | None = None) -> torch.Tensor:
     """dW [E, D, F] with dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype; laid
     out as like when like is the transposed view of a contiguous [E, F, D] parameter, else contiguous."""
     N, D = x_ND.shape
@@ -208,11 +332,13 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     def grid(meta):
         return (triton.cdiv(D, meta["BD"]) * triton.cdiv(F, meta["BF"]), E)
 
-    grouped_mm_wgrad_kernel[grid](
-        x_ND, dy_NF, dw, offs_E, D, F, E,
-        x_ND.stride(0), x_ND.stride(1), dy_NF.stride(0), dy_NF.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        _rows_bucket(N, E), PRECISION=_precision(x_ND.dtype),
-    )
+    args = (x_ND, dy_NF, dw, offs_E, D, F, E,
+            x_ND.stride(0), x_ND.stride(1), dy_NF.stride(0), dy_NF.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+            _rows_bucket(N, E))
+    if use_swap(N, E, variant):
+        grouped_mm_wgrad_small_kernel[grid](*args, PRECISION=_precision(x_ND.dtype), BM=swap_token_tile(N, E))
+    else:
+        grouped_mm_wgrad_kernel[grid](*args, PRECISION=_precision(x_ND.dtype))
     return dw
 
 
@@ -220,17 +346,19 @@ class TritonGroupedMM(torch.autograd.Function):
     """y = grouped x @ w with Triton forward and backward; saves x and w (no copies)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_EDF, offs_E):
+    def forward(ctx, x_ND, w_EDF, offs_E, variant=None):
         ctx.save_for_backward(x_ND, w_EDF, offs_E)
-        return grouped_mm_fwd(x_ND, w_EDF, offs_E)
+        ctx.variant = resolve_variant(variant)
+        return grouped_mm_fwd(x_ND, w_EDF, offs_E, ctx.variant)
 
     @staticmethod
     def backward(ctx, dy_NF):
         x_ND, w_EDF, offs_E = ctx.saved_tensors
         dy_NF = dy_NF.to(x_ND.dtype)
-        dx = grouped_mm_fwd(dy_NF, w_EDF.transpose(1, 2), offs_E) if ctx.needs_input_grad[0] else None
-        dw = grouped_mm_wgrad(x_ND, dy_NF, offs_E, like=w_EDF) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        v = ctx.variant
+        dx = grouped_mm_fwd(dy_NF, w_EDF.transpose(1, 2), offs_E, v) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm_wgrad(x_ND, dy_NF, offs_E, like=w_EDF, variant=v) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
 
 
 def _check(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> None:
@@ -245,11 +373,14 @@ def _check(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> Non
         raise ValueError("x, w and offs must be on one device")
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, variant: str | None = None
+) -> torch.Tensor:
     """The "triton" backend: same contract as moestack.ops.moe.reference.grouped_mm (autocast dtype inside
-    autocast, else the promoted input dtype; rows from offs[-1] on are zero). Differentiable in x and w."""
+    autocast, else the promoted input dtype; rows from offs[-1] on are zero). Differentiable in x and w.
+    variant: kernel family (module doc), None = $MOESTACK_MOE_GG_KERNEL (default "persistent")."""
     from moestack.ops.moe.reference import _compute_dtype
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
-    return TritonGroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous())
+    return TritonGroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), resolve_variant(variant))

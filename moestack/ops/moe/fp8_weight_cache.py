@@ -1,0 +1,67 @@
+"""FP8 expert weights quantised once per parameter version (the "fp8" backend's v2, MOESTACK_FP8_V2=1).
+
+Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales
+(fp8_quant.quantize_blocks) are computed on the first call and reused until the weight changes. A weight counts
+as changed when its version counter moves: every in-place op on the parameter or a view of it bumps that counter
+(optimizer.step, load_state_dict's copy_, p.add_ under no_grad). Entries are keyed by the owning tensor (the
+parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, strides and dtypes, so the forward
+layout and the transposed dX layout are two entries of one parameter.
+
+Not seen: writes that bypass the version counter (`p.data.copy_(...)`, collectives writing into a buffer the
+parameter views, e.g. an FSDP all-gather into the same storage). Call clear() after such writes, or keep v2 off.
+Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
+miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
+
+Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from moestack.ops.moe import fp8_quant as fq
+
+_entries: dict[tuple, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
+stats = {"hits": 0, "misses": 0}
+
+
+def _owner(w: torch.Tensor) -> torch.Tensor:
+    return w._base if w._base is not None else w
+
+
+def _version(w: torch.Tensor) -> int | None:
+    if w.is_inference():
+        return None
+    return w._version
+
+
+def clear() -> None:
+    """Drop every cached weight (after writes the version counter does not see)."""
+    _entries.clear()
+
+
+def _purge_dead() -> None:
+    for key in [k for k, v in _entries.items() if v[0]() is None]:
+        del _entries[key]
+
+
+def blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """fq.quantize_blocks(w_EKF, q_dtype), from the cache while w's version is unchanged."""
+    version = _version(w_EKF)
+    if version is None:
+        return fq.quantize_blocks(w_EKF, q_dtype)
+    owner = _owner(w_EKF)
+    key = (id(owner), w_EKF.data_ptr(), tuple(w_EKF.shape), tuple(w_EKF.stride()), w_EKF.dtype, q_dtype,
+           w_EKF.device)
+    hit = _entries.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] == version:
+        stats["hits"] += 1
+        return hit[2], hit[3]
+    stats["misses"] += 1
+    _purge_dead()
+    with torch.no_grad():
+        q, s = fq.quantize_blocks(w_EKF, q_dtype)
+    _entries[key] = (weakref.ref(owner), version, q, s)
+    return q, s

@@ -2,11 +2,12 @@
 
     python3 benchmarks/kda.py                      # the three issue shapes, forward and forward+backward
     python3 benchmarks/kda.py --shapes 1x4096x8x128 --no-fla
-    python3 benchmarks/kda.py --quick --fla-ref 4.083,21.1     # < 90 s: headline shape, old vs new variants
+    python3 benchmarks/kda.py --quick --fla-ref 4.083 21.1    # < 90 s: headline shape, old vs new variants
 
 Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
-suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands) and "+k2=BV:warps"
-(MOESTACK_KDA_K2: a fixed forward-recurrence config), e.g. "ours-save+bf16+k2=16:4".
+suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands), "+k1=BKS:warps"
+(MOESTACK_KDA_K1: a fixed intra-kernel config) and "+k2=BV:warps" (MOESTACK_KDA_K2: a fixed forward-recurrence
+config), e.g. "ours-save+bf16+k1=16:4+k2=16:4".
 
 Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
 (an activated log-decay, as fla's own tests draw it), beta = sigmoid(N(0, 1)). Ours runs `kda_fused(gate="none",
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 
 DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x H x D
 # --quick: the measured defaults next to the new variants (old first, so a budget cut drops new ones)
-QUICK_BACKENDS = ["ours", "ours+bf16", "ours+k2=16:4", "ours-save", "ours-save+bf16", "ours+bf16+k2=16:4"]
+QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+k2=16:4", "ours+bf16+k1=16:4",
+                  "ours-save+bf16+k1=16:4", "ours+bf16+k1=16:4+k2=16:4"]
 
 
 def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
@@ -56,10 +58,13 @@ def _variant_env(name: str) -> dict:
     for part in name.split("+")[1:]:
         if part == "bf16":
             env["MOESTACK_KDA_INTRA_DOTS"] = "bf16"
+        elif part.startswith("k1="):
+            env["MOESTACK_KDA_K1"] = part[3:]
         elif part.startswith("k2="):
             env["MOESTACK_KDA_K2"] = part[3:]
         else:
-            raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' (use +bf16 or +k2=BV:warps)")
+            raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' "
+                             "(use +bf16, +k1=BKS:warps or +k2=BV:warps)")
     return env
 
 
@@ -113,6 +118,7 @@ def runner(name: str, x: dict, backward: bool):
 
 
 K2_CONFIGS = ("16:4", "16:8", "32:4", "64:8")  # K2 (BV, warps) variants the breakdown times next to the default
+K1_VARIANTS = (("bf16", None), ("tf32", "16:4"), ("bf16", "16:4"), ("bf16", "32:4"))  # (dots, BKS:warps) likewise
 
 
 def breakdown(x: dict, rep: int, skip_bwd: bool = False) -> dict:
@@ -134,8 +140,10 @@ def breakdown(x: dict, rep: int, skip_bwd: bool = False) -> dict:
                                                        inter_dtype=q.dtype, **kw)
     intra = steps["fwd intra (K1)"]()
     rec = dict(n_seqs=B, V=V, out_dtype=v.dtype, store_ht=False)
-    steps["fwd intra (K1) bf16 dots"] = lambda: tf.kda_fwd_intra(
-        q, k, v, g, beta, None, None, cmap, cu, beta_sigmoid=False, inter_dtype=q.dtype, intra_dots="bf16", **kw)
+    for dots, cfg in K1_VARIANTS:
+        steps[f"fwd intra (K1) dots={dots} BKS:warps={cfg}"] = lambda dots=dots, cfg=cfg: tf.kda_fwd_intra(
+            q, k, v, g, beta, None, None, cmap, cu, beta_sigmoid=False, inter_dtype=q.dtype, intra_dots=dots,
+            k1_config=cfg, **kw)
     steps["fwd recurrence + output (K2)"] = lambda: tf.kda_fwd_recurrence(intra, None, offs, cu, store_o=True,
                                                                          store_states=False, **rec)
     for cfg in K2_CONFIGS:

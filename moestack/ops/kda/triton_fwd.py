@@ -42,6 +42,10 @@ INV_PRECISION = tl.constexpr(os.environ.get("MOESTACK_KDA_INV_PRECISION", "tf32"
 INTRA_DOTS_ENV = "MOESTACK_KDA_INTRA_DOTS"
 INTRA_DOTS = ("tf32", "bf16")
 K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, see k2_config_choice
+# A fixed (BKS, warps) for K1, see k1_config_choice. "16:4": 255 registers (ptxas, sm_90; 44-80 B spills), so two
+# CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
+# dot chains interleave.
+K1_ENV = "MOESTACK_KDA_K1"
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
@@ -423,13 +427,14 @@ def intra_dots_choice(intra_dots: str | None = None) -> str:
 
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
                   lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
-                  l2_eps: float = 1e-6, intra_dots: str | None = None) -> dict:
+                  l2_eps: float = 1e-6, intra_dots: str | None = None, k1_config: str | None = None) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
     Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype), gl [NC, H, K] fp32 (b of the
     chunk's last row), and for backward gc [T, H, K] fp32 (b), rq, rk [T, H] fp32 (inverse norms; 1 without the
-    norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice.
+    norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice;
+    k1_config: see k1_config_choice.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -447,31 +452,47 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         flag=torch.empty(NC, H, dtype=torch.int32, device=q.device),
     )
     dummy = q.new_empty(1, dtype=torch.float32)
-    kda_fwd_kernel_intra[(NC, H)](
+    kern, extra = kda_fwd_kernel_intra, {}
+    choice = k1_config_choice(k1_config)
+    if choice is not None:  # a fixed config: the plain jit function under the autotuner
+        kern = getattr(kda_fwd_kernel_intra, "fn", kda_fwd_kernel_intra)
+        extra = dict(BKS=choice[0], num_warps=choice[1])
+    kern[(NC, H)](
         q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
         chunk_map, cu_seqlens,
         out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"], out["gc"], out["rq"], out["rk"], out["flag"],
         scale, H,
         K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
         GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=intra_dots_choice(intra_dots) == "bf16",
+        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=intra_dots_choice(intra_dots) == "bf16", **extra,
     )
     return out
+
+
+def _pair_choice(spec: str | None, env: str, what: str, sizes: tuple) -> tuple[int, int] | None:
+    """Parse "size:warps" (argument, else $env); None when neither is set."""
+    spec = spec or os.environ.get(env)
+    if not spec:
+        return None
+    try:
+        size, nw = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{what}={spec!r} must be 'size:warps', e.g. '16:4' (argument or ${env})") from None
+    if size not in sizes or nw not in (2, 4, 8, 16):
+        raise ValueError(f"{what}={spec!r}: size must be one of {sizes} and warps 2/4/8/16 (argument or ${env})")
+    return size, nw
+
+
+def k1_config_choice(k1_config: str | None = None) -> tuple[int, int] | None:
+    """K1's (BKS, num_warps) override: the argument, else $MOESTACK_KDA_K1 ("BKS:warps", e.g. "16:4"), else None
+    (the autotuned / first config)."""
+    return _pair_choice(k1_config, K1_ENV, "k1_config", (16, 32, 64))
 
 
 def k2_config_choice(k2_config: str | None = None) -> tuple[int, int] | None:
     """K2's (BV, num_warps) override: the argument, else $MOESTACK_KDA_K2 ("BV:warps", e.g. "16:4"), else None
     (the autotuned / first config). Smaller BV = more programs (V/BV x N x H) for the sequential chunk walk."""
-    spec = k2_config or os.environ.get(K2_ENV)
-    if not spec:
-        return None
-    try:
-        bv, nw = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"k2_config={spec!r} must be 'BV:warps', e.g. '16:4' (argument or ${K2_ENV})") from None
-    if bv not in (16, 32, 64, 128) or nw not in (2, 4, 8):
-        raise ValueError(f"k2_config={spec!r}: BV must be 16/32/64/128 and warps 2/4/8 (argument or ${K2_ENV})")
-    return bv, nw
+    return _pair_choice(k2_config, K2_ENV, "k2_config", (16, 32, 64, 128))
 
 
 def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int, out_dtype,

@@ -456,7 +456,7 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     choice = k1_config_choice(k1_config)
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern = getattr(kda_fwd_kernel_intra, "fn", kda_fwd_kernel_intra)
-        extra = dict(BKS=choice[0], num_warps=choice[1])
+        extra = {"BKS": choice[0], "num_warps": choice[1]}
     kern[(NC, H)](
         q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
         chunk_map, cu_seqlens,
@@ -516,7 +516,7 @@ def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: in
     choice = k2_config_choice(k2_config)
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern = getattr(kda_fwd_kernel_recurrence, "fn", kda_fwd_kernel_recurrence)
-        extra = dict(BV=choice[0], num_warps=choice[1], num_stages=2)
+        extra = {"BV": choice[0], "num_warps": choice[1], "num_stages": 2}
     kern[grid](
         w, intra["u"], intra["qp"], intra["kd"], intra["aqk"], intra["gl"],
         dummy if h0 is None else h0, chunk_offsets, cu_seqlens,

@@ -16,8 +16,9 @@ family $MOESTACK_MOE_GG_KERNEL selects (persistent by default, swap when set).
 
 Variants, old and new side by side: triton = the persistent kernel, swap = swap-AB kernels at <= SWAP_MAX_ROWS
 mean rows (persistent above), fp8 = v1 (weights requantised every call), fp8v2 = cached fp8 weights (steady state
-of several micro-batches per optimizer step: the weights do not change between the timed calls) and the scalar
-weight scale per tile. "err": each variant's forward relative error vs torch (bf16 ~1e-3 expected; fp8 ~3e-2, and
+of several micro-batches per optimizer step: the weights do not change between the timed calls), the scalar
+weight scale per tile and swap-AB at <= 64 mean rows; fp8v2ns = fp8v2 without swap-AB (only timed where they
+differ). "err": each variant's forward relative error vs torch (bf16 ~1e-3 expected; fp8 ~3e-2, and
 fp8v2 the same as fp8).
 """
 
@@ -56,7 +57,7 @@ def backends() -> dict:
 
     return {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
             "swap": partial(tg.grouped_mm, variant="swap"), "fp8": partial(f8.grouped_mm, v2=False),
-            "fp8v2": partial(f8.grouped_mm, v2=True)}
+            "fp8v2": partial(f8.grouped_mm, v2=True), "fp8v2ns": partial(f8.grouped_mm, v2=True, swap_max_rows=0)}
 
 
 def quant_times(E: int, D: int, F: int, tokens: int) -> str:
@@ -146,9 +147,10 @@ def main() -> int:
     t0 = time.perf_counter()
     fns = backends()
     if args.no_fp8:
-        fns.pop("fp8")
-        fns.pop("fp8v2")
+        for n in ("fp8", "fp8v2", "fp8v2ns"):
+            fns.pop(n)
     names = list(fns)
+    from moestack.ops.moe.fp8_grouped_gemm import SWAP_MAX_ROWS as f8_swap_rows
     from moestack.ops.moe.triton_grouped_gemm import resolve_variant
 
     auto_kernel = "swap" if resolve_variant(None) == "swap" else "triton"  # what backend "auto" runs when small
@@ -180,6 +182,11 @@ def main() -> int:
                 with torch.no_grad():
                     y_ref = reference.grouped_mm(x, w, offs).float()
                 for n, fn in fns.items():
+                    if n == "fp8v2ns" and tokens > f8_swap_rows:  # the same kernels as fp8v2 there
+                        ms[n] = ms["fp8v2"]
+                        layer[n][0] += ms[n][0]
+                        layer[n][1] += ms[n][1]
+                        continue
                     try:
                         with torch.no_grad():
                             errs[n] = float((fn(x, w, offs).float() - y_ref).norm() / y_ref.norm())
@@ -217,7 +224,7 @@ def main() -> int:
 
 
 RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("fp8", "bf16"), ("fp8v2", "bf16"),
-          ("fp8v2", "fp8")]  # "bf16": the best of torch / triton / swap
+          ("fp8v2ns", "bf16"), ("fp8v2", "fp8")]  # "bf16": the best of torch / triton / swap
 
 
 def _row(shape, tokens, gemm, names, ms, flops, err) -> None:

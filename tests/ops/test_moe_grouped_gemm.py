@@ -338,25 +338,28 @@ def test_fp8_kernels_logic_interpreter():
 
 
 def test_fp8_v2_weight_cache_interpreter():
-    """v2 (cached weight blocks, per-tile weight scale) equals v1 and the fp64 loop; the cache hits while the
-    parameter is unchanged and refreshes after an in-place update (its version counter moves)."""
+    """v2 (cached weight blocks, per-tile weight scale; swap-AB kernel at few rows or not) equals v1 and the fp64
+    loop; the cache hits while the parameter is unchanged and refreshes after an in-place update."""
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_fp8_v2_gpu")
     from moestack.ops.moe import fp8_weight_cache as wc
 
     wc.clear()
     counts = [20, 0, 9, 3]
-    x, w, offs = make_case(counts, 136, 144, torch.float32, seed=11, tail=2)
+    x, w, offs = make_case(counts, 136, 64, torch.float32, seed=11, tail=2)
     param = w.transpose(1, 2).clone().requires_grad_(True)  # [E, F, D] leaf, passed as a view like Experts does
-    dy = torch.randn(x.shape[0], 144, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(x.shape[0], 64, generator=torch.Generator().manual_seed(3))
     used = int(offs[-1])
     outs = {}
-    for v2 in (False, True):
+    for name, v2, swap in (("v1", False, None), ("v2 swap", True, 64)):
         xg = x.clone().requires_grad_(True)
-        y = f8.Fp8GroupedMM.apply(xg, param.transpose(1, 2), offs, torch.float32, v2)
-        outs[v2] = (y, *torch.autograd.grad(y, (xg, param), dy))
-    for a, b in zip(outs[True], outs[False]):
+        y = f8.Fp8GroupedMM.apply(xg, param.transpose(1, 2), offs, torch.float32, v2, swap)
+        outs[name] = (y, *torch.autograd.grad(y, (xg, param), dy))
+    for a, b in zip(outs["v2 swap"], outs["v1"]):
         assert rel_err(a, b) < 1e-6
+    with torch.no_grad():  # v2 without swap: the persistent kernel with the scalar weight scale
+        assert rel_err(f8.Fp8GroupedMM.apply(x, param.transpose(1, 2), offs, torch.float32, True, 0),
+                       outs["v1"][0]) < 1e-6
     for step in range(2):
         hits = wc.stats["hits"]
         y2 = f8.Fp8GroupedMM.apply(x, param.transpose(1, 2), offs, torch.float32, True)

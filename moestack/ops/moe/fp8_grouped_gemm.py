@@ -20,7 +20,10 @@ the GEMM itself then reads: at few rows per expert the GEMM streams weights, so 
 v2 (`MOESTACK_FP8_V2=1`, or v2=True): fp8_weight_cache.py keeps each weight's fp8 blocks and scales (forward and
 dX layouts) until the parameter's version counter moves (any in-place update, e.g. optimizer.step), so all
 micro-batches of one step quantise once; and the forward kernel applies the weight scale as one scalar per tile
-when BN divides 128 (one 128x128 block column) instead of a [BN] vector per 128-slice.
+when BN divides 128 (one 128x128 block column) instead of a [BN] vector per 128-slice; and at few rows per expert
+(mean <= MOESTACK_FP8_SWAP_MAX_ROWS, default 64) forward and dX run swap-AB (y^T = w^T x^T: the weight's 128
+output columns are the MMA's M side, BT = 16..64 token rows its N side; both operands stay K-major, as fp8 wgmma
+needs), so no MMA work goes to padding rows.
 
 Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
 """
@@ -42,14 +45,31 @@ from moestack.ops.moe.triton_grouped_gemm import (
     _pick,
     _rows_bucket,
     quick_bench,
+    swap_token_tile,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
 
 
+SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: swap-AB at or below this mean
+SWAP_BT_MAX = 64  # token tile cap: [128, BT] accumulator + the slice product fit 4 warps' registers up to 64
+
+
 def use_v2(v2: bool | None) -> bool:
     return os.environ.get(V2_ENV, "0") == "1" if v2 is None else bool(v2)
+
+
+def _swap_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BF": 32}, num_warps=4, num_stages=1)]
+    # 72..96 KB shared (BT 16..64); one config per BT (_prune_swap): 4 warps spill at BT = 64, so 8 there
+    return [triton.Config({"BF": 128}, num_warps=w, num_stages=4) for w in (4, 8)]
+
+
+def _prune_swap(configs, named_args, **kwargs):
+    want = 8 if kwargs.get("BT", 0) >= 64 else 4
+    return [c for c in configs if c.num_warps == want] or configs
 
 
 def _mm_configs() -> list[triton.Config]:
@@ -124,6 +144,58 @@ def fp8_grouped_mm_fwd_kernel(
         tl.store(p_y, tl.zeros((BM, BN), dtype=y.dtype.element_ty), mask=(rows < N)[:, None] & (cols < F)[None, :])
 
 
+@triton.autotune(configs=_swap_configs(), key=["ROWS_BUCKET", "K", "F", "E", "BT"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune_swap})
+@triton.jit(do_not_specialize=["N", "E", "ROWS_BUCKET"])
+def fp8_grouped_mm_fwd_swap_kernel(
+    qx, sx, qw, sw, y, offs, N, K, F, E,
+    stride_xn, stride_sxn, stride_we, stride_wf, stride_swe, stride_swk, stride_yn,
+    ROWS_BUCKET, BE: tl.constexpr, PRECISION: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr,
+):
+    """Swap-AB: acc [BF, BT] = sum over k-blocks of (qw[e][:, f-tile]^T @ qx[token-tile]^T) * sw * sx, stored
+    transposed into y. BF divides BK = 128, so the weight scale is one scalar per tile and 128-slice."""
+    tl.static_assert(BK % BF == 0)
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    o_e = tl.arange(0, BE)
+    b_start, b_end, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, BT)
+    n_ftiles = tl.cdiv(F, BF)
+    b_work_end = b_tile_end * n_ftiles
+    total = tl.sum(b_tiles, 0) * n_ftiles
+    o_t, o_f, o_k = tl.arange(0, BT), tl.arange(0, BF), tl.arange(0, BK)
+    for t in range(pid, total, nprog):
+        e = tl.sum((b_work_end <= t).to(tl.int32), 0)
+        sel = o_e == e
+        tiles_e = _pick(b_tiles, sel)
+        local = t - (_pick(b_work_end, sel) - tiles_e * n_ftiles)
+        i_f, i_t = local // tiles_e, local % tiles_e
+        rows = _pick(b_start, sel) + i_t * BT + o_t  # [BT]
+        m_rows = rows < _pick(b_end, sel)
+        rows64 = rows.to(tl.int64)
+        cols = i_f * BF + o_f  # [BF]
+        m_cols = cols < F
+        e64 = e.to(tl.int64)
+        p_w = qw + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wf  # [BF, 1], K contiguous
+        p_x = qx + rows64[None, :] * stride_xn  # [1, BT], K contiguous
+        p_sx = sx + rows64 * stride_sxn  # [BT]
+        p_sw = sw + e64 * stride_swe + (i_f * BF) // BK  # scalar per 128-slice
+        b_acc = tl.zeros((BF, BT), dtype=tl.float32)
+        for kb in range(tl.cdiv(K, BK)):
+            ks = kb * BK + o_k
+            m_k = ks < K
+            b_w = tl.load(p_w + ks[None, :], mask=m_cols[:, None] & m_k[None, :], other=0.0)  # [BF, BK]
+            b_x = tl.load(p_x + ks[:, None], mask=m_k[:, None] & m_rows[None, :], other=0.0)  # [BK, BT]
+            b_s = tl.load(p_sx + kb, mask=m_rows, other=0.0) * tl.load(p_sw + kb * stride_swk)  # [BT]
+            b_acc += tl.dot(b_w, b_x, input_precision=PRECISION) * b_s[None, :]
+        p_y = y + rows64[None, :] * stride_yn + cols[:, None]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_cols[:, None] & m_rows[None, :])
+    used = tl.load(offs + E - 1)
+    for t in range(pid, tl.cdiv(N - used, BT) * n_ftiles, nprog):
+        rows = used + (t // n_ftiles) * BT + o_t
+        cols = (t % n_ftiles) * BF + o_f
+        p_y = y + rows.to(tl.int64)[None, :] * stride_yn + cols[:, None]
+        tl.store(p_y, tl.zeros((BF, BT), dtype=y.dtype.element_ty), mask=(cols < F)[:, None] & (rows < N)[None, :])
+
+
 @triton.autotune(configs=_wgrad_configs(), key=["ROWS_BUCKET", "D", "F", "E"], do_bench=quick_bench)
 @triton.jit(do_not_specialize=["E", "ROWS_BUCKET"])
 def fp8_grouped_mm_wgrad_kernel(
@@ -162,9 +234,11 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 only in the interpreter tests
 
 
-def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype, tile_sw: bool = False) -> torch.Tensor:
+def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype, tile_sw: bool = False,
+                             swap_max_rows: int = 0) -> torch.Tensor:
     """y [N, F] from 1x128-quantised x (qx [N, K], sx [N, K/128]) and 128x128-quantised w (qw [E, K, F] with K
-    contiguous, sw [E, K/128, F/128]). Rows >= offs[-1] are zero. tile_sw: v2's scalar weight scale per tile."""
+    contiguous, sw [E, K/128, F/128]). Rows >= offs[-1] are zero. tile_sw: v2's scalar weight scale per tile;
+    swap_max_rows: swap-AB kernel when mean rows per expert <= this (v2)."""
     N, K = qx.shape
     E, _, F = qw.shape
     assert qx.stride(1) == 1 and qw.stride(1) == 1 and sw.is_contiguous()
@@ -172,6 +246,18 @@ def fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype: torch.dtype, til
     if N == 0 or F == 0:
         return y
     max_programs = _num_programs(qx.device)
+    if N <= swap_max_rows * E:
+        BT = min(SWAP_BT_MAX, swap_token_tile(N, E))
+
+        def grid_swap(meta):
+            return (max(1, min(max_programs, (triton.cdiv(N, BT) + E) * triton.cdiv(F, meta["BF"]))),)
+
+        fp8_grouped_mm_fwd_swap_kernel[grid_swap](
+            qx, sx, qw, sw, y, offs_E, N, K, F, E,
+            qx.stride(0), sx.stride(0), qw.stride(0), qw.stride(2), sw.stride(0), sw.stride(1), y.stride(0),
+            _rows_bucket(N, E), BE=triton.next_power_of_2(E), PRECISION=_precision(qx), BK=fq.GROUP, BT=BT,
+        )
+        return y
 
     def grid(meta):
         return (max(1, min(max_programs, (triton.cdiv(N, meta["BM"]) + E) * triton.cdiv(F, meta["BN"]))),)
@@ -210,13 +296,14 @@ class Fp8GroupedMM(torch.autograd.Function):
     same kernels on unrounded scaled values (interpreter tests of the scale logic)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, v2=False):
+    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, v2=False, swap_max_rows=None):
+        swap = (SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows) if v2 else 0
         qx, sx = fq.quantize_rows(x_ND, q_dtype)
         qw, sw = _weight_blocks(w_EDF, q_dtype, v2)
-        y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=v2)
+        y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=v2, swap_max_rows=swap)
         saved_x = fq.quantize_token_tiles(x_ND, offs_E, q_dtype) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*saved_x, w_EDF, offs_E)
-        ctx.q_dtype, ctx.x_dtype, ctx.v2 = q_dtype, x_ND.dtype, v2
+        ctx.q_dtype, ctx.x_dtype, ctx.v2, ctx.swap = q_dtype, x_ND.dtype, v2, swap
         return y
 
     @staticmethod
@@ -226,11 +313,12 @@ class Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             qdy, sdy = fq.quantize_rows(dy_NF, ctx.q_dtype)
             qwT, swT = _weight_blocks(w_EDF.transpose(1, 2), ctx.q_dtype, ctx.v2)
-            dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=ctx.v2)
+            dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=ctx.v2,
+                                          swap_max_rows=ctx.swap)
         if ctx.needs_input_grad[1]:
             qdyT, sdyT = fq.quantize_token_tiles(dy_NF, offs_E, ctx.q_dtype)
             dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,15 +328,20 @@ def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple
     return fq.quantize_blocks(w_EKF, q_dtype)
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, v2: bool | None = None) -> torch.Tensor:
+def grouped_mm(
+    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, v2: bool | None = None,
+    swap_max_rows: int | None = None,
+) -> torch.Tensor:
     """The "fp8" backend: same contract as reference.grouped_mm; output in the autocast dtype inside autocast,
     else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe).
-    v2: cached weights + per-tile weight scale (module doc); None = $MOESTACK_FP8_V2 (default off)."""
+    v2: cached weights + per-tile weight scale + swap-AB at few rows (module doc); None = $MOESTACK_FP8_V2 (default
+    off). swap_max_rows (v2 only): None = $MOESTACK_FP8_SWAP_MAX_ROWS (64); 0 = never swap."""
     from moestack.ops.moe.reference import _compute_dtype
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
-    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), fq.FP8, use_v2(v2))
+    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), fq.FP8, use_v2(v2),
+                              swap_max_rows)
 
 
 def grouped_mm_fp8_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

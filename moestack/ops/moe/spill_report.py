@@ -94,6 +94,13 @@ def main() -> None:
                         {**kw, "BE": 64, "PRECISION": "tf32", "BK": 128, "TILE_SW": tile_sw, "stride_wk": 1},
                         _scalars(kern), nw, ns)
 
+    for kw, nw, ns in _cfgs(f8.fp8_grouped_mm_fwd_swap_kernel) if "fp8" in only else []:
+        for bt in (16, 32, 64):
+            kern = f8.fp8_grouped_mm_fwd_swap_kernel
+            compile_one(f"fp8 swap BT={bt} {kw} s={ns}", kern,
+                        {"qx": F8, "qw": F8, "sx": "*fp32", "sw": "*fp32", "offs": I32},
+                        {**kw, "BT": bt, "BE": 64, "PRECISION": "tf32", "BK": 128}, _scalars(kern), nw, ns)
+
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@
 Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
 suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands), "+k1=BKS:warps"
 (MOESTACK_KDA_K1: a fixed intra-kernel config) and "+k2=BV:warps" (MOESTACK_KDA_K2: a fixed forward-recurrence
-config), e.g. "ours-save+bf16+k1=16:4+k2=16:4".
+config), "+b3a=BV:BKS:warps" / "+b3b=BKC:warps" (MOESTACK_KDA_B3A / _B3B: fixed backward per-chunk kernel configs),
+e.g. "ours-save+bf16+k1=16:4+k2=16:4+b3b=16:4".
 
 Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
 (an activated log-decay, as fla's own tests draw it), beta = sigmoid(N(0, 1)). Ours runs `kda_fused(gate="none",
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x H x D
 # --quick: the measured defaults next to the new variants (old first, so a budget cut drops new ones)
 QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k1=16:4", "ours-save+bf16+k1=16:4",
-                  "ours+bf16+k1=16:4+k2=16:4"]
+                  "ours+bf16+k1=16:4+k2=16:4", "ours-save+b3b=16:4", "ours-save+bf16+k1=16:4+b3b=16:4"]
 
 
 def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
@@ -62,9 +63,13 @@ def _variant_env(name: str) -> dict:
             env["MOESTACK_KDA_K1"] = part[3:]
         elif part.startswith("k2="):
             env["MOESTACK_KDA_K2"] = part[3:]
+        elif part.startswith("b3a="):
+            env["MOESTACK_KDA_B3A"] = part[4:]
+        elif part.startswith("b3b="):
+            env["MOESTACK_KDA_B3B"] = part[4:]
         else:
             raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' "
-                             "(use +bf16, +k1=BKS:warps or +k2=BV:warps)")
+                             "(use +bf16, +k1=BKS:warps, +k2=BV:warps, +b3a=BV:BKS:warps or +b3b=BKC:warps)")
     return env
 
 
@@ -313,7 +318,7 @@ def main() -> None:
     t_start = time.perf_counter()
     if args.quick:
         args.shapes, args.no_fla, args.breakdown, args.rep = args.shapes[:1], True, True, 200
-        args.budget_s = min(args.budget_s, 55.0)
+        args.budget_s = min(args.budget_s, 60.0)
         args.backends = args.backends or QUICK_BACKENDS
     names = ["ours", "ours-save"] + ([] if args.no_fla or not _fla_installed() else ["fla"])
     names = args.backends or names

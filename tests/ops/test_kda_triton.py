@@ -210,23 +210,26 @@ def test_recompute_matches_save():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("env", ["MOESTACK_KDA_K2", "MOESTACK_KDA_K1"])
+@pytest.mark.parametrize("env", ["MOESTACK_KDA_K2=16:4", "MOESTACK_KDA_K1=16:4",
+                                 "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_B3B=16:4"])
 def test_fixed_kernel_configs(monkeypatch, env):
-    """$MOESTACK_KDA_K1 / _K2 = "size:warps" launch K1 / the forward recurrence with that config (here 2 channel
-    blocks / 2 V-blocks)."""
-    monkeypatch.setenv(env, "16:4")
+    """$MOESTACK_KDA_K1 / _K2 / _B3A / _B3B = "size[:size]:warps" launch that kernel with that config (here 2
+    channel blocks / 2 V-blocks)."""
+    for item in env.split():
+        monkeypatch.setenv(*item.split("="))
     x = make_inputs(2, 63, 2, 32, 32, h0=True, seed=31)
     x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
     check(x, gate="none", fused=False, recompute=True)
 
 
 @pytest.mark.parametrize("env,value", [("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
-                                       ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_INTRA_DOTS", "fp8")])
+                                       ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
+                                       ("MOESTACK_KDA_B3A", "32:4"), ("MOESTACK_KDA_B3B", "x:4")])
 def test_bad_switches(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     x = make_inputs(1, 8, 1, 16, 16, seed=2)
-    with pytest.raises(ValueError, match=env):
-        kda_fused(x["q"], x["k"], x["v"], x["g"], x["beta"], gate="none")
+    with pytest.raises(ValueError, match=env):  # the backward switches fail at the backward call
+        kda_fused(*(x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")), gate="none")[0].sum().backward()
 
 
 def test_dispatcher_backend():
@@ -288,7 +291,8 @@ def test_gpu_bf16_correlated_keys(intra_dots, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", ["MOESTACK_KDA_INTRA_DOTS=bf16", "MOESTACK_KDA_K1=16:4", "MOESTACK_KDA_K2=16:4",
-                                 "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K2=16:4"])
+                                 "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K2=16:4",
+                                 "MOESTACK_KDA_B3A=32:16:4 MOESTACK_KDA_B3B=16:4"])
 @pytest.mark.parametrize("recompute", [True])  # the forward runs twice; save vs recompute: test_gpu_bf16_varlen
 def test_gpu_bf16_switches(env, recompute, monkeypatch):
     """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""

@@ -11,6 +11,8 @@ cumsum (dg = reverse cumsum of db), the gate, the L2 norm and the beta sigmoid. 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -394,6 +396,27 @@ def kda_bwd_kernel_scores(
 # ---- launchers -----------------------------------------------------------------------------------------------
 
 
+# Fixed launch configs for the two per-chunk backward kernels, read per call (benchmarks compare them in one
+# process): $MOESTACK_KDA_B3A = "BV:BKS:warps", $MOESTACK_KDA_B3B = "BKC:warps"; unset = autotuned / first config.
+# At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults run one per SM).
+B3A_ENV, B3B_ENV = "MOESTACK_KDA_B3A", "MOESTACK_KDA_B3B"
+
+
+def _fixed_config(env: str, names: tuple, sizes: tuple) -> dict | None:
+    """{name: size, ..., "num_warps": w} from $env ("size:...:warps"), None when unset."""
+    spec = os.environ.get(env)
+    if not spec:
+        return None
+    try:
+        vals = [int(x) for x in spec.split(":")]
+    except ValueError:
+        vals = []
+    if len(vals) != len(names) + 1 or any(v not in sizes for v in vals[:-1]) or vals[-1] not in (2, 4, 8, 16):
+        raise ValueError(f"${env}={spec!r} must be '{':'.join(names)}:warps' with sizes in {sizes} and warps "
+                         "2/4/8/16, e.g. '" + ":".join(["32"] * len(names)) + ":4'")
+    return {**dict(zip(names, vals[:-1])), "num_warps": vals[-1]}
+
+
 def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int,
                        need_dh0: bool):
     """Reverse recurrence. Returns (dh [NC, H, K, V], dd [T, H, V], dh0 [N, H, K, V] fp32 or None)."""
@@ -429,12 +452,16 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
         p_dqp=k.new_empty(T, H, K, **f32), p_dkd=k.new_empty(T, H, K, **f32), p_dkp=k.new_empty(T, H, K, **f32),
         p_da=k.new_empty(T, H, BT, **f32), p_dn=k.new_empty(T, H, BT, **f32), p_dbl=k.new_empty(NC, H, K, **f32),
     )
-    kda_bwd_kernel_wy[(NC, H)](
+    kern, extra = kda_bwd_kernel_wy, {}
+    choice = _fixed_config(B3A_ENV, ("BV", "BKS"), (16, 32, 64))
+    if choice is not None:  # a fixed config: the plain jit function under the autotuner
+        kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
+    kern[(NC, H)](
         k, v, beta, intra["gc"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
         h, dh, d, dd, do,
         dv, dbeta, *part.values(),
         H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid, **extra,
     )
     return dv, dbeta, part
 
@@ -450,13 +477,18 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
     pd_dt = q.new_empty(NC, H, K, dtype=torch.float32) if fused_gate else None
     pd_alog = q.new_empty(NC, H, dtype=torch.float32) if fused_gate else None
     dummy = q.new_empty(1, dtype=torch.float32)
-    kda_bwd_kernel_scores[(NC, H)](
+    kern, extra = kda_bwd_kernel_scores, {}
+    choice = _fixed_config(B3B_ENV, ("BKC",), (16, 32, 64))
+    if choice is not None:
+        kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
+    kern[(NC, H)](
         q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
         intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
         *part.values(),
         dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
         scale, H,
         K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
+        **extra,
     )
     return dq, dk, dg, pd_dt, pd_alog
 

@@ -2,6 +2,10 @@
 
     python3 benchmarks/dsa.py                 # T in {8192, 32768}, heads in {20, 64, 96}, top-2048 (< 150 s)
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
+    python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
+                                              # vs kmajor, forward per 64-head config, the dense anchor
+
+Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won.
 
 Inputs (bf16, B = 1): the MQA-form query q [T, H, 576] and latent kv [T, 576] ~ N(0, 1) (values = first 512
 dims), softmax scale 192^-0.5 (MLA's nope + rope); the selection idx [T, 2048] comes from our indexer top-k on
@@ -64,6 +68,26 @@ def guarded(label: str, fn):
         torch.cuda.empty_cache()
 
 
+def picked(kernel) -> str:
+    """The autotuner's choice for the last key it tuned, e.g. 'H64 K64 C64 w4 s2' (empty if not tuned)."""
+    cfg = getattr(kernel, "best_config", None)
+    if cfg is None:
+        return ""
+    short = {"BLOCK_H": "H", "BLOCK_K": "K", "BLOCK_V": "V", "BLOCK_C": "C"}
+    kw = " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.kwargs.items())
+    return f"{kw} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def forced_config(kernel, cfg, fn, reps: int) -> float:
+    """Median ms of fn() with the autotuned kernel restricted to the single config cfg (restored afterwards)."""
+    saved_configs, saved_cache = kernel.configs, dict(kernel.cache)
+    kernel.configs, kernel.cache = [cfg], {}
+    try:
+        return timed(fn, reps)
+    finally:
+        kernel.configs, kernel.cache = saved_configs, saved_cache
+
+
 def tflops(flops: float, ms: float) -> str:
     return f"{flops / ms / 1e9:.1f}"
 
@@ -81,8 +105,13 @@ def make_selection(T: int) -> tuple[torch.Tensor, float]:
     return idx, ms
 
 
-def bench_sparse(T: int, H: int, idx: torch.Tensor, idx_ms: float, modes: tuple[str, ...]) -> tuple[float, float]:
-    """Rows for our forward and forward+backward per dKV mode; returns (forward ms, best forward+backward ms)."""
+def bench_sparse(
+    T: int, H: int, idx: torch.Tensor, idx_ms: float, modes: tuple[str, ...], fwd_sweep: bool = False
+) -> tuple[float, float]:
+    """Rows for our forward and forward+backward per dKV mode; returns (forward ms, best forward+backward ms).
+    fwd_sweep: also one row per 64-head forward config, each forced alone (old and new tile shapes side by side)."""
+    from moestack.ops.dsa import triton_attn_bwd as bwd_k
+    from moestack.ops.dsa import triton_attn_fwd as fwd_k
     from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(H)
@@ -91,12 +120,26 @@ def bench_sparse(T: int, H: int, idx: torch.Tensor, idx_ms: float, modes: tuple[
     nnz = float((idx >= 0).sum())
     f_fwd = 2 * H * nnz * (D_LAT + V_DIM)
     reps = 5 if T <= 8192 else 3
-    with torch.no_grad():
-        fwd_ms = timed(lambda: sparse_mqa_attention_triton(q, kv, idx, V_DIM, SCALE), reps)
+
+    def fwd():
+        with torch.no_grad():
+            sparse_mqa_attention_triton(q, kv, idx, V_DIM, SCALE)
+
+    fwd_ms = timed(fwd, reps)
     o, _ = sparse_mqa_attention_triton(q, kv, idx, V_DIM, SCALE)
     do = torch.randn_like(o)
-    row(f"T={T} H={H}", "sparse fwd (triton)", f"{fwd_ms:.2f}", tflops(f_fwd, fwd_ms), "", f"indexer+topk {idx_ms:.1f} ms",
+    row(f"T={T} H={H}", "sparse fwd (triton)", f"{fwd_ms:.2f}", tflops(f_fwd, fwd_ms),
+        f"cfg {picked(fwd_k._sparse_mqa_fwd_kernel)}", f"indexer+topk {idx_ms:.1f} ms",
         f"ratio idx/attn-fwd {idx_ms / fwd_ms:.2f}")  # fmt: skip
+    if fwd_sweep:
+        for cfg in [c for c in fwd_k._sparse_mqa_fwd_kernel.configs if c.kwargs["BLOCK_H"] == 64]:
+
+            def run_cfg(cfg=cfg):
+                ms = forced_config(fwd_k._sparse_mqa_fwd_kernel, cfg, fwd, reps)
+                row(f"T={T} H={H}", "sparse fwd, forced config", f"{ms:.2f}", tflops(f_fwd, ms),
+                    f"cfg {picked_cfg(cfg)}", "", "")  # fmt: skip
+
+            guarded(f"T={T} H={H} fwd cfg {picked_cfg(cfg)}", run_cfg)
     fb_best = [float("inf")]
     for mode in modes:
 
@@ -108,11 +151,23 @@ def bench_sparse(T: int, H: int, idx: torch.Tensor, idx_ms: float, modes: tuple[
             fb_ms = timed(step, reps)
             bwd_ms = fb_ms - fwd_ms
             fb_best[0] = min(fb_best[0], fb_ms)
+            cfg = f"cfg {picked(bwd_k._sparse_mqa_bwd_kernel)}"
+            if mode == "kmajor":
+                cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_kmajor_kernel)}"
+            elif mode in ("atomic_split", "sorted"):
+                cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_rows_kernel)}"
             row(f"T={T} H={H}", f"sparse fwd+bwd (triton, dKV {mode})", f"{fb_ms:.2f}", tflops(3 * f_fwd, fb_ms),
-                f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", "", "")  # fmt: skip
+                f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, "")  # fmt: skip
 
         guarded(f"T={T} H={H} fwd+bwd {mode}", run)
     return fwd_ms, fb_best[0]
+
+
+def picked_cfg(cfg) -> str:
+    class _K:
+        best_config = cfg
+
+    return picked(_K)
 
 
 def bench_dense(T: int, H: int, sparse_ms: tuple[float, float] | None) -> None:
@@ -155,6 +210,8 @@ def bench_naive(T: int, H: int, idx: torch.Tensor, sparse_fwd_ms: float | None) 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t131072", action="store_true", help="add T = 131072 at 64 heads")
+    ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor, "
+                    "forward per config, dense anchor (< 90 s)")  # fmt: skip
     args = ap.parse_args()
     import triton
 
@@ -162,7 +219,8 @@ def main() -> None:
     row("shape", "variant", "ms", "TFLOP/s", "detail", "vs", "")
     row("---", "---", "---", "---", "---", "---", "---")
     # the issue's headline shape first, so a time cap can only cut the extras
-    plan = [(32768, 64), (8192, 20), (8192, 64), (8192, 96), (32768, 20), (32768, 96)]
+    plan = [(32768, 64), (8192, 64)] if args.quick else [(32768, 64), (8192, 20), (8192, 64), (8192, 96),
+                                                          (32768, 20), (32768, 96)]  # fmt: skip
     if args.t131072:
         plan.append((131072, 64))
     selections: dict[int, tuple[torch.Tensor, float] | None] = {}
@@ -172,19 +230,21 @@ def main() -> None:
         if selections[T] is None:
             continue
         idx, idx_ms = selections[T]
-        # every dKV mode at 64 heads (sorted only at 8192: its buffer round trip is slow); atomic elsewhere
-        modes = (
-            ("atomic",)
-            if H != 64
-            else ("atomic", "atomic_split", "sorted")
-            if T == 8192
-            else ("atomic", "atomic_split")
-        )
-        args = (T, H, idx)
-        sparse_ms = guarded(f"T={T} H={H} sparse", lambda a=args, m=modes, i=idx_ms: bench_sparse(*a, i, m))
-        guarded(f"T={T} H={H} dense", lambda a=args, s=sparse_ms: bench_dense(a[0], a[1], s))
-        if T == 8192:
-            guarded(f"T={T} H={H} naive", lambda a=args, s=sparse_ms: bench_naive(*a, s and s[0]))
+        # dKV: atomic (default) vs kmajor everywhere; at 64 heads also atomic_split (and sorted at 8192: its buffer
+        # round trip is slow); --quick: atomic vs kmajor only
+        if args.quick or H != 64:
+            modes = ("atomic", "kmajor")
+        else:
+            modes = (
+                ("atomic", "kmajor", "atomic_split", "sorted") if T == 8192 else ("atomic", "kmajor", "atomic_split")
+            )
+        sweep = args.quick and T == 32768
+        a = (T, H, idx)
+        sparse_ms = guarded(f"T={T} H={H} sparse", lambda a=a, m=modes, i=idx_ms, w=sweep: bench_sparse(*a, i, m, w))
+        if not args.quick or T == 32768:
+            guarded(f"T={T} H={H} dense", lambda a=a, s=sparse_ms: bench_dense(a[0], a[1], s))
+        if T == 8192 and not args.quick:
+            guarded(f"T={T} H={H} naive", lambda a=a, s=sparse_ms: bench_naive(*a, s and s[0]))
         torch.cuda.empty_cache()
     print(f"total {time.time() - T0:.0f} s; required at T=32768 H=64: fwd >= 300, bwd >= 150 TFLOP/s "
           f"(targets 450 / 250)")  # fmt: skip

@@ -72,17 +72,21 @@ def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, s
 
 
 # H 20: one full + one padded head block of 16; 33: three blocks (the interpreter is slow: every mode at 20 only)
-@pytest.mark.parametrize(("H", "mode"), [(20, "atomic"), (20, "atomic_split"), (20, "sorted"), (33, "atomic")])
+@pytest.mark.parametrize(
+    ("H", "mode"), [(20, "atomic"), (20, "atomic_split"), (20, "sorted"), (33, "atomic"), (33, "kmajor")]
+)
 def test_attention_matches_reference(H, mode):
     B, T, V, R, K = 3 - H // 20, 17, 32, 16, 18  # T, K not multiples of the 16-wide blocks
     _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=H), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
-def test_attention_odd_dims_and_no_rope():
-    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works."""
-    for V, R in [(20, 8), (24, 0)]:
+@pytest.mark.parametrize("mode", ["atomic", "kmajor"])
+def test_attention_odd_dims_and_no_rope(mode):
+    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works. kmajor: V = 40 spans two
+    32-wide column chunks (the interpreter's BLOCK_C), the second one partly masked."""
+    for V, R in [(20, 8), (24, 0)] + ([(40, 8)] if mode == "kmajor" else []):
         idx = _random_idx(1, 9, 5, seed=V)
-        _check_attention(1, 9, 3, V, R, 5, idx, "atomic", torch.float32, "cpu", CPU_TOL, CPU_TOL, seed=V)
+        _check_attention(1, 9, 3, V, R, 5, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL, seed=V)
 
 
 def test_attention_varlen_packed():
@@ -214,7 +218,7 @@ def test_gated_dsa_layer_triton_backend_matches_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted"])
+@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted", "kmajor"])
 @pytest.mark.parametrize("H", [20, 64, 96])
 def test_attention_gpu_bf16_full_size(H, mode):
     B, T, V, R, K = 1, 1000, 512, 64, 256

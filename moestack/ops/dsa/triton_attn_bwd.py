@@ -10,6 +10,11 @@ Many queries select the same key row, so dKV is a scatter-add. Three ways, selec
   * "atomic_split": dQ from the same kernel without atomics; a second kernel per (token, block of slots) sums
     the contribution over all heads first, then one atomic per (token, slot, dim). Recomputes the scores and
     dP (+2 of the 5 products) to cut the atomic traffic by H / BLOCK_H.
+  * "kmajor" (phase B): dQ from the same kernel without atomics (64-head blocks, wgmma); dKV from a key-major
+    kernel, one program per (token, block of 64 slots) looping over head blocks: the tiles are computed transposed
+    (S^T = K Q^T, dS^T, P^T: slots are the M dimension), so dS^T Q and P^T dO are wgmma products with no
+    transpose in between, summed over all heads in registers, then one vectorised atomic per (token, slot, dim).
+    Recomputes S and dP (7 products instead of 5) for half the atomics of "atomic" at 64 heads.
   * "sorted": deterministic. dQ comes from the same kernel without atomics; a second kernel, one program per
     (token, block of slots) looping over all head blocks, writes each (query, slot) contribution row to an fp32
     buffer (a chunk of queries at a time, so memory stays bounded); the chunk's (query, slot) pairs are sorted by
@@ -29,7 +34,7 @@ import triton.language as tl
 
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, padded_dims
 
-DKV_MODES = ("atomic", "atomic_split", "sorted")
+DKV_MODES = ("atomic", "atomic_split", "sorted", "kmajor")
 SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
 
 
@@ -46,6 +51,17 @@ def _bwd_configs(shapes):
 # head blocks spill; 64-head blocks fit (wgmma) only without the dKV atomics' extra tiles.
 _BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1)]
 _ROWS_SHAPES = [(32, 32, 8, 1), (16, 32, 4, 2)]
+# key-major dKV (BLOCK_H, BLOCK_K = slots, BLOCK_C = column chunk, warps, stages): BLOCK_K = 16 * warps, so the
+# score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated
+_KMAJOR_SHAPES = [(64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (64, 128, 64, 8, 2), (32, 64, 64, 4, 3)]
+
+
+def _kmajor_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32}, num_warps=1, num_stages=1)]
+    shapes = _KMAJOR_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _KMAJOR_SHAPES
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s)
+            for bh, bk, bc, w, s in shapes]  # fmt: skip
 
 
 def _prune_bwd(configs, named_args, **kwargs):
@@ -224,6 +240,81 @@ def _sparse_mqa_dkv_rows_kernel(
         tl.store(dst + V + offs_r[None, :], dk_r, mask=(offs_k < K)[:, None] & mask_r[None, :])
 
 
+@triton.autotune(
+    configs=_kmajor_configs(),
+    key=["H", "K", "V", "R"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    reset_to_zero=["DKV"],
+)
+@triton.jit(do_not_specialize=["T", "H", "K"])
+def _sparse_mqa_dkv_kmajor_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DKV,
+    T, H, K, scale, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    s_dkb, s_dks,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, block of BLOCK_K slots), heads in blocks of BLOCK_H: key-major tiles
+    S^T = K Q^T [BLOCK_K, BLOCK_H] (slots are the M dimension, BLOCK_K = 16 * num_warps: no warp computes a
+    replica of the tile), then dKV rows dS^T Q + P^T dO by column chunks of BLOCK_C, each added into DKV[b, idx]
+    (fp32) with one vectorised atomic per element at once (nothing [BLOCK_K, 576]-sized is held in registers).
+    Every operand is a small tile streamed from L2 through the pipelined chunk loops."""
+    pid_t = tl.program_id(0)
+    b = (pid_t // T).to(tl.int64)
+    t = (pid_t % T).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_cc = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, RP)
+    mask_r = offs_r < R
+    ids = tl.load(IDX + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)
+    valid = ids >= 0
+    row = tl.where(valid, ids, 0).to(tl.int64)
+    kv_rows = KV + b * s_kb + row[:, None] * s_ks
+    dst_rows = DKV + b * s_dkb + row[:, None] * s_dks
+    n = pid_t.to(tl.int64)
+    k_r = tl.load(kv_rows + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # [BK, RP]
+
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+        do_rows = DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh
+        # scores and dP, contraction over the value dims in chunks (+ the rope part for the scores)
+        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        s_t = tl.dot(k_r, tl.trans(q_r))  # [BK, BH]
+        dp_t = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+        for c0 in range(0, VP, BLOCK_C):
+            offs_c = c0 + offs_cc
+            mask_c = offs_c < V
+            k_c = tl.load(kv_rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+            q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            do_c = tl.load(do_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            s_t = tl.dot(k_c, tl.trans(q_c), s_t)
+            dp_t = tl.dot(k_c, tl.trans(do_c), dp_t)
+        lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        delta = tl.load(DELTA + n * H + offs_h, mask=mask_h, other=0.0)
+        p_t = tl.exp2(s_t * scale_log2 - lse2[None, :])
+        p_t = tl.where(valid[:, None] & mask_h[None, :], p_t, 0.0)
+        ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_r.dtype)
+        p_t = p_t.to(q_r.dtype)
+        # dKV rows of this head block, chunk by chunk straight into the fp32 buffer
+        dk_r = tl.dot(ds_t, q_r)
+        if R > 0:
+            tl.atomic_add(dst_rows + V + offs_r[None, :], dk_r, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
+        for c0 in range(0, VP, BLOCK_C):
+            offs_c = c0 + offs_cc
+            mask_c = offs_c < V
+            q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            do_c = tl.load(do_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            dk_c = tl.dot(p_t, do_c, tl.dot(ds_t, q_c))  # [BK, BC]
+            tl.atomic_add(dst_rows + offs_c[None, :], dk_c, mask=valid[:, None] & mask_c[None, :], sem="relaxed")
+
+
 @triton.jit
 def _segment_sum_kernel(
     BUF, ORDER, KEYS, STARTS, DKV, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr
@@ -293,6 +384,27 @@ def _dkv_rows(q, kv, idx, do, lse, delta, scale, buf, dkv32, n0, n):
     )  # fmt: skip
 
 
+def _dkv_kmajor(q, kv, idx, do, lse, delta, scale, dkv32):
+    """_sparse_mqa_dkv_kmajor_kernel over all tokens: atomics into dkv32."""
+    B, T, H, D = q.shape
+    K, V = idx.shape[-1], do.shape[-1]
+    VP, RP = padded_dims(V, D - V)
+
+    def grid(meta):
+        return (B * T, triton.cdiv(K, meta["BLOCK_K"]))
+
+    _sparse_mqa_dkv_kmajor_kernel[grid](
+        q, kv, idx, do, lse, delta, dkv32,
+        T, H, K, scale, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        do.stride(0), do.stride(1), do.stride(2),
+        dkv32.stride(0), dkv32.stride(1),
+        V=V, R=D - V, VP=VP, RP=RP,
+    )  # fmt: skip
+
+
 def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     """dKV by the deterministic sorted scatter over chunks of tokens (see module docstring)."""
     B, T, _, D = q.shape
@@ -355,6 +467,8 @@ def sparse_mqa_bwd(
     )  # fmt: skip
     if dkv_mode == "atomic_split":
         _dkv_rows(q, kv, idx, do, lse, delta, scale, None, dkv32, 0, B * T)
+    elif dkv_mode == "kmajor":
+        _dkv_kmajor(q, kv, idx, do, lse, delta, scale, dkv32)
     elif dkv_mode == "sorted":
         _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, sorted_buffer_bytes)
     return dq, dkv32.to(kv.dtype)

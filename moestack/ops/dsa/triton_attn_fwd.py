@@ -39,8 +39,13 @@ def fwd_configs():
     out = []
     if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
         return [triton.Config({"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_V": 512}, num_warps=8, num_stages=2)]
-    # sm_90 compile (ptxas) of each: no spills, shared memory 94-180 KB; BLOCK_H 64 runs wgmma, 32 / 16 mma.sync
+    # sm_90 compile (ptxas) of each: no spills, shared memory 94-221 KB; BLOCK_H 64 runs wgmma, 32 / 16 mma.sync.
+    # (64, 64, 512): phase B. With 8 warps Triton puts all warps on the head axis of the score tile (it feeds the
+    # P V dot), so both warpgroups compute the same [64, BLOCK_K] scores from shared memory; 64 slots per step
+    # halve the passes over the resident Q tile per key (shared-memory reads of Q K^T -33% by count; 221 KB)
     for bh, bk, bv, w, s in [
+        (64, 64, 512, 8, 2),
+        (64, 32, 512, 8, 3),  # phase B: one more gather in flight (148 KB, no spills)
         (64, 32, 512, 8, 2),
         (64, 32, 256, 8, 2),
         (64, 16, 512, 8, 3),

@@ -435,3 +435,13 @@ def test_fp8_v2_gpu(kind, E, D, F):
     y = f8.grouped_mm(x, param.transpose(1, 2), offs, v2=True)
     spec = f8.grouped_mm_fp8_reference(x, param.detach().transpose(1, 2), offs)
     assert rel_err(y[:used], spec[:used]) < 1e-2, "v2 must requantise after the parameter changed"
+    # fp32 parameters under bf16 autocast (the trainer's setup): quantised from the parameter, so the cache hits
+    p32 = param.detach().float().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y1 = f8.grouped_mm(x.float(), p32.transpose(1, 2), offs, v2=True)
+        hits = wc.stats["hits"]
+        y2 = f8.grouped_mm(x.float(), p32.transpose(1, 2), offs, v2=True)
+    assert wc.stats["hits"] == hits + 1 and y1.dtype == y2.dtype == torch.bfloat16
+    assert rel_err(y2[:used], spec[:used]) < 1e-2
+    (dp,) = torch.autograd.grad(y2, (p32,), dy)
+    assert dp.dtype == torch.float32 and rel_err(dp, outs[True][2].float()) < 1e-2  # dW = x^T dy: w-independent

@@ -340,8 +340,11 @@ def grouped_mm(
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
-    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), fq.FP8, use_v2(v2),
-                              swap_max_rows)
+    if use_v2(v2):
+        # w in its own dtype: quantised (and cached) from the parameter itself. An autocast copy w.to(bf16) would
+        # be a new tensor on every call (no cache hit); dw comes back in w's dtype from the fp32 accumulators.
+        return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF, offs_E.contiguous(), fq.FP8, True, swap_max_rows)
+    return Fp8GroupedMM.apply(x_ND.to(dtype), w_EDF.to(dtype), offs_E.contiguous(), fq.FP8, False)
 
 
 def grouped_mm_fp8_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,9 @@ def _bwd_configs(shapes):
 _BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1)]
 _ROWS_SHAPES = [(32, 32, 8, 1), (16, 32, 4, 2)]
 # key-major dKV (BLOCK_H, BLOCK_K = slots, BLOCK_C = column chunk, warps, stages): BLOCK_K = 16 * warps, so the
-# score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated
-_KMAJOR_SHAPES = [(64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (64, 128, 64, 8, 2), (32, 64, 64, 4, 3)]
+# score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated.
+# sm_90 ptxas, none spills: 238 / 191 / 213 / 168 registers, 64 / 40 / 88 / 60 KB shared memory
+_KMAJOR_SHAPES = [(64, 64, 64, 4, 2), (64, 64, 32, 4, 2), (64, 128, 64, 8, 2), (32, 64, 64, 4, 3)]
 
 
 def _kmajor_configs():

@@ -368,6 +368,11 @@ def test_fp8_v2_weight_cache_interpreter():
         assert rel_err(y2[:used], y_ref[:used]) < 1e-5 and (y2[used:] == 0).all()
         with torch.no_grad():
             param.mul_(-1.5).add_(0.01)  # optimizer-like in-place update: the next call must see the new weights
+    opt = torch.optim.SGD([param], lr=0.0)
+    wc.clear_after_steps(opt)
+    assert wc._entries
+    opt.step()  # no gradient, no change: the hook still empties the cache
+    assert not wc._entries
 
 
 FP8_RMS = 0.05  # e4m3 on both operands: ~2.5-3% relative RMS per operand, ~4% on a product of random data

@@ -8,7 +8,9 @@ parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, s
 layout and the transposed dX layout are two entries of one parameter.
 
 Not seen: writes that bypass the version counter (`p.data.copy_(...)`, collectives writing into a buffer the
-parameter views, e.g. an FSDP all-gather into the same storage). Call clear() after such writes, or keep v2 off.
+parameter views, e.g. an FSDP all-gather into the same storage). Call clear() after such writes, or
+clear_after_steps(optimizer) once: the cache is then also emptied after every optimizer step, which is safe
+whatever writes the parameters (unverified with FSDP2 on a GPU: use clear_after_steps there).
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
 
@@ -40,6 +42,11 @@ def _version(w: torch.Tensor) -> int | None:
 def clear() -> None:
     """Drop every cached weight (after writes the version counter does not see)."""
     _entries.clear()
+
+
+def clear_after_steps(optimizer: torch.optim.Optimizer):
+    """Empty the cache after every optimizer.step() (the weights change only there); returns the hook handle."""
+    return optimizer.register_step_post_hook(lambda *_: clear())
 
 
 def _purge_dead() -> None:

@@ -49,20 +49,24 @@ def _bwd_configs(shapes):
 
 # From an sm_90 compile (ptxas -v) of each: the dQ accumulator [BLOCK_H, 576] fp32 lives in registers, so wide
 # head blocks spill; 64-head blocks fit (wgmma) only without the dKV atomics' extra tiles.
-_BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1)]
+# (64, 32, 8, 1), phase B: for the dQ-only kernel of kmajor / atomic_split / sorted (80 B of spills, 172 KB):
+# wgmma, score tiles computed twice (see README) instead of four times with 32-head blocks
+_BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1), (64, 32, 8, 1)]
 _ROWS_SHAPES = [(32, 32, 8, 1), (16, 32, 4, 2)]
-# key-major dKV (BLOCK_H, BLOCK_K = slots, BLOCK_C = column chunk, warps, stages): BLOCK_K = 16 * warps, so the
-# score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated.
-# sm_90 ptxas, none spills: 238 / 191 / 213 / 168 registers, 64 / 40 / 88 / 60 KB shared memory
-_KMAJOR_SHAPES = [(64, 64, 64, 4, 2), (64, 64, 32, 4, 2), (64, 128, 64, 8, 2), (32, 64, 64, 4, 3)]
+# key-major dKV (BLOCK_H, BLOCK_K = slots, BLOCK_C = column chunk, COL_GROUPS, warps, stages): BLOCK_K = 16 * warps,
+# so the score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated.
+# sm_90 ptxas, none spills: 242 / 235 registers, 64 / 88 KB shared memory (1 or 2 groups alike). Also clean, left
+# out to keep autotuning short: (64, 64, 32, 1, 4, 2) 191 regs, (32, 64, 64, 1, 4, 3) 168 regs.
+_KMAJOR_SHAPES = [(64, 64, 64, 1, 4, 2), (64, 128, 64, 1, 8, 2), (64, 64, 64, 2, 4, 2), (64, 128, 64, 2, 8, 2)]
 
 
 def _kmajor_configs():
-    if INTERPRET:
-        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32}, num_warps=1, num_stages=1)]
+    if INTERPRET:  # two column groups: the tests cover the split
+        cfg = {"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32, "COL_GROUPS": 2}
+        return [triton.Config(cfg, num_warps=1, num_stages=1)]
     shapes = _KMAJOR_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _KMAJOR_SHAPES
-    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s)
-            for bh, bk, bc, w, s in shapes]  # fmt: skip
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc, "COL_GROUPS": g}, num_warps=w, num_stages=s)
+            for bh, bk, bc, g, w, s in shapes]  # fmt: skip
 
 
 def _prune_bwd(configs, named_args, **kwargs):
@@ -257,17 +261,23 @@ def _sparse_mqa_dkv_kmajor_kernel(
     s_ob, s_ot, s_oh,
     s_dkb, s_dks,
     V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, COL_GROUPS: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token, block of BLOCK_K slots), heads in blocks of BLOCK_H: key-major tiles
-    S^T = K Q^T [BLOCK_K, BLOCK_H] (slots are the M dimension, BLOCK_K = 16 * num_warps: no warp computes a
+    """One program per (token, block of BLOCK_K slots, group of dKV columns), heads in blocks of BLOCK_H:
+    key-major tiles S^T = K Q^T [BLOCK_K, BLOCK_H] (slots are the M dimension, BLOCK_K = 16 * num_warps: no warp computes a
     replica of the tile), then dKV rows dS^T Q + P^T dO by column chunks of BLOCK_C, each added into DKV[b, idx]
     (fp32) with one vectorised atomic per element at once (nothing [BLOCK_K, 576]-sized is held in registers).
-    Every operand is a small tile streamed from L2 through the pipelined chunk loops."""
+    Every operand is a small tile streamed from L2 through the pipelined chunk loops. COL_GROUPS > 1 splits the
+    dKV columns over that many programs (grid axis 2, launched group after group), each recomputing the scores:
+    the fp32 dKV buffer (T x 576 x 4 B = 75 MB at T = 32768) is larger than the L2, the atomics of one group
+    touch 1 / COL_GROUPS of it."""
     pid_t = tl.program_id(0)
     b = (pid_t // T).to(tl.int64)
     t = (pid_t % T).to(tl.int64)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    group = tl.program_id(2)
+    c_lo = group * (VP // COL_GROUPS)
+    c_hi = c_lo + VP // COL_GROUPS
     offs_cc = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, RP)
     mask_r = offs_r < R
@@ -304,12 +314,12 @@ def _sparse_mqa_dkv_kmajor_kernel(
         ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_r.dtype)
         p_t = p_t.to(q_r.dtype)
         # dKV rows of this head block, chunk by chunk straight into the fp32 buffer
-        dk_r = tl.dot(ds_t, q_r)
-        if R > 0:
+        if R > 0 and group == COL_GROUPS - 1:  # the rope columns go with the last group
+            dk_r = tl.dot(ds_t, q_r)
             tl.atomic_add(dst_rows + V + offs_r[None, :], dk_r, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
-        for c0 in range(0, VP, BLOCK_C):
+        for c0 in range(c_lo, c_hi, BLOCK_C):
             offs_c = c0 + offs_cc
-            mask_c = offs_c < V
+            mask_c = (offs_c < V) & (offs_c < c_hi)  # a group narrower than BLOCK_C stays inside its columns
             q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
             do_c = tl.load(do_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
             dk_c = tl.dot(p_t, do_c, tl.dot(ds_t, q_c))  # [BK, BC]
@@ -392,7 +402,7 @@ def _dkv_kmajor(q, kv, idx, do, lse, delta, scale, dkv32):
     VP, RP = padded_dims(V, D - V)
 
     def grid(meta):
-        return (B * T, triton.cdiv(K, meta["BLOCK_K"]))
+        return (B * T, triton.cdiv(K, meta["BLOCK_K"]), meta["COL_GROUPS"])
 
     _sparse_mqa_dkv_kmajor_kernel[grid](
         q, kv, idx, do, lse, delta, dkv32,

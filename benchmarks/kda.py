@@ -123,7 +123,7 @@ def runner(name: str, x: dict, backward: bool):
 
 
 K2_CONFIGS = ("16:4", "32:4", "64:8")  # K2 (BV, warps) variants the breakdown times next to the default
-K1_VARIANTS = (("bf16", None), ("tf32", "16:4"), ("bf16", "16:4"), ("bf16", "32:4"))  # (dots, BKS:warps) likewise
+K1_VARIANTS = (("bf16", None), ("tf32", "16:4"), ("bf16", "16:4"), ("bf16", "32:4"), ("bf16", "16:8:128"))  # (dots, BKS:warps) likewise
 
 
 def breakdown(x: dict, rep: int, skip_bwd: bool = False) -> dict:

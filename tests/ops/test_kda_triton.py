@@ -210,7 +210,7 @@ def test_recompute_matches_save():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("env", ["MOESTACK_KDA_K2=16:4", "MOESTACK_KDA_K1=16:4",
+@pytest.mark.parametrize("env", ["MOESTACK_KDA_K2=16:4", "MOESTACK_KDA_K1=16:8:128",
                                  "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_B3B=16:4"])
 def test_fixed_kernel_configs(monkeypatch, env):
     """$MOESTACK_KDA_K1 / _K2 / _B3A / _B3B = "size[:size]:warps" launch that kernel with that config (here 2
@@ -223,7 +223,8 @@ def test_fixed_kernel_configs(monkeypatch, env):
 
 
 @pytest.mark.parametrize("env,value", [("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
-                                       ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
+                                       ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_K1", "16:8:300"),
+                                       ("MOESTACK_KDA_K2", "16:4:128"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
                                        ("MOESTACK_KDA_B3A", "32:4"), ("MOESTACK_KDA_B3B", "x:4")])
 def test_bad_switches(monkeypatch, env, value):
     monkeypatch.setenv(env, value)

@@ -44,7 +44,7 @@ INTRA_DOTS = ("tf32", "bf16")
 K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, see k2_config_choice
 # A fixed (BKS, warps) for K1, see k1_config_choice. "16:4": 255 registers (ptxas, sm_90; 44-80 B spills), so two
 # CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
-# dot chains interleave.
+# dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
 K1_ENV = "MOESTACK_KDA_K1"
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
@@ -457,6 +457,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern = getattr(kda_fwd_kernel_intra, "fn", kda_fwd_kernel_intra)
         extra = {"BKS": choice[0], "num_warps": choice[1]}
+        if choice[2] is not None:  # a register cap: two 8-warp CTAs per SM at 128 (ptxas: ~0.3 KB spills)
+            extra["maxnreg"] = choice[2]
     kern[(NC, H)](
         q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
         chunk_map, cu_seqlens,
@@ -469,24 +471,29 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     return out
 
 
-def _pair_choice(spec: str | None, env: str, what: str, sizes: tuple) -> tuple[int, int] | None:
-    """Parse "size:warps" (argument, else $env); None when neither is set."""
+def _pair_choice(spec: str | None, env: str, what: str, sizes: tuple, maxnreg: bool = False) -> tuple | None:
+    """Parse "size:warps" (or "size:warps:maxnreg" when maxnreg; None in the third place when absent), from the
+    argument, else $env; None when neither is set."""
     spec = spec or os.environ.get(env)
     if not spec:
         return None
+    form = "'size:warps[:maxnreg]', e.g. '16:4' or '16:8:128'" if maxnreg else "'size:warps', e.g. '16:4'"
     try:
-        size, nw = (int(x) for x in spec.split(":"))
+        vals = [int(x) for x in spec.split(":")]
     except ValueError:
-        raise ValueError(f"{what}={spec!r} must be 'size:warps', e.g. '16:4' (argument or ${env})") from None
-    if size not in sizes or nw not in (2, 4, 8, 16):
-        raise ValueError(f"{what}={spec!r}: size must be one of {sizes} and warps 2/4/8/16 (argument or ${env})")
-    return size, nw
+        vals = []
+    if len(vals) not in ((2, 3) if maxnreg else (2,)):
+        raise ValueError(f"{what}={spec!r} must be {form} (argument or ${env})")
+    if vals[0] not in sizes or vals[1] not in (2, 4, 8, 16) or (len(vals) == 3 and not 64 <= vals[2] <= 255):
+        raise ValueError(f"{what}={spec!r}: size must be one of {sizes}, warps 2/4/8/16, maxnreg 64..255 "
+                         f"(argument or ${env})")
+    return (vals[0], vals[1], vals[2] if len(vals) == 3 else None) if maxnreg else (vals[0], vals[1])
 
 
-def k1_config_choice(k1_config: str | None = None) -> tuple[int, int] | None:
-    """K1's (BKS, num_warps) override: the argument, else $MOESTACK_KDA_K1 ("BKS:warps", e.g. "16:4"), else None
-    (the autotuned / first config)."""
-    return _pair_choice(k1_config, K1_ENV, "k1_config", (16, 32, 64))
+def k1_config_choice(k1_config: str | None = None) -> tuple[int, int, int | None] | None:
+    """K1's (BKS, num_warps, maxnreg or None) override: the argument, else $MOESTACK_KDA_K1 ("BKS:warps[:maxnreg]",
+    e.g. "16:4" or "16:8:128"), else None (the autotuned / first config)."""
+    return _pair_choice(k1_config, K1_ENV, "k1_config", (16, 32, 64), maxnreg=True)
 
 
 def k2_config_choice(k2_config: str | None = None) -> tuple[int, int] | None:

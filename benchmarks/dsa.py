@@ -33,6 +33,7 @@ V_DIM, D_LAT, TOP_K, HI, DI = 512, 576, 2048, 32, 128
 SCALE = 192**-0.5
 BUDGET_S = 140.0
 T0 = time.time()
+SEEN: set = set()  # autotuning tables already printed
 
 
 def timed(fn, reps: int, warmup: int = 2) -> float:
@@ -73,9 +74,21 @@ def picked(kernel) -> str:
     cfg = getattr(kernel, "best_config", None)
     if cfg is None:
         return ""
-    short = {"BLOCK_H": "H", "BLOCK_K": "K", "BLOCK_V": "V", "BLOCK_C": "C"}
+    short = {"BLOCK_H": "H", "BLOCK_K": "K", "BLOCK_V": "V", "BLOCK_C": "C", "COL_GROUPS": "G"}
     kw = " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.kwargs.items())
     return f"{kw} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def autotune_rows(shape: str, label: str, kernel, seen: set) -> None:
+    """One row per config of the kernel's last autotuning (its own do_bench medians), once per kernel and key."""
+    timings = getattr(kernel, "configs_timings", None) or {}
+    tag = (label, id(timings))
+    if not timings or tag in seen:
+        return
+    seen.add(tag)
+    for cfg, t in sorted(timings.items(), key=lambda kv: kv[1]):
+        ms = t[0] if isinstance(t, (list, tuple)) else t
+        row(shape, f"autotune {label}", f"{ms:.2f}", "", f"cfg {picked_cfg(cfg)}", "", "")
 
 
 def forced_config(kernel, cfg, fn, reps: int) -> float:
@@ -109,7 +122,8 @@ def bench_sparse(
     T: int, H: int, idx: torch.Tensor, idx_ms: float, modes: tuple[str, ...], fwd_sweep: bool = False
 ) -> tuple[float, float]:
     """Rows for our forward and forward+backward per dKV mode; returns (forward ms, best forward+backward ms).
-    fwd_sweep: also one row per 64-head forward config, each forced alone (old and new tile shapes side by side)."""
+    fwd_sweep: also one row per 64-head forward config, each forced alone (old and new tile shapes side by side),
+    and the autotuner's own per-config timings of each kernel tuned here (forward, dQ / fused, kmajor dKV)."""
     from moestack.ops.dsa import triton_attn_bwd as bwd_k
     from moestack.ops.dsa import triton_attn_fwd as fwd_k
     from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
@@ -131,6 +145,8 @@ def bench_sparse(
     row(f"T={T} H={H}", "sparse fwd (triton)", f"{fwd_ms:.2f}", tflops(f_fwd, fwd_ms),
         f"cfg {picked(fwd_k._sparse_mqa_fwd_kernel)}", f"indexer+topk {idx_ms:.1f} ms",
         f"ratio idx/attn-fwd {idx_ms / fwd_ms:.2f}")  # fmt: skip
+    if fwd_sweep:
+        autotune_rows(f"T={T} H={H}", "fwd", fwd_k._sparse_mqa_fwd_kernel, SEEN)
     if fwd_sweep:
         for cfg in [c for c in fwd_k._sparse_mqa_fwd_kernel.configs if c.kwargs["BLOCK_H"] == 64]:
 
@@ -158,6 +174,10 @@ def bench_sparse(
                 cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_rows_kernel)}"
             row(f"T={T} H={H}", f"sparse fwd+bwd (triton, dKV {mode})", f"{fb_ms:.2f}", tflops(3 * f_fwd, fb_ms),
                 f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, "")  # fmt: skip
+            if fwd_sweep:
+                autotune_rows(f"T={T} H={H}", f"bwd ({mode})", bwd_k._sparse_mqa_bwd_kernel, SEEN)
+                if mode == "kmajor":
+                    autotune_rows(f"T={T} H={H}", "dKV kmajor", bwd_k._sparse_mqa_dkv_kmajor_kernel, SEEN)
 
         guarded(f"T={T} H={H} fwd+bwd {mode}", run)
     return fwd_ms, fb_best[0]

@@ -49,9 +49,10 @@ def _bwd_configs(shapes):
 
 # From an sm_90 compile (ptxas -v) of each: the dQ accumulator [BLOCK_H, 576] fp32 lives in registers, so wide
 # head blocks spill; 64-head blocks fit (wgmma) only without the dKV atomics' extra tiles.
-# (64, 32, 8, 1), phase B: for the dQ-only kernel of kmajor / atomic_split / sorted (80 B of spills, 172 KB):
-# wgmma, score tiles computed twice (see README) instead of four times with 32-head blocks
-_BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1), (64, 32, 8, 1)]
+# Phase B: (64, 32, 8, 1) for the dQ-only kernel of kmajor / atomic_split / sorted (80 B of spills, 172 KB):
+# wgmma, score tiles computed twice (see README) instead of four times with 32-head blocks; (32, 32, 8, 2) adds
+# a pipelined gather (dQ-only: no spills, 106 KB; fused with atomics: 44 B of spills)
+_BWD_SHAPES = [(32, 32, 8, 1), (32, 16, 8, 2), (64, 16, 8, 1), (16, 32, 4, 1), (64, 32, 8, 1), (32, 32, 8, 2)]
 _ROWS_SHAPES = [(32, 32, 8, 1), (16, 32, 4, 2)]
 # key-major dKV (BLOCK_H, BLOCK_K = slots, BLOCK_C = column chunk, COL_GROUPS, warps, stages): BLOCK_K = 16 * warps,
 # so the score tiles (chained into the dKV products, which makes Triton put all warps on M) are not replicated.

@@ -5,7 +5,9 @@
     python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
                                               # vs kmajor, forward per 64-head config, the dense anchor
 
-Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won.
+Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won; the
+fwd+bwd rows after the first give the relative difference of dq and dkv from the first dKV mode's (same inputs:
+bf16 accumulation-order noise, ~1e-3, is the expected size).
 
 Inputs (bf16, B = 1): the MQA-form query q [T, H, 576] and latent kv [T, 576] ~ N(0, 1) (values = first 512
 dims), softmax scale 192^-0.5 (MLA's nope + rope); the selection idx [T, 2048] comes from our indexer top-k on
@@ -101,6 +103,10 @@ def forced_config(kernel, cfg, fn, reps: int) -> float:
         kernel.configs, kernel.cache = saved_configs, saved_cache
 
 
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
 def tflops(flops: float, ms: float) -> str:
     return f"{flops / ms / 1e9:.1f}"
 
@@ -157,14 +163,24 @@ def bench_sparse(
 
             guarded(f"T={T} H={H} fwd cfg {picked_cfg(cfg)}", run_cfg)
     fb_best = [float("inf")]
+    first_grads: list = []
     for mode in modes:
 
         def step(mode=mode):
             o, _ = sparse_mqa_attention_triton(q, kv, idx, V_DIM, SCALE, dkv_mode=mode)
-            torch.autograd.grad(o, (q, kv), do)
+            return torch.autograd.grad(o, (q, kv), do)
 
         def run(mode=mode):
             fb_ms = timed(step, reps)
+            grads = step()
+            if not first_grads:  # the first mode's gradients are the yardstick of the others (same inputs)
+                first_grads.extend((modes[0], *grads))
+                agree = ""
+            else:
+                agree = f"vs {first_grads[0]}: " + ", ".join(
+                    f"{n} {_rel_err(g, g0):.1e}" for n, g, g0 in zip(("dq", "dkv"), grads, first_grads[1:], strict=True)
+                )
+            del grads
             bwd_ms = fb_ms - fwd_ms
             fb_best[0] = min(fb_best[0], fb_ms)
             cfg = f"cfg {picked(bwd_k._sparse_mqa_bwd_kernel)}"
@@ -173,7 +189,7 @@ def bench_sparse(
             elif mode in ("atomic_split", "sorted"):
                 cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_rows_kernel)}"
             row(f"T={T} H={H}", f"sparse fwd+bwd (triton, dKV {mode})", f"{fb_ms:.2f}", tflops(3 * f_fwd, fb_ms),
-                f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, "")  # fmt: skip
+                f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, agree)  # fmt: skip
             if fwd_sweep:
                 autotune_rows(f"T={T} H={H}", f"bwd ({mode})", bwd_k._sparse_mqa_bwd_kernel, SEEN)
                 if mode == "kmajor":

@@ -64,13 +64,17 @@ def quant_times(E: int, D: int, F: int, tokens: int) -> str:
     """One '|' row: ms of the fp8 quantisers at this GEMM (rows of x, blocks of w, token tiles of x)."""
     import triton.testing
 
+    from moestack.ops.moe import fp8_grouped_gemm as f8
     from moestack.ops.moe import fp8_quant as fq
 
     x, w, offs, _ = make_gemm(E, D, F, tokens, seed=7)
     x, w = x.detach(), w.detach()
+    (qx, sx), (qw, sw) = fq.quantize_rows(x), fq.quantize_blocks(w)
     t = [triton.testing.do_bench(fn, warmup=5, rep=30) for fn in
-         (lambda: fq.quantize_rows(x), lambda: fq.quantize_blocks(w), lambda: fq.quantize_token_tiles(x, offs))]
-    return f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} |"
+         (lambda: fq.quantize_rows(x), lambda: fq.quantize_blocks(w), lambda: fq.quantize_token_tiles(x, offs),
+          lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype, tile_sw=True))]
+    return (f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} | "
+            f"fp8 fwd GEMM alone (v2 kernel, no swap) {t[3]:.3f} |")
 
 
 def median_ms(fn, target_ms: float = 60.0) -> float:

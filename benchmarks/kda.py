@@ -339,6 +339,8 @@ def main() -> None:
                     continue
                 try:
                     run, ins = runner(name, x, backward)
+                    for t in ins:  # inputs are shared across variants: start each from empty grads
+                        t.grad = None
                     t0 = time.perf_counter()
                     o = run()  # warm-up: compiles and autotunes
                     torch.cuda.synchronize()

@@ -23,8 +23,11 @@ import torch
 from moestack.ops.moe import reference
 
 ENV_VAR = "MOESTACK_MOE_CROSSOVER"
-# Default: the issue's measurement (torch's grouped GEMM falls off below ~128 rows per expert on H200).
-DEFAULT_ROWS = 128
+# Defaults measured on one H200 (2026-11-29, `benchmarks/grouped_gemm.py`, fwd): the Triton kernel beats torch's
+# grouped GEMM only at a few rows per expert (1.15-1.28x at 16-32 on K3's 3584 -> 6144 gate/up GEMM, ~1.0x at 64,
+# 0.72-0.92x at 128); elsewhere torch wins. A crossover JSON written on the local GPU replaces these.
+DEFAULT_ROWS = 16
+DEFAULT_BY_SHAPE = {"3584x6144": 32}
 
 
 @dataclass
@@ -32,7 +35,7 @@ class CrossoverTable:
     """Largest mean rows per expert at which Triton is chosen: per GEMM shape "DxF", else default_rows."""
 
     default_rows: int = DEFAULT_ROWS
-    by_shape: dict[str, int] = field(default_factory=dict)
+    by_shape: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BY_SHAPE))
     kernel: str | None = None  # Triton kernel family below the crossover; None = $MOESTACK_MOE_GG_KERNEL
 
     def threshold(self, D: int, F: int) -> int:

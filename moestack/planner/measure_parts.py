@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moestack.config.model_spec import ModelSpec
+from moestack.planner.timer import median_seconds
 
 PART_OF_MIXER = {"kda": "kda", "mla": "mla", "gqa": "gqa", "mamba2": "mamba2"}
 
@@ -55,27 +56,6 @@ def _gemm_weight_bytes(module: torch.nn.Module) -> float:
     return 2.0 * total
 
 
-def _time(fn, reps: int, device: torch.device) -> float:
-    """Median seconds of fn(): CUDA events on a GPU, wall clock elsewhere."""
-    import time
-
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _saved_bytes(forward, device: torch.device) -> tuple[torch.Tensor, float]:
     """Run forward; bytes it left allocated besides its output (allocator on CUDA, saved tensors elsewhere)."""
     if device.type == "cuda":
@@ -94,6 +74,42 @@ def _saved_bytes(forward, device: torch.device) -> tuple[torch.Tensor, float]:
     return y, float(sum(storages.values()))
 
 
+def _measure_part(kind: str, norm, part, block, micro_batch: int, seq_len: int, hidden: int, reps: int,
+                  device: torch.device, chain: int) -> PartTiming:
+    """Time x + part(norm(x)) chained `chain` times (fewer on OOM), forward and forward+backward; saved bytes of one."""
+    cuda = device.type == "cuda"
+    amp_dtype = torch.bfloat16 if cuda else torch.float32  # CPU: a smoke run of the same code, no autocast
+    x = torch.randn(micro_batch, seq_len, hidden, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def forward(times: int = 1):
+        h = x
+        with torch.autocast(device.type, amp_dtype, enabled=cuda):
+            for _ in range(times):
+                h = h + part(norm(h))
+        return h
+
+    n = chain
+    try:
+        for _ in range(2):
+            forward(n).backward(dy)
+    except torch.OutOfMemoryError:
+        n = 1
+        x.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+        forward(n).backward(dy)
+    t_f = median_seconds(lambda: forward(n), reps, device=device) / n
+    t_fb = median_seconds(lambda: forward(n).backward(dy), reps, device=device) / n
+    x.grad = None
+    for p in block.parameters():
+        p.grad = None
+    y, saved = _saved_bytes(forward, device)
+    del y
+    copies = (_gemm_weight_bytes(norm) + _gemm_weight_bytes(part)) if cuda else 0.0
+    return PartTiming(kind, t_f, max(t_fb - t_f, 1e-9), saved, copies, micro_batch * seq_len)
+
+
 def measure_parts(spec: ModelSpec, micro_batch: int, seq_len: int, ep: int = 1, reps: int = 3,
                   device: torch.device | str = "cuda", chain: int = 3) -> dict[str, PartTiming]:
     """One block of each distinct layer kind, fp32 weights under bf16 autocast (the single-device trainer's
@@ -108,7 +124,6 @@ def measure_parts(spec: ModelSpec, micro_batch: int, seq_len: int, ep: int = 1, 
     spec = local_expert_spec(spec, ep)
     device = torch.device(device)
     cuda = device.type == "cuda"
-    amp_dtype = torch.bfloat16 if cuda else torch.float32  # CPU: a smoke run of the same code, no autocast
     out: dict[str, PartTiming] = {}
     done: set[str] = set()
     for layer_id, kind in enumerate(spec.layer_kinds()):
@@ -123,36 +138,8 @@ def measure_parts(spec: ModelSpec, micro_batch: int, seq_len: int, ep: int = 1, 
         for which, part_kind in todo:
             done.add(part_kind)
             norm = block.attn_norm if which == "attn" else block.ffn_norm
-            part = getattr(block, which)
-            x = torch.randn(micro_batch, seq_len, spec.hidden_size, device=device, requires_grad=True)
-            dy = torch.randn_like(x)
-
-            def forward(times: int = 1):
-                h = x
-                with torch.autocast(device.type, amp_dtype, enabled=cuda):
-                    for _ in range(times):
-                        h = h + part(norm(h))
-                return h
-
-            n = chain
-            try:
-                for _ in range(2):
-                    forward(n).backward(dy)
-            except torch.OutOfMemoryError:
-                n = 1
-                x.grad = None
-                if cuda:
-                    torch.cuda.empty_cache()
-                forward(n).backward(dy)
-            t_f = _time(lambda: forward(n), reps, device) / n
-            t_fb = _time(lambda: forward(n).backward(dy), reps, device) / n
-            x.grad = None
-            for p in block.parameters():
-                p.grad = None
-            y, saved = _saved_bytes(forward, device)
-            del y
-            copies = (_gemm_weight_bytes(norm) + _gemm_weight_bytes(part)) if cuda else 0.0
-            out[part_kind] = PartTiming(part_kind, t_f, max(t_fb - t_f, 1e-9), saved, copies, micro_batch * seq_len)
+            out[part_kind] = _measure_part(part_kind, norm, getattr(block, which), block, micro_batch, seq_len,
+                                           spec.hidden_size, reps, device, chain)
         del block
         if cuda:
             torch.cuda.empty_cache()

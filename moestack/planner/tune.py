@@ -30,22 +30,10 @@ from moestack.planner.calibration import (
 
 
 def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
-    """Median seconds of fn() on the current CUDA stream."""
-    import torch
+    """Median seconds of fn() on the current CUDA device."""
+    from moestack.planner.timer import median_seconds
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return median_seconds(fn, reps=reps, warmup=warmup)
 
 
 def measure_gemm(tokens: int, n: int, k: int, peak: float) -> float:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moestack.ops import tuned
+from moestack.planner.timer import median_seconds
 
 REL_TOL = 3e-2
 
@@ -31,18 +32,7 @@ class OpChoice:
 
 
 def _median_ms(fn: Callable[[], None], reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return 1e3 * median_seconds(fn, reps=reps, warmup=1)
 
 
 def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -289,3 +289,27 @@ def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
     # both bf16; differences come from accumulation order and the top-k flips it causes on near ties
     assert _rel(y_t, y_r) < 5e-2 and _rel(gx_t, gx_r) < 8e-2 and _rel(gw_t, gw_r) < 8e-2
     assert abs(float(loss_t) - float(loss_r)) < 2e-2 * max(1.0, abs(float(loss_r)))
+
+
+def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
+    """torch.use_deterministic_algorithms(True): the sorted dKV scatter and no atomic indexer-score backward."""
+    from moestack.ops import dsa
+    from moestack.ops.dsa import triton_op
+
+    seen = []
+    monkeypatch.delenv(triton_op.DKV_ENV_VAR, raising=False)
+    monkeypatch.setattr(triton_op._SparseMQAttention, "apply", lambda *a: seen.append(a[-1]) or (None, None))
+    q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 8)
+    idx = torch.zeros(1, 4, 2, dtype=torch.int32)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        triton_op.sparse_mqa_attention_triton(q, kv, idx, 4, 1.0)
+        torch.use_deterministic_algorithms(True)
+        triton_op.sparse_mqa_attention_triton(q, kv, idx, 4, 1.0)
+        cuda_like = type("T", (), {"is_cuda": True})()
+        entry = dsa._REGISTRY["indexer_scores_at"]["triton"]
+        assert entry.automatic is not None and not entry.automatic(cuda_like)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == ["atomic", "sorted"]
+    assert entry.automatic(cuda_like)

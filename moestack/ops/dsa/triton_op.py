@@ -50,7 +50,9 @@ def sparse_mqa_attention_triton(
     Same contract as reference.sparse_mqa_attention. D - v_dim and v_dim must be powers of two (64 / 512 in MLA).
     Packed documents (B == 1) need nothing extra: idx already keeps each query inside its document.
     """
-    mode = dkv_mode or os.environ.get(DKV_ENV_VAR, "atomic")
+    # torch.use_deterministic_algorithms(True) -> the sorted scatter, the one dKV mode without float atomics
+    default = "sorted" if torch.are_deterministic_algorithms_enabled() else "atomic"
+    mode = dkv_mode or os.environ.get(DKV_ENV_VAR, default)
     if mode not in DKV_MODES:
         raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES} (argument or {DKV_ENV_VAR})")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -97,6 +97,9 @@ class Plan(StrictModel):
     # flat dispatcher transfer order: one all_to_all_single ("backend"), or point-to-point with the largest chunks
     # first, or in rotating rounds that avoid receiver hot spots (moestack/parallel/comm.py)
     ep_send_order: Literal["backend", "largest_first", "rotate"] = "backend"
+    # context parallel KDA state: "relay" (rank to rank, ranks run each KDA layer in turn) or "scan" (every rank in
+    # parallel, then an all-gather of the shards' state transitions; moestack/parallel/context.py)
+    cp_kda: Literal["relay", "scan"] = "relay"
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs

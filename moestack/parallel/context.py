@@ -138,7 +138,9 @@ def relay(x: torch.Tensor, send: torch.Tensor | None, recv_shape, recv_dtype, cp
 # short-conv halo
 
 
-def _wrap_conv(conv: ShortConv, cp: CPInfo) -> None:
+def _wrap_conv(conv: ShortConv, cp: CPInfo, collective: bool = False) -> None:
+    """collective: the halo rows by an all-gather of every rank's tail (the scan mode: collectives only), else by
+    point-to-point from rank r-1 (the relay mode: p2p only)."""
     inner, tag = conv.forward, next(_TAGS)
 
     @functools.wraps(inner)
@@ -148,29 +150,37 @@ def _wrap_conv(conv: ShortConv, cp: CPInfo) -> None:
         if halo == 0 or cp.size == 1:
             return inner(x_BTC)
         B, _, C = x_BTC.shape
-        x_BTC, got = relay(x_BTC, x_BTC[:, -halo:], (B, halo, C), x_BTC.dtype, cp, tag)
-        prev = got if got is not None else x_BTC.new_zeros(B, halo, C)  # rank 0: the causal zero history
+        if collective:
+            tails = gather_shards(x_BTC[None, :, -halo:], cp.mesh, 0, partial_grad=True)  # [cp, B, halo, C]
+            # rank 0 takes the causal zero history; indexing a stack keeps the same graph on every rank
+            prev = torch.cat((torch.zeros_like(tails[:1]), tails[:-1]))[cp.rank]
+        else:
+            x_BTC, got = relay(x_BTC, x_BTC[:, -halo:], (B, halo, C), x_BTC.dtype, cp, tag)
+            prev = got if got is not None else x_BTC.new_zeros(B, halo, C)  # rank 0: the causal zero history
         return inner(torch.cat((prev, x_BTC), dim=SEQ_DIM))[:, halo:]
 
     conv.forward = forward
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# KDA state relay
+# KDA state: relay (p2p, sequential) or scan (collectives, parallel)
 
-
-_ACTIVE_RELAY: contextvars.ContextVar[tuple[CPInfo, int] | None] = contextvars.ContextVar("moestack_cp_relay", default=None)
+KDA_STATE_MODES = ("relay", "scan")
+_ACTIVE_RELAY: contextvars.ContextVar[tuple[CPInfo, int, str] | None] = contextvars.ContextVar(
+    "moestack_cp_relay", default=None)
 
 
 def _chunk_kda_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                   **kw):
-    """`chunk_kda` as KDAAttention calls it; inside a CP-wrapped KDA forward the state is relayed."""
+    """`chunk_kda` as KDAAttention calls it; inside a CP-wrapped KDA forward the state is relayed or scanned."""
     active = _ACTIVE_RELAY.get()
     if active is None:
         return _chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kw)
-    cp, tag = active
-    assert initial_state is None and cu_seqlens is None, "CP relays the state itself; no packed documents"
+    cp, tag, mode = active
+    assert initial_state is None and cu_seqlens is None, "CP passes the state itself; no packed documents"
+    if mode == "scan":
+        return kda_scan_shard(q, k, v, g, beta, cp, scale=scale, **kw), None
     B, _, H, K = k.shape
     state_dtype = torch.promote_types(v.dtype, torch.float32)
     _, s_in = relay(q, None, (B, H, K, v.shape[-1]), state_dtype, cp, tag)
@@ -180,9 +190,58 @@ def _chunk_kda_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final
     return o, None
 
 
-def _wrap_kda(attn: KDAAttention, cp: CPInfo) -> None:
+# The scan. For fixed q, k, g, beta the recurrence is linear in (S_0, v) jointly: S_t = A_t S_{t-1} + b_t k_t v_t^T
+# with A_t = (I - b_t k_t k_t^T) Diag(alpha_t). Over my shard, with M_t = A_t ... A_1 (K x K per head):
+#     S_t = M_t S_in + S_loc_t ,   o_t = S_t^T q_t = o_loc_t + S_in^T (M_t^T q_t)
+# where S_loc / o_loc are the zero-initial-state run. ONE chunk_kda call with the value width widened to K + V,
+# values [0 | v] and initial state [I | 0], returns all of it: outputs [M_t^T q_t | o_loc_t] (the transformed
+# queries q_hat and the local outputs) and final state [M | S_loc]. The K-side work of the op (decayed scores, the
+# triangular inverse, W) is shared by both halves; only the V-proportional work doubles. Then:
+#   all-gather the cp final states [M_j | S_loc_j] (fp32, B*H*K*(K+V) each), every rank composes the prefix
+#   S_in(r) = M_{r-1}(... (M_0 0 + S_0) ...) + S_{r-1}, and adds the exact correction q_hat S_in (2*K*V FLOPs per
+#   token and head). Rerunning the op from S_in would also be exact but costs one more whole KDA pass.
+# Backward is autograd through the same graph; the all-gather's backward is a reduce-scatter (each rank's use of
+# the gathered states is partial). Every rank builds the same graph (rank 0 also composes all the prefixes and
+# indexes its own, a zero state), so every rank runs the same collectives in the same order, forward and backward.
+
+
+KDA_SCAN_MAX_VALUE_WIDTH = 256  # the Triton backend's limit on the value width (ops/kda/README.md)
+
+
+def kda_scan_shard(q, k, v, g, beta, cp: CPInfo, scale=None, **kw) -> torch.Tensor:
+    """chunk_kda outputs of my shard with the true initial state, computed without waiting for earlier ranks."""
+    B, T_l, H, K = k.shape
+    V = v.shape[-1]
+    state_dtype = torch.promote_types(v.dtype, torch.float32)
+    eye = torch.eye(K, dtype=state_dtype, device=v.device).expand(B, H, K, K)
+    if K + V <= KDA_SCAN_MAX_VALUE_WIDTH:  # one widened pass
+        s0 = torch.cat((eye, eye.new_zeros(B, H, K, V)), -1)
+        o_w, s_w = _chunk_kda(q, k, torch.cat((v.new_zeros(B, T_l, H, K), v), -1), g, beta, scale=scale,
+                              initial_state=s0, output_final_state=True, **kw)
+        q_hat, o_loc = o_w.split([K, V], -1)
+    else:  # the backend's value width would be exceeded: the two halves as two passes
+        q_hat, m = _chunk_kda(q, k, v.new_zeros(B, T_l, H, K), g, beta, scale=scale, initial_state=eye.contiguous(),
+                              output_final_state=True, **kw)
+        o_loc, s_loc = _chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True, **kw)
+        s_w = torch.cat((m, s_loc), -1)
+    s_in = scan_initial_state(s_w.to(state_dtype), K, cp)
+    o = o_loc.to(state_dtype) + torch.einsum("bthk,bhkv->bthv", q_hat.to(state_dtype), s_in)
+    return o.to(v.dtype)
+
+
+def scan_initial_state(m_s: torch.Tensor, K: int, cp: CPInfo) -> torch.Tensor:
+    """m_s [B, H, K, K + V] = [M | S_loc] of my shard -> the state entering my shard, [B, H, K, V]. Differentiable."""
+    gathered = gather_shards(m_s.unsqueeze(0), cp.mesh, 0, partial_grad=True)  # [cp, B, H, K, K + V]
+    M, S = gathered.split([K, m_s.shape[-1] - K], -1)
+    prefix = [torch.zeros_like(S[0])]  # the state entering rank 0
+    for j in range(cp.size - 1):
+        prefix.append(torch.einsum("bhkl,bhlv->bhkv", M[j], prefix[-1]) + S[j])
+    return torch.stack(prefix)[cp.rank]
+
+
+def _wrap_kda(attn: KDAAttention, cp: CPInfo, mode: str) -> None:
     for conv in (attn.q_conv, attn.k_conv, attn.v_conv):
-        _wrap_conv(conv, cp)
+        _wrap_conv(conv, cp, collective=mode == "scan")
     if kda_module.chunk_kda is not _chunk_kda_cp:  # the model module's name, so its forward stays untouched
         kda_module.chunk_kda = _chunk_kda_cp
     inner, tag = attn.forward, next(_TAGS)
@@ -190,7 +249,7 @@ def _wrap_kda(attn: KDAAttention, cp: CPInfo) -> None:
     @functools.wraps(inner)
     def forward(x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         assert cu_seqlens is None, "context parallelism does not support packed documents (cu_seqlens)"
-        token = _ACTIVE_RELAY.set((cp, tag))
+        token = _ACTIVE_RELAY.set((cp, tag, mode))
         try:
             return inner(x_BTD)
         finally:
@@ -340,19 +399,23 @@ def _hook_root(model: Transformer, cp: CPInfo) -> None:
     model.register_forward_hook(post)
 
 
-def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.ProcessGroup | None = None) -> None:
+def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.ProcessGroup | None = None,
+             kda_state: str = "relay") -> None:
     """Context-parallelise `model` (a whole Transformer, called as model(tokens[, targets]) with the FULL sequence
     on every CP rank) over the 1-D `cp_mesh`, in place. seq_shard_group: the ranks one sequence is split over for
     the MoE aux loss (default: the CP group; pass the (cp, tp) group when TP shards the sequence too). Apply after
     expert parallelism and before FSDP. Replicated gradients are per-rank shares: sum them over CP (FSDP over the
-    (dp_shard, cp) ranks, or `sync_cp_grads`)."""
+    (dp_shard, cp) ranks, or `sync_cp_grads`). kda_state: "relay" (p2p, ranks in turn) or "scan" (parallel
+    transition composition, collectives only); see the module docstring."""
+    if kda_state not in KDA_STATE_MODES:
+        raise ValueError(f"kda_state: unknown mode {kda_state!r}; use one of {KDA_STATE_MODES}")
     assert cp_mesh.ndim == 1, f"apply_cp needs a 1-D CP mesh, got {cp_mesh.ndim}-D"
     if getattr(model, "_tp_mesh", None) is not None:
         raise NotImplementedError("context parallelism together with tensor parallelism is not implemented")
     cp = CPInfo(cp_mesh)
     for block in model.layers.values():
         if isinstance(block.attn, KDAAttention):
-            _wrap_kda(block.attn, cp)
+            _wrap_kda(block.attn, cp, kda_state)
         elif isinstance(block.attn, GatedMLA):
             _wrap_mla(block.attn, cp)
         elif isinstance(block.attn, GQAAttention):

@@ -23,7 +23,8 @@ from test_tensor import tiny_spec
 B, T = 2, 32
 
 
-def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool = False) -> dict:
+def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool = False,
+               kda_state: str = "relay") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from moestack.model.transformer import build_model
@@ -34,7 +35,7 @@ def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool 
         layer.sparse = not dense_dsa
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world_size,))
-    apply_cp(model, mesh)
+    apply_cp(model, mesh, kda_state=kda_state)
     g = torch.Generator().manual_seed(7 + seed)
     tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
     targets = torch.randint(0, spec.vocab_size, (B, T), generator=g)

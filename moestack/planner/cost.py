@@ -689,7 +689,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         tp_b = _overlapped(3 * coll, 2 * g_fwd, plan.tp_comm_overlap)
     # context parallel (moestack/parallel/context.py): all-gather of the MLA latent (+ indexer keys) overlapped with
     # the attention core; recurrent mixers relay their final state rank to rank, so the ranks run the layer one
-    # after another (sequential, exposed)
+    # after another (sequential, exposed), or (KDA, plan.cp_kda = scan) run at once and pay the scan's extra work
     cp_f = cp_b = 0.0
     if plan.cp > 1:
         cp_f, cp_b = _cp_times(part, ctx, attn_f + sparse_f + idx_f, attn_b + sparse_b + idx_b, kda_f, kda_b)
@@ -734,33 +734,74 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
 
 def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float, rec_f: float = 0.0, rec_b: float = 0.0
               ) -> tuple[float, float]:
-    """Exposed CP time of one sub-layer: (fwd, bwd). Attention: the latent (and DSA indexer key) all-gather, hidden
-    behind the attention core. Recurrent mixers (rec_f / rec_b: the recurrence's own time on this rank's shard):
-    the state relay makes rank r start after ranks 0..r-1 finished theirs, so a micro-batch waits cp - 1 shards'
-    recurrence plus the hops, forward and backward (no micro-batch fills the wait outside a pipeline schedule)."""
-    plan, cluster, spec = ctx.plan, ctx.cluster, ctx.spec
-    T, cp = ctx.tokens, plan.cp
+    """Exposed CP time of one sub-layer: (fwd, bwd), from the term of its kind (core_*: the attention core's time,
+    rec_*: the recurrence's own time on this rank's shard)."""
     if part.kind in ("mla", "gqa"):
-        if part.kind == "gqa":
-            assert spec.gqa is not None
-            kv = 2 * spec.gqa.num_kv_heads * spec.gqa_head_dim * BF16
-        else:
-            assert spec.mla is not None
-            kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
-            if spec.mla.indexer is not None:
-                kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
-        comm = ring_time(cluster, cp * T * kv, cp, plan.tp, "ag")
-        return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
+        return cp_attention_times(part, ctx, core_f, core_b)
+    if part.kind == "kda" and ctx.plan.cp_kda == "scan":
+        return cp_kda_scan_times(part, ctx, rec_f, rec_b)
     if part.kind in ("kda", "mamba2"):
-        if part.kind == "kda":
-            assert spec.kda is not None
-            state = spec.kda.value_heads * spec.kda.head_dim**2 * FP32 / plan.tp
-        else:
-            assert spec.mamba2 is not None
-            state = spec.mamba2.inner_size * spec.mamba2.state_size * FP32 / plan.tp
-        hop = p2p_time(cluster, state, plan.tp)
-        return (cp - 1) * (hop + rec_f), (cp - 1) * (hop + rec_b)
+        return cp_relay_times(part, ctx, rec_f, rec_b)
     return 0.0, 0.0
+
+
+def cp_attention_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -> tuple[float, float]:
+    """Attention under CP: the all-gather of the MLA latent (and DSA indexer key; GQA: keys and values) over the
+    cp ranks, hidden behind the attention core; backward reduce-scatters the gradient (twice the traffic)."""
+    plan, cluster, spec = ctx.plan, ctx.cluster, ctx.spec
+    if part.kind == "gqa":
+        assert spec.gqa is not None
+        kv = 2 * spec.gqa.num_kv_heads * spec.gqa_head_dim * BF16
+    else:
+        assert spec.mla is not None
+        kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
+        if spec.mla.indexer is not None:
+            kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
+    comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag")
+    return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
+
+
+def _state_bytes(part: PartWork, ctx: Ctx) -> float:
+    """One rank's recurrent state (fp32), per sequence of the micro-batch."""
+    spec = ctx.spec
+    if part.kind == "kda":
+        assert spec.kda is not None
+        return spec.kda.value_heads * spec.kda.head_dim**2 * FP32 / ctx.plan.tp
+    assert spec.mamba2 is not None
+    return spec.mamba2.inner_size * spec.mamba2.state_size * FP32 / ctx.plan.tp
+
+
+def cp_relay_times(part: PartWork, ctx: Ctx, rec_f: float, rec_b: float) -> tuple[float, float]:
+    """KDA / Mamba-2 state relay (plan.cp_kda = relay): rank r starts after ranks 0..r-1 finished theirs, so a
+    micro-batch waits cp - 1 shards' recurrence plus cp - 1 state hops, forward and backward (no micro-batch fills
+    the wait outside a pipeline schedule)."""
+    cp = ctx.plan.cp
+    hop = p2p_time(ctx.cluster, _state_bytes(part, ctx), ctx.plan.tp)
+    return (cp - 1) * (hop + rec_f), (cp - 1) * (hop + rec_b)
+
+
+def kda_scan_widen_factor(head_dim: int, chunk: int) -> float:
+    """KDA core FLOPs with the value width doubled (the scan's [0 | v] pass) over the plain pass. Per head and
+    token the core is 6 d^2 + 3 C d + C^2 (kda_work); the V-proportional part -- the three state products
+    (6 d V) and the intra-chunk value products U = M V, P D (~C V of the 3 C d) -- doubles."""
+    d, C = head_dim, chunk
+    return 1.0 + (6 * d * d + C * d) / (6 * d * d + 3 * C * d + C * C)
+
+
+def cp_kda_scan_times(part: PartWork, ctx: Ctx, rec_f: float, rec_b: float) -> tuple[float, float]:
+    """KDA state scan (plan.cp_kda = scan): every rank runs its shard at once. Exposed: the widened pass's extra
+    compute, the all-gather of the cp transitions [M | S_loc] (fp32, H*K*(K+V) per sequence and rank; backward a
+    reduce-scatter) on the critical path, and the correction q_hat S_in plus the prefix composition (plain matmuls).
+    The short-conv halo all-gather (W-1 rows) is negligible."""
+    plan, cluster, spec = ctx.plan, ctx.cluster, ctx.spec
+    assert spec.kda is not None
+    Hv, d, cp = spec.kda.value_heads / plan.tp, spec.kda.head_dim, plan.cp
+    extra = kda_scan_widen_factor(d, spec.kda.chunk_size) - 1.0
+    seqs = plan.micro_batch_size
+    gather = ring_time(cluster, cp * seqs * 2 * _state_bytes(part, ctx), cp, plan.tp, "ag")
+    flops = 2 * ctx.tokens * Hv * d * d + seqs * (cp - 1) * Hv * 2 * d * d * d  # correction + composition
+    mm = flops / (cluster.device.peak_flops("bf16") * ctx.cal.gemm_peak_eff)
+    return extra * rec_f + gather + mm, extra * rec_b + 2 * gather + 2 * mm
 
 
 def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
@@ -947,7 +988,7 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap)
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda)
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)

@@ -92,3 +92,25 @@ def test_cp4_scan_matches_single_process():
     results = run_ranks(__file__, "_all_worker", world_size=4, timeout=240,
                         configs={"tiny": {"spec": tiny_spec(), "seed": 1, "kda_state": "scan"}})
     _check([r["tiny"] for r in results])
+
+
+def test_planner_charges_scan_and_relay_separately():
+    """The scan's exposed CP time (widened pass, transition gather, correction) grows slowly with cp; the relay's
+    grows with cp - 1 shards of recurrence. The plan field reaches the cost model (and its cache key)."""
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.config.plan import make_plan
+    from moestack.planner.calibration import load_calibration
+    from moestack.planner.cost import CostModel, kda_scan_widen_factor
+    from moestack.planner.profile import load_any_model_spec, profile_model
+
+    assert 1.5 < kda_scan_widen_factor(128, 64) < 2.0
+    spec, seq = load_any_model_spec("proxy"), 16384
+    cm = CostModel(spec, load_cluster_spec("h200-cluster").with_devices(8), load_calibration(), seq,
+                   profile_model(spec, seq).train_flops_per_token)
+    base = {"model": "proxy", "cluster": "h200-cluster", "devices": 8, "seq_len": seq, "global_batch_size": 8}
+    comm = {(cp, mode): cm.evaluate(make_plan(**base, cp=cp, dp_shard=8 // cp, zero_stage=3, ep=8,
+                                              cp_kda=mode)).time["cp_comm"]
+            for cp in (2, 4, 8) for mode in ("relay", "scan")}
+    assert all(v > 0 for v in comm.values()), comm
+    assert comm[4, "scan"] < comm[4, "relay"] and comm[8, "scan"] < comm[8, "relay"], comm
+    assert comm[8, "relay"] / comm[2, "relay"] > 5 > comm[8, "scan"] / comm[2, "scan"], comm

@@ -6,18 +6,21 @@ causal attention work but turn the KDA state relay into two relays per layer, so
 K3 layers linear, the attention imbalance is the smaller cost).
 
 Per module (every rank runs the whole layer stack on its own tokens; the model code is single-device):
-  short convs   halo exchange: each conv input is prefixed with the last W-1 rows of the previous rank (one small
-                all-gather of the [B, W-1, C] tails; rank 0 gets zeros, as the causal padding would give)
-  KDA           state relay: rank r receives the final recurrent state S [B, H, K, V] of rank r-1, runs
+  short convs   halo exchange: each conv input is prefixed with the last W-1 rows of the previous rank (relay mode:
+                point-to-point from rank r-1; scan mode: one small all-gather of the [B, W-1, C] tails); rank 0
+                gets zeros, as the causal padding would give
+  KDA           plan.cp_kda / apply_cp(kda_state=...):
+                "relay" (default): rank r receives the final recurrent state S [B, H, K, V] of rank r-1, runs
                 `chunk_kda` from it (initial_state) and sends its own final state to rank r+1 (send/recv, fp32).
                 Backward relays dS the other way. Exact (the same recurrence, run in pieces). Cost: the ranks run a
                 KDA layer one after another (latency cp x one shard's KDA time; memory and everything outside KDA
                 are still split cp ways); micro-batches or other sequences fill the wait only in a pipelined
-                schedule. The parallel alternative -- each rank computes its shard's transition (the product of
-                (I - b k k^T) Diag(a), as chunk_kda from initial state I with v = 0) and zero-state final state,
-                an all-gather of the cp pairs, a prefix composition, then chunk_kda again from the composed state --
-                is exact too but costs ~3x the KDA compute and cp x H*K*K extra bytes; it wins over the relay
-                from about cp >= 4 and is not implemented here.
+                schedule. Point-to-point only (halos too).
+                "scan": every rank runs its shard at once from a zero state with the value width widened to K + V,
+                which also yields its shard's transition M (product of the (I - b k k^T) Diag(alpha)) and the
+                transformed queries M_t^T q_t; an all-gather of the cp [M | S_loc], a prefix composition, and an
+                exact output correction (see "The scan" below). ~1.84x the KDA core FLOPs (d 128, C 64) but no
+                waiting. Collectives only (halos by all-gather), identical graphs on all ranks.
   Gated MLA     the compressed latent [c_kv | k_rope] (C + R values per token, the smallest thing that carries
                 the keys and values) is all-gathered over CP (backward: reduce-scatter of its gradient); each rank
                 attends its T_l queries to the keys at global positions <= its own (causal mask by global
@@ -36,8 +39,8 @@ Per module (every rank runs the whole layer stack on its own tokens; the model c
 Gradients: every rank's backward yields its tokens' share of each replicated parameter's gradient; the shares add
 up over the CP group (FSDP over the (dp_shard, cp) ranks with divide factor dp does it in `parallelize`;
 `sync_cp_grads` for tests and plain models). Not supported under CP: packed documents (cu_seqlens), activation
-recompute of KDA layers (the recomputed forward would wait for a state that the previous rank only sends again in
-its own backward), pipeline parallelism together with CP (untested).
+recompute of KDA layers (in relay mode the recomputed forward would wait for a state that the previous rank only sends
+again in its own backward), pipeline parallelism together with CP (untested).
 
 Legend: B batch, T tokens of the whole sequence, T_l = T / cp local tokens, C channels, W conv width.
 """

@@ -353,10 +353,19 @@ def _dense_indexer_loss(m: GatedMLA, cp: CPInfo, x_BTD, q_lat, q_nope, q_rope, k
     return dsa_ops.indexer_kl_loss(scores[:, t0:], target)
 
 
-def _wrap_mla(m: GatedMLA, cp: CPInfo) -> None:
+def _wrap_mla(m: GatedMLA, cp: CPInfo, tp_unit=None) -> None:
+    """tp_unit: the module's tensor-parallel unit (apply_tp ran first): entered around the CP forward, as the TP
+    forward wrapper it replaces did, so the CP path sees local heads and weight shards."""
+
     def forward(x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         assert cu_seqlens is None, "context parallelism does not support packed documents (cu_seqlens)"
-        return mla_cp_forward(m, cp, x_BTD)
+        if tp_unit is None:
+            return mla_cp_forward(m, cp, x_BTD)
+        tp_unit.enter()
+        try:
+            return mla_cp_forward(m, cp, x_BTD)
+        finally:
+            tp_unit.exit()
 
     m.forward = forward
 
@@ -398,7 +407,9 @@ def _hook_root(model: Transformer, cp: CPInfo) -> None:
         dist.all_reduce(n, group=cp.group)
         return total / n.clamp(min=1)
 
-    model.register_forward_pre_hook(pre, with_kwargs=True)
+    # the CP slice runs before any TP pre-hook (which then splits my shard); TP's post-hook (registered earlier)
+    # combines over tp before this one combines over cp
+    model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     model.register_forward_hook(post)
 
 
@@ -406,21 +417,27 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.Proc
              kda_state: str = "relay") -> None:
     """Context-parallelise `model` (a whole Transformer, called as model(tokens[, targets]) with the FULL sequence
     on every CP rank) over the 1-D `cp_mesh`, in place. seq_shard_group: the ranks one sequence is split over for
-    the MoE aux loss (default: the CP group; pass the (cp, tp) group when TP shards the sequence too). Apply after
-    expert parallelism and before FSDP. Replicated gradients are per-rank shares: sum them over CP (FSDP over the
+    the MoE aux loss (default: the CP group; required under TP: the (cp, tp) group, which shares one sequence).
+    Apply after expert parallelism and tensor parallelism (with TP the CP shard of T/cp tokens is what TP then
+    splits: sequence-parallel shards of T/(cp*tp), heads over tp, states and latents exchanged over the CP group of
+    my TP index), and before FSDP. Replicated gradients are per-rank shares: sum them over CP (FSDP over the
     (dp_shard, cp) ranks, or `sync_cp_grads`). kda_state: "relay" (p2p, ranks in turn) or "scan" (parallel
     transition composition, collectives only); see the module docstring."""
     if kda_state not in KDA_STATE_MODES:
         raise ValueError(f"kda_state: unknown mode {kda_state!r}; use one of {KDA_STATE_MODES}")
     assert cp_mesh.ndim == 1, f"apply_cp needs a 1-D CP mesh, got {cp_mesh.ndim}-D"
+    tp_units = {}
     if getattr(model, "_tp_mesh", None) is not None:
-        raise NotImplementedError("context parallelism together with tensor parallelism is not implemented")
+        if seq_shard_group is None:
+            raise ValueError("seq_shard_group: under tensor parallelism pass the (cp, tp) group (the MoE aux loss "
+                             "sums its counts over every rank of one sequence)")
+        tp_units = {id(module): unit for unit in model._tp_units for (module, _) in unit.heads}
     cp = CPInfo(cp_mesh)
     for block in model.layers.values():
         if isinstance(block.attn, KDAAttention):
             _wrap_kda(block.attn, cp, kda_state)
         elif isinstance(block.attn, GatedMLA):
-            _wrap_mla(block.attn, cp)
+            _wrap_mla(block.attn, cp, tp_units.get(id(block.attn)))
         elif isinstance(block.attn, GQAAttention):
             _wrap_gqa(block.attn, cp)
         else:

@@ -87,6 +87,14 @@ class Meshes:
         return self.dense["dp_replicate", "dp_shard_cp"]
 
     @property
+    def seq_group(self) -> dist.ProcessGroup:
+        """The ranks one sequence is split over (cp x tp with sequence parallelism): the MoE sequence aux loss sums
+        its expert counts over it."""
+        if self.plan.cp > 1 and self.plan.tp > 1:
+            return self.dense["cp_tp"].get_group()
+        return self.dense["cp" if self.plan.cp > 1 else "tp"].get_group()
+
+    @property
     def tp(self) -> DeviceMesh:
         return self.dense["tp"]
 
@@ -120,9 +128,6 @@ class Meshes:
 
 def check_supported(plan: Plan) -> None:
     """Degrees this build can run; a one-line ConfigError naming the missing piece otherwise."""
-    if plan.cp > 1 and plan.tp > 1:
-        raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) together with tp ({plan.tp}) is not implemented; "
-                          "use one of them")
     if plan.cp > 1 and plan.pp > 1:
         raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) with pipeline stages (pp {plan.pp}) is not "
                           "implemented; use pp 1")
@@ -153,5 +158,7 @@ def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int
     dp_group = dense["dp_replicate", "dp_shard"]._flatten("dp").get_group()
     if plan.cp > 1:
         dense["dp_shard", "cp"]._flatten("dp_shard_cp")  # the FSDP shard dim under CP (Meshes.dp_cp)
+    if plan.cp > 1 and plan.tp > 1:
+        dense["cp", "tp"]._flatten("cp_tp")  # the ranks sharing one sequence (Meshes.seq_group)
     stage_group = dense["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage").get_group()
     return Meshes(plan, dense, experts, hier, dp_group, stage_group)

@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True)
     if plan.cp > 1:
-        apply_cp(model, meshes.cp, kda_state=plan.cp_kda)
+        apply_cp(model, meshes.cp, seq_shard_group=meshes.seq_group if plan.tp > 1 else None, kda_state=plan.cp_kda)
     if plan.shared_expert_overlap:
         apply_shared_expert_overlap(model)
     if _needs_memory_policies(plan):

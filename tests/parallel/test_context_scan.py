@@ -81,12 +81,6 @@ def test_kda_scan_op_matches_whole_sequence_on_4_ranks():
                 assert gr.abs().sum() > 0
 
 
-def test_cp2_scan_kda_sparse_dsa_moe_matches_single_process():
-    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240,
-                        configs={"tiny": {"spec": tiny_spec(), "kda_state": "scan"}})
-    _check([r["tiny"] for r in results])
-
-
 def test_cp4_scan_matches_single_process():
     """4 ranks of 8 tokens (half a KDA chunk); seed 1 as in test_context's CP4 test (a near-tied top-k key)."""
     results = run_ranks(__file__, "_all_worker", world_size=4, timeout=240,
@@ -114,3 +108,58 @@ def test_planner_charges_scan_and_relay_separately():
     assert all(v > 0 for v in comm.values()), comm
     assert comm[4, "scan"] < comm[4, "relay"] and comm[8, "scan"] < comm[8, "relay"], comm
     assert comm[8, "relay"] / comm[2, "relay"] > 5 > comm[8, "scan"] / comm[2, "scan"], comm
+
+
+def _cp_tp_worker(rank: int, world_size: int, kda_state: str, seed: int = 1) -> dict:
+    """CP2 x TP2 (sequence parallel) on a (cp, tp) mesh: my tokens are a quarter of the sequence, my heads half."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from moestack.model.transformer import build_model
+    from moestack.parallel.context import apply_cp
+    from moestack.parallel.tensor import apply_tp
+    from test_context import B as CB, T as CT
+
+    spec = tiny_spec()
+    ref = build_model(spec, "cpu", seed=seed).double()
+    for layer in ref.dsa_layers().values():
+        layer.sparse = True
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    apply_tp(model, mesh["tp"], sequence_parallel=True)
+    apply_cp(model, mesh["cp"], seq_shard_group=mesh["cp", "tp"]._flatten("cp_tp").get_group(), kda_state=kda_state)
+    g = torch.Generator().manual_seed(7 + seed)
+    tokens = torch.randint(0, spec.vocab_size, (CB, CT), generator=g)
+    targets = torch.randint(0, spec.vocab_size, (CB, CT), generator=g)
+    targets[0, 2:11] = -100
+    out = {}
+    for m, key in ((model, "cp"), (ref, "ref")):
+        loss = m(tokens, targets)
+        loss.backward()
+        out[f"{key}_loss"] = loss.item()
+        with torch.no_grad():
+            out[f"{key}_logits"] = m(tokens)
+    grads = {}
+    for n, p in model.named_parameters():  # CP shares add up over cp; TP shards gathered
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(local, group=mesh["cp"].get_group())
+        grads[n] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    out["cp_grads"] = grads
+    out["ref_grads"] = {n: p.grad for n, p in ref.named_parameters()}
+    return out
+
+
+def test_cp2_tp2_matches_single_process():
+    """Context x tensor parallelism on 4 ranks, both KDA state modes, vs one process (fp64, same gates)."""
+    for mode in ("scan", "relay"):
+        results = run_ranks(__file__, "_cp_tp_worker", world_size=4, timeout=240, kda_state=mode)
+        _check(results)
+
+
+def test_cp2_scan_kda_sparse_dsa_moe_matches_single_process():
+    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240,
+                        configs={"tiny": {"spec": tiny_spec(), "kda_state": "scan"}})
+    _check([r["tiny"] for r in results])

@@ -30,6 +30,7 @@ LAYOUTS = {
     # context parallelism (moestack.parallel.context): FSDP over (dp_shard x cp), experts folded over dp and cp
     "cp2_zero3": dict(dp_shard=2, zero_stage=3, cp=2),
     "cp2_ep4_zero2": dict(dp_shard=2, zero_stage=2, cp=2, ep=4),
+    "cp2_tp2_zero3_scan": dict(dp_shard=1, zero_stage=3, cp=2, tp=2, cp_kda="scan"),  # FSDP over cp, TP inside
     # expert tensor parallelism folded with EP: experts on (ep 2, etp 2), dense ZeRO-3 over 4
     "ep2_etp2_zero3": dict(dp_shard=4, zero_stage=3, ep=2, etp=2),
     # hierarchical EP with token dedup across domains (moestack.parallel.dedup)
@@ -162,7 +163,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 GROUPS = {"zero": ["dp4", "zero3", "zero2", "hsdp2x2"], "ep": ["ep2_zero3", "ep4_dp", "hier_ep2x2_zero2"],
-          "tp": ["tp2_zero3", "ep2_tp2_zero3"], "cp_etp": ["cp2_zero3", "cp2_ep4_zero2", "ep2_etp2_zero3", "hier_dedup_ep2x2_zero2"]}  # one job each (on one rank pool), each well under a minute
+          "tp": ["tp2_zero3", "ep2_tp2_zero3", "cp2_tp2_zero3_scan"], "cp_etp": ["cp2_zero3", "cp2_ep4_zero2", "ep2_etp2_zero3", "hier_dedup_ep2x2_zero2"]}  # one job each (on one rank pool), each well under a minute
 
 
 @pytest.mark.parametrize("group", GROUPS)

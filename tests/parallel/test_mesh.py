@@ -61,7 +61,8 @@ def test_hierarchical_domains_split_each_ep_group():
 
 def test_unsupported_degrees_fail_with_one_line():
     with pytest.raises(ConfigError, match="context parallelism"):
-        check_supported(_plan(devices=4, cp=2, tp=2))
+        check_supported(_plan(devices=4, cp=2, pp=2))
+    check_supported(_plan(devices=4, cp=2, tp=2))  # CP x TP is supported
     with pytest.raises(ConfigError, match="recompute.kda"):
         check_supported(_plan(devices=2, cp=2, recompute={"kda": "full"}))
     check_supported(_plan(devices=4, dp_shard=4, zero_stage=3, ep=2, etp=2))  # expert TP is supported

@@ -39,8 +39,10 @@ Per module (every rank runs the whole layer stack on its own tokens; the model c
 Gradients: every rank's backward yields its tokens' share of each replicated parameter's gradient; the shares add
 up over the CP group (FSDP over the (dp_shard, cp) ranks with divide factor dp does it in `parallelize`;
 `sync_cp_grads` for tests and plain models). Not supported under CP: packed documents (cu_seqlens), activation
-recompute of KDA layers (in relay mode the recomputed forward would wait for a state that the previous rank only sends
-again in its own backward), pipeline parallelism together with CP (untested).
+recompute of KDA layers in relay mode (the recomputed forward would wait for a state that the previous rank only
+sends again in its own backward; the scan mode recomputes: its collectives rerun on every rank in the same order),
+pipeline parallelism together with CP (untested). With TP (apply_tp first): TP splits my CP shard (sequence-parallel
+shards of T/(cp*tp), heads over tp); states, halos and latents go over the CP group of my TP index.
 
 Legend: B batch, T tokens of the whole sequence, T_l = T / cp local tokens, C channels, W conv width.
 """

@@ -131,9 +131,9 @@ def check_supported(plan: Plan) -> None:
     if plan.cp > 1 and plan.pp > 1:
         raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) with pipeline stages (pp {plan.pp}) is not "
                           "implemented; use pp 1")
-    if plan.cp > 1 and plan.recompute.kda != "none":
-        raise ConfigError(f"plan.recompute.kda: '{plan.recompute.kda}' cannot recompute a KDA layer under context "
-                          "parallelism (its state relay would deadlock); use 'none'")
+    if plan.cp > 1 and plan.recompute.kda != "none" and plan.cp_kda == "relay":
+        raise ConfigError(f"plan.recompute.kda: '{plan.recompute.kda}' cannot recompute a KDA layer under the context "
+                          "parallel state relay (it would deadlock); use 'none' or plan.cp_kda 'scan'")
 
 
 def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int | None = None) -> Meshes:

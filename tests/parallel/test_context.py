@@ -24,7 +24,7 @@ B, T = 2, 32
 
 
 def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool = False,
-               kda_state: str = "relay") -> dict:
+               kda_state: str = "relay", recompute_kda: str = "none") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from moestack.model.transformer import build_model
@@ -36,6 +36,11 @@ def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool 
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world_size,))
     apply_cp(model, mesh, kda_state=kda_state)
+    if recompute_kda != "none":  # after CP, as parallelize() orders them (scan mode only)
+        from moestack.config.plan import RecomputePolicy
+        from moestack.memory.recompute import apply_recompute
+
+        assert apply_recompute(model, RecomputePolicy(kda=recompute_kda)), "nothing was wrapped"
     g = torch.Generator().manual_seed(7 + seed)
     tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
     targets = torch.randint(0, spec.vocab_size, (B, T), generator=g)

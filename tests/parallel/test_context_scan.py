@@ -160,6 +160,10 @@ def test_cp2_tp2_matches_single_process():
 
 
 def test_cp2_scan_kda_sparse_dsa_moe_matches_single_process():
-    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240,
-                        configs={"tiny": {"spec": tiny_spec(), "kda_state": "scan"}})
-    _check([r["tiny"] for r in results])
+    """Also with the KDA layers recomputed in backward (scan mode only: its collectives rerun on every rank in the
+    same order; the relay's recompute would wait for a state the previous rank sends only in its own backward)."""
+    configs = {"tiny": {"spec": tiny_spec(), "kda_state": "scan"},
+               "recompute": {"spec": tiny_spec(), "kda_state": "scan", "recompute_kda": "full"}}
+    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240, configs=configs)
+    for name in configs:
+        _check([r[name] for r in results])

@@ -65,6 +65,7 @@ def test_unsupported_degrees_fail_with_one_line():
     check_supported(_plan(devices=4, cp=2, tp=2))  # CP x TP is supported
     with pytest.raises(ConfigError, match="recompute.kda"):
         check_supported(_plan(devices=2, cp=2, recompute={"kda": "full"}))
+    check_supported(_plan(devices=2, cp=2, recompute={"kda": "full"}, cp_kda="scan"))  # the scan reruns collectives
     check_supported(_plan(devices=4, dp_shard=4, zero_stage=3, ep=2, etp=2))  # expert TP is supported
     with pytest.raises(ConfigError, match="not initialised"):
         build_meshes(_plan(devices=2, dp_shard=2, zero_stage=3))

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist import run_ranks
-from test_context import _all_worker, _check
+from test_context import _all_worker, _check  # noqa: F401 (_all_worker: run_ranks calls it from this file)
 from test_tensor import tiny_spec
 
 B, T, H, K, V = 2, 48, 2, 8, 6  # K != V: a transposed state would not fit
@@ -24,7 +24,10 @@ B, T, H, K, V = 2, 48, 2, 8, 6  # K != V: a transposed state would not fit
 
 def _op_inputs():
     g = torch.Generator().manual_seed(3)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
     q = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
     k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
     v = r(B, T, H, V)
@@ -115,13 +118,14 @@ def _cp_tp_worker(rank: int, world_size: int, kda_state: str, seed: int = 1) -> 
     import copy
 
     import torch.distributed as dist
+    from test_context import B as CB
+    from test_context import T as CT
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from moestack.model.transformer import build_model
     from moestack.parallel.context import apply_cp
     from moestack.parallel.tensor import apply_tp
-    from test_context import B as CB, T as CT
 
     spec = tiny_spec()
     ref = build_model(spec, "cpu", seed=seed).double()

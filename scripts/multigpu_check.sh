@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Multi-GPU check (issue #10): hybrid-parallel layouts against the single-device run, all-to-all bandwidth, weak
+# scaling and planner-vs-measured, in one call; prints markdown tables (rows start with "|").
+#
+#   bash scripts/multigpu_check.sh                       # on an 8 (or 4, 2) GPU machine: the proxy model
+#   DEVICE=cpu NPROC=2 MODEL=tiny STEPS=3 SEQ=64 bash scripts/multigpu_check.sh   # CPU dry run on gloo
+#
+# Env: MODEL (proxy), STEPS (200), SEQ (4096), GBS (global batch in sequences, 16), NPROC (GPUs found),
+#      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
+#      any subset), PYTHON (python3).
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+if [ "$DEVICE" = cuda ]; then
+  NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+else
+  NPROC=${NPROC:-2}
+  export OMP_NUM_THREADS=1
+fi
+MODEL=${MODEL:-proxy}
+STEPS=${STEPS:-200}
+SCALE_STEPS=${SCALE_STEPS:-30}
+SEQ=${SEQ:-4096}
+GBS=${GBS:-16}
+DEST=${OUT:-runs/multigpu}
+PHASES=${PHASES:-layouts a2a scaling}
+CLUSTER=h200-cluster
+mkdir -p "$DEST"
+[ "$NPROC" -ge 2 ] || { echo "error: needs 2 or more devices (NPROC=$NPROC)"; exit 2; }
+COMMON=(-q --set logging.every=1 --set eval_every=0 --set checkpoint.every=0
+        --set schedule.warmup_steps=20 --set optimizer.lr=1e-3)
+
+# name -> --fix of `moestack plan` (the plan file carries the layout to `moestack train --plan`)
+declare -A FIX
+if [ "$NPROC" -ge 8 ]; then
+  FIX=([ep8]="dp=8,ep=8,zero=1" [ep4_tp2]="tp=2,dp=4,ep=4,zero=1" [pp2_ep4_1f1b]="pp=2,dp=4,ep=4,zero=1,schedule=1f1b"
+       [pp2_ep4_interleaved]="pp=2,vpp=2,dp=4,ep=4,zero=1,schedule=interleaved_1f1b" [zero3_ep8]="dp=8,ep=8,zero=3")
+elif [ "$NPROC" -ge 4 ]; then
+  FIX=([ep4]="dp=4,ep=4,zero=1" [ep2_tp2]="tp=2,dp=2,ep=2,zero=1" [pp2_ep2_1f1b]="pp=2,dp=2,ep=2,zero=1,schedule=1f1b"
+       [zero3_ep4]="dp=4,ep=4,zero=3")
+else
+  FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,zero=0" [pp2_1f1b]="pp=2,zero=0,schedule=1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
+fi
+
+CAL=()
+if [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors measured on this GPU first
+  $PY -m moestack tune "$MODEL" --out "$DEST/calibration.json" > "$DEST/tune.log" 2>&1 \
+    && CAL=(--calibration "$DEST/calibration.json") || echo "| tune | failed: $(tail -1 "$DEST/tune.log") |"
+fi
+
+plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's prediction inside)
+  $PY -m moestack plan "$MODEL" --cluster "$CLUSTER" --devices "$2" --seq-len "$SEQ" "${CAL[@]}" \
+    --global-batch-tokens $((GBS * SEQ)) --fix "$3" --out "$DEST/plan_$1.yaml" > "$DEST/plan_$1.log" 2>&1 \
+    || { echo "| $1 | plan failed: $(tail -1 "$DEST/plan_$1.log") |"; return 1; }
+}
+
+train() {  # train NAME NPROC STEPS
+  local log="$DEST/train_$1.log"
+  rm -rf "$DEST/run_$1"
+  if [ "$2" -eq 1 ]; then
+    $PY -m moestack train --plan "$DEST/plan_$1.yaml" --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" > "$log" 2>&1
+  else
+    $PY -m torch.distributed.run --standalone --nproc-per-node "$2" -m moestack train --plan "$DEST/plan_$1.yaml" \
+      --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" > "$log" 2>&1
+  fi || echo "| $1 | train failed: $(grep -m1 -i error "$log" | cut -c1-160) |"
+}
+
+if [[ " $PHASES " == *" layouts "* ]]; then
+  echo "== layouts ($NPROC ranks, $MODEL, $STEPS steps, global batch $GBS x $SEQ)"
+  plan single 1 "dp=1,zero=0" && train single 1 "$STEPS"
+  for name in "${!FIX[@]}"; do
+    plan "$name" "$NPROC" "${FIX[$name]}" && train "$name" "$NPROC" "$STEPS"
+  done
+  $PY scripts/multigpu_summary.py layouts "$DEST" single "${!FIX[@]}"
+fi
+
+if [[ " $PHASES " == *" a2a "* ]]; then
+  echo "== all-to-all ($NPROC ranks): moestack dispatch + combine vs raw all_to_all_single"
+  if [ "$DEVICE" = cuda ]; then
+    SHAPES=("k3 --tokens 8192 --width 3584 --experts 896 --top-k 16" "dsv3 --tokens 8192 --width 7168 --experts 256 --top-k 8")
+  else
+    SHAPES=("small")
+  fi
+  DISPATCHERS=("flat")
+  [ "$NPROC" -ge 4 ] && DISPATCHERS+=("hierarchical --domain $((NPROC / 2))")
+  for shape in "${SHAPES[@]}"; do
+    tag=${shape%% *}; args=${shape#"$tag"}
+    for skew in 0 1.2; do
+      for disp in "${DISPATCHERS[@]}"; do
+        log="$DEST/a2a_${tag}_${skew}_${disp%% *}.log"
+        echo "-- $tag skew $skew ${disp}"
+        # shellcheck disable=SC2086
+        $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/a2a.py $args --skew "$skew" \
+          --dispatcher $disp > "$log" 2>&1 || echo "| a2a $tag | failed: $(tail -1 "$log" | cut -c1-160) |"
+        grep "^|" "$log"
+      done
+    done
+  done
+  $PY benchmarks/a2a_order.py > "$DEST/a2a_order.log" 2>&1 || echo "| a2a order | failed |"
+  grep "^|" "$DEST/a2a_order.log"
+fi
+
+if [[ " $PHASES " == *" scaling "* ]]; then
+  echo "== weak scaling (fixed per-device batch)"
+  names=()
+  for n in 1 2 4 8; do
+    [ "$n" -le "$NPROC" ] || break
+    name="weak$n"
+    GBS_SAVE=$GBS; GBS=$((n * 2))  # 2 sequences per device per step
+    if [ "$n" -eq 1 ]; then plan "$name" 1 "dp=1,zero=0,mbs=2"; else plan "$name" "$n" "dp=$n,ep=$n,zero=1,mbs=2"; fi \
+      && train "$name" "$n" "$SCALE_STEPS"
+    GBS=$GBS_SAVE
+    names+=("$name")
+  done
+  $PY scripts/multigpu_summary.py scaling "$DEST" "${names[@]}"
+fi

@@ -43,16 +43,14 @@ def local_expert_spec(spec: ModelSpec, ep: int) -> ModelSpec:
 
 def _gemm_weight_bytes(module: torch.nn.Module) -> float:
     """bf16 bytes of the fp32 GEMM weights autocast copies (Linear weights and stacked expert weights)."""
-    from moestack.model.moe import Experts, Router
+    from moestack.model.moe import Experts
 
     total = 0
-    for m in module.modules():
+    for m in module.modules():  # the router's own weight is not a Linear (fp32 matmul, no autocast copy)
         if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
             total += m.weight.numel()
         elif isinstance(m, Experts):
             total += sum(p.numel() for p in m.parameters() if p.dtype == torch.float32)
-        elif isinstance(m, Router):
-            continue
     return 2.0 * total
 
 

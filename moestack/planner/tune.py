@@ -346,18 +346,9 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                                                      tokens, peak_bf16, attn_f)
         measured.append(f"sparse attention ({dsa_backend}) fwd {sf * peak_bf16 / 1e12:.1f} / bwd "
                         f"{sb * peak_bf16 / 1e12:.1f} TFLOP/s; indexer top-k {update['topk_elems_per_s']:.3g} scores/s")
-    cal = base.model_copy(update={**update, "gemm_points": points, "gemm_peak_eff": peak_eff, "hbm_eff": hbm,
-                                  "flash_attn_fwd_eff": attn_f, "flash_attn_bwd_eff": attn_b, "parts": {}})
-    parts = calibrate_parts(spec, cal, plan, mbs, seq, ep)
-    for kind, pc in parts.items():
-        measured.append(f"{kind} part: {(pc.fwd_fixed_s + pc.fwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms fwd / "
-                        f"{(pc.bwd_fixed_s + pc.bwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms bwd beyond the "
-                        f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
-                        f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
-                        f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
+    # everything measured so far; the part calibration prices its analytic terms with it, then joins it
     cal = base.model_copy(update={
         **update,
-        "parts": parts,
         "source": f"moestack tune on {name} (torch {torch.__version__}), {spec.name} seq {seq} tp {tp} ep {ep}; "
                   f"CPU Adam from {base.device} defaults",
         "device": name,
@@ -367,7 +358,16 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
         "fp8_gemm_factor": fp8 if fp8 is not None else base.fp8_gemm_factor,
         "hbm_eff": hbm,
         "gemm_points": points,
+        "parts": {},
     })
+    parts = calibrate_parts(spec, cal, plan, mbs, seq, ep)
+    for kind, pc in parts.items():
+        measured.append(f"{kind} part: {(pc.fwd_fixed_s + pc.fwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms fwd / "
+                        f"{(pc.bwd_fixed_s + pc.bwd_extra_s_per_token * pc.tokens) * 1e3:+.2f} ms bwd beyond the "
+                        f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
+                        f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
+                        f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
+    cal = cal.model_copy(update={"parts": parts})
     path = out or Path(f"calibration-{name.replace(' ', '_').lower()}.json")
     save_calibration(cal, path)
     print(f"8192^3 bf16 GEMM: {big * peak_bf16 / 1e12:.0f} TFLOP/s; SDPA fwd {attn_f * peak_bf16 / 1e12:.0f} / "

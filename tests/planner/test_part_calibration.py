@@ -35,8 +35,11 @@ def test_measured_parts_add_time_and_replace_activation_bytes():
     assert measured.step_time_s - plain.step_time_s == pytest.approx(expected_extra, rel=1e-6)
     # activations: the measured bytes per token for every part, plus autocast weight copies on one device
     copies = measured.memory["activations"] - 2 * layers * act * 2048
-    assert copies > 0
-    assert copies == pytest.approx(_evaluate(cal, recompute="none").memory["activations"] - 2 * layers * act * 2048)
+    # bf16 copies of the layers' GEMM weights: 2 bytes for nearly every layer parameter (not norms, convs, router)
+    prof = profile_model(load_model_spec("proxy"), 2048)
+    spec = load_model_spec("proxy")
+    layer_params = prof.total_params - 2 * spec.vocab_size * spec.hidden_size  # minus embedding and LM head
+    assert 0.95 < copies / (2 * layer_params) <= 1.0
     # full recompute keeps only part inputs: the measured factors do not apply
     assert _evaluate(cal, recompute="full").memory["activations"] == _evaluate(base, recompute="full").memory[
         "activations"]

@@ -92,7 +92,7 @@ def sparse_mqa_attention(
     if backend is None and not os.environ.get(ENV_VAR):  # a choice measured by `moestack tune` at this shape
         choice = tuned.lookup("dsa.sparse_mqa_attention", tuned.dsa_key(q, idx), q.device)
         entry = _REGISTRY["sparse_mqa_attention"].get(choice) if choice else None
-        if entry is not None and entry.available(q):
+        if entry is not None and entry.available(q) and entry.automatic(q):  # the default order's own rules
             backend = choice
     name = select_backend("sparse_mqa_attention", q, backend)
     return _REGISTRY["sparse_mqa_attention"][name].fn(q, kv, idx, v_dim, scale)
@@ -166,36 +166,20 @@ def _register_triton() -> None:
         from moestack.ops.dsa import triton_op
     except ImportError:  # no triton in this environment: the reference serves every op
         return
-    register_backend(
-        "triton",
-        triton_op.sparse_mqa_attention_triton,
-        available=triton_op.triton_available,
-        op="sparse_mqa_attention",
-        automatic=lambda t: t.is_cuda,
-    )
-    register_backend(
-        "triton",
-        triton_op.indexer_topk_triton,
-        available=triton_op.triton_available,
-        op="indexer_topk_from_inputs",
-        automatic=lambda t: t.is_cuda,
-    )
-    register_backend(
-        "triton",
-        triton_op.attention_probs_target_triton,
-        available=triton_op.triton_available,
-        op="attention_probs_target",
-        automatic=lambda t: t.is_cuda,
-    )
-    register_backend(
-        "triton",
-        triton_op.indexer_scores_at_triton,
-        available=triton_op.triton_available,
-        op="indexer_scores_at",
-        # its backward accumulates dk with fp32 atomics: deterministic runs take the reference
-        automatic=lambda t: t.is_cuda and not torch.are_deterministic_algorithms_enabled(),
-    )
+    def on_cuda(t: torch.Tensor) -> bool:
+        return t.is_cuda
 
+    def on_cuda_nondeterministic(t: torch.Tensor) -> bool:
+        # the indexer-score backward accumulates dk with fp32 atomics: deterministic runs take the reference
+        return t.is_cuda and not torch.are_deterministic_algorithms_enabled()
+
+    for op, fn, automatic in (
+        ("sparse_mqa_attention", triton_op.sparse_mqa_attention_triton, on_cuda),
+        ("indexer_topk_from_inputs", triton_op.indexer_topk_triton, on_cuda),
+        ("attention_probs_target", triton_op.attention_probs_target_triton, on_cuda),
+        ("indexer_scores_at", triton_op.indexer_scores_at_triton, on_cuda_nondeterministic),
+    ):
+        register_backend("triton", fn, available=triton_op.triton_available, op=op, automatic=automatic)
 
 _register_triton()
 

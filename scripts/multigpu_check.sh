@@ -7,7 +7,7 @@
 #
 # Env: MODEL (proxy), STEPS (200), SEQ (4096), GBS (global batch in sequences, 16), NPROC (GPUs found),
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
-#      any subset), PYTHON (python3).
+#      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +47,9 @@ else
 fi
 
 CAL=()
-if [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors measured on this GPU first
+if [ -n "${CALIBRATION:-}" ]; then  # reuse the calibration of an earlier call on the same kind of GPU
+  CAL=(--calibration "$CALIBRATION")
+elif [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors measured on this GPU first
   $PY -m moestack tune "$MODEL" --out "$DEST/calibration.json" > "$DEST/tune.log" 2>&1 \
     && CAL=(--calibration "$DEST/calibration.json") || echo "| tune | failed: $(tail -1 "$DEST/tune.log") |"
 fi

@@ -31,7 +31,7 @@ PHASES=${PHASES:-layouts a2a scaling}
 CLUSTER=h200-cluster
 mkdir -p "$DEST"
 [ "$NPROC" -ge 2 ] || { echo "error: needs 2 or more devices (NPROC=$NPROC)"; exit 2; }
-COMMON=(-q --set logging.every=1 --set eval_every=0 --set checkpoint.every=0
+COMMON=(-q --set logging.every=1 --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3)
 
 # name -> --fix of `moestack plan` (the plan file carries the layout to `moestack train --plan`)

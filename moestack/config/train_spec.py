@@ -45,6 +45,7 @@ class ScheduleSpec(StrictModel):
 class CheckpointSpec(StrictModel):
     every: int = Field(default=100, ge=0)  # steps between checkpoints; 0 = only at the end
     keep: int = Field(default=2, gt=0)  # newest checkpoints kept on disk
+    save_final: bool = True  # also at the last step (benchmark runs turn it off: a proxy checkpoint is ~45 GB)
 
 
 class LoggingSpec(StrictModel):

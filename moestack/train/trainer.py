@@ -487,7 +487,9 @@ class Trainer:
             due_eval = (spec.eval_every and self.step % spec.eval_every == 0) or self.step == spec.steps
             if due_eval and self.eval_set:
                 self.metrics.log(self.step, {"loss": self.evaluate()}, prefix="eval")
-            if (spec.checkpoint.every and self.step % spec.checkpoint.every == 0) or self.step == spec.steps:
+            if (spec.checkpoint.every and self.step % spec.checkpoint.every == 0) or (
+                self.step == spec.steps and spec.checkpoint.save_final
+            ):
                 last_ckpt = self.save()
         self.metrics.close()
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None

@@ -4,6 +4,8 @@
     python3 benchmarks/grouped_gemm.py --write-crossover crossover.json  # also write the "auto" crossover table
     python3 benchmarks/grouped_gemm.py --shapes k3_ep16 --tokens 64,2341
     python3 benchmarks/grouped_gemm.py --quick     # K3 EP16 at 32/64/128/586 tok/exp + fp8 quantiser times (< 90 s)
+    python3 benchmarks/grouped_gemm.py --small     # issue #7: <= 128 tok/exp, torch vs tma / tma-p / persistent,
+                                                   # per-kernel ms and TB/s vs the roofline (< 120 s)
 
 Per expert-FFN shape (E experts, width D, intermediate I; SwiGLU: gate_up D -> 2I, down I -> D) and tokens per
 expert (uniform, N = E * tokens rows): each of the two GEMMs timed forward and forward+backward (dX and dW) for
@@ -12,19 +14,25 @@ bf16 inputs (weights as the transposed view of [E, F, D], like Experts passes). 
 timings after a warm-up that also absorbs autotuning. TFLOP/s = 2 N D F (forward), 3x that (forward+backward).
 Rows "layer" add the two GEMMs. Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which
 triton's forward+backward beats torch's at every measured point below it (0: never); "triton" there is the kernel
-family $MOESTACK_MOE_GG_KERNEL selects (persistent by default, swap when set).
+family --kernel or $MOESTACK_MOE_GG_KERNEL selects (persistent by default; tma with --small), written to the JSON.
 
 Variants, old and new side by side: triton = the persistent kernel, swap = swap-AB kernels at <= SWAP_MAX_ROWS
 mean rows (persistent above), fp8 = v1 (weights requantised every call), fp8v2 = cached fp8 weights (steady state
 of several micro-batches per optimizer step: the weights do not change between the timed calls), the scalar
 weight scale per tile and swap-AB at <= 64 mean rows; fp8v2ns = fp8v2 without swap-AB (only timed where they
 differ). "err": per variant the largest relative error of y, dx, dw vs torch's (bf16 ~1e-3 expected; fp8 ~3e-2,
-fp8v2 the same as fp8).
+fp8v2 the same as fp8). tma / tma-p: the swap-AB schedule with TMA-loaded operands (gg_tma.py), one program per
+work item / persistent, and its weight-gradient kernel; at <= SWAP_MAX_ROWS mean rows (persistent above).
+
+--small adds rows "| part |": each kernel alone (fwd, dX, dW; torch's through torch._grouped_mm, ours through
+gg_tma, dW also with the TMA store) with ms, bytes moved (weights or dW once, plus the activations), achieved
+TB/s, and the roofline ms = max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s) (H200 peak bandwidth, dense bf16 peak).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -47,6 +55,9 @@ BUDGET_S = 140.0
 
 QUICK_TOKENS = [32, 128, 586, 64]  # 64 last: the first three matter most if the budget runs out
 QUICK_BUDGET_S = 55.0  # --quick starts no new token count after this (compilation included)
+SMALL_SHAPES, SMALL_TOKENS = "k3_ep16,e56_2048_1024,e224_1024_512", [32, 128, 16, 64]
+SMALL_BUDGET_S = 100.0
+PEAK_TBS, PEAK_TFS = 4.8, 989.0  # H200: HBM3e bandwidth, dense bf16 tensor-core peak
 
 
 def backends() -> dict:
@@ -56,7 +67,8 @@ def backends() -> dict:
     from moestack.ops.moe import triton_grouped_gemm as tg
 
     return {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
-            "swap": partial(tg.grouped_mm, variant="swap"), "fp8": partial(f8.grouped_mm, v2=False),
+            "swap": partial(tg.grouped_mm, variant="swap"), "tma": partial(tg.grouped_mm, variant="tma"),
+            "tma-p": partial(tg.grouped_mm, variant="tma-p"), "fp8": partial(f8.grouped_mm, v2=False),
             "fp8v2": partial(f8.grouped_mm, v2=True), "fp8v2ns": partial(f8.grouped_mm, v2=True, swap_max_rows=0)}
 
 
@@ -75,6 +87,39 @@ def quant_times(E: int, D: int, F: int, tokens: int) -> str:
           lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype, tile_sw=True))]
     return (f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} | "
             f"fp8 fwd GEMM alone (v2 kernel, no swap) {t[3]:.3f} |")
+
+
+def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
+    """'| part |' rows: each kernel of torch's and ours alone, ms, TB/s achieved, roofline."""
+    from moestack.ops.moe import gg_tma
+    from moestack.ops.moe import triton_grouped_gemm as tg
+
+    x, w, dy = x.detach(), w.detach(), dy.detach()
+    N, D = x.shape
+    E, _, F = w.shape
+    bt = tg.swap_token_tile(N, E)
+    wt = w.transpose(1, 2)
+    act = 2 * N * (D + F)  # bytes of the two activations (read x, write y / read dy, write dx / read both)
+    parts = {  # name: (fn, bytes)
+        "fwd torch": (lambda: reference.grouped_mm(x, w, offs), 2 * E * D * F + act),
+        "dX torch": (lambda: reference.grouped_mm(dy, wt, offs), 2 * E * D * F + act),
+        "dW torch": (lambda: reference._NATIVE_GROUPED_MM(x.t(), dy, offs=offs), 2 * E * D * F + act),
+        "fwd tma": (lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt), 2 * E * D * F + act),
+        "fwd tma-p": (lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt, persistent=True), 2 * E * D * F + act),
+        "dX tma": (lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt), 2 * E * D * F + act),
+        "dW tma": (lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False), 2 * E * D * F + act),
+        "dW tma-store": (lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True), 2 * E * D * F + act),
+    }
+    flops = 2.0 * N * D * F
+    roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
+    cells = []
+    for name, (fn, nbytes) in parts.items():
+        try:
+            ms = median_ms(fn, target_ms=30.0)
+            cells.append(f"{name} {ms:.3f} ms {nbytes / (ms * 1e9):.2f} TB/s ({roof / ms:.0%})")
+        except Exception as e:
+            cells.append(f"{name} failed {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    print(f"| part | {shape} | {tokens} | {gemm} | roofline {roof:.3f} ms | " + " | ".join(cells) + " |", flush=True)
 
 
 def median_ms(fn, target_ms: float = 60.0) -> float:
@@ -151,11 +196,19 @@ def main() -> int:
     ap.add_argument("--write-crossover", default=None, help="write the auto selector's JSON table here")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help=f"k3_ep16 at {QUICK_TOKENS} tok/exp, fp8 quantiser times")
+    ap.add_argument("--small", action="store_true", help="issue #7: few rows per expert, tma variants, parts")
+    ap.add_argument("--variants", default=None, help="comma list of backends to time (default: all but in --small)")
+    ap.add_argument("--kernel", default=None, help="Triton variant the crossover is measured for (persistent, swap, "
+                    "tma, tma-p; default $MOESTACK_MOE_GG_KERNEL's, tma with --small)")
     args = ap.parse_args()
     budget_s = BUDGET_S
     if args.quick:
         args.shapes, args.tokens = "k3_ep16", ",".join(map(str, QUICK_TOKENS))
         budget_s = QUICK_BUDGET_S
+    if args.small:
+        args.shapes, args.tokens = SMALL_SHAPES, ",".join(map(str, SMALL_TOKENS))
+        args.variants = args.variants or "torch,tma,tma-p,triton"
+        budget_s = SMALL_BUDGET_S
     if not torch.cuda.is_available():
         print("| needs a CUDA GPU |")
         return 1
@@ -164,11 +217,14 @@ def main() -> int:
     if args.no_fp8:
         for n in ("fp8", "fp8v2", "fp8v2ns"):
             fns.pop(n)
+    if args.variants:
+        fns = {n: fns[n] for n in args.variants.split(",")}
     names = list(fns)
     from moestack.ops.moe.fp8_grouped_gemm import SWAP_MAX_ROWS as f8_swap_rows
-    from moestack.ops.moe.triton_grouped_gemm import resolve_variant
+    from moestack.ops.moe.triton_grouped_gemm import KERNEL_ENV, resolve_variant
 
-    auto_kernel = "swap" if resolve_variant(None) == "swap" else "triton"  # what backend "auto" runs when small
+    kernel = resolve_variant(args.kernel or ("tma" if args.small and not os.environ.get(KERNEL_ENV) else None))
+    auto_kernel = {"persistent": "triton"}.get(kernel, kernel)  # the backend the crossover compares with torch
     print(f"# grouped GEMM, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 inputs")
     head = ["shape", "tok/exp", "gemm"] + [f"{n} {p} TF/s" for p in ("fwd", "f+b") for n in names]
     head += [f"{a}/{b} {p}" for a, b in RATIOS if a in fns for p in ("fwd", "f+b")] + ["err"]
@@ -178,6 +234,8 @@ def main() -> int:
     for shape in args.shapes.split(","):
         E, D, I = SHAPES[shape]
         for tokens in map(int, args.tokens.split(",")):
+            if args.small and shape != "k3_ep16" and tokens not in (32, 128):  # the budget: K3 first
+                continue
             if time.perf_counter() - t0 > budget_s:
                 print(f"| {shape} | {tokens} | skipped: time budget of {budget_s:.0f} s spent |")
                 continue
@@ -210,6 +268,8 @@ def main() -> int:
                         ms[n] = (float("nan"), float("nan"))
                     layer[n][0] += ms[n][0]
                     layer[n][1] += ms[n][1]
+                if args.small and shape == "k3_ep16":
+                    part_rows(shape, tokens, gemm, x, w, offs, dy)
                 del x, w, dy, ref
                 _row(shape, tokens, gemm, names, ms, flops, " ".join(f"{n} {e:.0e}" for n, e in errs.items()
                                                                       if n != "torch"))
@@ -229,14 +289,15 @@ def main() -> int:
         if args.write_crossover:
             from moestack.ops.moe.gemm_select import CrossoverTable
 
-            kernel = "swap" if auto_kernel == "swap" else None
+            kernel = None if auto_kernel == "triton" else auto_kernel
             CrossoverTable(default, table, kernel).save(args.write_crossover)
             print(f"wrote {args.write_crossover} (use: MOESTACK_MOE_CROSSOVER={args.write_crossover})")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
-RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("fp8", "bf16"), ("fp8v2", "bf16"),
+RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("tma", "torch"), ("tma-p", "torch"),
+          ("tma", "triton"), ("fp8", "bf16"), ("fp8v2", "bf16"),
           ("fp8v2ns", "bf16"), ("fp8v2", "fp8")]  # "bf16": the best of torch / triton / swap
 
 

@@ -64,9 +64,11 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["persistent", "swap"])
+@pytest.mark.parametrize("variant", ["persistent", "swap", "tma", "tma-p"])
 @pytest.mark.parametrize("counts,D,F,tail", CPU_CASES)
 def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
+    """tma / tma-p: TMA descriptors where widths allow (D = 18 falls back: rows not 16-byte aligned; dX needs
+    F % 16 == 0 in the interpreter's configs), forward F tiles that run past an expert's weight rows (F = 40, 36)."""
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_triton_bf16_gpu")
     x, w, offs = make_case(counts, D, F, torch.float32, seed=len(counts) + D, tail=tail)
@@ -89,6 +91,34 @@ def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
     empty = torch.tensor(counts) == 0
     assert (dw[empty] == 0).all(), "experts without rows get a zero weight gradient"
     assert dw.stride() == w.stride(), "the weight gradient is written in w's layout"
+
+
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_tma_kernels_interpreter(tma_store):
+    """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts (TMA store or plain), against
+    the fp64 loop; hot expert with several token tiles, empty experts, tail rows; the kernels are the ones taken
+    (fwd_supported), not the fallback."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case")
+    from moestack.ops.moe import gg_tma
+
+    counts, tail = [0, 37, 3, 0, 9], 2
+    x, w, offs = make_case(counts, 32, 48, torch.float32, seed=3, tail=tail)
+    N, used = x.shape[0], sum(counts)
+    dy = torch.randn(N, 48, generator=torch.Generator().manual_seed(4))
+    dy[used:] = 0
+    wt = w.transpose(1, 2)  # [E, F, D] contiguous: the dX operand
+    assert gg_tma.fwd_supported(x, w) and gg_tma.fwd_supported(dy, wt)
+    y = gg_tma.grouped_mm_fwd(x, w, offs, BT_MAX=16)
+    dx = gg_tma.grouped_mm_fwd(dy, wt, offs, BT_MAX=16, persistent=True)
+    assert rel_err(y[:used], loop_fp64(x, w, offs)[:used]) < 2e-6 and (y[used:] == 0).all()
+    assert rel_err(dx[:used], loop_fp64(dy, wt, offs)[:used]) < 2e-6 and (dx[used:] == 0).all()
+    for like in (w, w.contiguous()):  # the parameter's transposed view, and a contiguous [E, D, F]
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store)
+        dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
+                              zip([0, *offs[:-1].tolist()], offs.tolist())])
+        assert dw.stride() == like.stride() and rel_err(dw, dw_ref) < 2e-6
+        assert (dw[torch.tensor(counts) == 0] == 0).all()
 
 
 def test_triton_plain_layout_and_autocast_dtype():
@@ -151,9 +181,10 @@ def test_crossover_table_choice_and_json(tmp_path):
     assert gemm_select.choose(N=56 * 512, E=56, D=2048, F=2048, table=table) == "torch"
     with pytest.raises(ValueError, match="default_rows"):
         gemm_select.CrossoverTable.from_dict({"by_shape": {}})
-    swap = gemm_select.CrossoverTable(64, {}, kernel="swap")
-    swap.save(path)
-    assert gemm_select.CrossoverTable.load(path).kernel == "swap"
+    for kernel in ("swap", "tma", "tma-p"):
+        gemm_select.CrossoverTable(64, {}, kernel=kernel).save(path)
+        assert gemm_select.CrossoverTable.load(path).kernel == kernel
+    assert gemm_select.VARIANTS == tgg.VARIANTS
     with pytest.raises(ValueError, match="kernel"):
         gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "fast"})
     with pytest.raises(ValueError, match="MOESTACK_MOE_GG_KERNEL"):
@@ -196,9 +227,16 @@ SWAP_GPU_CASES = [c for c in GPU_CASES if c[0] in ("uniform16", "uniform100", "s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,kind,E,D,F", [("persistent", *c) for c in GPU_CASES] +
-                         [("swap", *c) for c in SWAP_GPU_CASES])
+                         [(v, *c) for v in ("swap", "tma") for c in SWAP_GPU_CASES] +
+                         [(v, *c) for v in ("tma-p", "tma-store") for c in SWAP_GPU_CASES if c[0] in ("uniform16",
+                                                                                                 "skew")])
 def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
     monkeypatch.setattr(tgg, "SWAP_MAX_ROWS", 10**6)  # swap at every size here (skew: a few large experts)
+    if variant == "tma-store":  # the tma variant with dW written by TMA stores
+        from moestack.ops.moe import gg_tma
+
+        monkeypatch.setattr(gg_tma, "TMA_STORE", True)
+        variant = "tma"
     counts = gpu_counts(kind, E)
     x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + D, tail=5)
     x.requires_grad_(True)
@@ -216,6 +254,10 @@ def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
     assert all(v < 1e-2 for v in errs.values()), errs
     assert (y[used:] == 0).all()
     assert (dw[torch.tensor(counts) == 0] == 0).all()
+    if variant.startswith("tma"):  # no atomics: bitwise equal on a second run
+        y2 = tgg.grouped_mm(x, w, offs, variant=variant)
+        again = torch.autograd.grad(y2, (x, w), dy)
+        assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
 
 
 @pytest.mark.gpu

@@ -6,8 +6,8 @@ above it torch's. Crossovers come from `benchmarks/grouped_gemm.py --write-cross
 point MOESTACK_MOE_CROSSOVER at that file to use it, else the defaults here apply.
 
 JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}, "kernel": "swap"}  key "DxF" = GEMM in-width x
-out-width; "kernel" (optional): the Triton kernel family for the small shapes ("persistent" / "swap",
-triton_grouped_gemm.resolve_variant), absent = $MOESTACK_MOE_GG_KERNEL, default persistent.
+out-width; "kernel" (optional): the Triton kernel family for the small shapes ("persistent" / "swap" / "tma" /
+"tma-p", triton_grouped_gemm.resolve_variant), absent = $MOESTACK_MOE_GG_KERNEL, default persistent.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from moestack.ops.moe import reference
+
+VARIANTS = ("persistent", "swap", "tma", "tma-p")  # = triton_grouped_gemm.VARIANTS (no triton import here)
 
 ENV_VAR = "MOESTACK_MOE_CROSSOVER"
 # Defaults measured on one H200 (2026-11-29, `benchmarks/grouped_gemm.py`, fwd): the Triton kernel beats torch's
@@ -47,8 +49,8 @@ class CrossoverTable:
             raise ValueError("crossover JSON: default_rows must be an int (mean rows per expert)")
         by_shape = {str(k): int(v) for k, v in d.get("by_shape", {}).items()}
         kernel = d.get("kernel")
-        if kernel not in (None, "persistent", "swap"):
-            raise ValueError(f"crossover JSON: kernel must be 'persistent' or 'swap', got {kernel!r}")
+        if kernel is not None and kernel not in VARIANTS:
+            raise ValueError(f"crossover JSON: kernel must be one of {VARIANTS}, got {kernel!r}")
         return cls(d["default_rows"], by_shape, kernel)
 
     @classmethod

@@ -28,6 +28,11 @@ rows are its N side (BT = 16..128 from the mean rows per expert), so no MMA work
 padding rows, and weight tiles stream through deep pipelines (the GEMM is bound by reading the weights there).
 Its weight gradient uses the same wgrad kernel with token chunks sized like BT.
 
+TMA variant (`tma`, `tma-p`: gg_tma.py): the swap-AB schedule with both operands loaded through TMA tensor
+descriptors, one program per work item ("tma") or persistent ("tma-p"), and a weight-gradient kernel that writes
+the gradient in its contiguous order; at mean rows > SWAP_MAX_ROWS, or where the descriptors do not fit (layouts,
+alignment), the kernels above run.
+
 Legend: N rows, E experts, K reduction width (D in forward), F output width, BM/BN/BK tile sizes, BT token tile.
 """
 
@@ -71,7 +76,8 @@ def _wgrad_configs() -> list[triton.Config]:
     return [triton.Config({"BD": d, "BF": f, "BM": m}, num_warps=w, num_stages=s) for d, f, m, w, s in shapes]
 
 
-KERNEL_ENV = "MOESTACK_MOE_GG_KERNEL"  # "persistent" (default) or "swap"
+KERNEL_ENV = "MOESTACK_MOE_GG_KERNEL"  # "persistent" (default), "swap", "tma", "tma-p"
+VARIANTS = ("persistent", "swap", "tma", "tma-p")
 SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_MOE_GG_SWAP_MAX_ROWS", "128"))  # swap only at or below this mean
 
 
@@ -105,8 +111,8 @@ def swap_token_tile(N: int, E: int) -> int:
 
 def resolve_variant(variant: str | None) -> str:
     v = variant or os.environ.get(KERNEL_ENV, "persistent")
-    if v not in ("persistent", "swap"):
-        raise ValueError(f"{KERNEL_ENV} / variant must be 'persistent' or 'swap', got {v!r}")
+    if v not in VARIANTS:
+        raise ValueError(f"{KERNEL_ENV} / variant must be one of {VARIANTS}, got {v!r}")
     return v
 
 
@@ -278,8 +284,9 @@ def _num_programs(device: torch.device) -> int:
 
 
 def use_swap(N: int, E: int, variant: str | None) -> bool:
-    """The swap-AB kernels run when chosen (variant / $MOESTACK_MOE_GG_KERNEL) and mean rows <= SWAP_MAX_ROWS."""
-    return resolve_variant(variant) == "swap" and N <= SWAP_MAX_ROWS * max(E, 1)
+    """The swap-AB kernels (swap, tma, tma-p) run when chosen (variant / $MOESTACK_MOE_GG_KERNEL) and mean rows
+    <= SWAP_MAX_ROWS."""
+    return resolve_variant(variant) != "persistent" and N <= SWAP_MAX_ROWS * max(E, 1)
 
 
 def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor,
@@ -294,6 +301,12 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
     max_programs = _num_programs(x_NK.device)
     if use_swap(N, E, variant):
         BT = swap_token_tile(N, E)
+        v = resolve_variant(variant)
+        if v.startswith("tma"):
+            from moestack.ops.moe import gg_tma
+
+            if gg_tma.fwd_supported(x_NK, w_EKF):
+                return gg_tma.grouped_mm_fwd(x_NK, w_EKF, offs_E, BT, persistent=v == "tma-p")
 
         def grid_swap(meta):
             return (max(1, min(max_programs, (triton.cdiv(N, BT) + E) * triton.cdiv(F, meta["BF"]))),)
@@ -324,6 +337,10 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     N, D = x_ND.shape
     F = dy_NF.shape[1]
     E = like.shape[0]
+    if use_swap(N, E, variant) and resolve_variant(variant).startswith("tma"):
+        from moestack.ops.moe import gg_tma
+
+        return gg_tma.grouped_mm_wgrad(x_ND, dy_NF, offs_E, like, swap_token_tile(N, E))
     if like.transpose(1, 2).is_contiguous():  # the view Experts passes: grad in the parameter's layout
         dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
     else:

@@ -25,6 +25,13 @@ when BN divides 128 (one 128x128 block column) instead of a [BN] vector per 128-
 output columns are the MMA's M side, BT = 16..64 token rows its N side; both operands stay K-major, as fp8 wgmma
 needs), so no MMA work goes to padding rows.
 
+v3 (`MOESTACK_FP8_V3=1`, or v3=True; implies v2's weight cache and kernels): activations quantised by one fused
+pass per operand (fp8_quant.quantize_dual: x read once for both its 1x128 row tiles and its saved 128x1 token
+tiles; dy likewise for dX and dW), both weight layouts from one read of the weight (fp8_weight_cache.pair), and
+at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS (512) with K, F multiples of 512 on sm90 the three GEMMs
+run one cuBLAS blockwise call per expert (fp8_scaled_mm.py; one host read of the offsets, cached per offsets
+tensor), else the Triton kernels above.
+
 Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
 """
 
@@ -37,6 +44,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe import fp8_scaled_mm as fsm
 from moestack.ops.moe import fp8_weight_cache
 from moestack.ops.moe.triton_grouped_gemm import (
     _check,
@@ -50,6 +58,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
+V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
 
 
 SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: swap-AB at or below this mean
@@ -58,6 +67,10 @@ SWAP_BT_MAX = 64  # token tile cap: [128, BT] accumulator + the slice product fi
 
 def use_v2(v2: bool | None) -> bool:
     return os.environ.get(V2_ENV, "0") == "1" if v2 is None else bool(v2)
+
+
+def use_v3(v3: bool | None) -> bool:
+    return os.environ.get(V3_ENV, "0") == "1" if v3 is None else bool(v3)
 
 
 def _swap_configs() -> list[triton.Config]:
@@ -321,6 +334,54 @@ class Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class Fp8GroupedMMv3(torch.autograd.Function):
+    """v3 (module docstring): fused quantisers, both weight layouts cached from one pass, per-expert cuBLAS
+    blockwise GEMMs at many rows per expert (fp8_scaled_mm), else v2's Triton kernels. Saves for backward: x's
+    fp8 token tiles (as v1 / v2), w (the parameter, no copy), offs, and the host offsets on the cuBLAS path."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, swap_max_rows=None, cublas_min_rows=None):
+        N, D = x_ND.shape
+        E, _, F = w_EDF.shape
+        min_rows = fsm.CUBLAS_MIN_ROWS if cublas_min_rows is None else cublas_min_rows
+        cublas = N > 0 and N >= min_rows * E and fsm.shapes_ok(D, F) and fsm.available(x_ND.device)
+        swap = SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
+        (qw, sw), (_, swT) = fp8_weight_cache.pair(w_EDF, q_dtype)
+        save = ctx.needs_input_grad[1]
+        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
+        if cublas:
+            ends = fsm.host_offsets(offs_E)
+            y = fsm.rows_mm(qx, sx, qw, swT, ends, x_ND.dtype)
+        else:
+            ends = None
+            y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=True, swap_max_rows=swap)
+        ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
+        ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends = q_dtype, x_ND.dtype, swap, ends
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_NF):
+        qxT, sxT, w_EDF, offs_E = ctx.saved_tensors
+        ends = ctx.ends
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qdy, sdy, qdyT, sdyT = fq.quantize_dual(dy_NF, offs_E, ctx.q_dtype, expert_major=ends is not None,
+                                                tiles=need_dw)
+        dx = dw = None
+        if need_dx:
+            (_, sw), (qwT, swT) = fp8_weight_cache.pair(w_EDF, ctx.q_dtype)
+            if ends is not None:  # w^T's cuBLAS block scales [E, D/128, F/128] are the forward's sw
+                dx = fsm.rows_mm(qdy, sdy, qwT, sw, ends, ctx.x_dtype)
+            else:
+                dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=True,
+                                              swap_max_rows=ctx.swap)
+        if need_dw:
+            if ends is not None:
+                dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like=w_EDF)
+            else:
+                dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
+        return dx, dw, None, None, None, None
+
+
 def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks of w (reduction dim contiguous): from the per-version cache in v2, else quantised now."""
     if v2:
@@ -330,16 +391,21 @@ def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple
 
 def grouped_mm(
     x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, v2: bool | None = None,
-    swap_max_rows: int | None = None,
+    swap_max_rows: int | None = None, v3: bool | None = None, cublas_min_rows: int | None = None,
 ) -> torch.Tensor:
     """The "fp8" backend: same contract as reference.grouped_mm; output in the autocast dtype inside autocast,
     else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe).
     v2: cached weights + per-tile weight scale + swap-AB at few rows (module doc); None = $MOESTACK_FP8_V2 (default
-    off). swap_max_rows (v2 only): None = $MOESTACK_FP8_SWAP_MAX_ROWS (64); 0 = never swap."""
+    off). swap_max_rows (v2 only): None = $MOESTACK_FP8_SWAP_MAX_ROWS (64); 0 = never swap.
+    v3 (None = $MOESTACK_FP8_V3, default off; includes v2, not taken when v2=False is passed): fused quantisers, per-expert cuBLAS at mean rows >=
+    cublas_min_rows (None = $MOESTACK_FP8_CUBLAS_MIN_ROWS, 512)."""
     from moestack.ops.moe.reference import _compute_dtype
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
+    if use_v3(v3) and (v2 is None or v2):  # v3 includes v2; an explicit v2=False keeps v1
+        return Fp8GroupedMMv3.apply(x_ND.to(dtype), w_EDF, offs_E.contiguous(), fq.FP8, swap_max_rows,
+                                    cublas_min_rows)
     if use_v2(v2):
         # w in its own dtype: quantised (and cached) from the parameter itself. An autocast copy w.to(bf16) would
         # be a new tensor on every call (no cache hit); dw comes back in w's dtype from the fp32 accumulators.

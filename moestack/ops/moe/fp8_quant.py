@@ -13,6 +13,14 @@ rounded to e4m3 (values saturate at +-448 by construction):
                     reduction dim contiguous, the layout Hopper's FP8 MMA wants). G = ceil(N/128) + E bounds the
                     tile count without reading offs on the host; P = 128 G.
 
+Fused variants (v3, fp8_grouped_gemm.py): `quantize_dual` reads x once per 128x128 tile of one expert and
+writes both the 1x128 row tiles (forward / dX operand) and the 128x1 token tiles (wgrad operand);
+`quantize_blocks_pair` reads w once per 128x128 block and writes both weight layouts (w and w^T, each with its
+reduction dim contiguous). `quantize_dual(expert_major=True)` writes the row scales expert by expert, each
+expert's block [ceil(K/128), Mp_e] contiguous (Mp_e = its row count rounded up to 4, blocks in expert order
+starting at ceil(K/128) * sum of the earlier Mp): the "outer-dim-major" layout torch._scaled_mm's 1x128 recipe
+takes for one expert's rows (fp8_scaled_mm.py); padding entries are zero.
+
 `*_ref` functions are the torch spec (loop-clear, CPU-testable). `out_dtype=torch.float32` makes the Triton
 kernels write the unrounded x / scale (used by the interpreter tests, whose fp8 casts round wrongly).
 
@@ -83,6 +91,33 @@ def quantize_token_tiles_ref(
             g += 1
         start = end
     return qT, s
+
+
+def expert_major_layout(counts: list[int]) -> tuple[list[int], list[int]]:
+    """Host-side view of quantize_dual's expert-major row scales: (base_e, Mp_e) per expert; expert e's block
+    starts at element base_e * ceil(K/128) and is [ceil(K/128), Mp_e] contiguous."""
+    mp = [(c + 3) // 4 * 4 for c in counts]
+    base, acc = [], 0
+    for m in mp:
+        base.append(acc)
+        acc += m
+    return base, mp
+
+
+def expert_major_scales_ref(s_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Plain row scales [N, nk] -> the expert-major flat layout of quantize_dual (zeros in the padding)."""
+    N, nk = s_NK.shape
+    E = offs_E.numel()
+    out = torch.zeros(nk * (N + 3 * E), dtype=torch.float32, device=s_NK.device)
+    ends = offs_E.tolist()
+    starts = [0] + ends[:-1]
+    base, mp = expert_major_layout([max(b - a, 0) for a, b in zip(starts, ends)])
+    for e in range(E):
+        n = max(ends[e] - starts[e], 0)
+        if n:
+            blk = out[base[e] * nk: (base[e] + mp[e]) * nk].view(nk, mp[e])
+            blk[:, :n] = s_NK[starts[e]:ends[e]].t()
+    return out
 
 
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -163,6 +198,129 @@ def fp8_quant_token_tiles_kernel(x, qT, s, offs, N, D, E, P, stride_xn, BE: tl.c
         cols = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT
         tl.store(qT + o_d.to(tl.int64)[None, :] * P + cols[:, None], b_q.to(qT.dtype.element_ty), mask=m_d[None, :])
         tl.store(s + g.to(tl.int64) * D + o_d, b_s, mask=m_d)
+
+
+@triton.jit
+def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: tl.constexpr,
+                          G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr):
+    """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales."""
+    g, i_k = tl.program_id(0), tl.program_id(1)
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_end = tl.load(offs + o_e, mask=m_e, other=0)
+    b_start = tl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
+    b_cnt = tl.where(m_e, tl.maximum(b_end - b_start, 0), 0)
+    b_tiles = (b_cnt + G - 1) // G
+    b_tile_end = tl.cumsum(b_tiles, 0)
+    if g < tl.sum(b_tiles, 0):
+        e = tl.sum((b_tile_end <= g).to(tl.int32), 0)
+        sel = o_e == e
+        first = tl.sum(tl.where(sel, b_tile_end - b_tiles, 0), 0)
+        local = (g - first) * G + tl.arange(0, G)  # [G] row index inside expert e
+        rows = tl.sum(tl.where(sel, b_start, 0), 0) + local
+        m_r = local < tl.sum(tl.where(sel, b_cnt, 0), 0)
+        cols = i_k * G + tl.arange(0, G)  # [G]
+        m_c = cols < K
+        rows64 = rows.to(tl.int64)
+        b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
+                      other=0.0).to(tl.float32)  # [G, G]
+        b_abs = tl.abs(b_x)
+        b_amax_r = tl.max(b_abs, 1)
+        b_sr = tl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)  # [G] one scale per row
+        b_qr = tl.clamp(b_x / b_sr[:, None], -448.0, 448.0)
+        tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty),
+                 mask=m_r[:, None] & m_c[None, :])
+        if EXPERT_MAJOR:
+            b_mp = (b_cnt + 3) // 4 * 4
+            base = tl.sum(tl.where(sel, tl.cumsum(b_mp, 0) - b_mp, 0), 0)
+            mp = tl.sum(tl.where(sel, b_mp, 0), 0)
+            p_s = s + base.to(tl.int64) * nk + i_k * mp + local
+        else:
+            p_s = s + rows64 * nk + i_k
+        tl.store(p_s, b_sr, mask=m_r)
+        if TILES:
+            b_amax_c = tl.max(b_abs, 0)
+            b_sc = tl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)  # [G] one scale per column of the tile
+            b_qc = tl.clamp(b_x / b_sc[None, :], -448.0, 448.0)
+            toks = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT; rows past the expert are zeros
+            tl.store(qT + cols.to(tl.int64)[None, :] * P + toks[:, None], b_qc.to(qT.dtype.element_ty),
+                     mask=m_c[None, :])
+            tl.store(sT + g.to(tl.int64) * K + cols, b_sc, mask=m_c)
+
+
+@triton.jit
+def fp8_quant_blocks_pair_kernel(
+    w, q, s, qT, sT, K, F, stride_we, stride_wk, stride_wf, stride_qe, stride_qk, stride_qf,
+    stride_te, stride_tk, stride_tf, G: tl.constexpr
+):
+    """One 128x128 block of w [E, K, F]: q (w's layout, K contiguous), qT (w^T's, F contiguous), s [E, nk, nf],
+    sT [E, nf, nk] (the same numbers transposed)."""
+    i_k, i_f, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nk, nf = tl.cdiv(K, G), tl.cdiv(F, G)
+    o_k = i_k * G + tl.arange(0, G)
+    o_f = i_f * G + tl.arange(0, G)
+    mask = (o_k < K)[:, None] & (o_f < F)[None, :]
+    e64 = e.to(tl.int64)
+    b_w = tl.load(w + e64 * stride_we + o_k[:, None] * stride_wk + o_f[None, :] * stride_wf, mask=mask,
+                  other=0.0).to(tl.float32)  # [G, G]
+    b_amax = tl.max(tl.max(tl.abs(b_w), 1), 0)
+    b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)
+    b_q = tl.clamp(b_w / b_s, -448.0, 448.0).to(q.dtype.element_ty)
+    tl.store(q + e64 * stride_qe + o_k[:, None] * stride_qk + o_f[None, :] * stride_qf, b_q, mask=mask)
+    tl.store(qT + e64 * stride_te + o_k[:, None] * stride_tk + o_f[None, :] * stride_tf, b_q, mask=mask)
+    tl.store(s + (e64 * nk + i_k) * nf + i_f, b_s)
+    tl.store(sT + (e64 * nf + i_f) * nk + i_k, b_s)
+
+
+def quantize_dual(
+    x_NK: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype = FP8, expert_major: bool = False,
+    tiles: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One read of x [N, K] (rows sorted by expert, offs int32 [E]) -> (q, s, qT, sT):
+    q [N, K] 1x128 row tiles (a view of an [N + 3, K] buffer: the rows past N exist so that one expert's rows
+    can be read rounded up to 4, and are zero), s the row scales, [N, ceil(K/128)] or (expert_major) the flat
+    expert-major layout (module doc); qT [K, P], sT [G, K] the 128x1 token tiles of quantize_token_tiles
+    (None when tiles=False). Rows at or past offs[-1] are not quantised (never read by the GEMMs)."""
+    x_NK = x_NK.contiguous()
+    N, K = x_NK.shape
+    E = offs_E.numel()
+    nk = triton.cdiv(K, GROUP)
+    qbuf = torch.empty((N + 3, K), device=x_NK.device, dtype=out_dtype)
+    qbuf[N:].zero_()
+    if expert_major:
+        s = torch.zeros(nk * (N + 3 * E), device=x_NK.device, dtype=torch.float32)
+    else:
+        s = torch.empty((N, nk), device=x_NK.device, dtype=torch.float32)
+    G = num_token_tiles(N, E)
+    P = G * GROUP
+    if tiles:
+        qT = torch.empty((K, P), device=x_NK.device, dtype=out_dtype)
+        sT = torch.empty((G, K), device=x_NK.device, dtype=torch.float32)
+    else:
+        qT, sT = qbuf, s  # placeholders, never written (TILES=False)
+    if N:
+        fp8_quant_dual_kernel[(G, nk)](
+            x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
+            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles, num_warps=8)
+    return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
+
+
+def quantize_blocks_pair(
+    w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One read of w -> (quantize_blocks(w), quantize_blocks(w^T)): ((q [E, K, F] K contiguous, s [E, nk, nf]),
+    (qT [E, F, K] F contiguous, sT [E, nf, nk])). Same values; sT = s^T."""
+    E, K, F = w_EKF.shape
+    nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)
+    q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
+    qT = torch.empty((E, K, F), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
+    s = torch.empty((E, nk, nf), device=w_EKF.device, dtype=torch.float32)
+    sT = torch.empty((E, nf, nk), device=w_EKF.device, dtype=torch.float32)
+    if E and K and F:
+        qTv = qT.transpose(1, 2)  # [E, K, F] view: strides to store a w-indexed block
+        fp8_quant_blocks_pair_kernel[(nk, nf, E)](
+            w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP, num_warps=8)
+    return (q, s), (qT, sT)
 
 
 def quantize_rows(x_NK: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ whatever writes the parameters (unverified with FSDP2 on a GPU: use clear_after_
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
 
-Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together.
+Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together. `pair` (v3) fills
+both layouts from one read of the weight.
 """
 
 from __future__ import annotations
@@ -54,21 +55,50 @@ def _purge_dead() -> None:
         del _entries[key]
 
 
+def _key(w: torch.Tensor, q_dtype: torch.dtype) -> tuple:
+    return (id(_owner(w)), w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, q_dtype, w.device)
+
+
+def _lookup(w: torch.Tensor, q_dtype: torch.dtype, version: int):
+    hit = _entries.get(_key(w, q_dtype))
+    if hit is not None and hit[0]() is _owner(w) and hit[1] == version:
+        return hit[2], hit[3]
+    return None
+
+
 def blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """fq.quantize_blocks(w_EKF, q_dtype), from the cache while w's version is unchanged."""
     version = _version(w_EKF)
     if version is None:
         return fq.quantize_blocks(w_EKF, q_dtype)
-    owner = _owner(w_EKF)
-    key = (id(owner), w_EKF.data_ptr(), tuple(w_EKF.shape), tuple(w_EKF.stride()), w_EKF.dtype, q_dtype,
-           w_EKF.device)
-    hit = _entries.get(key)
-    if hit is not None and hit[0]() is owner and hit[1] == version:
+    hit = _lookup(w_EKF, q_dtype, version)
+    if hit is not None:
         stats["hits"] += 1
-        return hit[2], hit[3]
+        return hit
     stats["misses"] += 1
     _purge_dead()
     with torch.no_grad():
         q, s = fq.quantize_blocks(w_EKF, q_dtype)
-    _entries[key] = (weakref.ref(owner), version, q, s)
+    _entries[_key(w_EKF, q_dtype)] = (weakref.ref(_owner(w_EKF)), version, q, s)
     return q, s
+
+
+def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8):
+    """(blocks(w), blocks(w^T)) as fq.quantize_blocks_pair: on a miss both layouts come from one read of w and
+    both are cached (the backward's blocks(w.transpose(1, 2)) then hits)."""
+    version = _version(w_EKF)
+    if version is None:
+        return fq.quantize_blocks_pair(w_EKF, q_dtype)
+    wT = w_EKF.transpose(1, 2)
+    fwd, bwd = _lookup(w_EKF, q_dtype, version), _lookup(wT, q_dtype, version)
+    if fwd is not None and bwd is not None:
+        stats["hits"] += 1
+        return fwd, bwd
+    stats["misses"] += 1
+    _purge_dead()
+    with torch.no_grad():
+        fwd, bwd = fq.quantize_blocks_pair(w_EKF, q_dtype)
+    ref = weakref.ref(_owner(w_EKF))
+    _entries[_key(w_EKF, q_dtype)] = (ref, version, *fwd)
+    _entries[_key(wT, q_dtype)] = (ref, version, *bwd)
+    return fwd, bwd

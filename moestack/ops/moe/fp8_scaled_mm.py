@@ -1,0 +1,168 @@
+"""FP8 expert GEMMs one expert at a time through torch._scaled_mm's blockwise recipes (cuBLAS, the v3 large-M path).
+
+torch 2.11's grouped scaled GEMM (`torch._scaled_grouped_mm`, F.scaled_grouped_mm) takes only rowwise / MX /
+NVFP4 scales, but the dense `torch._scaled_mm` takes DeepSeek-V3's recipes on sm90 (cuBLAS >= 12.9):
+(1x128, 128x128) and (1x128, 1x128), scales given as fp32 dequantisation factors (amax / 448, what fp8_quant
+writes). So with many rows per expert one cuBLAS call per expert is the fast kernel; the loop needs the offsets
+on the host (one device-to-host copy per offsets tensor, cached: the gate/up and down GEMMs of a layer and their
+backward share it). Below a few hundred rows per expert the launches dominate and the Triton kernels win, so
+fp8_grouped_gemm only takes this path at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS.
+
+Layouts torch._scaled_mm expects (v1 API, recipe inferred from the scale shapes), per expert e:
+    forward / dX   a = q[r0 : r0 + Mp]     [Mp, K] row-major, Mp = rows rounded up to 4 (cuBLAS wants the scale
+                                            leading dim aligned; rows past the expert get scale 0 and their output
+                                            rows are overwritten by the next expert's call, or zeroed at the end)
+                   scale_a [Mp, K/128]      stride (1, Mp): quantize_dual(expert_major=True)'s block for e
+                   b = qw[e]                [K, F] column-major (the weight's reduction dim contiguous)
+                   scale_b [K/128, F/128]   stride (1, K/128): the block scales of w^T, i.e. the other layout's
+                                            scales (quantize_blocks_pair's sT for the forward, s for dX)
+    wgrad          dw[e] (or dw[e]^T, whichever is row-major) = qxT[:, tiles of e] @ qdyT[:, tiles of e]^T with
+                   both operands' 128x1 token tiles as 1x128 scales along the reduction (tokens):
+                   scale_a = s_tiles[g0:g1]^T [D, ng] stride (1, D), scale_b = s_tiles[g0:g1] [ng, F] row-major.
+                   With a single tile (ng = 1) torch reads the scales as rowwise, which is the same product.
+
+`SCALED_MM` is the one call site; CPU tests replace it with an emulation that checks these shapes and strides
+(tests/ops/test_moe_fp8.py). `available(device)` probes the real call once on the GPU against the dequantised
+product and says no (the caller falls back to Triton) if it raises or disagrees.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from moestack.ops.moe import fp8_quant as fq
+
+CUBLAS_MIN_ROWS = int(os.environ.get("MOESTACK_FP8_CUBLAS_MIN_ROWS", "512"))
+
+
+def _torch_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
+
+
+SCALED_MM = _torch_scaled_mm
+_state: dict = {"probe": {}, "host": None}
+
+
+def _scaled_mm_into(a, b, scale_a, scale_b, out: torch.Tensor) -> None:
+    SCALED_MM(a, b, scale_a, scale_b, out.dtype, out)
+
+
+def host_offsets(offs_E: torch.Tensor) -> list[int]:
+    """offs_E.tolist(), cached for the last offsets tensor seen (while it is alive and unmodified)."""
+    hit = _state["host"]
+    if hit is not None and hit[0]() is offs_E and hit[1] == offs_E._version:
+        return hit[2]
+    ends = offs_E.tolist()
+    _state["host"] = (weakref.ref(offs_E), offs_E._version, ends)
+    return ends
+
+
+def shapes_ok(K: int, F: int) -> bool:
+    """Both weight layouts' 128x128 scale grids have a multiple of 4 blocks along the reduction (cuBLAS's
+    block-scale layout; the K3 / DeepSeek-V3 widths all do)."""
+    return K % 512 == 0 and F % 512 == 0
+
+
+def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sbT: torch.Tensor, ends: list[int],
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """y [N, F] = per expert a_e b_e. qa [N, K] (a view of quantize_dual's [N + 3, K] buffer), sa_flat its
+    expert-major scales, qb [E, K, F] with K contiguous, sbT [E, F/128, K/128] contiguous. Rows >= ends[-1]
+    are zero."""
+    N, K = qa.shape
+    E, _, F = qb.shape
+    nk = K // fq.GROUP
+    assert qa.stride(1) == 1 and qb.stride(1) == 1 and sbT.is_contiguous() and K % fq.GROUP == 0
+    assert qa._base is not None and qa._base.shape[0] >= N + 3, "qa must come from fp8_quant.quantize_dual"
+    qa_full = qa._base[:N + 3]  # the buffer's zero rows past N
+    y_full = torch.empty((N + 3, F), device=qa.device, dtype=out_dtype)
+    starts = [0] + ends[:-1]
+    counts = [max(b - a, 0) for a, b in zip(starts, ends)]
+    base, mp = fq.expert_major_layout(counts)
+    for e in range(E):
+        if counts[e] == 0:
+            continue
+        r0, m = starts[e], mp[e]
+        sa = sa_flat[base[e] * nk: (base[e] + m) * nk].view(nk, m).t()  # [m, nk], stride (1, m)
+        _scaled_mm_into(qa_full[r0:r0 + m], qb[e], sa, sbT[e].t(), y_full[r0:r0 + m])
+    y = y_full[:N]
+    used = ends[-1] if ends else 0
+    if used < N + 3:
+        y_full[used:].zero_()
+    return y
+
+
+def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Tensor, ends: list[int],
+          like: torch.Tensor) -> torch.Tensor:
+    """dw [E, D, F] (like's dtype; laid out as like when like is the transposed view of a contiguous [E, F, D]
+    parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F])."""
+    D, F, E = qxT.shape[0], qdyT.shape[0], like.shape[0]
+    transposed = like.transpose(1, 2).is_contiguous()
+    if transposed:
+        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
+    else:
+        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+    g0 = 0
+    start = 0
+    for e, end in enumerate(ends):
+        g1 = g0 + (max(end - start, 0) + fq.GROUP - 1) // fq.GROUP
+        start = end
+        if g1 == g0:
+            dw[e].zero_()
+            continue
+        cols = slice(g0 * fq.GROUP, g1 * fq.GROUP)
+        if transposed:  # dw[e]^T [F, D] = dy_e^T x_e
+            _scaled_mm_into(qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
+        else:
+            _scaled_mm_into(qxT[:, cols], qdyT[:, cols].t(), sx[g0:g1].t(), sdy[g0:g1], dw[e])
+        g0 = g1
+    return dw
+
+
+def available(device: torch.device) -> bool:
+    """Whether the per-expert torch._scaled_mm path runs here and matches the dequantised product (probed once
+    per device on a small case: two experts, forward and wgrad, bf16 and fp32 outputs)."""
+    if SCALED_MM is not _torch_scaled_mm:
+        return True  # an emulation installed by a test
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    key = str(device)
+    if key not in _state["probe"]:
+        _state["probe"][key] = _probe(device)
+    return _state["probe"][key]
+
+
+def _probe(device: torch.device) -> bool:
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        counts = [130, 6]
+        K, F = 512, 512
+        x = torch.randn(sum(counts), K, generator=g).to(device, torch.bfloat16)
+        w = torch.randn(2, F, K, generator=g).div(K**0.5).to(device).transpose(1, 2)
+        dy = torch.randn(sum(counts), F, generator=g).to(device, torch.bfloat16)
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        ends = offs.tolist()
+        qx, sx, qxT, sxT = fq.quantize_dual(x, offs, expert_major=True)
+        (qw, _), (_, swT) = fq.quantize_blocks_pair(w)
+        y = rows_mm(qx, sx, qw, swT, ends, torch.bfloat16)
+        _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
+        dw = wgrad(qxT, sxT, qdyT, sdyT, ends, like=w)
+        qr, sr = fq.quantize_rows_ref(x)
+        qwr, swr = fq.quantize_blocks_ref(w)
+        from moestack.ops.moe.reference import grouped_mm_loop
+
+        y_ref = grouped_mm_loop(fq.dequantize_rows(qr, sr), fq.dequantize_blocks(qwr, swr), offs)
+        dw_ref = torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in ((0, 130), (130, 136))])
+        err_y = float((y.float() - y_ref).norm() / y_ref.norm())
+        err_w = float((dw.float() - dw_ref).norm() / dw_ref.norm())
+        ok = err_y < 1e-2 and err_w < 6e-2
+        if not ok:
+            print(f"fp8_scaled_mm: torch._scaled_mm blockwise probe disagrees (y {err_y:.3g}, dw {err_w:.3g}); "
+                  "using the Triton FP8 kernels")
+        return ok
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here, fall back
+        print(f"fp8_scaled_mm: torch._scaled_mm blockwise unavailable ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); using the Triton FP8 kernels")
+        return False

@@ -1,27 +1,43 @@
 """Memory policies on one GPU: peak memory saved and step time added per technique, and what they make fit.
 
     python3 benchmarks/memory.py --phase techniques --seq-len 4096    # each technique alone vs the baseline
-    python3 benchmarks/memory.py --phase long --seq-len 8192          # a length the baseline cannot train
-    python3 benchmarks/memory.py --phase largest --seq-len 4096       # the most experts that train, all combined
+    python3 benchmarks/memory.py --phase long --seq-len 16384         # a length the baseline cannot train
+    python3 benchmarks/memory.py --phase largest --seq-len 4096       # the most experts / longest seq that train,
+                                                                      # all combined
     python3 benchmarks/memory.py --model tiny --device cpu --seq-len 64 --steps 1   # smoke test of the script
+    bash scripts/gpu_memory.sh                                        # long + largest on two GPUs, < 7 min
 
-Each run builds the model on the meta device, applies the technique (moestack.memory.apply_memory_policies and
+Each row builds the model on the meta device, applies the technique (moestack.memory.apply_memory_policies and
 the optimizer from moestack.train.optimizers), materialises it (host-offloaded experts straight into host memory),
 and trains `--warmup` + `--steps` steps on random tokens under bf16 autocast (fp32 weights, AdamW lr 1e-4, grad
 clip 1.0, router bias update), exactly the trainer's step. Peak = torch.cuda.max_memory_allocated over the timed
 steps (optimizer state already allocated); step time = median of the timed steps. After the timed steps
 moestack.memory.report.measure_memory gives the breakdown (activations per layer type: the measured factors for
-the planner) and the planner's prediction for the same plan. Out-of-memory is caught and reported as such.
-Prints markdown tables (rows start with '|'); --json writes every number.
+the planner) next to the planner's breakdown for the same plan.
+
+Rows run one per subprocess (default; --no-isolate runs them in this process): an out-of-memory, a CUDA error or
+a crash ends only its own row, and a row's allocator state cannot leak into the next one. `--deadline-s` bounds
+the whole phase: each row gets what is left, rows that cannot start in time are listed as skipped. Rows are
+printed as they finish (markdown, lines starting with '|'), the whole table again at the end.
+
+Columns: peak GiB (allocator peak), saved GiB and time added vs the reference row (the baseline when it trains,
+else `--reference`, e.g. "recompute full" in the long phase), planner GiB (the cost model's peak for the same plan,
+moestack/planner/cost.py, minus its "reserved" term: the allocator does not count the CUDA context / slack), its
+error, and `fit x` = measured / planner: the factor the planner's memory total needs for this row (the per-category
+report under the table says which term). --json writes every number.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -31,7 +47,7 @@ from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
-from moestack.memory.report import GIB, format_report, measure_memory, single_device_plan
+from moestack.memory.report import GIB, format_report, measure_memory, predicted_memory, single_device_plan
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
 from moestack.train.optimizers import build_optimizer_from_name
@@ -108,12 +124,14 @@ def train_step(model, opt, tokens, targets, autocast) -> float:
     opt.zero_grad(set_to_none=True)
     for moe in model.moe_layers().values():
         moe.router.update_selection_bias()
-    return float(loss)
+    return float(loss.detach())
 
 
-def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: int, report: bool) -> dict:
-    """Build, train, measure one configuration; {"oom": True} when it does not fit."""
-    out: dict = {"technique": name, "plan": plan.model_dump(exclude={"predicted"}), "experts": spec.moe.num_experts}
+def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: int, report: bool,
+        cal=None) -> dict:
+    """Build, train, measure one configuration in this process; {"oom": True} when it does not fit."""
+    out: dict = {"technique": name, "plan": plan.model_dump(exclude={"predicted"}), "experts": spec.moe.num_experts,
+                 "seq": plan.seq_len, "status": "ok"}
     model = opt = None
     try:
         t_build = time.perf_counter()
@@ -144,7 +162,7 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         if pol.expert_offload is not None:
             out["expert_offload"] = vars(pol.expert_offload.stats).copy()
         if report:
-            rep = measure_memory(model, opt, tokens, targets, autocast, plan)
+            rep = measure_memory(model, opt, tokens, targets, autocast, plan, cal=cal)
             out["report"] = {"measured_gib": {k: (v / GIB if v is not None else None) for k, v in rep.measured.items()},
                              "activations_by_kind_gib": {k: v / GIB for k, v in rep.activations_by_kind.items()},
                              "host_gib": {k: v / GIB for k, v in rep.host.items()},
@@ -153,7 +171,7 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
             out["report_lines"] = format_report(rep)
             out["act_bytes_per_token_layer"] = _act_factors(spec, rep, plan)
     except torch.OutOfMemoryError as err:
-        out.update(oom=True, error=str(err).splitlines()[0][:200])
+        out.update(oom=True, status="oom", error=str(err).splitlines()[0][:200])
     finally:
         del model, opt
         gc.collect()
@@ -172,31 +190,142 @@ def _act_factors(spec, rep, plan: Plan) -> dict[str, float]:
     return {k: v / tokens / layers[k] for k, v in rep.activations_by_kind.items() if k in layers}
 
 
-def table(rows: list[dict]) -> list[str]:
-    base = next((r for r in rows if r["technique"] == "baseline" and not r["oom"]), None)
-    lines = ["| technique | experts | peak GiB | saved GiB | step s | time added | planner GiB | planner error |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["oom"]:
-            lines.append(f"| {r['technique']} | {r['experts']} | out of memory | - | - | - | - | - |")
-            continue
-        peak = r.get("peak_gib")
-        saved = f"{base['peak_gib'] - peak:.1f}" if base and peak is not None and "peak_gib" in base else "-"
-        added = f"{100 * (r['step_s'] / base['step_s'] - 1):+.0f}%" if base else "-"
-        rep = r.get("report", {})
-        pred = sum(rep.get("predicted_gib", {}).values()) or None
-        total = rep.get("device_total_gib")
-        err = f"{100 * (pred / total - 1):+.1f}%" if pred and total else "-"
-        peak_s = "-" if peak is None else f"{peak:.1f}"
-        pred_s = "-" if pred is None else f"{pred:.1f}"
-        lines.append(f"| {r['technique']} | {r['experts']} | {peak_s} | {saved} | {r['step_s']:.2f} | {added} | "
-                     f"{pred_s} | {err} |")
-    return lines
+# ------------------------------------------------------------------------------------------------------------
+# rows: what to run, in this process or in a child
+
+
+def variant_spec(base, seq: int, experts: int | None):
+    """The model spec of one row: max_seq_len raised to `seq`, num_experts replaced when given."""
+    data = base.model_dump()
+    data["max_seq_len"] = max(base.max_seq_len, seq)
+    if experts is not None:
+        data["moe"]["num_experts"] = experts
+    return type(base).model_validate(data)
+
+
+def phase_rows(args) -> list[dict]:
+    """[{name, fields, seq, experts}] in run order."""
+    if args.phase in ("techniques", "long"):
+        names = [n.strip() for n in args.only.split(",")] if args.only else list(TECHNIQUES)
+        bad = [n for n in names if n not in TECHNIQUES]
+        if bad:
+            raise SystemExit(f"error: --only: unknown technique(s) {bad}; known: {', '.join(TECHNIQUES)}")
+        return [{"name": n, "fields": TECHNIQUES[n], "seq": args.seq_len, "experts": None} for n in names]
+    by_experts = [{"name": "all combined", "fields": ALL, "seq": args.seq_len, "experts": int(e), "axis": "experts"}
+                  for e in args.experts.split(",") if e]
+    by_seq = [{"name": "all combined", "fields": ALL, "seq": int(s), "experts": None, "axis": "seq"}
+              for s in (args.seq_lens or "").split(",") if s]
+    # alternate the two axes, so that a deadline cuts both short rather than one entirely
+    return [r for pair in itertools.zip_longest(by_experts, by_seq) for r in pair if r is not None]
+
+
+def predict(spec, plan: Plan, cal) -> dict:
+    """The planner's peak for `plan`: allocated (total minus "reserved") and the breakdown, in GiB."""
+    mem = predicted_memory(spec, plan, cal)
+    return {"alloc_gib": (sum(mem.values()) - mem.get("reserved", 0.0)) / GIB,
+            "breakdown_gib": {k: v / GIB for k, v in mem.items()}}
+
+
+def run_row(row: dict, args, base, cal) -> dict:
+    spec = variant_spec(base, row["seq"], row["experts"])
+    plan = make_plan(args.model, row["seq"], args.micro_batch, row["fields"], args.cluster)
+    return run(row["name"], spec, plan, torch.device(args.device), args.steps, args.warmup, not args.no_report, cal)
+
+
+def _child_argv(args, row: dict, out_path: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--device", args.device,
+            "--cluster", args.cluster, "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--child-row", json.dumps(row), "--child-out", out_path]
+    if args.no_report:
+        argv.append("--no-report")
+    if args.calibration:
+        argv += ["--calibration", args.calibration]
+    return argv
+
+
+def run_isolated(row: dict, args, timeout_s: float) -> dict:
+    """One row in a child process; a crash, CUDA error or timeout becomes the row's status."""
+    blank = {"technique": row["name"], "experts": row["experts"], "seq": row["seq"], "oom": False}
+    fd, path = tempfile.mkstemp(prefix="memory_row_", suffix=".json")
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run(_child_argv(args, row, path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired as err:
+            tail = (err.stdout or b"")
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            return dict(blank, status="timeout", error=f"timed out after {timeout_s:.0f} s",
+                        log_tail=tail[-2000:])
+        with open(path) as f:
+            text = f.read()
+        if proc.returncode == 0 and text:
+            out = json.loads(text)
+            out["log_tail"] = proc.stdout[-2000:]
+            return out
+        lines = [x for x in proc.stdout.strip().splitlines() if x.strip()]
+        oom = any("OutOfMemoryError" in x or "CUDA out of memory" in x for x in lines)
+        last = next((x for x in reversed(lines) if "Error" in x or "error" in x), lines[-1] if lines else "")
+        return dict(blank, oom=oom, status="oom" if oom else "failed",
+                    error=f"exit {proc.returncode}: {last.strip()[:200]}", log_tail=proc.stdout[-2000:])
+    finally:
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tables
+
+
+HEADER = ["| technique | experts | seq | peak GiB | saved GiB | step s | time added | planner GiB | planner error "
+          "| fit x |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def reference_row(rows: list[dict], reference: str | None) -> dict | None:
+    """The baseline if it trained, else the first trained row named `reference` ("first": the first trained
+    row), else None."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("step_s") is not None]
+    if reference == "first":
+        return ok[0] if ok else None
+    for name in ("baseline", reference):
+        hit = next((r for r in ok if r["technique"] == name), None)
+        if hit is not None:
+            return hit
+    return None
+
+
+def row_line(r: dict, ref: dict | None, hbm_gib: float | None) -> str:
+    pred = r.get("predicted", {}).get("alloc_gib")
+    pred_s = "-" if pred is None else f"{pred:.1f}" if pred >= 1 else f"{pred:.3f}"
+    head = f"| {r['technique']} | {r['experts']} | {r['seq']} |"
+    status = r.get("status", "ok")
+    if status != "ok":
+        what = {"oom": "out of memory" + (f" ({hbm_gib:.0f} GiB)" if hbm_gib else ""),
+                "timeout": "timed out", "skipped": "skipped (" + r.get("error", "") + ")"}.get(
+            status, "failed: " + r.get("error", "")[:80].replace("|", "/"))
+        return f"{head} {what} | - | - | - | {pred_s} | - | - |"
+    peak = r.get("peak_gib")
+    saved = (f"{ref['peak_gib'] - peak:+.1f}".replace("+", "")
+             if ref is not None and ref is not r and peak is not None and ref.get("peak_gib") is not None else "-")
+    added = f"{100 * (r['step_s'] / ref['step_s'] - 1):+.0f}%" if ref is not None and ref is not r else "-"
+    err = f"{100 * (pred / peak - 1):+.1f}%" if pred and peak else "-"
+    fit = f"{peak / pred:.3f}" if pred and peak else "-"
+    peak_s = "-" if peak is None else f"{peak:.1f}"
+    return f"{head} {peak_s} | {saved} | {r['step_s']:.2f} | {added} | {pred_s} | {err} | {fit} |"
+
+
+def table(rows: list[dict], reference: str | None = "recompute full", hbm_gib: float | None = None) -> list[str]:
+    ref = reference_row(rows, reference)
+    return HEADER + [row_line(r, ref, hbm_gib) for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# host memory guard (largest phase: experts in host memory)
 
 
 def host_bytes_needed(spec, fields: dict) -> float:
-    """Rough host memory of an all-offloaded run: experts (param + grad + bf16 m, v + bf16 shadow = 14 B), the rest
-    (master + bf16 m, v + grad staging = 12 B)."""
+    """Host memory of an all-offloaded run: routed experts (fp32 param + fp32 grad + bf16 m, v + bf16 transfer
+    shadow = 14 B / param), with optimizer offload the rest too (fp32 master + bf16 m, v + fp32 grad staging =
+    12 B / param)."""
     from moestack.planner.profile import profile_model
 
     prof = profile_model(spec, 2)
@@ -214,60 +343,117 @@ def mem_available() -> float:
     return float("inf")
 
 
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _details(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        label = f"{r['technique']} ({r['experts']} experts, seq {r['seq']})"
+        pred = r.get("predicted", {}).get("breakdown_gib")
+        if r.get("report_lines"):
+            out += ["", label + ":"] + r["report_lines"]
+        elif pred:
+            out += ["", label + ": planner GiB " + ", ".join(f"{k} {v:.2f}" for k, v in pred.items())]
+        for key in ("activation_offload", "expert_offload", "act_bytes_per_token_layer"):
+            if key in r:
+                out.append(f"  {key}: {r[key]}")
+        if r.get("status") not in (None, "ok", "oom", "skipped") and r.get("log_tail"):
+            out += ["  log tail:"] + ["    " + x for x in r["log_tail"].strip().splitlines()[-8:]]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", choices=["techniques", "long", "largest"], default="techniques")
     ap.add_argument("--model", default="proxy")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cluster", default=None, help="planner cluster preset (default h200-1gpu on CUDA, else cpu)")
+    ap.add_argument("--calibration", default=None, help="planner calibration JSON (moestack tune; default built-in)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated technique names (techniques / long phases)")
-    ap.add_argument("--experts", default="128,256,384,512", help="num_experts to try (largest phase)")
+    ap.add_argument("--reference", default=None,
+                    help="reference row for saved / time added when the baseline does not train (default: "
+                         "'recompute full'; largest phase: 'first', the first row that trains)")
+    ap.add_argument("--experts", default="256,384,512", help="num_experts to try, all combined (largest phase)")
+    ap.add_argument("--seq-lens", default="", help="sequence lengths to try at the preset's experts, all combined "
+                                                   "(largest phase, alternating with --experts)")
+    ap.add_argument("--host-fraction", type=float, default=0.85,
+                    help="largest phase: skip a row whose host memory estimate exceeds this share of MemAvailable")
+    ap.add_argument("--deadline-s", type=float, default=None, help="wall-clock budget of the whole phase")
+    ap.add_argument("--no-isolate", action="store_true", help="run rows in this process (no subprocess per row)")
     ap.add_argument("--no-report", action="store_true", help="skip the memory report pass")
     ap.add_argument("--kda-backend", default=None, help="sets MOESTACK_KDA_BACKEND (e.g. reference, triton)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.reference is None:
+        args.reference = "first" if args.phase == "largest" else "recompute full"
+    t_start = time.monotonic()
     if args.kda_backend:
         os.environ["MOESTACK_KDA_BACKEND"] = args.kda_backend
     device = torch.device(args.device)
-    base_spec = load_model_spec(args.model)
-    spec = base_spec.model_copy(update={"max_seq_len": max(base_spec.max_seq_len, args.seq_len)})
-    cluster = args.cluster or ("h200-1gpu" if device.type == "cuda" else "cpu")
-    rows = []
-    if args.phase in ("techniques", "long"):
-        names = args.only.split(",") if args.only else list(TECHNIQUES)
-        for name in names:
-            plan = make_plan(args.model, args.seq_len, args.micro_batch, TECHNIQUES[name], cluster)
-            rows.append(run(name, spec, plan, device, args.steps, args.warmup, not args.no_report))
-            print(table(rows)[-1], flush=True)
-    else:
-        for E in (int(x) for x in args.experts.split(",")):
-            data = spec.model_dump()
-            data["moe"]["num_experts"] = E
-            variant = type(spec).model_validate(data)
-            need, have = host_bytes_needed(variant, ALL), mem_available()
-            if need > 0.85 * have:
-                print(f"{E} experts: needs ~{need / GIB:.0f} GiB of host memory, {have / GIB:.0f} GiB available: stop")
-                rows.append({"technique": "all combined", "experts": E, "oom": True, "error": "host memory"})
-                break
-            plan = make_plan(args.model, args.seq_len, args.micro_batch, ALL, cluster)
-            row = run("all combined", variant, plan, device, args.steps, args.warmup, not args.no_report)
-            rows.append(row)
-            print(table(rows)[-1], flush=True)
-            if row["oom"]:
-                break
-    print(f"\n{args.model}, seq {args.seq_len} x micro-batch {args.micro_batch}, {device}, phase {args.phase}")
-    print("\n".join(table(rows)))
-    for r in rows:
-        if r.get("report_lines"):
-            print(f"\n{r['technique']} ({r['experts']} experts):")
-            print("\n".join(r["report_lines"]))
-        for key in ("activation_offload", "expert_offload"):
-            if key in r:
-                print(f"  {key}: {r[key]}")
+    args.cluster = args.cluster or ("h200-1gpu" if device.type == "cuda" else "cpu")
+    from moestack.planner.calibration import load_calibration
+
+    cal = load_calibration(args.calibration)
+    base = load_model_spec(args.model)
+
+    if args.child_row is not None:  # one row, result as JSON in --child-out
+        out = run_row(json.loads(args.child_row), args, base, cal)
+        with open(args.child_out, "w") as f:
+            json.dump(out, f, default=str)
+        return
+
+    from moestack.config.cluster import load_cluster_spec
+
+    # the device's memory from the cluster preset: the parent never creates a CUDA context (it would take memory
+    # from the rows' device)
+    hbm_gib = load_cluster_spec(args.cluster).device.hbm_bytes / GIB if device.type == "cuda" else None
+    todo = phase_rows(args)
+    rows: list[dict] = []
+    print(f"{args.model}, micro-batch {args.micro_batch}, {device}, phase {args.phase}, {args.warmup} warmup + "
+          f"{args.steps} timed steps, rows {'in this process' if args.no_isolate else 'one subprocess each'}; "
+          f"planner: {args.calibration or 'built-in calibration'}", flush=True)
+    print("\n".join(HEADER), flush=True)
+    stop_axis: set[str] = set()
+    for row in todo:
+        spec = variant_spec(base, row["seq"], row["experts"])
+        row = dict(row, experts=spec.moe.num_experts)
+        plan = make_plan(args.model, row["seq"], args.micro_batch, row["fields"], args.cluster)
+        predicted = predict(spec, plan, cal)
+        left = None if args.deadline_s is None else args.deadline_s - (time.monotonic() - t_start)
+        skip = None
+        if row.get("axis") in stop_axis:
+            skip = "a smaller one failed"
+        elif left is not None and left < 20:
+            skip = "no time left"
+        elif args.phase == "largest" and row["fields"].get("offload"):
+            need, have = host_bytes_needed(spec, row["fields"]), mem_available()
+            if need > args.host_fraction * have:
+                skip = f"host memory: ~{need / GIB:.0f} GiB needed, {have / GIB:.0f} available"
+        if skip is not None:
+            r = {"technique": row["name"], "experts": row["experts"], "seq": row["seq"], "oom": False,
+                 "status": "skipped", "error": skip}
+        elif args.no_isolate:
+            r = run(row["name"], spec, plan, device, args.steps, args.warmup, not args.no_report, cal)
+        else:
+            r = run_isolated(row, args, left if left is not None else 24 * 3600)
+        r["predicted"] = predicted
+        rows.append(r)
+        if args.phase == "largest" and r.get("status") != "ok":
+            stop_axis.add(row.get("axis"))
+        print(row_line(r, reference_row(rows, args.reference), hbm_gib), flush=True)
+    ref = reference_row(rows, args.reference)
+    print(f"\n{args.model}, micro-batch {args.micro_batch}, {device}, phase {args.phase}; saved / time added vs "
+          f"{ref['technique'] + ' (' + str(ref['experts']) + ' experts, seq ' + str(ref['seq']) + ')' if ref else '-'}; "
+          f"planner GiB = cost model peak minus its reserved term; fit x = measured / planner")
+    print("\n".join(table(rows, args.reference, hbm_gib)))
+    print("\n".join(_details(rows)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

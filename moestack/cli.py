@@ -55,6 +55,9 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
     set_: list[str] = typer.Option([], "--set", help="any TrainSpec field, dotted: --set optimizer.weight_decay=0"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    memory_report: bool = typer.Option(False, "--memory-report",
+                                       help="after training, print where one step's memory goes (allocator on "
+                                            "CUDA) next to the planner's prediction (moestack/memory/report.py)"),
 ) -> None:
     """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists).
 
@@ -89,7 +92,7 @@ def train(
         overrides["logging.progress"] = False
     spec = load_train_spec(config, overrides)
     model_spec = load_any_model_spec(spec.model)
-    _run_training(spec, model_spec, resume, run_plan)
+    _run_training(spec, model_spec, resume, run_plan, memory_report)
 
 
 def _guess_source(paths: list[str]) -> str:
@@ -101,12 +104,17 @@ def _guess_source(paths: list[str]) -> str:
     return "text"
 
 
-def _run_training(spec, model_spec, resume: bool, plan=None) -> None:
+def _run_training(spec, model_spec, resume: bool, plan=None, memory_report: bool = False) -> None:
     from moestack.train.trainer import Trainer
 
     trainer = Trainer(spec, model_spec, log=console.print, plan=plan)
     try:
         _fit(trainer, model_spec, resume)
+        if memory_report:
+            from moestack.memory.report import trainer_memory_report
+
+            lines = trainer_memory_report(trainer)
+            trainer.log("\n".join(lines), markup=False, highlight=False)
     finally:
         trainer.close()
 

@@ -138,16 +138,18 @@ def _restored(model: nn.Module):
 
 
 def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor,
-                   targets: torch.Tensor, autocast=contextlib.nullcontext, plan: Plan | None = None) -> MemoryReport:
+                   targets: torch.Tensor, autocast=contextlib.nullcontext, plan: Plan | None = None,
+                   cal=None) -> MemoryReport:
     """One forward + backward of `model(inputs, targets)` measured (module docstring). `autocast`: a callable
-    returning the trainer's autocast context. With `plan`, the planner's prediction is attached."""
+    returning the trainer's autocast context. With `plan`, the planner's prediction is attached (under
+    calibration `cal`, a moestack.planner.calibration.Calibration; default the built-in one)."""
     device = inputs.device
     if device.type == "cuda":
         report = _measure_cuda(model, optimizer, inputs, targets, autocast)
     else:
         report = _measure_saved(model, optimizer, inputs, targets, autocast)
     if plan is not None:
-        report.predicted = predicted_memory(model.spec, plan)
+        report.predicted = predicted_memory(model.spec, plan, cal)
     return report
 
 
@@ -229,8 +231,9 @@ def _measure_saved(model, optimizer, inputs, targets, autocast) -> MemoryReport:
     return MemoryReport(str(inputs.device), measured, by_kind, host, None, None, notes=notes)
 
 
-def predicted_memory(spec, plan: Plan) -> dict[str, float]:
-    """The planner's per-device memory breakdown (bytes) for `plan` (moestack/planner/cost.py)."""
+def predicted_memory(spec, plan: Plan, cal=None) -> dict[str, float]:
+    """The planner's per-device memory breakdown (bytes) for `plan` (moestack/planner/cost.py) under calibration
+    `cal` (default: the built-in one)."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.planner.calibration import load_calibration
     from moestack.planner.cost import CostModel
@@ -239,7 +242,8 @@ def predicted_memory(spec, plan: Plan) -> dict[str, float]:
     cluster = load_cluster_spec(plan.cluster).with_devices(plan.devices)
     prof = profile_model(spec, plan.seq_len)
     flops = prof.train_flops_per_token + prof.mtp_train_flops_per_token
-    cost = CostModel(spec, cluster, load_calibration(), plan.seq_len, flops).evaluate(plan)
+    cal = cal if cal is not None else load_calibration()
+    cost = CostModel(spec, cluster, cal, plan.seq_len, flops).evaluate(plan)
     return dict(cost.memory)
 
 
@@ -249,6 +253,32 @@ def single_device_plan(model: str, seq_len: int, micro_batch_size: int, grad_acc
     cluster = cluster or ("h200-1gpu" if torch.cuda.is_available() else "cpu")
     return make_plan(model=model, cluster=cluster, devices=1, seq_len=seq_len, micro_batch_size=micro_batch_size,
                      global_batch_size=micro_batch_size * grad_accum_steps, **fields)
+
+
+def trainer_memory_report(trainer) -> list[str]:
+    """`moestack train --memory-report`: measure one forward + backward of the trainer's model on its next batch
+    (training state untouched: measure_memory) and format it next to the planner's prediction for the trainer's
+    plan (its --plan, else the one-device plan `single_device_plan` describes). Lines to print; a pipeline-parallel
+    trainer gets one line saying it is not supported (a stage is not a whole model)."""
+    if trainer.pipeline is not None:
+        return ["memory report: not supported under pipeline parallelism (each rank holds a stage)"]
+    spec = trainer.spec
+    plan = trainer.plan
+    if plan is None:
+        plan = single_device_plan(trainer.model_spec.name, spec.seq_len, spec.micro_batch_size, spec.grad_accum_steps,
+                                  cluster="h200-1gpu" if trainer.device.type == "cuda" else "cpu")
+    inputs, targets = trainer.sampler.next_batch()
+    inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
+    report = measure_memory(trainer.model, trainer.optimizer, inputs, targets, trainer.autocast)
+    try:
+        report.predicted = predicted_memory(trainer.model_spec, plan)
+    except Exception as err:  # noqa: BLE001 - the measurement is still worth printing
+        report.notes.append(f"planner prediction unavailable: {type(err).__name__}: {err}")
+    lines = format_report(report)
+    if trainer.plan is None:
+        lines.append(f"  planner plan: one device ({plan.cluster}), seq {plan.seq_len} x micro-batch "
+                     f"{plan.micro_batch_size}, no recompute / offload (the trainer without --plan applies none)")
+    return lines
 
 
 def format_report(report: MemoryReport) -> list[str]:

@@ -29,6 +29,8 @@ from moestack.planner.calibration import Calibration
 
 BF16 = 2
 FP32 = 4
+LOSS_CHUNK_TOKENS = 4096  # moestack.model.loss.chunked_cross_entropy's default chunk (adapt.py uses the same)
+LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 copy + fp32 gradient of one chunk, alive together in backward (adapt.py)
 
 # ------------------------------------------------------------------------------------------------------------
 # 1. Work per token
@@ -816,29 +818,37 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
         return T * ctx.spec.hidden_size * BF16 / tp
     copies = autocast_weight_copies(part, ctx) if mode == "none" else 0.0
     measured = ctx.cal.parts.get(part.kind)
-    if measured is not None and ctx.plan.precision != "fp8":
-        # measured bytes per token (no recompute); selective keeps the analytic fraction of them
+    if measured is not None:
+        # measured bytes per token (bf16 storage, no recompute); selective keeps the analytic fraction of them;
+        # fp8 storage takes off what the analytic terms say it saves
         frac = 1.0
         if mode == "selective":
-            frac = _analytic_act(part, "selective", ctx) / max(_analytic_act(part, "none", ctx), 1e-9)
-        return T * measured.act_bytes_per_token / tp * frac + copies
-    return _analytic_act(part, mode, ctx) + copies
+            frac = _analytic_act(part, "selective", ctx, False) / max(_analytic_act(part, "none", ctx, False), 1e-9)
+        fp8_saving = 0.0
+        if ctx.plan.precision == "fp8":
+            fp8_saving = _analytic_act(part, mode, ctx, False) - _analytic_act(part, mode, ctx, True)
+        return max(0.0, T * measured.act_bytes_per_token / tp * frac - fp8_saving) + copies
+    return _analytic_act(part, mode, ctx, ctx.plan.precision == "fp8") + copies
 
 
 def autocast_weight_copies(part: PartWork, ctx: Ctx) -> float:
     """bf16 copies of fp32 GEMM weights that autocast makes in forward and autograd keeps for backward: the
     single-device trainer keeps fp32 weights under autocast (distributed plans run FSDP2 with bf16 params, no
-    copies). Selective and full recompute redo the casts (memory/recompute.py)."""
+    copies). Selective and full recompute redo the casts (memory/recompute.py). The routed experts' copies are
+    not kept when their GEMMs go through moestack.memory's expert seam (expert offload, FP8 saved inputs): the
+    seam's autograd.Function casts inside its forward and keeps the fp32 weight (or nothing, when offloaded)."""
     if ctx.plan.devices != 1:
         return 0.0
     dense = sum(g.params for g in part.gemms if not g.expert and not g.fp32)
     expert = sum(g.params for g in part.gemms if g.expert) * part.num_experts
+    if ctx.plan.offload.experts or ctx.plan.precision == "fp8":
+        expert = 0.0
     return BF16 * (dense + expert)
 
 
-def _analytic_act(part: PartWork, mode: str, ctx: Ctx) -> float:
+def _analytic_act(part: PartWork, mode: str, ctx: Ctx, fp8: bool) -> float:
+    """Saved bytes from the analytic per-token terms (`fp8`: GEMM inputs stored in one byte)."""
     T, tp = ctx.tokens, ctx.plan.tp
-    fp8 = ctx.plan.precision == "fp8"
     # summed over many layers and micro-batches, expert loads average out: stored expert activations use the mean
     # load (the transient dispatch buffers carry MOE_MEMORY_HEADROOM instead)
     keep = part.act_keep - (part.fp8_saved / 2 if fp8 else 0.0)
@@ -1208,8 +1218,9 @@ class CostModel:
     def _grads_build_up(plan: Plan) -> bool:
         """True when gradients do not outlive the step: one device (no FSDP / DDP buffers), one micro-batch (no
         accumulation), and the trainer's zero_grad(set_to_none=True). Backward then allocates them layer by layer
-        while it frees that layer's activations."""
-        return plan.devices == 1 and plan.num_microbatches == 1 and not plan.offload.optimizer
+        while it frees that layer's activations. The CPU-offloaded optimizer copies the device gradients out after
+        backward and the same zero_grad frees them, so it builds up the same way."""
+        return plan.devices == 1 and plan.num_microbatches == 1
 
     def _one_end_of_backward(self, plan: Plan, mem: dict[str, float]) -> None:
         """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
@@ -1344,8 +1355,8 @@ class CostModel:
             act = rank_cost[r].act
             mem["activations"] = 2 * act_layer_max[r] if plan.offload.activations else act * inflight
             buffers = 0.0
-            if r == plan.pp - 1 or plan.pp == 1:
-                buffers = max(buffers, T * spec.vocab_size / plan.tp * (BF16 + FP32))
+            if r == plan.pp - 1 or plan.pp == 1:  # the chunked loss: one chunk's logits at a time
+                buffers = max(buffers, min(T, LOSS_CHUNK_TOKENS) * spec.vocab_size / plan.tp * LOSS_BYTES_PER_LOGIT)
             if spec.moe is not None:
                 moe_buf = (T / plan.tp * spec.moe.top_k * (spec.moe.latent_size or spec.hidden_size) * BF16
                            * MOE_MEMORY_HEADROOM * 2)

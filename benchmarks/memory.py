@@ -264,7 +264,7 @@ def run_isolated(row: dict, args, timeout_s: float) -> dict:
             out["log_tail"] = proc.stdout[-2000:]
             return out
         lines = [x for x in proc.stdout.strip().splitlines() if x.strip()]
-        oom = any("OutOfMemoryError" in x or "CUDA out of memory" in x for x in lines)
+        oom = any("OutOfMemoryError" in x or "out of memory" in x.lower() for x in lines)
         last = next((x for x in reversed(lines) if "Error" in x or "error" in x), lines[-1] if lines else "")
         return dict(blank, oom=oom, status="oom" if oom else "failed",
                     error=f"exit {proc.returncode}: {last.strip()[:200]}", log_tail=proc.stdout[-2000:])

@@ -29,6 +29,9 @@ from moestack.planner.calibration import Calibration
 
 BF16 = 2
 FP32 = 4
+# activation offload (moestack.memory.offload.ActivationOffloader, max_inflight=2): two layers' saved tensors wait for
+# their device-to-host copies while a third is produced (the copies are slower than the compute that fills them)
+ACT_OFFLOAD_LAYERS = 3
 LOSS_CHUNK_TOKENS = 4096  # moestack.model.loss.chunked_cross_entropy's default chunk (adapt.py uses the same)
 LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 copy + fp32 gradient of one chunk, alive together in backward (adapt.py)
 
@@ -599,6 +602,7 @@ class PartCost:
     recompute: float = 0.0  # forward work redone in backward
     a2a: float = 0.0  # EP all-to-all (+ ETP gathers) of fwd, bwd and recompute, before overlap
     act: float = 0.0  # saved activation bytes
+    act_kept: float = 0.0  # of which activation offload leaves on the device (autocast copies of weights)
     parts: dict[str, float] = field(default_factory=dict)  # component -> seconds (compute and exposed comm)
 
     def add(self, other: PartCost, times: float = 1.0, breakdown: bool = True) -> None:
@@ -608,6 +612,7 @@ class PartCost:
         self.recompute += other.recompute * times
         self.a2a += other.a2a * times
         self.act += other.act * times
+        self.act_kept += other.act_kept * times
         if not breakdown:
             return
         for key, val in other.parts.items():
@@ -731,6 +736,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         "cp_comm": cp_f + cp_b,
     }
     out.act = activation_bytes(part, mode, ctx)
+    out.act_kept = autocast_weight_copies(part, ctx) if mode == "none" else 0.0
     return out
 
 
@@ -1142,7 +1148,7 @@ class CostModel:
             for k_id, count in rank_counts[r].items():
                 kc = kind_cost[k_id]
                 rank_cost[r].add(kc, count, breakdown=False)
-                rank_act_layer_max[r] = max(rank_act_layer_max[r], kc.act)
+                rank_act_layer_max[r] = max(rank_act_layer_max[r], kc.act - kc.act_kept)
                 if k_id not in kind_params:
                     dd = ee = 0.0
                     for part in kind_layer[k_id].parts:
@@ -1343,17 +1349,28 @@ class CostModel:
             mem: dict[str, float] = {}
             e_dev = 0.0 if plan.offload.experts else e
             if plan.offload.optimizer:
-                mem["weights"] = d * BF16 / w_shard_d + e_dev * BF16 / w_shard_e
+                # the device keeps a bf16 copy for compute (distributed plans: FSDP2 bf16 params); the one-device
+                # trainer keeps its fp32 parameters under autocast (moestack.train.optimizers.CPUOffloadAdamW leaves
+                # device parameters in their dtype), as autocast_weight_copies assumes
+                w_b = FP32 if plan.devices == 1 else BF16
+                mem["weights"] = d * w_b / w_shard_d + e_dev * w_b / w_shard_e
                 mem["optimizer"] = 0.0
             else:
                 mem["weights"] = d * FP32 / w_shard_d + e_dev * FP32 / w_shard_e
                 mem["optimizer"] = d * opt_b / sd + e_dev * opt_b / se
+                if plan.optimizer == "muon":  # Muon leaves the embedding and the LM head to AdamW (8 bytes)
+                    vocab = spec.vocab_size * spec.hidden_size / plan.tp
+                    ends = (r == 0) + (r == plan.pp - 1 and not spec.tie_word_embeddings)
+                    mem["optimizer"] += ends * vocab * (optimizer_bytes_per_param("adamw") - opt_b) / sd
             mem["gradients"] = d * FP32 / g_shard_d + e_dev * FP32 / g_shard_e
             inflight = inflight_microbatches(plan.schedule, plan.pp, plan.vpp, m)
             if r > 0 and plan.schedule in ("1f1b", "interleaved_1f1b"):
                 inflight = max(1.0, inflight - r * (2 if plan.schedule == "interleaved_1f1b" else 1) / plan.vpp)
             act = rank_cost[r].act
-            mem["activations"] = 2 * act_layer_max[r] if plan.offload.activations else act * inflight
+            if plan.offload.activations:  # layers in flight (copying out / being produced) + what is never offloaded
+                mem["activations"] = ACT_OFFLOAD_LAYERS * act_layer_max[r] + rank_cost[r].act_kept * inflight
+            else:
+                mem["activations"] = act * inflight
             buffers = 0.0
             if r == plan.pp - 1 or plan.pp == 1:  # the chunked loss: one chunk's logits at a time
                 buffers = max(buffers, min(T, LOSS_CHUNK_TOKENS) * spec.vocab_size / plan.tp * LOSS_BYTES_PER_LOGIT)

@@ -112,7 +112,9 @@ def test_kimi_k3_cloudmatrix_restricted_search_fits_with_a_memory_technique():
                   f"recompute={best.plan.recompute.short()}"), require_fit=False)
     adam = Planner(pb).search(parse_fix(f"tp=4,pp=24,schedule=dualpipev,mbs=1,ep={best.plan.ep},zero=1,"
                                         f"offload=none,recompute={best.plan.recompute.short()}"), require_fit=False)
-    assert muon.ranked[0].memory["optimizer"] == pytest.approx(adam.ranked[0].memory["optimizer"] / 2, rel=1e-6)
+    # half, plus AdamW's 8 bytes on the embedding / LM head that Muon leaves to it (on the end stages)
+    assert muon.ranked[0].memory["optimizer"] == pytest.approx(adam.ranked[0].memory["optimizer"] / 2, rel=0.02)
+    assert muon.ranked[0].memory["optimizer"] > adam.ranked[0].memory["optimizer"] / 2
 
 
 def test_cli_plan_json_and_fix(tmp_path):

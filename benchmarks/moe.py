@@ -3,6 +3,13 @@
     python benchmarks/moe.py                  # all shapes, bf16, grouped GEMM backend "torch"
     python benchmarks/moe.py --gemm triton    # any name in moestack.ops.moe.available_backends()
     python benchmarks/moe.py --only k3        # shapes whose name contains "k3"
+    python benchmarks/moe.py --fp8 --only k3-ep16 --rep 60   # FP8 vs bf16: layer + expert FFN at 128..2341 rows
+
+--fp8 (issue #7's "FP8 layer >= 1.4x bf16 layer"): per variant (bf16 = grouped GEMM backend "torch"; fp8v2 =
+MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole layer forward and forward+backward,
+then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) at K3 EP16 widths (56 experts,
+3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per expert, and the weight quantisation an optimizer step
+adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them).
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -218,14 +225,150 @@ def run_shape(shape, gemm: str, rep_ms: int) -> list[str]:
     return [fwd_row, fb_row]
 
 
+FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
+    "bf16": ("torch", {}),
+    "fp8v2": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "0"}),
+    "fp8v3": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1"}),
+}
+FFN_ROWS = (128, 256, 586, 2341)
+
+
+class _env:
+    def __init__(self, values: dict[str, str]):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        import os
+
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        import os
+
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _time_fwd_fb(fwd, rep_ms, params, gy):
+    """(forward ms without grad, forward+backward ms) after one warm-up step (compile, autotune, fp8 caches)."""
+    fwd().backward(gy)
+    with torch.no_grad():
+        t_f = bench(fwd, rep_ms)
+    t_b = bench(lambda: fwd().backward(gy), rep_ms, params)
+    return t_f, t_b
+
+
+def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
+    from moestack.ops.moe import fp8_weight_cache as wc
+
+    name, hidden, latent, inter, e_loc, e_rt, K, T, zipf, G, TG = shape
+    torch.manual_seed(0)
+    layer = BenchLayer(hidden, latent, inter, e_loc, e_rt, K, zipf, G, TG, "torch", torch.bfloat16)
+    x = torch.randn(1, T, hidden, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    gy = torch.randn_like(x)
+    flops = 6.0 * T * K * (latent or hidden) * inter
+    rows, base = [], None
+    for v in variants:
+        backend, env = FP8_VARIANTS[v]
+        with _env(env):
+            layer.moe.experts.backend = backend
+            wc.clear()
+            t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
+        base = base or (t_f, t_b)
+        rows.append(f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
+                    f"{t_f:.2f} | {t_b:.2f} | {base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
+                    f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
+    layer.moe.experts.backend = None
+    return rows
+
+
+def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=3584, inter=3072) -> list[str]:
+    """The expert FFN alone (Experts module: gate/up GEMM, fused activation, down GEMM) on sorted rows."""
+    from moestack.model.moe import Experts
+    from moestack.ops.moe import fp8_weight_cache as wc
+
+    ex = Experts(E, L, inter).to(DEV)
+    ex.init_weights(0.02)
+    ex.to(torch.bfloat16)
+    ex.routing_backend = "triton"
+    out = []
+    for m in rows_per_expert:
+        torch.manual_seed(m)
+        N = E * m
+        xs = torch.randn(N, L, device=DEV, dtype=torch.bfloat16).requires_grad_()
+        gy = torch.randn_like(xs)
+        offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * m
+        flops = 6.0 * N * L * inter
+        base = None
+        for v in variants:
+            backend, env = FP8_VARIANTS[v]
+            with _env(env):
+                ex.backend = backend
+                wc.clear()
+                t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
+                                        [xs, ex.w_gate_up, ex.w_down], gy)
+            base = base or (t_f, t_b)
+            out.append(f"| expert FFN E{E} L{L} I{inter}, {m} rows/expert | {v} | {t_f:.2f} | {t_b:.2f} | "
+                       f"{base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
+                       f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
+        torch.cuda.empty_cache()
+    # what an optimizer step adds: both layouts of both weights requantised once (v2: four passes, v3: two)
+    from moestack.ops.moe import fp8_quant as fq
+
+    w1, w2 = ex.w_gate_up.transpose(1, 2), ex.w_down.transpose(1, 2)
+    with torch.no_grad():
+        t2 = bench(lambda: [fq.quantize_blocks(w) for w in (w1, w1.transpose(1, 2), w2, w2.transpose(1, 2))], rep_ms)
+        t3 = bench(lambda: [fq.quantize_blocks_pair(w) for w in (w1, w2)], rep_ms)
+    out.append(f"| weight requantisation per optimizer step (E{E}, both weights, both layouts, bf16 params) | "
+               f"v2 {t2:.2f} ms / v3 {t3:.2f} ms | - | - | - | - |")
+    return out
+
+
+def fp8_main(args) -> None:
+    variants = args.fp8_variants.split(",")
+    print(f"| FP8 benchmark | variant | fwd ms | fwd+bwd ms | fwd vs {variants[0]} | fwd+bwd vs {variants[0]} | "
+          f"expert TFLOP/s fwd / fwd+bwd |  ({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    print("|---|---|---|---|---|---|---|")
+    for shape in SHAPES:
+        if args.only and args.only not in shape[0]:
+            continue
+        try:
+            for row in fp8_layer(shape, variants, args.rep):
+                print(row, flush=True)
+        except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
+            print(f"| layer {shape[0]} | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
+                  flush=True)
+        torch.cuda.empty_cache()
+    if not args.no_ffn:
+        rows = tuple(int(r) for r in args.ffn_rows.split(","))
+        try:
+            for row in fp8_ffn(variants, args.rep, rows):
+                print(row, flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"| expert FFN | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gemm", default="torch", help=f"grouped GEMM backend (registered: {moe_ops.available_backends()})")
     p.add_argument("--only", default=None, help="run shapes whose name contains this")
     p.add_argument("--rep", type=int, default=150, help="do_bench repetition time per measurement, ms")
+    p.add_argument("--fp8", action="store_true", help="FP8 variants vs bf16: layer and expert FFN (module doc)")
+    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3", help=f"from {list(FP8_VARIANTS)}; first = baseline")
+    p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
+    p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| moe benchmark | needs a CUDA GPU |")
+        return
+    if args.fp8:
+        fp8_main(args)
         return
     print(f"| shape | pass | layer ms | expert TFLOP/s | non-expert-GEMM share | share outside all GEMMs | vs plain torch MoE | layer / GEMMs | "
           f"GEMMs ms | ref-routing fwd ms | router logits ms: split-bf16 / fp32 |  ({torch.cuda.get_device_name()}, "

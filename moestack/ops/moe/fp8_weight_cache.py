@@ -11,6 +11,7 @@ Not seen: writes that bypass the version counter (`p.data.copy_(...)`, collectiv
 parameter views, e.g. an FSDP all-gather into the same storage). Call clear() after such writes, or
 clear_after_steps(optimizer) once: the cache is then also emptied after every optimizer step, which is safe
 whatever writes the parameters (unverified with FSDP2 on a GPU: use clear_after_steps there).
+`MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
 
@@ -20,6 +21,7 @@ both layouts from one read of the weight.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -35,7 +37,8 @@ def _owner(w: torch.Tensor) -> torch.Tensor:
 
 
 def _version(w: torch.Tensor) -> int | None:
-    if w.is_inference():
+    """The key's version, None = do not cache (inference tensors; MOESTACK_FP8_CACHE=0 turns the cache off)."""
+    if w.is_inference() or os.environ.get("MOESTACK_FP8_CACHE", "1") == "0":
         return None
     return w._version
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# FP8 loss parity (issue #7): the proxy trained STEPS steps with bf16 expert GEMMs (the default grouped GEMM
+# backend), then again from the same seed and data with the FP8 expert GEMMs (MOESTACK_MOE_BACKEND=fp8, recipe
+# FP8=v1|v2|v3, see moestack/ops/moe/fp8_grouped_gemm.py); prints both loss curves every 10 steps, the largest
+# relative difference and the mean over the last third, and each run's tokens/s.
+# Everything else (attention / KDA / routing backends, bf16 autocast, fp32 AdamW) is the same in both runs.
+#
+# Usage on the device machine:  bash scripts/fp8_parity.sh [extra moestack train flags]
+#   STEPS=150 SEQ=2048 BS=2 FP8=v3 MODEL=proxy OUT=runs   (defaults)
+#   MOESTACK_FP8_CACHE=0 bash scripts/fp8_parity.sh   # fp8 weights requantised every call (checks the weight cache)
+# Runtime (estimate, H200, proxy with the Triton kernels at ~0.35 s per 4096-token step): ~1.5-2 min per run
+# including compilation, ~4 min for both at the defaults.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${NO_WHL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+DEST=${OUT:-runs}
+STEPS=${STEPS:-150}
+SEQ=${SEQ:-2048}
+BS=${BS:-2}
+FP8=${FP8:-v3}
+MODEL=${MODEL:-proxy}
+PY=${PYTHON:-python3}
+FP8_BACKEND=${FP8_BACKEND:-fp8}  # CPU dry run of the script: FP8_BACKEND=reference MODEL=tiny DEVICE=cpu
+case "$FP8" in
+  v1) FP8_ENV=(MOESTACK_FP8_V2=0 MOESTACK_FP8_V3=0) ;;
+  v2) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=0) ;;
+  v3) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=1) ;;
+  *) echo "FP8 must be v1, v2 or v3, got '$FP8'" >&2; exit 2 ;;
+esac
+COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every=10
+        --set eval_every=0 --set checkpoint.every=0 --set logging.progress=false
+        --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 ${DEVICE:+--device "$DEVICE"})
+RUN_BF16=$DEST/fp8parity_${MODEL}_bf16_s${SEQ}_b${BS}
+RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}_s${SEQ}_b${BS}
+rm -rf "$RUN_BF16" "$RUN_FP8"
+
+t0=$SECONDS
+env -u MOESTACK_MOE_BACKEND "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_BF16" "$@"
+t1=$SECONDS
+env MOESTACK_MOE_BACKEND="$FP8_BACKEND" "${FP8_ENV[@]}" "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_FP8" "$@"
+t2=$SECONDS
+echo "wall: bf16 run $((t1 - t0)) s, fp8 ($FP8) run $((t2 - t1)) s"
+
+"$PY" - "$RUN_BF16/metrics.jsonl" "$RUN_FP8/metrics.jsonl" "$FP8" <<'PY'
+import json, statistics, sys
+
+def curve(path):
+    rows = [json.loads(l) for l in open(path)]
+    train = [r for r in rows if "train/loss" in r]
+    return {r["step"]: r["train/loss"] for r in train}, train
+
+(bf, bf_rows), (f8, f8_rows) = curve(sys.argv[1]), curve(sys.argv[2])
+steps = sorted(set(bf) & set(f8))
+print(f"| step | loss bf16 | loss fp8 {sys.argv[3]} | rel. diff |")
+print("|---|---|---|---|")
+rel = {}
+for s in steps:
+    rel[s] = abs(f8[s] - bf[s]) / abs(bf[s])
+    print(f"| {s} | {bf[s]:.4f} | {f8[s]:.4f} | {100 * rel[s]:.2f}% |")
+if not steps:
+    sys.exit("no common logged steps")
+tail = steps[len(steps) * 2 // 3:]
+worst = max(steps, key=lambda s: rel[s])
+def tps(rows):
+    t = [r["train/tokens_per_s"] for r in rows[len(rows) // 3:] if "train/tokens_per_s" in r]
+    return statistics.median(t) if t else float("nan")
+finite = all(v == v and abs(v) != float("inf") for v in list(bf.values()) + list(f8.values()))
+print(f"FP8_PARITY fp8={sys.argv[3]} steps={steps[-1]} max_rel_diff={100 * rel[worst]:.2f}% (step {worst}) "
+      f"mean_rel_diff_last_third={100 * statistics.mean(rel[s] for s in tail):.2f}% "
+      f"final bf16={bf[steps[-1]]:.4f} fp8={f8[steps[-1]]:.4f} finite={finite} "
+      f"tokens/s(median) bf16={tps(bf_rows):,.0f} fp8={tps(f8_rows):,.0f}")
+PY

@@ -25,7 +25,7 @@ def main() -> None:
                         {**kw, "BE": 64, "PRECISION": "tf32", "W_KMAJOR": kmajor, "stride_yf": 1}, scalars, nw, ns)
     scalars = {**_scalars(gg_tma.gg_wgrad_kernel_tma), "A": "i32", "B": "i32"}
     for kw, nw, ns in _cfgs(gg_tma.gg_wgrad_kernel_tma) if "wgrad" in only else []:
-        for bt in (16, 32):
+        for bt in (16, 32, 64):
             for store in (False, True):
                 ptrs = {"offs": I32, "out_desc": f"tensordesc<bf16[1, {kw['BA']}, {kw['BB']}]>"}
                 consts = {**kw, "BT": bt, "PRECISION": "tf32", "TMA_STORE": store, "stride_pa": 1, "stride_qb": 1,

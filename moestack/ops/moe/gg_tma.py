@@ -135,10 +135,10 @@ def gg_fwd_kernel_tma(
 def _wgrad_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BA": 16, "BB": 32, "GB": 2}, num_warps=4, num_stages=1, pre_hook=_wgrad_blocks)]
-    # few rows: the dW tile is written once after a short reduction (store bound): wide tiles, several per program
-    # (BA, BB, GB, warps, stages): accumulator 64 / 128 / 64 fp32 registers per thread (4 warps at 128 x 128 used
-    # 237 registers: one program per SM pair; gg_spill_report.py)
-    shapes = [(128, 128, 4, 8, 2), (128, 256, 2, 8, 2), (64, 128, 4, 4, 2)]
+    # few rows: the dW tile is written once after a short reduction (store bound): GB tiles per program, the
+    # b-tile loop pipelined 3 deep (2 stages would issue the next tile's load only after this tile's store);
+    # (BA, BB, GB, warps, stages): 64 accumulator registers per thread (4 warps at 128 x 128: 237 registers)
+    shapes = [(128, 128, 8, 8, 3), (64, 128, 8, 4, 3)]
     return [triton.Config({"BA": a, "BB": b, "GB": g}, num_warps=w, num_stages=s, pre_hook=_wgrad_blocks)
             for a, b, g, w, s in shapes]
 
@@ -155,7 +155,10 @@ def gg_wgrad_kernel_tma(
     PRECISION: tl.constexpr, TMA_STORE: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
     GB: tl.constexpr,
 ):
-    """out[e, a-tile, b-tiles] = P[rows of e, a-tile]^T @ Q[rows of e, b-tile] for GB consecutive b-tiles."""
+    """out[e, a-tile, b-tiles] = P[rows of e, a-tile]^T @ Q[rows of e, b-tile] for GB consecutive b-tiles.
+    At most BT rows (the common case at few rows per expert): P^T is loaded once and the loop over b-tiles is
+    the pipelined one (the next Q tile loads while this tile multiplies and stores); else the rows are reduced
+    in BT chunks per tile."""
     i_t, e = tl.program_id(0), tl.program_id(1)
     n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
     i_a, i_g = i_t // n_groups, i_t % n_groups
@@ -163,9 +166,29 @@ def gg_wgrad_kernel_tma(
     end = tl.load(offs + e)
     o_a = i_a * BA + tl.arange(0, BA)
     m_a = o_a < A
-    for j in range(GB):
-        b0 = (i_g * GB + j) * BB
-        if b0 < B:
+    p_oe = out + e.to(tl.int64) * stride_oe
+    if end - start <= BT:
+        rows = start + tl.arange(0, BT)
+        m_r = rows < end
+        rows64 = rows.to(tl.int64)
+        b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
+                                mask=m_r[:, None] & m_a[None, :], other=0.0))  # [BA, BT]
+        for j in range(GB):
+            b0 = (i_g * GB + j) * BB
+            o_b = b0 + tl.arange(0, BB)
+            m_b = o_b < B
+            b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
+                          mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
+            b_acc = tl.dot(b_pt, b_q, input_precision=PRECISION)  # [BA, BB]
+            if TMA_STORE:
+                if b0 < B:
+                    out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
+            else:
+                tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                         mask=m_a[:, None] & m_b[None, :])
+    else:
+        for j in range(GB):
+            b0 = (i_g * GB + j) * BB
             o_b = b0 + tl.arange(0, BB)
             m_b = o_b < B
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
@@ -179,10 +202,11 @@ def gg_wgrad_kernel_tma(
                               mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
                 b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
             if TMA_STORE:
-                out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
+                if b0 < B:
+                    out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
             else:
-                p_o = out + e.to(tl.int64) * stride_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob
-                tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=m_a[:, None] & m_b[None, :])
+                tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                         mask=m_a[:, None] & m_b[None, :])
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -249,7 +273,7 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
                      BT_MAX: int, tma_store: bool | None = None) -> torch.Tensor:
     """dW [E, D, F], dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype and layout
     (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). Rows are reduced in chunks
-    of min(BT_MAX, 32) (64-row chunks spill at [128, 256] dW tiles)."""
+    of min(BT_MAX, 64)."""
     D = x_ND.shape[1]
     F = dy_NF.shape[1]
     E = like.shape[0]
@@ -270,6 +294,6 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     gg_wgrad_kernel_tma[grid](
         P, Q, out, out_desc, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        PRECISION=_precision(x_ND.dtype), TMA_STORE=tma_store, BT=min(BT_MAX, 16 if INTERPRET else 32),
+        PRECISION=_precision(x_ND.dtype), TMA_STORE=tma_store, BT=min(BT_MAX, 16 if INTERPRET else 64),
     )
     return dw

@@ -310,6 +310,12 @@ def main() -> int:
             kernel = None if auto_kernel == "triton" else auto_kernel
             CrossoverTable(default, table, kernel).save(args.write_crossover)
             print(f"wrote {args.write_crossover} (use: MOESTACK_MOE_CROSSOVER={args.write_crossover})")
+    if args.small:
+        from moestack.ops.moe import gg_tma
+
+        for kern in (gg_tma.gg_fwd_kernel_tma, gg_tma.gg_wgrad_kernel_tma):  # what the autotuner picked, per key
+            for key, cfg in kern.cache.items():
+                print(f"| tuned | {kern.base_fn.__name__} | {key} | {cfg} |")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -229,6 +229,10 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "bf16": ("torch", {}),
     "fp8v2": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "0"}),
     "fp8v3": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1"}),
+    # v3 with the GEMM path forced: per-expert cuBLAS at any row count / Triton only (fused quantisers)
+    "fp8v3-cublas": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "0"}),
+    "fp8v3-triton": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1",
+                             "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
 }
 FFN_ROWS = (128, 256, 586, 2341)
 
@@ -334,8 +338,9 @@ def fp8_main(args) -> None:
     print(f"| FP8 benchmark | variant | fwd ms | fwd+bwd ms | fwd vs {variants[0]} | fwd+bwd vs {variants[0]} | "
           f"expert TFLOP/s fwd / fwd+bwd |  ({torch.cuda.get_device_name()}, torch {torch.__version__})")
     print("|---|---|---|---|---|---|---|")
+    exact = any(shape[0] == args.only for shape in SHAPES)  # an exact shape name selects that shape only
     for shape in SHAPES:
-        if args.only and args.only not in shape[0]:
+        if args.only and (shape[0] != args.only if exact else args.only not in shape[0]):
             continue
         try:
             for row in fp8_layer(shape, variants, args.rep):
@@ -347,7 +352,7 @@ def fp8_main(args) -> None:
     if not args.no_ffn:
         rows = tuple(int(r) for r in args.ffn_rows.split(","))
         try:
-            for row in fp8_ffn(variants, args.rep, rows):
+            for row in fp8_ffn((args.ffn_variants or args.fp8_variants).split(","), args.rep, rows):
                 print(row, flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"| expert FFN | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
@@ -363,6 +368,7 @@ def main() -> None:
     p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3", help=f"from {list(FP8_VARIANTS)}; first = baseline")
     p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
     p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
+    p.add_argument("--ffn-variants", default=None, help="--fp8: variants of the expert FFN rows (default: as layer)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| moe benchmark | needs a CUDA GPU |")

@@ -343,7 +343,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
     def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, swap_max_rows=None, cublas_min_rows=None):
         N, D = x_ND.shape
         E, _, F = w_EDF.shape
-        min_rows = fsm.CUBLAS_MIN_ROWS if cublas_min_rows is None else cublas_min_rows
+        min_rows = fsm.cublas_min_rows() if cublas_min_rows is None else cublas_min_rows
         cublas = N > 0 and N >= min_rows * E and fsm.shapes_ok(D, F) and fsm.available(x_ND.device)
         swap = SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
         (qw, sw), (_, swT) = fp8_weight_cache.pair(w_EDF, q_dtype)
@@ -351,7 +351,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
         if cublas:
             ends = fsm.host_offsets(offs_E)
-            y = fsm.rows_mm(qx, sx, qw, swT, ends, x_ND.dtype)
+            y = fsm.rows_mm(qx, sx, qw, sw, swT, ends, x_ND.dtype)
         else:
             ends = None
             y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=True, swap_max_rows=swap)
@@ -369,8 +369,8 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             (_, sw), (qwT, swT) = fp8_weight_cache.pair(w_EDF, ctx.q_dtype)
-            if ends is not None:  # w^T's cuBLAS block scales [E, D/128, F/128] are the forward's sw
-                dx = fsm.rows_mm(qdy, sdy, qwT, sw, ends, ctx.x_dtype)
+            if ends is not None:  # w^T's block scales are swT [E, F/128, D/128], transposed: the forward's sw
+                dx = fsm.rows_mm(qdy, sdy, qwT, swT, sw, ends, ctx.x_dtype)
             else:
                 dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=True,
                                               swap_max_rows=ctx.swap)

@@ -22,8 +22,9 @@ Layouts torch._scaled_mm expects (v1 API, recipe inferred from the scale shapes)
                    With a single tile (ng = 1) torch reads the scales as rowwise, which is the same product.
 
 `SCALED_MM` is the one call site; CPU tests replace it with an emulation that checks these shapes and strides
-(tests/ops/test_moe_fp8.py). `available(device)` probes the real call once on the GPU against the dequantised
-product and says no (the caller falls back to Triton) if it raises or disagrees.
+(tests/ops/test_moe_fp8.py). `available(device)` probes the real call once per device against the dequantised
+product (with out= or a copy, 128x128 scales K-block-major as torch's tests pass them or row-major) and says no
+(the caller falls back to Triton) if every way raises or disagrees; it prints what it found.
 """
 
 from __future__ import annotations
@@ -35,15 +36,26 @@ import torch
 
 from moestack.ops.moe import fp8_quant as fq
 
-CUBLAS_MIN_ROWS = int(os.environ.get("MOESTACK_FP8_CUBLAS_MIN_ROWS", "512"))
+CUBLAS_MIN_ROWS_ENV = "MOESTACK_FP8_CUBLAS_MIN_ROWS"
+CUBLAS_MIN_ROWS = 512  # default; measured crossover to be confirmed on the GPU (benchmarks/moe.py --fp8)
+
+
+def cublas_min_rows() -> int:
+    """Mean rows per expert from which v3 takes this path: $MOESTACK_FP8_CUBLAS_MIN_ROWS (read per call), else
+    CUBLAS_MIN_ROWS."""
+    return int(os.environ.get(CUBLAS_MIN_ROWS_ENV, CUBLAS_MIN_ROWS))
 
 
 def _torch_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
-    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
+    if _state["out_kwarg"]:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)
+    return out.copy_(torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype))
 
 
 SCALED_MM = _torch_scaled_mm
-_state: dict = {"probe": {}, "host": None}
+# probe results: per device ok; whether _scaled_mm takes out=; whether 128x128 scales go K-block-major (torch's
+# tests: [K/128, N/128] with stride (1, K/128)) or row-major [K/128, N/128]
+_state: dict = {"probe": {}, "host": None, "out_kwarg": True, "b128_kmajor": True}
 
 
 def _scaled_mm_into(a, b, scale_a, scale_b, out: torch.Tensor) -> None:
@@ -66,15 +78,17 @@ def shapes_ok(K: int, F: int) -> bool:
     return K % 512 == 0 and F % 512 == 0
 
 
-def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sbT: torch.Tensor, ends: list[int],
-            out_dtype: torch.dtype) -> torch.Tensor:
+def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, sbT: torch.Tensor,
+            ends: list[int], out_dtype: torch.dtype) -> torch.Tensor:
     """y [N, F] = per expert a_e b_e. qa [N, K] (a view of quantize_dual's [N + 3, K] buffer), sa_flat its
-    expert-major scales, qb [E, K, F] with K contiguous, sbT [E, F/128, K/128] contiguous. Rows >= ends[-1]
-    are zero."""
+    expert-major scales, qb [E, K, F] with K contiguous, its 128x128 block scales sb [E, K/128, F/128] and the
+    same transposed, sbT [E, F/128, K/128], both contiguous. Rows >= ends[-1] are zero."""
     N, K = qa.shape
     E, _, F = qb.shape
     nk = K // fq.GROUP
-    assert qa.stride(1) == 1 and qb.stride(1) == 1 and sbT.is_contiguous() and K % fq.GROUP == 0
+    assert qa.stride(1) == 1 and qb.stride(1) == 1 and sb.is_contiguous() and sbT.is_contiguous()
+    assert K % fq.GROUP == 0
+    kmajor = _state["b128_kmajor"]
     assert qa._base is not None and qa._base.shape[0] >= N + 3, "qa must come from fp8_quant.quantize_dual"
     qa_full = qa._base[:N + 3]  # the buffer's zero rows past N
     y_full = torch.empty((N + 3, F), device=qa.device, dtype=out_dtype)
@@ -86,7 +100,7 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sbT: torc
             continue
         r0, m = starts[e], mp[e]
         sa = sa_flat[base[e] * nk: (base[e] + m) * nk].view(nk, m).t()  # [m, nk], stride (1, m)
-        _scaled_mm_into(qa_full[r0:r0 + m], qb[e], sa, sbT[e].t(), y_full[r0:r0 + m])
+        _scaled_mm_into(qa_full[r0:r0 + m], qb[e], sa, sbT[e].t() if kmajor else sb[e], y_full[r0:r0 + m])
     y = y_full[:N]
     used = ends[-1] if ends else 0
     if used < N + 3:
@@ -130,11 +144,26 @@ def available(device: torch.device) -> bool:
         return False
     key = str(device)
     if key not in _state["probe"]:
-        _state["probe"][key] = _probe(device)
+        _state["probe"][key] = _probe_all(device)
     return _state["probe"][key]
 
 
-def _probe(device: torch.device) -> bool:
+def _probe_all(device: torch.device) -> bool:
+    """Try the layouts (out= or a copy; K-block-major 128x128 scales or row-major) until one matches."""
+    for out_kwarg in (True, False):
+        for kmajor in (True, False):
+            _state["out_kwarg"], _state["b128_kmajor"] = out_kwarg, kmajor
+            ok, msg = _probe(device)
+            if ok:
+                print(f"fp8_scaled_mm: torch._scaled_mm blockwise per-expert path on (out= {out_kwarg}, "
+                      f"128x128 scales K-block-major {kmajor}); {msg}")
+                return True
+            print(f"fp8_scaled_mm: probe (out= {out_kwarg}, K-block-major {kmajor}) failed: {msg}")
+    print("fp8_scaled_mm: torch._scaled_mm blockwise unusable here; the Triton FP8 kernels run instead")
+    return False
+
+
+def _probe(device: torch.device) -> tuple[bool, str]:
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         counts = [130, 6]
@@ -145,8 +174,8 @@ def _probe(device: torch.device) -> bool:
         offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
         ends = offs.tolist()
         qx, sx, qxT, sxT = fq.quantize_dual(x, offs, expert_major=True)
-        (qw, _), (_, swT) = fq.quantize_blocks_pair(w)
-        y = rows_mm(qx, sx, qw, swT, ends, torch.bfloat16)
+        (qw, sw), (_, swT) = fq.quantize_blocks_pair(w)
+        y = rows_mm(qx, sx, qw, sw, swT, ends, torch.bfloat16)
         _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
         dw = wgrad(qxT, sxT, qdyT, sdyT, ends, like=w)
         qr, sr = fq.quantize_rows_ref(x)
@@ -157,12 +186,6 @@ def _probe(device: torch.device) -> bool:
         dw_ref = torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in ((0, 130), (130, 136))])
         err_y = float((y.float() - y_ref).norm() / y_ref.norm())
         err_w = float((dw.float() - dw_ref).norm() / dw_ref.norm())
-        ok = err_y < 1e-2 and err_w < 6e-2
-        if not ok:
-            print(f"fp8_scaled_mm: torch._scaled_mm blockwise probe disagrees (y {err_y:.3g}, dw {err_w:.3g}); "
-                  "using the Triton FP8 kernels")
-        return ok
-    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here, fall back
-        print(f"fp8_scaled_mm: torch._scaled_mm blockwise unavailable ({type(exc).__name__}: "
-              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); using the Triton FP8 kernels")
-        return False
+        return err_y < 1e-2 and err_w < 6e-2, f"rel. error vs the dequantised product: y {err_y:.3g}, dw {err_w:.3g}"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable this way
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

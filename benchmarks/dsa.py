@@ -4,6 +4,8 @@
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
     python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
                                               # vs kmajor, forward per 64-head config, the dense anchor
+    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 180 s): the atomic
+                                              # default vs the two-pass modes, per-pass split, dense anchor
 
 Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won; the
 fwd+bwd rows after the first give the relative difference of dq and dkv from the first dKV mode's (same inputs:
@@ -243,11 +245,114 @@ def bench_naive(T: int, H: int, idx: torch.Tensor, sparse_fwd_ms: float | None) 
         speed, "")  # fmt: skip
 
 
+def random_selection(T: int) -> torch.Tensor:
+    """idx [1, T, TOP_K]: per query TOP_K distinct random keys of [0, t] (all of them when t < TOP_K), -1 padded."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    out = []
+    for t0 in range(0, T, 4096):
+        t = torch.arange(t0, min(T, t0 + 4096), device="cuda")[:, None]
+        r = torch.rand(len(t), T, generator=g, device="cuda")
+        r = r.masked_fill(torch.arange(T, device="cuda")[None, :] > t, -1.0)
+        val, ids = r.topk(TOP_K, dim=-1)
+        out.append(torch.where(val >= 0, ids, -1).to(torch.int32))
+    return torch.cat(out)[None]
+
+
+def bench_bwd_variants(T: int, H: int) -> None:
+    """--bwd: sparse_mqa_bwd alone (on one forward's o, lse; dlse = None) per dKV mode, the atomic default first
+    (pinned to run 4's winner, H32 K32 w8 s2: one compile) as the yardstick of the others' gradients; then the
+    two-pass split of kmajor_ds over all tokens at once: Delta, pass 1 (dKV + dS) with and without its dKV atomics,
+    pass 2 (dQ from dS), each with the TFLOP/s of the products it computes (pass 1: 4, pass 2: 1)."""
+    from moestack.ops.dsa import triton_attn_bwd as bwd_k
+    from moestack.ops.dsa import triton_attn_fwd as fwd_k
+
+    shape = f"T={T} H={H}"
+    sel = guarded(f"T={T} indexer", lambda: make_selection(T))
+    idx = sel[0] if sel is not None else random_selection(T)
+    g = torch.Generator(device="cuda").manual_seed(H)
+    q = torch.randn(1, T, H, D_LAT, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(1, T, D_LAT, generator=g, device="cuda").bfloat16()
+    nnz = float((idx >= 0).sum())
+    f_bwd = 2 * 2 * H * nnz * (D_LAT + V_DIM)  # counted as in the other rows: 2x the forward
+    fk = fwd_k._sparse_mqa_fwd_kernel
+    fk.configs = [c for c in fk.configs if (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"]) == (64, 64)][:1] or fk.configs
+    o, lse = fwd_k.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE)
+    do = torch.randn(o.shape, generator=g, device="cuda").bfloat16()
+    fused = bwd_k._sparse_mqa_bwd_kernel
+    won = [
+        c
+        for c in fused.configs
+        if (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) == (32, 32, 8, 2)
+    ]
+    fused.configs = won or fused.configs[:1]
+    first: list = []
+    for mode in ("atomic", "kmajor_ds", "sorted_ds"):
+
+        def run(mode=mode):
+            def step():
+                return bwd_k.sparse_mqa_bwd(q, kv, idx, o, lse, do, None, SCALE, mode)
+
+            ms = timed(step, reps=3 if mode != "sorted_ds" else 1, warmup=1)
+            grads = step()
+            if not first:
+                first.extend(grads)
+                agree = ""
+            else:
+                agree = "vs atomic: " + ", ".join(
+                    f"{n} {_rel_err(a, b):.1e}" for n, a, b in zip(("dq", "dkv"), grads, first, strict=True)
+                )
+            if mode == "atomic":
+                cfg = picked(fused)
+            else:
+                cfg = f"dKV {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
+            row(shape, f"bwd (dKV {mode})", f"{ms:.2f}", tflops(f_bwd, ms), f"cfg {cfg}", agree, "")
+            if mode == "kmajor_ds":
+                autotune_rows(shape, "pass 1 dKV+dS", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
+                autotune_rows(shape, "pass 2 dQ", bwd_k._sparse_mqa_bwd_kernel_dq, SEEN)
+
+        guarded(f"{shape} bwd {mode}", run)
+        if mode == "kmajor_ds":
+            guarded(f"{shape} two-pass split", lambda: _two_pass_split(shape, q, kv, idx, o, lse, do, nnz))
+    bench_dense(T, H, None)
+
+
+def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
+    """Rows for each piece of the two-pass backward over all tokens in one launch (dS for all of them)."""
+    from moestack.ops.dsa import triton_attn_bwd as bwd_k
+
+    T, H = q.shape[1], q.shape[2]
+    K = idx.shape[-1]
+    HP = -(-H // bwd_k.DS_HEAD_PAD) * bwd_k.DS_HEAD_PAD
+    qc, kvc, doc, lsec = q.contiguous(), kv.contiguous(), do.contiguous(), lse.contiguous()
+    delta = bwd_k.attention_delta(o, do, None)
+    ds = torch.empty((T, K, HP), device="cuda", dtype=q.dtype)
+    dkv32 = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
+    dq = torch.empty_like(q)
+    f1, f2 = 2 * H * nnz * 2 * (D_LAT + V_DIM), 2 * H * nnz * D_LAT
+    p1 = bwd_k._sparse_mqa_bwd_kernel_dkv
+
+    def pass1(out="atomic"):
+        bwd_k._dkv_ds_pass(qc, kvc, idx, doc, lsec, delta, SCALE, dkv32, ds, 0, T, out)
+
+    ms = timed(lambda: bwd_k.attention_delta(o, do, None), reps=3)
+    row(shape, "two-pass: Delta", f"{ms:.2f}", "", "", "", "")
+    ms = timed(pass1, reps=3)
+    row(shape, "two-pass: pass 1 dKV+dS (atomics)", f"{ms:.2f}", tflops(f1, ms), f"cfg {picked(p1)}",
+        "TFLOP/s of its 4 products", "")  # fmt: skip
+    ms = forced_config(p1, p1.best_config, lambda: pass1("none"), reps=3)
+    row(shape, "two-pass: pass 1 without its dKV output", f"{ms:.2f}", tflops(f1, ms), "same config",
+        "the difference is the atomics' cost", "")  # fmt: skip
+    ms = timed(lambda: bwd_k._dq_ds_pass(kvc, idx, ds, dq, 0, T, V_DIM), reps=3)
+    row(shape, "two-pass: pass 2 dQ = dS K", f"{ms:.2f}", tflops(f2, ms),
+        f"cfg {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}", "TFLOP/s of its product", "")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t131072", action="store_true", help="add T = 131072 at 64 heads")
     ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor, "
                     "forward per config, dense anchor (< 90 s)")  # fmt: skip
+    ap.add_argument("--bwd", action="store_true", help="backward variants alone at T=32768, H=64 (< 180 s)")
     args = ap.parse_args()
     import triton
 
@@ -258,6 +363,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
     row("shape", "variant", "ms", "TFLOP/s", "detail", "vs", "")
     row("---", "---", "---", "---", "---", "---", "---")
+    if args.bwd:
+        BUDGET_S = 165.0
+        bench_bwd_variants(32768, 64)
+        print(f"total {time.time() - T0:.0f} s; required bwd >= 150 TFLOP/s (target 250) at T=32768 H=64")
+        return
     # the issue's headline shape first, so a time cap can only cut the extras
     plan = [(32768, 64), (8192, 64)] if args.quick else [(32768, 64), (8192, 20), (8192, 64), (8192, 96),
                                                           (32768, 20), (32768, 96)]  # fmt: skip

@@ -73,26 +73,40 @@ def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, s
 
 # H 20: one full + one padded head block of 16; 33: three blocks (the interpreter is slow: every mode at 20 only)
 @pytest.mark.parametrize(
-    ("H", "mode"), [(20, "atomic"), (20, "atomic_split"), (20, "sorted"), (33, "atomic"), (33, "kmajor")]
-)
+    ("H", "mode"),
+    [(20, "atomic"), (20, "atomic_split"), (20, "sorted"), (33, "atomic"), (33, "kmajor"), (33, "kmajor_ds"),
+     (33, "sorted_ds")],
+)  # fmt: skip
 def test_attention_matches_reference(H, mode):
     B, T, V, R, K = 3 - H // 20, 17, 32, 16, 18  # T, K not multiples of the 16-wide blocks
     _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=H), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
-@pytest.mark.parametrize("mode", ["atomic", "kmajor"])
+@pytest.mark.parametrize("mode", ["atomic", "kmajor", "kmajor_ds", "sorted_ds"])
 def test_attention_odd_dims_and_no_rope(mode):
-    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works. kmajor: V = 40 spans two
+    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works. kmajor*: V = 40 spans two
     32-wide column chunks (the interpreter's BLOCK_C), the second one partly masked."""
-    for V, R in [(20, 8), (24, 0)] + ([(40, 8)] if mode == "kmajor" else []):
+    for V, R in [(20, 8), (24, 0)] + ([(40, 8)] if mode.startswith("kmajor") else []):
         idx = _random_idx(1, 9, 5, seed=V)
         _check_attention(1, 9, 3, V, R, 5, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL, seed=V)
 
 
-def test_attention_varlen_packed():
+@pytest.mark.parametrize("mode", ["sorted", "kmajor_ds", "sorted_ds"])
+def test_attention_varlen_packed(mode):
     cu = [0, 5, 6, 17]
     idx = _random_idx(1, 17, 6, seed=3, cu=cu)
-    _check_attention(1, 17, 4, 32, 16, 6, idx, "sorted", torch.float32, "cpu", CPU_TOL, CPU_TOL)
+    _check_attention(1, 17, 4, 32, 16, 6, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
+
+
+@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
+def test_two_pass_token_chunks(mode, monkeypatch):
+    """The two-pass backward over several token chunks (dS buffer of 3 tokens, 2 x 13 tokens: a chunk straddles
+    the sequences); K = 20 spans two 16-slot blocks, the second one partly masked."""
+    from moestack.ops.dsa import triton_attn_bwd
+
+    B, T, H, V, R, K = 2, 13, 3, 32, 16, 20
+    monkeypatch.setattr(triton_attn_bwd, "DS_BUFFER_BYTES", 3 * K * H * 4)
+    _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=41), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
 def test_all_keys_selected_equals_dense():
@@ -218,7 +232,7 @@ def test_gated_dsa_layer_triton_backend_matches_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted", "kmajor"])
+@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted", "kmajor", "kmajor_ds", "sorted_ds"])
 @pytest.mark.parametrize("H", [20, 64, 96])
 def test_attention_gpu_bf16_full_size(H, mode):
     B, T, V, R, K = 1, 1000, 512, 64, 256
@@ -229,7 +243,8 @@ def test_attention_gpu_bf16_full_size(H, mode):
 
 
 @pytest.mark.gpu
-def test_attention_gpu_k2048_varlen():
+@pytest.mark.parametrize("mode", ["atomic", "kmajor_ds"])
+def test_attention_gpu_k2048_varlen(mode):
     cu = [0, 1500, 1501, 4096]
     T, K = 4096, 2048
     g = torch.Generator().manual_seed(5)
@@ -240,7 +255,7 @@ def test_attention_gpu_k2048_varlen():
         pick = lo + torch.randperm(t + 1 - lo, generator=g)[:K]
         rows.append(torch.cat((pick, torch.full((K - len(pick),), -1))))
     idx = torch.stack(rows).to(torch.int32)[None].cuda()
-    _check_attention(1, T, 64, 512, 64, K, idx, "atomic", torch.bfloat16, "cuda", GPU_TOL_OUT, GPU_TOL_GRAD)
+    _check_attention(1, T, 64, 512, 64, K, idx, mode, torch.bfloat16, "cuda", GPU_TOL_OUT, GPU_TOL_GRAD)
 
 
 @pytest.mark.gpu

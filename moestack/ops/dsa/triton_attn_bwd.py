@@ -34,7 +34,8 @@ import triton.language as tl
 
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, padded_dims
 
-DKV_MODES = ("atomic", "atomic_split", "sorted", "kmajor")
+TWO_PASS_MODES = ("kmajor_ds", "sorted_ds")  # pass 1 dKV + dS, pass 2 dQ from dS (no recomputed scores)
+DKV_MODES = ("atomic", "atomic_split", "sorted", "kmajor", *TWO_PASS_MODES)
 SORTED_BUFFER_BYTES = 4 * 2**30  # fp32 contribution rows held at once by the sorted scatter
 
 
@@ -68,6 +69,25 @@ def _kmajor_configs():
     shapes = _KMAJOR_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _KMAJOR_SHAPES
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc, "COL_GROUPS": g}, num_warps=w, num_stages=s)
             for bh, bk, bc, g, w, s in shapes]  # fmt: skip
+
+
+# Two-pass backward ("kmajor_ds" / "sorted_ds"). Pass 1, dKV + dS (BLOCK_H, BLOCK_K = slots, BLOCK_C, warps, stages):
+# key-major tiles as kmajor with BLOCK_K = 16 * warps (the score tiles feed dots, so all warps sit on the slot axis:
+# no replicated tile); 128 slots per program halve the re-reads of the token's Q and dO from L2 per slot.
+# Pass 2, dQ = dS K (BLOCK_H, BLOCK_K, warps, stages): one product, no scores, so Triton splits the [64, 576] fp32
+# accumulator over both warpgroups (N) and pipelines the gathers.
+_DKV_DS_SHAPES = [(64, 128, 64, 8, 2), (64, 64, 64, 4, 3), (32, 128, 64, 8, 2)]
+_DQ_DS_SHAPES = [(64, 32, 8, 3), (64, 64, 8, 2), (32, 64, 4, 3)]
+DS_BUFFER_BYTES = 2 * 2**30  # dS [tokens, K, HP] (q dtype) held at once by the two-pass backward
+DS_HEAD_PAD = 64  # HP = H rounded up to this: a multiple of every pass-1 / pass-2 BLOCK_H
+
+
+def _dkv_ds_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32}, num_warps=1, num_stages=1)]
+    shapes = _DKV_DS_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _DKV_DS_SHAPES
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s)
+            for bh, bk, bc, w, s in shapes]  # fmt: skip
 
 
 def _prune_bwd(configs, named_args, **kwargs):
@@ -328,6 +348,161 @@ def _sparse_mqa_dkv_kmajor_kernel(
 
 
 @triton.jit
+def _add_rows(ptrs, x, mask, DKV_OUT: tl.constexpr, accumulate):
+    """x into fp32 rows: relaxed atomics ("atomic"); stored, added to what is there if accumulate ("rows");
+    dropped ("none": timing of the rest only)."""
+    if DKV_OUT == "rows":
+        if accumulate:
+            x += tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, x, mask=mask)
+    elif DKV_OUT == "atomic":
+        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+
+
+@triton.autotune(
+    configs=_dkv_ds_configs(),
+    key=["H", "K", "V", "R", "DKV_OUT"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    reset_to_zero=["DKV"],
+)
+@triton.jit(do_not_specialize=["n0", "T", "H", "K"])
+def _sparse_mqa_bwd_kernel_dkv(
+    Q, KV, IDX, DO, LSE, DELTA, DKV, DS,
+    n0, T, H, K, HP, scale, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    s_dkb, s_dks,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr, DKV_OUT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 of the two-pass backward. One program per (token n0 + i, block of BLOCK_K slots); the slot block is
+    the fast grid index, so the programs running together share a token's Q and dO in L2. Heads in blocks of
+    BLOCK_H: key-major S^T = K Q^T, dP^T = V dO^T [BLOCK_K, BLOCK_H] (contractions streamed in BLOCK_C chunks),
+    P^T, dS^T; dS^T (scaled, q dtype) is stored to DS[i] [K, HP] for pass 2 (dQ = dS K; HP = H padded to a
+    multiple of BLOCK_H: the stores carry no head mask, so they vectorise; padded heads get 0), and the dKV rows
+    dS^T Q + P^T dO go out in BLOCK_C-column chunks: DKV_OUT "atomic", relaxed fp32 atomics into DKV[b, idx]
+    (one per element and head block); "rows", written to DKV = BUF[i] [K, D] fp32 (summed over head blocks by
+    this program) for the sorted scatter; "none", not at all (benchmarks/dsa.py: the pass without its output)."""
+    pid = tl.program_id(0)
+    n_kb = tl.cdiv(K, BLOCK_K)
+    i = pid // n_kb
+    pid_t = n0 + i
+    b = (pid_t // T).to(tl.int64)
+    t = (pid_t % T).to(tl.int64)
+    offs_k = (pid % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_cc = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, RP)
+    mask_r = offs_r < R
+    ids = tl.load(IDX + b * s_ib + t * s_it + offs_k, mask=mask_k, other=-1)
+    valid = ids >= 0
+    row = tl.where(valid, ids, 0).to(tl.int64)
+    kv_rows = KV + b * s_kb + row[:, None] * s_ks
+    slot_rows = i.to(tl.int64) * K + offs_k[:, None]  # [BK, 1] rows of this chunk's [n, K, *] buffers
+    if DKV_OUT == "rows":
+        dst_rows = DKV + slot_rows * (V + R)
+        mask_dst = mask_k
+    else:
+        dst_rows = DKV + b * s_dkb + row[:, None] * s_dks
+        mask_dst = valid
+    n = pid_t.to(tl.int64)
+    k_r = tl.load(kv_rows + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # [BK, RP]
+
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_rows = Q + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+        do_rows = DO + b * s_ob + t * s_ot + offs_h[:, None] * s_oh
+        q_r = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        s_t = tl.dot(k_r, tl.trans(q_r))  # [BK, BH]
+        dp_t = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+        for c0 in range(0, VP, BLOCK_C):
+            offs_c = c0 + offs_cc
+            mask_c = offs_c < V
+            k_c = tl.load(kv_rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+            q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            do_c = tl.load(do_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            s_t = tl.dot(k_c, tl.trans(q_c), s_t)
+            dp_t = tl.dot(k_c, tl.trans(do_c), dp_t)
+        lse = tl.load(LSE + n * H + offs_h, mask=mask_h, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        delta = tl.load(DELTA + n * H + offs_h, mask=mask_h, other=0.0)
+        p_t = tl.exp2(s_t * scale_log2 - lse2[None, :])
+        p_t = tl.where(valid[:, None] & mask_h[None, :], p_t, 0.0)
+        ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_r.dtype)  # [BK, BH]
+        p_t = p_t.to(q_r.dtype)
+        tl.store(DS + slot_rows * HP + offs_h[None, :], ds_t, mask=mask_k[:, None])
+        if DKV_OUT == "rows":
+            tl.debug_barrier()  # rows written by other threads of this program for the previous head block
+        if R > 0:
+            dk_r = tl.dot(ds_t, q_r)
+            _add_rows(dst_rows + V + offs_r[None, :], dk_r, mask_dst[:, None] & mask_r[None, :], DKV_OUT, h0 > 0)
+        for c0 in range(0, VP, BLOCK_C):
+            offs_c = c0 + offs_cc
+            mask_c = offs_c < V
+            q_c = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            do_c = tl.load(do_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+            dk_c = tl.dot(p_t, do_c, tl.dot(ds_t, q_c))  # [BK, BC]
+            _add_rows(dst_rows + offs_c[None, :], dk_c, mask_dst[:, None] & mask_c[None, :], DKV_OUT, h0 > 0)
+
+
+@triton.autotune(
+    configs=_bwd_configs(_DQ_DS_SHAPES),
+    key=["H", "K", "V", "R"],
+    prune_configs_by={"early_config_prune": _prune_head_blocks},
+)
+@triton.jit(do_not_specialize=["n0", "T", "H", "K"])
+def _sparse_mqa_bwd_kernel_dq(
+    KV, IDX, DS, DQ,
+    n0, T, H, K, HP,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Pass 2: dQ [BLOCK_H, D] = dS K for token n0 + i and a head block, dS read from DS[i] [K, HP] (scaled by
+    pass 1), the selected latent rows gathered BLOCK_K at a time. One product per slot block, no scores. The dS
+    loads carry no head mask (they vectorise): a padded head's row is never stored, and a dQ row depends only on
+    its own dS row."""
+    i = tl.program_id(0)
+    pid_t = n0 + i
+    b = (pid_t // T).to(tl.int64)
+    t = (pid_t % T).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_c = tl.arange(0, VP)
+    offs_r = tl.arange(0, RP)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
+    kv_base = KV + b * s_kb
+    idx_base = IDX + b * s_ib + t * s_it
+    ds_base = DS + i.to(tl.int64) * K * HP + offs_h[:, None]
+
+    dq_c = tl.zeros([BLOCK_H, VP], dtype=tl.float32)
+    dq_r = tl.zeros([BLOCK_H, RP], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        ids = tl.load(idx_base + offs_k, mask=mask_k, other=-1)
+        valid = ids >= 0
+        row = tl.where(valid, ids, 0).to(tl.int64)
+        k_c = tl.load(kv_base + row[:, None] * s_ks + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+        k_r = tl.load(
+            kv_base + row[:, None] * s_ks + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0
+        )
+        ds = tl.load(ds_base + offs_k[None, :] * HP, mask=mask_k[None, :], other=0.0)  # [BH, BK]
+        dq_c = tl.dot(ds, k_c, dq_c)
+        dq_r = tl.dot(ds, k_r, dq_r)
+
+    dq_rows = DQ + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+    tl.store(dq_rows + offs_c[None, :], dq_c.to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    tl.store(dq_rows + V + offs_r[None, :], dq_r.to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_r[None, :])
+
+
+@triton.jit
 def _segment_sum_kernel(
     BUF, ORDER, KEYS, STARTS, DKV, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr
 ):  # fmt: skip
@@ -417,12 +592,76 @@ def _dkv_kmajor(q, kv, idx, do, lse, delta, scale, dkv32):
     )  # fmt: skip
 
 
-def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
-    """dKV by the deterministic sorted scatter over chunks of tokens (see module docstring)."""
+def _dkv_ds_pass(q, kv, idx, do, lse, delta, scale, dst, ds, n0, n, out):
+    """Pass 1 over tokens [n0, n0 + n): dS into ds [n, K, HP]; dKV by atomics into dst = dkv32 [B, S, D] fp32
+    (out "atomic"), or the contribution rows into dst = buf [>= n, K, D] fp32 ("rows"), or nowhere ("none")."""
+    T, H, D = q.shape[1], q.shape[2], q.shape[3]
+    K, V = idx.shape[-1], do.shape[-1]
+    VP, RP = padded_dims(V, D - V)
+
+    def grid(meta):
+        return (n * triton.cdiv(K, meta["BLOCK_K"]),)
+
+    _sparse_mqa_bwd_kernel_dkv[grid](
+        q, kv, idx, do, lse, delta, dst, ds,
+        n0, T, H, K, ds.shape[-1], scale, scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        do.stride(0), do.stride(1), do.stride(2),
+        dst.stride(0), dst.stride(1),
+        V=V, R=D - V, VP=VP, RP=RP, DKV_OUT=out,
+    )  # fmt: skip
+
+
+def _dq_ds_pass(kv, idx, ds, dq, n0, n, V):
+    """Pass 2 over tokens [n0, n0 + n): dq [B,T,H,D] rows of those tokens = dS K, dS from ds [n, K, HP]."""
+    T, H, D = dq.shape[1], dq.shape[2], dq.shape[3]
+    K = idx.shape[-1]
+    VP, RP = padded_dims(V, D - V)
+
+    def grid(meta):
+        return (n, triton.cdiv(H, meta["BLOCK_H"]))
+
+    _sparse_mqa_bwd_kernel_dq[grid](
+        kv, idx, ds, dq,
+        n0, T, H, K, ds.shape[-1],
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        kv.stride(0), kv.stride(1),
+        idx.stride(0), idx.stride(1),
+        V=V, R=D - V, VP=VP, RP=RP,
+    )  # fmt: skip
+
+
+def _two_pass_bwd(q, kv, idx, do, lse, delta, scale, dq, dkv32, deterministic, ds_bytes, sorted_bytes):
+    """dq and dkv32 by pass 1 (dKV + dS) and pass 2 (dQ from dS) over chunks of tokens; deterministic: pass 1
+    writes contribution rows and the sorted scatter adds them (chunks also bounded by the sorted buffer)."""
+    B, T, H, D = q.shape
+    K, V = idx.shape[-1], do.shape[-1]
+    N = B * T
+    HP = triton.cdiv(H, DS_HEAD_PAD) * DS_HEAD_PAD
+    chunk = max(1, min(N, ds_bytes // (K * HP * q.element_size())))
+    if deterministic:
+        chunk = min(chunk, max(1, sorted_bytes // (K * D * 4)))
+    ds = torch.empty((chunk, K, HP), device=q.device, dtype=q.dtype)
+
+    def passes(dst, n0, n):
+        _dkv_ds_pass(q, kv, idx, do, lse, delta, scale, dst, ds, n0, n, "rows" if deterministic else "atomic")
+        _dq_ds_pass(kv, idx, ds, dq, n0, n, V)
+
+    if deterministic:
+        _sorted_scatter_dkv(q, kv, idx, dkv32, chunk, passes)
+    else:
+        for n0 in range(0, N, chunk):
+            passes(dkv32, n0, min(chunk, N - n0))
+
+
+def _sorted_scatter_dkv(q, kv, idx, dkv32, chunk, fill_rows):
+    """dKV by the deterministic sorted scatter over chunks of `chunk` tokens (see module docstring);
+    fill_rows(buf, n0, n) writes the contribution rows of tokens [n0, n0 + n) into buf[:n] [n, K, D] fp32."""
     B, T, _, D = q.shape
     S, K = kv.shape[1], idx.shape[-1]
     N = B * T
-    chunk = max(1, min(N, buffer_bytes // (K * D * 4)))
     buf = torch.empty((chunk, K, D), device=q.device, dtype=torch.float32)
     # global key row of every (token, slot): b * S + idx, or -1
     batch_off = (torch.arange(B, device=q.device, dtype=torch.int64) * S)[:, None, None]
@@ -430,7 +669,7 @@ def _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, buffer_bytes):
     dkv_flat = dkv32.view(B * S, D)
     for n0 in range(0, N, chunk):
         n = min(chunk, N - n0)
-        _dkv_rows(q, kv, idx, do, lse, delta, scale, buf, dkv32, n0, n)
+        fill_rows(buf, n0, n)
         keys_sorted, order = torch.sort(keys_all[n0 : n0 + n].reshape(-1), stable=True)
         uniq, counts = torch.unique_consecutive(keys_sorted, return_counts=True)
         starts = torch.zeros(uniq.numel() + 1, device=q.device, dtype=torch.int64)
@@ -449,6 +688,7 @@ def sparse_mqa_bwd(
     scale: float,
     dkv_mode: str = "atomic",
     sorted_buffer_bytes: int = SORTED_BUFFER_BYTES,
+    ds_buffer_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients (dq [B,T,H,D] q.dtype, dkv [B,S,D] kv.dtype) of sparse_mqa_fwd's outputs."""
     if dkv_mode not in DKV_MODES:
@@ -461,6 +701,11 @@ def sparse_mqa_bwd(
     delta = attention_delta(o, do, dlse)
     dq = torch.full_like(q, float("nan"))
     dkv32 = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    if dkv_mode in TWO_PASS_MODES:
+        ds_bytes = DS_BUFFER_BYTES if ds_buffer_bytes is None else ds_buffer_bytes
+        deterministic = dkv_mode == "sorted_ds"
+        _two_pass_bwd(q, kv, idx, do, lse, delta, scale, dq, dkv32, deterministic, ds_bytes, sorted_buffer_bytes)
+        return dq, dkv32.to(kv.dtype)
     atomic = dkv_mode == "atomic"
     VP, RP = padded_dims(V, D - V)
 
@@ -482,5 +727,10 @@ def sparse_mqa_bwd(
     elif dkv_mode == "kmajor":
         _dkv_kmajor(q, kv, idx, do, lse, delta, scale, dkv32)
     elif dkv_mode == "sorted":
-        _sorted_scatter_dkv(q, kv, idx, do, lse, delta, scale, dkv32, sorted_buffer_bytes)
+        chunk = max(1, min(B * T, sorted_buffer_bytes // (K * D * 4)))
+
+        def fill_rows(buf, n0, n):
+            _dkv_rows(q, kv, idx, do, lse, delta, scale, buf, dkv32, n0, n)
+
+        _sorted_scatter_dkv(q, kv, idx, dkv32, chunk, fill_rows)
     return dq, dkv32.to(kv.dtype)

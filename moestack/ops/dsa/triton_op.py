@@ -3,9 +3,9 @@
     sparse_mqa_attention_triton(q, kv, idx, v_dim, scale, dkv_mode="atomic")  ->  (o, lse)
 
 Forward saves q, kv, idx, o and lse (no [T, K] intermediates); backward rebuilds P from lse. Both outputs are
-differentiable (the lse gradient folds into Delta). dkv_mode picks the dKV scatter ("atomic", "atomic_split",
-"kmajor", or the deterministic "sorted"; see triton_attn_bwd); the environment variable MOESTACK_DSA_DKV sets the
-default.
+differentiable (the lse gradient folds into Delta). dkv_mode picks the backward's dKV scatter ("atomic",
+"atomic_split", "kmajor", the two-pass "kmajor_ds", or the deterministic "sorted" / "sorted_ds"; see
+triton_attn_bwd); the environment variable MOESTACK_DSA_DKV sets the default.
 """
 
 from __future__ import annotations

@@ -124,6 +124,102 @@ def _sparse_mqa_fwd_kernel(
         tl.store(LSE + pid_t.to(tl.int64) * H + offs_h, lse, mask=mask_h)  # lse contiguous [B*T, H]
 
 
+# ------------------------------------------------------------------ variant "splits": score tile split over warpgroups
+# MOESTACK_DSA_FWD=splits (opt-in until GPU-confirmed). Triton gives a dot whose result feeds another dot (S -> P -> PV)
+# warpsPerCTA = [num_warps, 1] (AccelerateMatmul's chained-dot rule, decided on the dot's SSA forward slice). With a
+# 64-head tile and 8 warps both warpgroups then compute the same [64, BLOCK_K] score tile and softmax. Here each of
+# the two score dots sits in its own scf.if on a runtime flag (ONE = 1): the forward slice of a dot inside an if
+# region ends at its scf.yield, so Triton sees no chain and splits S over the warpgroups by keys ([4, 2]); the row
+# max / sum then cross warpgroups through shared memory and P is re-laid out (shared memory) as the A operand of
+# P V, whose [64, 512] accumulator is split by value columns as before. Tensor work per warpgroup per 64 keys:
+# 64 x 32 x 576 + 64 x 64 x 256 instead of 64 x 64 x 576 + 64 x 64 x 256 (-35%). From the sm_90 TTGIR
+# (sm90_report.py): Triton rematerialises the softmax in the dot-operand layout (fp32 S through shared memory, exp2
+# once split for the row sums and once per warpgroup for P): 1.5x the exp2 work of the replicated kernel. The
+# (64, 64) tile at 2 stages does not get its gathers pipelined (197 KB); (64, 32) at 3 stages does (131 KB).
+
+
+def fwd_split_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    # sm_90 ptxas (sm90_report.py): (64, 32, 3 stages) 131 KB, 64 B spills, gathers pipelined; (64, 64) ~0.6 KB spills
+    tiles = [(64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)]
+    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+        tiles = tiles[:1]
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in tiles]
+
+
+@triton.autotune(configs=fwd_split_configs(), key=["H", "K", "V", "R"],
+                 prune_configs_by={"early_config_prune": _prune_head_blocks})  # fmt: skip
+@triton.jit(do_not_specialize=["T", "H", "K", "ONE"])
+def _sparse_mqa_fwd_kernel_splits(
+    Q, KV, IDX, O, LSE,
+    T, H, K, scale_log2, ONE,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_ib, s_it,
+    s_ob, s_ot, s_oh,
+    V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """As _sparse_mqa_fwd_kernel with BLOCK_V = VP (one program per (token, head block)); ONE must be 1."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = pid_t // T
+    t = pid_t % T
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_c = tl.arange(0, VP)
+    offs_r = tl.arange(0, RP)
+    mask_c = offs_c < V
+    mask_r = offs_r < R
+
+    q_rows = Q + b.to(tl.int64) * s_qb + t.to(tl.int64) * s_qt + offs_h[:, None] * s_qh
+    b_qc = tl.load(q_rows + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)  # [BH, VP]
+    b_qr = tl.load(q_rows + V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # [BH, RP]
+    kv_base = KV + b.to(tl.int64) * s_kb
+    idx_base = IDX + b.to(tl.int64) * s_ib + t.to(tl.int64) * s_it
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, VP], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        valid = ids >= 0
+        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64) * s_ks
+        b_kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)  # [BK, VP]
+        b_kr = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        # each dot in its own if region: no dot in its forward slice -> warps split over keys, no replica
+        # (two different conditions: ifs on the same one get merged, and the first dot would feed the second)
+        if ONE > 0:
+            b_s = tl.dot(b_qc, tl.trans(b_kc))  # [BH, BK]
+        else:
+            b_s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+        if ONE < 2:
+            b_s2 = tl.dot(b_qr, tl.trans(b_kr), b_s)
+        else:
+            b_s2 = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)  # never taken; a constant keeps b_s single-use
+        b_s2 = tl.where(valid[None, :], b_s2 * scale_log2, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(b_s2, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        b_p = tl.exp2(b_s2 - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = tl.dot(b_p.to(b_kc.dtype), b_kc, acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptrs = O + b.to(tl.int64) * s_ob + t.to(tl.int64) * s_ot + offs_h[:, None] * s_oh + offs_c[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    tl.store(LSE + pid_t.to(tl.int64) * H + offs_h, lse, mask=mask_h)
+
+
+FWD_VARIANTS = ("default", "splits")
+FWD_ENV_VAR = "MOESTACK_DSA_FWD"
+
+
 def padded_dims(V: int, R: int) -> tuple[int, int]:
     """Tile widths (powers of two >= 16) of the value part and the rope part of the latent."""
     return max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(max(R, 1)))
@@ -146,9 +242,15 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: in
 
 
 def sparse_mqa_fwd(
-    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float, variant: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32)."""
+    """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32).
+
+    variant: "default" (autotuned, value dims optionally split over programs) or "splits" (score tile split over
+    the warpgroups, see _sparse_mqa_fwd_kernel_splits); None reads MOESTACK_DSA_FWD (default "default")."""
+    variant = variant or os.environ.get(FWD_ENV_VAR, "default")
+    if variant not in FWD_VARIANTS:
+        raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS} (argument or {FWD_ENV_VAR})")
     check_inputs(q, kv, idx, v_dim)
     B, T, H, D = q.shape
     K = idx.shape[-1]
@@ -158,6 +260,18 @@ def sparse_mqa_fwd(
     lse = torch.full((B, T, H), float("nan"), device=q.device, dtype=torch.float32)
 
     VP, RP = padded_dims(v_dim, D - v_dim)
+
+    if variant == "splits":
+        _sparse_mqa_fwd_kernel_splits[lambda meta: (B * T, triton.cdiv(H, meta["BLOCK_H"]))](
+            q, kv, idx, o, lse,
+            T, H, K, scale * LOG2E, 1,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1),
+            idx.stride(0), idx.stride(1),
+            o.stride(0), o.stride(1), o.stride(2),
+            V=v_dim, R=D - v_dim, VP=VP, RP=RP,
+        )  # fmt: skip
+        return o, lse
 
     def grid(meta):
         return (B * T, triton.cdiv(H, meta["BLOCK_H"]), VP // min(meta["BLOCK_V"], VP))

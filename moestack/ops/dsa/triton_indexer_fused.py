@@ -1,0 +1,285 @@
+"""Lightning-indexer top-k without a score block: sampled threshold, fused scoring + compaction, exact top-k of
+the candidates (opt-in: MOESTACK_DSA_TOPK=fused, or indexer_topk_fused directly).
+
+    I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s])     s visible from t (causal, same document)
+
+Per chunk of query rows [t0, t1) (candidate buffers bounded by CHUNK_BYTES):
+1. threshold. Rows with at most CAP visible keys take them all (thr = -inf). For the others the scoring kernel
+   writes the scores of a strided sample of keys (positions 0, STRIDE, 2 STRIDE, ...; [R, t1 / STRIDE] fp32) and
+   thr[t] = the r-th largest visible sample, r = ceil(margin * k * n_samples / n_visible): about margin * k keys
+   of the row score >= thr (a quantile estimate from n_visible / STRIDE samples).
+2. candidates. The scoring kernel scores every visible (row, key) tile once and appends the keys with
+   score >= thr[t] (score and position) to the row's candidate list [R, CAP]: per row a counter bumped by one
+   atomic per tile, slots by a prefix sum of the tile's hits. Nothing T x T is written.
+3. selection. torch.topk(k) over the <= CAP candidates of each row (descending, -1 where fewer than k).
+4. exactness. Whenever count(score >= thr) >= k, the row's top-k lies inside its candidates, so the result equals
+   the top-k of all visible keys (ties aside). Rows whose count is < min(k, n_visible) (thr too high) or > CAP
+   (overflow) are recomputed exactly (all visible keys, torch fp32) - rare with margin 1.5 and CAP = 2k on any
+   score distribution that the strided sample represents; correct on every input. One host sync per chunk
+   (the list of such rows).
+
+Cost: the scoring GEMM once (+ 1/STRIDE for the sample), no T x T HBM traffic, a top-k over [T, CAP].
+Scoring tile [BLOCK_T rows, BLOCK_S keys], heads looped: each head's q [BLOCK_T, Di] is read per key tile, so the
+q traffic per FLOP falls with BLOCK_S (64 x 256 at 8 warps: 1 byte per 256 FLOP).
+FP8 (fp8=True): q per (token, head) and k per token scaled to e4m3; ReLU(a . sk) = sk ReLU(a) for the positive
+key scale, so the scales fold into w (per row) and one multiply per key: I = sk[s] sum_j (w sq)[t,j] ReLU(q8.k8).
+
+Shape legend: B batch, T tokens, R rows of a chunk, Hi indexer heads, Di their dim, K = top_k, CAP candidates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moestack.ops.dsa import reference as ref
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET
+
+CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
+TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "chunked" (default: triton_indexer.indexer_topk_triton) or "fused"
+MODE_DENSE, MODE_SELECT = 0, 1
+
+
+def _configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_T": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
+    # sm_90 ptxas (sm90_report.py): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
+    tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]
+    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+        tiles = tiles[:1]
+    return [triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s) for bt, bs, w, s in tiles]
+
+
+@triton.autotune(configs=_configs(), key=["Hi", "DP", "MODE", "KEY_STRIDE", "CAP"],
+                 reset_to_zero=["CNT"], restore_value=["OUT_S", "OUT_I"])  # fmt: skip
+@triton.jit(do_not_specialize=["t0", "t1", "Hi", "n_cols"])
+def indexer_select_kernel(
+    Q, KI, W, KSCALE, DSTART, THR, CNT, OUT_S, OUT_I,
+    t0, t1, Hi, n_cols,
+    s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_sb, s_ob, s_or,
+    Di: tl.constexpr, DP: tl.constexpr, KEY_STRIDE: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr,
+    HAS_DOC: tl.constexpr, HAS_KSCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Scores of rows [t0, t1) (this program: BLOCK_T of them) against key columns m (this program: BLOCK_S of
+    them) at positions m * KEY_STRIDE, m < n_cols.
+    MODE_DENSE: OUT_S[b, t - t0, m] = I[b, t, pos(m)] where visible (the caller pre-fills -inf).
+    MODE_SELECT: visible keys with I >= THR[b, t - t0] are appended to row t's lists OUT_S (score) / OUT_I
+    (position) [B, R, CAP] at slots from the counter CNT[b, t - t0] (which ends at the row's total hit count)."""
+    row0 = t0 + tl.program_id(0) * BLOCK_T
+    col0 = tl.program_id(1) * BLOCK_S
+    b = tl.program_id(2).to(tl.int64)
+    live = col0 * KEY_STRIDE <= row0 + BLOCK_T - 1  # tiles wholly above the diagonal see nothing
+    if HAS_DOC:  # ... and tiles wholly before the first row's document
+        live = live & ((col0 + BLOCK_S - 1) * KEY_STRIDE >= tl.load(DSTART + row0))
+    if not live:
+        return
+    # scalar int64 bases + small int32 tile offsets: keeps 64-bit pointer tensors out of the live registers
+    b_lr = tl.arange(0, BLOCK_T)  # [BT] local rows
+    b_rows = row0 + b_lr  # [BT] positions
+    b_cols = col0 + tl.arange(0, BLOCK_S)  # [BS] key columns
+    b_pos = b_cols * KEY_STRIDE  # [BS] key positions
+    offs_d = tl.arange(0, DP)
+    mask_d = offs_d < Di
+    mask_t = b_rows < t1
+    mask_s = (b_cols < n_cols) & (b_pos < t1)
+    k_base = KI + b * s_kb + (col0 * KEY_STRIDE).to(tl.int64) * s_ks
+    b_k = tl.load(k_base + ((b_pos - col0 * KEY_STRIDE) * s_ks)[:, None] + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BS, DP]  # fmt: skip
+    b_acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+    q_base = Q + b * s_qb + row0.to(tl.int64) * s_qt  # scalar, advanced per head
+    w_base = W + b * s_wb + row0.to(tl.int64) * s_wt
+    o_q = (b_lr * s_qt)[:, None] + offs_d[None, :]  # [BT, DP] int32
+    mask_q = mask_t[:, None] & mask_d[None, :]
+    b_kt = tl.trans(b_k)
+    # head j + 1's q is loaded (registers) before head j's dot: Triton's pipeliner leaves this loop alone (no
+    # async copies in the sm_90 TTGIR), so the L2 latency of the next q hides behind the current dot by hand
+    b_q_next = tl.load(q_base + o_q, mask=mask_q, other=0.0)  # [BT, DP]
+    b_w_next = tl.load(w_base + b_lr * s_wt, mask=mask_t, other=0.0).to(tl.float32)  # [BT]
+    for j in range(Hi):
+        b_q, b_w = b_q_next, b_w_next
+        q_base += s_qh
+        w_base += 1
+        b_q_next = tl.load(q_base + o_q, mask=mask_q & (j + 1 < Hi), other=0.0)
+        b_w_next = tl.load(w_base + b_lr * s_wt, mask=mask_t & (j + 1 < Hi), other=0.0).to(tl.float32)
+        b_acc += tl.maximum(tl.dot(b_q, b_kt), 0.0) * b_w[:, None]
+    if HAS_KSCALE:
+        b_acc = b_acc * tl.load(KSCALE + b * s_sb + b_pos, mask=mask_s, other=1.0)[None, :]
+    b_vis = (b_pos[None, :] <= b_rows[:, None]) & mask_t[:, None] & mask_s[None, :]
+    if HAS_DOC:
+        b_vis = b_vis & (b_pos[None, :] >= tl.load(DSTART + b_rows, mask=mask_t, other=0)[:, None])
+    o_base = b * s_ob + (row0 - t0).to(tl.int64) * s_or  # row0's row of the [B, R, *] outputs
+    if MODE == 0:
+        tl.store(OUT_S + o_base + (b_lr * s_or)[:, None] + b_cols[None, :], b_acc, mask=b_vis)
+    else:
+        r_base = b * (t1 - t0) + (row0 - t0)  # THR, CNT: [B, R] contiguous
+        b_thr = tl.load(THR + r_base + b_lr, mask=mask_t, other=0.0)
+        b_hit = (b_vis & (b_acc >= b_thr[:, None])).to(tl.int32)  # [BT, BS]
+        b_cnt = tl.sum(b_hit, 1)  # [BT]
+        b_old = tl.atomic_add(CNT + r_base + b_lr, b_cnt, mask=mask_t & (b_cnt > 0), sem="relaxed")  # [BT]
+        b_slot = b_old[:, None] + tl.cumsum(b_hit, 1) - 1  # [BT, BS]
+        keep = (b_hit > 0) & (b_slot < CAP)
+        off = (b_lr * s_or)[:, None] + b_slot  # int32: s_or = CAP
+        tl.store(OUT_S + o_base + off, b_acc, mask=keep)
+        tl.store(OUT_I + o_base + off, b_pos[None, :] + tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int32), mask=keep)
+
+
+def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride, mode, cap):
+    B, _, Hi, Di = q.shape
+    DP = max(16, triton.next_power_of_2(Di))
+
+    def grid(meta):
+        return (triton.cdiv(t1 - t0, meta["BLOCK_T"]), triton.cdiv(n_cols, meta["BLOCK_S"]), B)
+
+    dummy = out_s
+    indexer_select_kernel[grid](
+        q, k, w, kscale if kscale is not None else dummy, dstart if dstart is not None else dummy,
+        thr if thr is not None else dummy, cnt if cnt is not None else dummy, out_s,
+        out_i if out_i is not None else dummy,
+        t0, t1, Hi, n_cols,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
+        kscale.stride(0) if kscale is not None else 0, out_s.stride(0), out_s.stride(1),
+        Di=Di, DP=DP, KEY_STRIDE=key_stride, MODE=mode, CAP=cap, HAS_DOC=dstart is not None,
+        HAS_KSCALE=kscale is not None,
+    )  # fmt: skip
+
+
+def quantize_fp8(q_idx, k_idx, w):
+    """e4m3 q (per token and head) and k (per token) with the scales folded: returns (q8, k8, w * sq, sk)."""
+    f8 = torch.float8_e4m3fn
+    fmax = torch.finfo(f8).max
+    sq = q_idx.float().abs().amax(-1).clamp_min(1e-12) / fmax  # [B,T,Hi]
+    sk = k_idx.float().abs().amax(-1).clamp_min(1e-12) / fmax  # [B,T]
+    q8 = (q_idx.float() / sq[..., None]).to(f8)
+    k8 = (k_idx.float() / sk[..., None]).to(f8)
+    return q8, k8, (w.float() * sq).contiguous(), sk.contiguous()
+
+
+@torch.no_grad()
+def indexer_topk_fused(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w: torch.Tensor,
+    top_k: int,
+    cu_seqlens: torch.Tensor | None = None,
+    stride: int = 16,
+    margin: float = 1.5,
+    cap: int | None = None,
+    fp8: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded, descending score
+    (reference.indexer_topk_from_inputs). stride: key sampling step of the threshold pass; margin: expected
+    candidates per row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); fp8: e4m3 scoring
+    (approximate scores, so near-tie selections may differ from bf16). stats (optional dict) receives the number
+    of rows recomputed exactly ("fallback_rows")."""
+    if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
+        raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
+    B, T = q_idx.shape[:2]
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens (packed documents) needs batch size 1, got B = {B}")
+    cap = cap or 2 * top_k
+    if cap < top_k or stride < 1 or margin <= 0:
+        raise ValueError(f"need cap >= top_k, stride >= 1, margin > 0; got cap={cap}, stride={stride}, "
+                         f"margin={margin}")  # fmt: skip
+    dev = q_idx.device
+    if fp8:
+        q, k, wq, kscale = quantize_fp8(q_idx, k_idx, w)
+    else:
+        q, k, wq, kscale = q_idx.contiguous(), k_idx.to(q_idx.dtype).contiguous(), w.contiguous(), None
+    pos_T = torch.arange(T, device=dev)
+    if cu_seqlens is None:
+        dstart = None
+        start_T = torch.zeros(T, device=dev, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.to(dev, torch.int64)
+        start_T = cu[ref.document_ids(cu, T)]
+        dstart = start_T.to(torch.int32).contiguous()
+    n_vis_T = pos_T - start_T + 1
+    n_samp_T = pos_T // stride - (start_T + stride - 1) // stride + 1  # sampled positions in [start, t]
+    r_bound = math.ceil(margin * top_k / stride + margin / 2) + 1  # >= r of every row with n_vis > cap
+    rows = max(1, min(T, chunk_bytes // (B * (8 * cap + 4 * (T // stride + 1)))))
+    out = []
+    n_fallback = 0
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        R = t1 - t0
+        n_vis = n_vis_T[t0:t1]
+        thr = torch.full((B, R), float("-inf"), device=dev, dtype=torch.float32)
+        if t1 > cap:  # some row of the chunk may see more than cap keys: sampled threshold
+            n_cols = (t1 - 1) // stride + 1
+            samp = torch.full((B, R, n_cols), float("-inf"), device=dev, dtype=torch.float32)
+            _launch(q, k, wq, kscale, dstart, None, None, samp, None, t0, t1, n_cols, stride, MODE_DENSE, cap)
+            n_samp = n_samp_T[t0:t1]
+            r = torch.ceil(margin * top_k * n_samp.double() / n_vis.double()).long().clamp(1, r_bound)
+            r = torch.minimum(r, n_samp.clamp_min(1))
+            top = samp.topk(min(r_bound, n_cols), dim=-1).values  # [B, R, r_bound]
+            est = top.gather(-1, (r - 1).clamp_max(top.shape[-1] - 1).expand(B, R)[..., None])[..., 0]
+            thr = torch.where((n_vis > cap).expand(B, R), est, thr)
+            del samp, top
+        cnt = torch.zeros((B, R), device=dev, dtype=torch.int32)
+        cand_s = torch.full((B, R, cap), float("-inf"), device=dev, dtype=torch.float32)
+        cand_i = torch.full((B, R, cap), -1, device=dev, dtype=torch.int32)
+        _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
+        kk = min(top_k, cap)
+        vals, slot = cand_s.topk(kk, dim=-1)  # descending
+        idx = cand_i.gather(-1, slot).masked_fill(vals == float("-inf"), -1)
+        del cand_s, cand_i, vals, slot
+        bad = (cnt > cap) | (cnt < torch.minimum(n_vis, torch.tensor(top_k, device=dev)).to(torch.int32))
+        bad_rows = bad.nonzero()  # host sync: the rows whose threshold missed
+        if len(bad_rows):
+            n_fallback += len(bad_rows)
+            idx[bad_rows[:, 0], bad_rows[:, 1]] = _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k)
+        out.append(idx)
+    if stats is not None:
+        stats["fallback_rows"] = n_fallback
+    return torch.cat(out, dim=1)
+
+
+def _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k, rows_per_block: int = 256):
+    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, r) with position t0 + r) over all visible keys, fp32."""
+    out = []
+    for i in range(0, len(bad_rows), rows_per_block):
+        br = bad_rows[i : i + rows_per_block]
+        b, t = br[:, 0], br[:, 1] + t0
+        s_max = int(t.max()) + 1
+        dots = torch.einsum("nhd,nsd->nsh", q_idx[b, t].float(), k_idx[b, :s_max].float())  # [n, S, Hi]
+        I = torch.einsum("nsh,nh->ns", dots.relu(), w[b, t].float())
+        keys = torch.arange(s_max, device=t.device)
+        vis = (keys[None, :] <= t[:, None]) & (keys[None, :] >= start_T[t][:, None])
+        out.append(ref.indexer_topk(I.masked_fill(~vis, float("-inf"))[None], top_k)[0])
+    return torch.cat(out, 0)
+
+
+def indexer_topk_dispatch(q_idx, k_idx, w, top_k, cu_seqlens=None):
+    """MOESTACK_DSA_TOPK = "chunked" (default, triton_indexer.indexer_topk_triton) | "fused" | "fused_fp8"."""
+    mode = os.environ.get(TOPK_ENV_VAR, "chunked")
+    if mode == "chunked":
+        from moestack.ops.dsa.triton_indexer import indexer_topk_triton
+
+        return indexer_topk_triton(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
+    if mode in ("fused", "fused_fp8"):
+        return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, fp8=mode == "fused_fp8")
+    raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of chunked, fused, fused_fp8")
+
+
+def sm90_report(compile_one) -> None:
+    """sm90_report.py hook: compile the scoring kernel's GPU configs in both modes (bf16 and fp8 inputs)."""
+    scal = {n: "i32" for n in ("t0", "t1", "Hi", "n_cols", "s_qb", "s_qt", "s_qh", "s_kb", "s_ks", "s_wb", "s_wt",
+                                "s_sb", "s_ob", "s_or")}  # fmt: skip
+    for dt in ("*bf16", "*fp8e4nv"):
+        ptr = {"Q": dt, "KI": dt, "W": "*fp32", "KSCALE": "*fp32", "DSTART": "*i32", "THR": "*fp32", "CNT": "*i32",
+               "OUT_S": "*fp32", "OUT_I": "*i32"}  # fmt: skip
+        for mode in (MODE_SELECT, MODE_DENSE):
+            for cfg in _configs():
+                kw = cfg.kwargs
+                consts = {"Di": 128, "DP": 128, "KEY_STRIDE": 1 if mode else 16, "MODE": mode, "CAP": 4096,
+                          "HAS_DOC": False, "HAS_KSCALE": dt != "*bf16", **kw}  # fmt: skip
+                label = f"indexer {dt[1:]} mode{mode} T{kw['BLOCK_T']} S{kw['BLOCK_S']}"
+                if os.environ.get("ONLY", "") in label:  # e.g. ONLY="bf16 mode1"
+                    compile_one(label, indexer_select_kernel, ptr, consts, scal, cfg.num_warps, cfg.num_stages)

@@ -1,0 +1,211 @@
+"""Opt-in DSA kernel variants against the reference: the "splits" sparse attention forward (score tile split over
+warpgroups, MOESTACK_DSA_FWD=splits) and the fused indexer top-k (sampled threshold + scoring with candidate
+compaction, MOESTACK_DSA_TOPK=fused / fused_fp8).
+
+CPU: TRITON_INTERPRET=1, fp32 at tiny shapes (exact dots: tight bounds). GPU (`-m gpu`): bf16 at full size.
+Selections are compared as score multisets (index order may differ on exact ties: ReLU makes exact zeros).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are decorated
+pytest.importorskip("triton")
+
+from moestack.ops.dsa import reference as ref
+from moestack.ops.dsa import triton_indexer_fused as fused
+from moestack.ops.dsa.triton_attn_fwd import FWD_ENV_VAR, sparse_mqa_fwd
+from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
+
+CPU_TOL = 2e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _random_idx(B, T, K, g, device="cpu"):
+    """Per query a random subset of its visible keys in random slots, -1 elsewhere; query 3 selects nothing."""
+    idx = torch.full((B, T, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            n = 0 if t == 3 else int(torch.randint(1, min(K, t + 1) + 1, (1,), generator=g))
+            pick = torch.randperm(t + 1, generator=g)[:n]
+            idx[b, t, torch.randperm(K, generator=g)[:n]] = pick.to(torch.int32)
+    return idx.to(device)
+
+
+# ------------------------------------------------------------------------------------------- forward "splits"
+
+
+@pytest.mark.parametrize(("H", "V", "R"), [(20, 32, 16), (33, 16, 16)])
+def test_fwd_splits_matches_reference(H, V, R):
+    g = torch.Generator().manual_seed(H)
+    B, T, K = 3 - H // 20, 17, 18  # T, K not multiples of the 16-wide blocks; H padded to the head block
+    q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
+    idx = _random_idx(B, T, K, g)
+    o, lse = sparse_mqa_fwd(q, kv, idx, V, 0.3, variant="splits")
+    ro, rlse = ref.sparse_mqa_attention(q.double(), kv.double(), idx, V, 0.3)
+    assert _rel(o, ro) < CPU_TOL
+    assert torch.all(lse[:, 3] == float("-inf")) and torch.all(o[:, 3] == 0)  # the empty query
+    fin = torch.isfinite(rlse)
+    assert torch.equal(fin, torch.isfinite(lse)) and _rel(lse[fin], rlse[fin]) < CPU_TOL
+
+
+def test_fwd_variant_env_switch(monkeypatch):
+    """MOESTACK_DSA_FWD picks the forward inside the autograd op (backward unchanged); a bad name raises."""
+    g = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(1, 9, 4, 48, generator=g), torch.randn(1, 9, 48, generator=g)
+    idx = _random_idx(1, 9, 5, g)
+    want, _ = ref.sparse_mqa_attention(q.double(), kv.double(), idx, 32, 0.2)
+    monkeypatch.setenv(FWD_ENV_VAR, "splits")
+    o, _ = sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
+    assert _rel(o, want) < CPU_TOL
+    monkeypatch.setenv(FWD_ENV_VAR, "nope")
+    with pytest.raises(ValueError, match="forward variant"):
+        sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
+
+
+# ------------------------------------------------------------------------------------------- fused indexer top-k
+
+
+def _assert_same_topk(got, q, k, w, top_k, cu):
+    """Equal selected-score multisets and -1 counts; causal and inside the document."""
+    S = ref.indexer_scores(q.double(), k.double(), w.double(), cu)
+    want = ref.indexer_topk(S, top_k)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
+    torch.testing.assert_close(sc(got), sc(want), rtol=1e-5, atol=1e-5)
+    assert torch.all(torch.isfinite(S.gather(-1, got.long().clamp_min(0))[got >= 0]))  # visible keys only
+
+
+def _indexer_inputs(B, T, Hi, Di, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, Hi, Di, generator=g), torch.randn(B, T, Di, generator=g)
+    w = torch.rand(B, T, Hi, generator=g) + 0.1  # positive head weights: few exact-zero ties
+    return q, k, w
+
+
+# (stride, margin, cap, chunk_bytes): sampled threshold; thresholds too high (every long row falls back) and too
+# low (candidate overflow -> fallback); several row chunks; small cap = every long row through the threshold path
+@pytest.mark.parametrize(
+    ("stride", "margin", "cap", "chunk_bytes"),
+    [(4, 1.5, None, fused.CHUNK_BYTES), (4, 0.2, None, fused.CHUNK_BYTES), (2, 6.0, 10, fused.CHUNK_BYTES),
+     (3, 1.5, 9, 9000)],
+)  # fmt: skip
+def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes):
+    B, T, Hi, Di, K = 2, 45, 3, 20, 6
+    q, k, w = _indexer_inputs(B, T, Hi, Di, seed=stride)
+    stats = {}
+    got = fused.indexer_topk_fused(q, k, w, K, stride=stride, margin=margin, cap=cap, chunk_bytes=chunk_bytes,
+                                   stats=stats)  # fmt: skip
+    _assert_same_topk(got, q, k, w, K, None)
+    if margin < 0.5 or margin > 4:
+        assert stats["fallback_rows"] > 0  # the exact path ran
+
+
+@pytest.mark.parametrize("cu", [[0, 10, 25, 45], [0, 30, 45]])
+def test_indexer_fused_documents(cu):
+    q, k, w = _indexer_inputs(1, 45, 2, 16, seed=len(cu))
+    cu_t = torch.tensor(cu)
+    got = fused.indexer_topk_fused(q, k, w, 5, cu_seqlens=cu_t, stride=2, cap=8)
+    _assert_same_topk(got, q, k, w, 5, cu_t)
+
+
+def test_indexer_fused_key_scale_and_fp8_algebra():
+    """The kernel's per-key scale path (fp8 mode's sk) on fp32 data, and the fp8 scale folding in torch:
+    sk[s] * sum_j (w sq)[t,j] ReLU(q8 . k8) equals the scores of the dequantised inputs."""
+    B, T, Hi, Di = 1, 20, 3, 16
+    q, k, w = _indexer_inputs(B, T, Hi, Di, seed=3)
+    sk = torch.rand(B, T) + 0.5
+    out = torch.full((B, T, T), float("-inf"))
+    fused._launch(q, k, w, sk, None, None, None, out, None, 0, T, T, 1, fused.MODE_DENSE, 16)
+    want = ref.indexer_scores(q.double(), k.double(), w.double()) * sk.double()[:, None, :]
+    assert _rel(out.masked_fill(out == float("-inf"), 0), want.masked_fill(want == float("-inf"), 0)) < CPU_TOL
+    q8, k8, wq, sk8 = fused.quantize_fp8(q, k, w)
+    sq = wq / w
+    deq = ref.indexer_scores(q8.double() * sq.double()[..., None], k8.double() * sk8.double()[..., None], w.double())
+    folded = ref.indexer_scores(q8.double(), k8.double(), wq.double()) * sk8.double()[:, None, :]
+    fin = torch.isfinite(deq)
+    assert _rel(folded[fin], deq[fin]) < 1e-6
+    assert _rel(deq[fin], ref.indexer_scores(q.double(), k.double(), w.double())[fin]) < 0.1  # e4m3 rounding
+
+
+def test_indexer_dispatch_env(monkeypatch):
+    q, k, w = _indexer_inputs(1, 12, 2, 16, seed=9)
+    monkeypatch.setenv(fused.TOPK_ENV_VAR, "fused")
+    _assert_same_topk(fused.indexer_topk_dispatch(q, k, w, 4), q, k, w, 4, None)
+    monkeypatch.setenv(fused.TOPK_ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="MOESTACK_DSA_TOPK"):
+        fused.indexer_topk_dispatch(q, k, w, 4)
+
+
+# ------------------------------------------------------------------------------------------------ GPU (full size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [20, 64, 96])
+def test_fwd_splits_gpu(H):
+    """bf16, 576 = 512 + 64 latent, top-2048 at T = 4096: splits vs the fp64 reference and vs the default kernel."""
+    g = torch.Generator(device="cuda").manual_seed(H)
+    T, K = 4096, 2048
+    q = torch.randn(1, T, H, 576, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(1, T, 576, generator=g, device="cuda").bfloat16()
+    idx = torch.stack([torch.randperm(T, generator=g, device="cuda")[:K] for _ in range(T)])[None].int()
+    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)  # causal, -1 padded
+    o, lse = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant="splits")
+    o0, _ = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant="default")
+    ro, rlse = ref.sparse_mqa_attention_blockwise(q.double(), kv.double(), idx, 512, 192**-0.5)
+    assert _rel(o, ro) < 2e-2 and _rel(lse, rlse) < 2e-2, (_rel(o, ro), _rel(lse, rlse))
+    assert _rel(o, o0) < 1e-2, _rel(o, o0)
+
+
+def _gpu_indexer_inputs(T, cu):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(1, T, 32, 128, generator=g, device="cuda").bfloat16()
+    k = torch.randn(1, T, 128, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(1, T, 32, generator=g, device="cuda") * 32**-0.5).bfloat16()
+    return q, k, w, None if cu is None else torch.tensor(cu, device="cuda")
+
+
+def _overlap(got, want, T):
+    chosen = torch.zeros(T, T + 1, dtype=torch.bool, device="cuda")  # column T collects the -1 slots
+    chosen.scatter_(1, want[0].long() % (T + 1), True)
+    return float(chosen.gather(1, got[0].long() % (T + 1))[got[0] >= 0].float().mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cu", [None, [0, 3000, 8192]])
+def test_indexer_fused_gpu(cu):
+    """bf16 inputs at T = 8192, top-2048: same selection as the chunked kernel + torch.topk (identical per-head
+    fp32 accumulation order, so equal up to exact ties), -1 counts equal, few exact fallbacks."""
+    from moestack.ops.dsa.triton_indexer import indexer_topk_triton
+
+    T = 8192
+    q, k, w, cu_t = _gpu_indexer_inputs(T, cu)
+    stats = {}
+    got = fused.indexer_topk_fused(q, k, w, 2048, cu_seqlens=cu_t, stats=stats)
+    want = indexer_topk_triton(q, k, w, 2048, cu_t)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    assert _overlap(got, want, T) > 0.999, _overlap(got, want, T)
+    assert stats["fallback_rows"] < 0.01 * T, stats
+    ref_idx = ref.indexer_topk_from_inputs(q.float(), k.float(), w.float(), 2048, cu_seqlens=cu_t)
+    assert _overlap(got, ref_idx, T) > 0.99, _overlap(got, ref_idx, T)
+
+
+@pytest.mark.gpu
+def test_indexer_fused_fp8_gpu():
+    """e4m3 scoring at T = 8192: most of the exact top-2048 kept (fp8 rounding moves near-boundary keys)."""
+    T = 8192
+    q, k, w, _ = _gpu_indexer_inputs(T, None)
+    got = fused.indexer_topk_fused(q, k, w, 2048, fp8=True)
+    want = ref.indexer_topk_from_inputs(q.float(), k.float(), w.float(), 2048)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    assert _overlap(got, want, T) > 0.8, _overlap(got, want, T)

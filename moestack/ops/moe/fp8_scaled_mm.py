@@ -86,7 +86,8 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     N, K = qa.shape
     E, _, F = qb.shape
     nk = K // fq.GROUP
-    assert qa.stride(1) == 1 and qb.stride(1) == 1 and sb.is_contiguous() and sbT.is_contiguous()
+    assert qa.stride() == (K, 1) and qb.stride(1) == 1 and qb.stride(2) == K
+    assert sb.is_contiguous() and sbT.is_contiguous()
     assert K % fq.GROUP == 0
     kmajor = _state["b128_kmajor"]
     assert qa._base is not None and qa._base.shape[0] >= N + 3, "qa must come from fp8_quant.quantize_dual"
@@ -95,12 +96,21 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     starts = [0] + ends[:-1]
     counts = [max(b - a, 0) for a, b in zip(starts, ends)]
     base, mp = fq.expert_major_layout(counts)
+    # views by as_strided (one call each: at a few hundred rows per expert this loop's host time is what limits)
+    st = torch.as_strided
+    a0, s0, y0, b0 = qa_full.storage_offset(), sa_flat.storage_offset(), y_full.storage_offset(), qb.storage_offset()
+    sbs = sbT if kmajor else sb
+    sb0, nf = sbs.storage_offset(), sb.shape[2]
+    sb_stride = (1, nk) if kmajor else (nf, 1)
     for e in range(E):
         if counts[e] == 0:
             continue
         r0, m = starts[e], mp[e]
-        sa = sa_flat[base[e] * nk: (base[e] + m) * nk].view(nk, m).t()  # [m, nk], stride (1, m)
-        _scaled_mm_into(qa_full[r0:r0 + m], qb[e], sa, sbT[e].t() if kmajor else sb[e], y_full[r0:r0 + m])
+        _scaled_mm_into(st(qa_full, (m, K), (K, 1), a0 + r0 * K),
+                        st(qb, (K, F), (1, K), b0 + e * qb.stride(0)),
+                        st(sa_flat, (m, nk), (1, m), s0 + base[e] * nk),  # [m, nk], stride (1, m)
+                        st(sbs, (nk, nf), sb_stride, sb0 + e * nk * nf),
+                        st(y_full, (m, F), (F, 1), y0 + r0 * F))
     y = y_full[:N]
     used = ends[-1] if ends else 0
     if used < N + 3:

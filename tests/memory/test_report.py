@@ -116,3 +116,29 @@ def test_measure_memory_cuda(trained, monkeypatch):
     assert report.peak >= meas["weights"] + meas["optimizer"]
     assert abs(sum(report.activations_by_kind.values()) - meas["activations"]) < 1
     assert "planner vs measured total" in "\n".join(format_report(report))
+
+
+def test_trainer_memory_report(tmp_path):
+    """`moestack train --memory-report`: the trainer's model measured on its next batch, next to the planner's
+    one-device plan; training state is untouched."""
+    from moestack.config.model_spec import load_model_spec
+    from moestack.config.train_spec import load_train_spec
+    from moestack.memory.report import trainer_memory_report
+    from moestack.train.trainer import Trainer
+
+    spec = load_train_spec(None, {"micro_batch_size": 2, "seq_len": 32, "steps": 1, "eval_every": 0,
+                                  "logging.tensorboard": False, "logging.progress": False,
+                                  "out_dir": str(tmp_path / "run")})
+    trainer = Trainer(spec, load_model_spec("tiny"), log=lambda *_: None)
+    trainer.train_step()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    lines = trainer_memory_report(trainer)
+    text = "\n".join(lines)
+    assert lines[0].startswith("memory report (cpu")
+    for cat in CATEGORIES:
+        assert f"  {cat}" in text
+    assert "planner plan: one device (cpu), seq 32 x micro-batch 2" in text
+    planner_weights = float(next(x for x in lines if x.strip().startswith("weights")).split()[-1])
+    assert planner_weights > 0
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None, n

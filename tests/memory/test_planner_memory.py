@@ -1,0 +1,157 @@
+"""The planner's memory terms for each memory technique (moestack/planner/cost.py), on the proxy on one H200 at a
+long sequence: each technique moves the term it should, by the amount the implementation in moestack.memory /
+moestack.train.optimizers implies. Measured factors come from benchmarks/memory.py on the GPU ("fit x")."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from moestack.config.cluster import GIB
+from moestack.config.model_spec import load_model_spec
+from moestack.memory.report import predicted_memory
+from moestack.planner.calibration import load_calibration
+from moestack.planner.cost import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ = 16384
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _bench()
+
+
+@pytest.fixture(scope="module", params=["built-in", "tuned"])
+def predicted(request, bench):
+    """technique -> the planner's breakdown (bytes) for the proxy at SEQ, under either calibration (the tuned one
+    has measured saved bytes per part, which take another code path)."""
+    cal = load_calibration(None if request.param == "built-in" else ROOT / "benchmarks" / "calibration-proxy-h200.json")
+    base = load_model_spec("proxy")
+    spec = bench.variant_spec(base, SEQ, None)
+    out = {}
+    for name, fields in bench.TECHNIQUES.items():
+        plan = bench.make_plan("proxy", SEQ, 1, fields, "h200-1gpu")
+        out[name] = predicted_memory(spec, plan, cal)
+    return out
+
+
+def _alloc(mem: dict) -> float:
+    return sum(mem.values()) - mem["reserved"]
+
+
+def _params():
+    spec = load_model_spec("proxy")
+    from moestack.planner.profile import profile_model
+
+    prof = profile_model(spec, 2)
+    m = spec.moe
+    expert = m.num_experts * 3 * m.expert_intermediate_size * m.latent_size
+    expert *= sum(1 for k in spec.layer_kinds() if k.ffn == "moe")
+    return spec, prof.total_params, expert
+
+
+def test_every_technique_saves_and_all_combined_saves_most(predicted):
+    base = _alloc(predicted["baseline"])
+    for name, mem in predicted.items():
+        if name != "baseline":
+            assert _alloc(mem) < base, name
+    combined = _alloc(predicted["all combined"])
+    assert all(combined <= _alloc(m) for m in predicted.values())
+    full, sel = predicted["recompute full"], predicted["recompute selective"]
+    assert full["activations"] < sel["activations"] < predicted["baseline"]["activations"]
+
+
+def test_optimizer_terms(predicted):
+    spec, total, _ = _params()
+    base, bf16, muon = predicted["baseline"], predicted["adamw bf16 states"], predicted["muon"]
+    assert base["optimizer"] == pytest.approx(8 * total, rel=1e-6)
+    assert bf16["optimizer"] == pytest.approx(4 * total, rel=1e-6)
+    # Muon: momentum (4 B) on matrices, AdamW (8 B) on the embedding and the untied LM head
+    vocab = spec.vocab_size * spec.hidden_size
+    assert muon["optimizer"] == pytest.approx(4 * total + 2 * 4 * vocab, rel=1e-6)
+    off = predicted["optimizer offload"]
+    assert off["optimizer"] == 0
+    assert off["weights"] == base["weights"]  # one device: CPUOffloadAdamW leaves the fp32 parameters in place
+
+
+def test_expert_offload_moves_expert_state_and_copies_off_the_device(predicted):
+    _, total, expert = _params()
+    base, off = predicted["baseline"], predicted["expert offload"]
+    assert off["weights"] == pytest.approx(4 * (total - expert), rel=1e-5)
+    assert off["optimizer"] == pytest.approx(8 * (total - expert), rel=1e-5)
+    # no autocast bf16 copies of the experts are kept (the seam casts inside its Function): 2 B per expert param
+    assert base["activations"] - off["activations"] == pytest.approx(2 * expert, rel=1e-3)
+    # per-layer device buffers for the fetched experts: a few GiB at most
+    assert 0 < off["buffers"] - base["buffers"] < 4 * GIB
+
+
+def test_activation_offload_keeps_layers_in_flight_and_weight_copies(predicted):
+    base, off = predicted["baseline"], predicted["activation offload"]
+    layers = load_model_spec("proxy").num_layers
+    assert off["activations"] < base["activations"] / 2
+    # more than the 3 layers in flight alone: the autocast weight copies stay on the device
+    assert off["activations"] > 3 * (base["activations"] / layers) * 0.5
+
+
+def test_fp8_saved_inputs_shrink_activations_under_either_calibration(predicted):
+    base, fp8 = predicted["baseline"], predicted["fp8 saved expert inputs"]
+    spec = load_model_spec("proxy")
+    m = spec.moe
+    moe_layers = sum(1 for k in spec.layer_kinds() if k.ffn == "moe")
+    # expert GEMM inputs (dispatched latent + activation output, top-k copies) in 1 byte instead of 2, plus the
+    # expert autocast copies the seam does not keep
+    expected = SEQ * m.top_k * (m.latent_size + m.expert_intermediate_size) * moe_layers
+    expected += 2 * m.num_experts * 3 * m.expert_intermediate_size * m.latent_size * moe_layers
+    saved = base["activations"] - fp8["activations"]
+    assert saved == pytest.approx(expected, rel=0.1)
+
+
+def test_loss_buffer_is_one_chunk(bench):
+    """The chunked loss holds one chunk of logits: the logits buffer stops growing past LOSS_CHUNK_TOKENS."""
+    base = load_model_spec("proxy")
+    bufs = []
+    for seq in (LOSS_CHUNK_TOKENS, 4 * LOSS_CHUNK_TOKENS):
+        spec = bench.variant_spec(base, seq, None)
+        plan = bench.make_plan("proxy", seq, 1, {"recompute": "selective"}, "h200-1gpu")
+        bufs.append(predicted_memory(spec, plan)["buffers"])
+    logits = LOSS_CHUNK_TOKENS * base.vocab_size * LOSS_BYTES_PER_LOGIT
+    assert bufs[0] >= logits and bufs[1] >= logits
+    assert bufs[1] - bufs[0] < 0.5 * logits  # what grows is the MoE dispatch buffers, not the logits
+
+
+def test_rows_and_table_report_failures(bench):
+    """benchmarks/memory.py: OOM, failed, timed-out and skipped rows are reported as such; saved / time added are
+    taken against the baseline, else the reference row."""
+    rows = [
+        {"technique": "baseline", "experts": 128, "seq": 16384, "oom": True, "status": "oom",
+         "predicted": {"alloc_gib": 150.0}},
+        {"technique": "recompute full", "experts": 128, "seq": 16384, "oom": False, "status": "ok", "peak_gib": 60.0,
+         "step_s": 1.0, "predicted": {"alloc_gib": 63.0}},
+        {"technique": "muon", "experts": 128, "seq": 16384, "oom": False, "status": "ok", "peak_gib": 100.0,
+         "step_s": 1.5, "predicted": {"alloc_gib": 95.0}},
+        {"technique": "expert offload", "experts": 128, "seq": 16384, "oom": False, "status": "failed",
+         "error": "exit 1: RuntimeError: CUDA error"},
+        {"technique": "optimizer offload", "experts": 128, "seq": 16384, "oom": False, "status": "timeout"},
+        {"technique": "all combined", "experts": 128, "seq": 16384, "oom": False, "status": "skipped",
+         "error": "no time left"},
+    ]
+    lines = bench.table(rows, "recompute full", 140.4)
+    assert all(x.startswith("|") for x in lines)
+    body = lines[2:]
+    assert "out of memory (140 GiB)" in body[0] and "150.0" in body[0]
+    assert "| 60.0 | - | 1.00 | - | 63.0 | +5.0% | 0.952 |" in body[1]
+    assert "| 100.0 | -40.0 | 1.50 | +50% | 95.0 | -5.0% | 1.053 |" in body[2]
+    assert "failed: exit 1: RuntimeError: CUDA error" in body[3]
+    assert "timed out" in body[4] and "skipped (no time left)" in body[5]
+    assert bench.reference_row(rows, "recompute full") is rows[1]
+    assert bench.reference_row(rows, "first") is rows[1]

@@ -163,7 +163,8 @@ def _probe_all(device: torch.device) -> bool:
     for out_kwarg in (True, False):
         for kmajor in (True, False):
             _state["out_kwarg"], _state["b128_kmajor"] = out_kwarg, kmajor
-            ok, msg = _probe(device)
+            with torch.autocast("cuda", enabled=False), torch.no_grad():  # the first call may come from inside
+                ok, msg = _probe(device)
             if ok:
                 print(f"fp8_scaled_mm: torch._scaled_mm blockwise per-expert path on (out= {out_kwarg}, "
                       f"128x128 scales K-block-major {kmajor}); {msg}")

@@ -139,12 +139,23 @@ def test_indexer_fused_key_scale_and_fp8_algebra():
 
 
 def test_indexer_dispatch_env(monkeypatch):
+    """MOESTACK_DSA_TOPK routes the registered triton top-k (and so the layer) to the fused path; bad names raise."""
+    from moestack.ops import dsa as dsa_ops
+    from moestack.ops.dsa.triton_indexer import TOPK_ENV_VAR
+
     q, k, w = _indexer_inputs(1, 12, 2, 16, seed=9)
-    monkeypatch.setenv(fused.TOPK_ENV_VAR, "fused")
-    _assert_same_topk(fused.indexer_topk_dispatch(q, k, w, 4), q, k, w, 4, None)
-    monkeypatch.setenv(fused.TOPK_ENV_VAR, "bogus")
+    calls = []
+    monkeypatch.setattr(fused, "indexer_topk_fused", lambda *a, **kw: calls.append(kw) or fused_topk(*a, **kw))
+    monkeypatch.setenv(TOPK_ENV_VAR, "fused")
+    got = dsa_ops.indexer_topk_from_inputs(q, k, w, 4, backend="triton")
+    assert len(calls) == 1 and calls[0]["fp8"] is False
+    _assert_same_topk(got, q, k, w, 4, None)
+    monkeypatch.setenv(TOPK_ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="MOESTACK_DSA_TOPK"):
-        fused.indexer_topk_dispatch(q, k, w, 4)
+        dsa_ops.indexer_topk_from_inputs(q, k, w, 4, backend="triton")
+
+
+fused_topk = fused.indexer_topk_fused
 
 
 # ------------------------------------------------------------------------------------------------ GPU (full size)

@@ -10,6 +10,8 @@ kernel (no score block in memory at all) is the next step; this version is the c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET
 
 CHUNK_BYTES = 1 << 30  # fp32 score block of one chunk of query rows
+TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "chunked" (default) | "fused" | "fused_fp8"
 
 
 def _configs():
@@ -76,7 +79,17 @@ def indexer_topk_triton(
     cu_seqlens: torch.Tensor | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
-    """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded (as the reference)."""
+    """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded (as the reference).
+
+    MOESTACK_DSA_TOPK = "chunked" (default: this function), "fused" or "fused_fp8" (triton_indexer_fused:
+    sampled threshold + fused scoring with candidate compaction, no score block in memory; opt-in)."""
+    mode = os.environ.get(TOPK_ENV_VAR, "chunked")
+    if mode != "chunked":
+        if mode not in ("fused", "fused_fp8"):
+            raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of chunked, fused, fused_fp8")
+        from moestack.ops.dsa.triton_indexer_fused import indexer_topk_fused
+
+        return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, fp8=mode == "fused_fp8")
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T, Hi, Di = q_idx.shape

@@ -1,5 +1,6 @@
 """Lightning-indexer top-k without a score block: sampled threshold, fused scoring + compaction, exact top-k of
-the candidates (opt-in: MOESTACK_DSA_TOPK=fused, or indexer_topk_fused directly).
+the candidates (opt-in: MOESTACK_DSA_TOPK=fused / fused_fp8 routes triton_indexer.indexer_topk_triton, the
+registered "triton" backend, here; or call indexer_topk_fused directly).
 
     I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s])     s visible from t (causal, same document)
 
@@ -40,7 +41,6 @@ from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET
 
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
-TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "chunked" (default: triton_indexer.indexer_topk_triton) or "fused"
 MODE_DENSE, MODE_SELECT = 0, 1
 
 
@@ -254,18 +254,6 @@ def _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k, rows_per_block: i
         vis = (keys[None, :] <= t[:, None]) & (keys[None, :] >= start_T[t][:, None])
         out.append(ref.indexer_topk(I.masked_fill(~vis, float("-inf"))[None], top_k)[0])
     return torch.cat(out, 0)
-
-
-def indexer_topk_dispatch(q_idx, k_idx, w, top_k, cu_seqlens=None):
-    """MOESTACK_DSA_TOPK = "chunked" (default, triton_indexer.indexer_topk_triton) | "fused" | "fused_fp8"."""
-    mode = os.environ.get(TOPK_ENV_VAR, "chunked")
-    if mode == "chunked":
-        from moestack.ops.dsa.triton_indexer import indexer_topk_triton
-
-        return indexer_topk_triton(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
-    if mode in ("fused", "fused_fp8"):
-        return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, fp8=mode == "fused_fp8")
-    raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of chunked, fused, fused_fp8")
 
 
 def sm90_report(compile_one) -> None:

@@ -303,3 +303,27 @@ def test_v3_no_sync_on_triton_path():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     wc.clear()
+
+
+def test_scaled_mm_wgrad_single_tile_bf16_fallback(monkeypatch):
+    """An expert with one token tile makes torch read the scales as rowwise; if fp32 output is refused there,
+    wgrad computes that expert in bf16 and copies (the others stay fp32)."""
+    if DEV == "cuda":
+        pytest.skip("emulation case")
+    monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
+    monkeypatch.setitem(fsm._state, "rowwise_fp32", False)
+    counts = [100, 0, 140]
+    x, param, offs = make_case(counts, 128, 256, torch.float32, seed=5)
+    dy = torch.randn(x.shape[0], 256, generator=torch.Generator().manual_seed(6))
+    _, _, qxT, sx = fq.quantize_dual(x, offs, torch.float32)
+    _, _, qdyT, sdy = fq.quantize_dual(dy, offs, torch.float32)
+    dw = fsm.wgrad(qxT, sx, qdyT, sdy, offs.tolist(), like=param.transpose(1, 2))
+    starts = [0, 100, 100]
+    for e, c in enumerate(counts):
+        want = x[starts[e]:starts[e] + c].double().t() @ dy[starts[e]:starts[e] + c].double()
+        if c == 0:
+            assert (dw[e] == 0).all()
+        elif e == 0:  # one tile: through bf16 (rounded, so not exact)
+            assert 1e-5 < rel_err(dw[e], want) < 1e-2
+        else:
+            assert rel_err(dw[e], want) < 1e-6

@@ -55,7 +55,8 @@ def _torch_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
 SCALED_MM = _torch_scaled_mm
 # probe results: per device ok; whether _scaled_mm takes out=; whether 128x128 scales go K-block-major (torch's
 # tests: [K/128, N/128] with stride (1, K/128)) or row-major [K/128, N/128]
-_state: dict = {"probe": {}, "host": None, "out_kwarg": True, "b128_kmajor": True}
+# wgrad of an expert with one 128-token tile (torch reads its scales as rowwise) into fp32: None = untried
+_state: dict = {"probe": {}, "host": None, "out_kwarg": True, "b128_kmajor": True, "rowwise_fp32": None}
 
 
 def _scaled_mm_into(a, b, scale_a, scale_b, out: torch.Tensor) -> None:
@@ -138,11 +139,28 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
             continue
         cols = slice(g0 * fq.GROUP, g1 * fq.GROUP)
         if transposed:  # dw[e]^T [F, D] = dy_e^T x_e
-            _scaled_mm_into(qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
+            args = (qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
         else:
-            _scaled_mm_into(qxT[:, cols], qdyT[:, cols].t(), sx[g0:g1].t(), sdy[g0:g1], dw[e])
+            args = (qxT[:, cols], qdyT[:, cols].t(), sx[g0:g1].t(), sdy[g0:g1], dw[e])
+        if g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is False:
+            _rowwise_via_bf16(*args)
+        elif g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is None:
+            try:  # one token tile: torch reads the scales as rowwise, whose fp32 output may be refused
+                _scaled_mm_into(*args)
+                _state["rowwise_fp32"] = True
+            except RuntimeError:
+                _state["rowwise_fp32"] = False
+                _rowwise_via_bf16(*args)
+        else:
+            _scaled_mm_into(*args)
         g0 = g1
     return dw
+
+
+def _rowwise_via_bf16(a, b, scale_a, scale_b, out):
+    tmp = torch.empty(out.shape, device=out.device, dtype=torch.bfloat16)
+    _scaled_mm_into(a, b, scale_a, scale_b, tmp)
+    out.copy_(tmp)
 
 
 def available(device: torch.device) -> bool:

@@ -162,7 +162,11 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         if pol.expert_offload is not None:
             out["expert_offload"] = vars(pol.expert_offload.stats).copy()
         if report:
-            rep = measure_memory(model, opt, tokens, targets, autocast, plan, cal=cal)
+            try:
+                rep = measure_memory(model, opt, tokens, targets, autocast, plan, cal=cal)
+            except torch.OutOfMemoryError:  # the steps fitted: the row stands, only the breakdown is missing
+                out["report_lines"] = ["memory report: out of memory in its extra forward + backward"]
+                return out
             out["report"] = {"measured_gib": {k: (v / GIB if v is not None else None) for k, v in rep.measured.items()},
                              "activations_by_kind_gib": {k: v / GIB for k, v in rep.activations_by_kind.items()},
                              "host_gib": {k: v / GIB for k, v in rep.host.items()},
@@ -264,7 +268,7 @@ def run_isolated(row: dict, args, timeout_s: float) -> dict:
             out["log_tail"] = proc.stdout[-2000:]
             return out
         lines = [x for x in proc.stdout.strip().splitlines() if x.strip()]
-        oom = any("OutOfMemoryError" in x or "out of memory" in x.lower() for x in lines)
+        oom = any("OutOfMemoryError" in x or "out of memory" in x.lower() or "ALLOC_FAILED" in x for x in lines)
         last = next((x for x in reversed(lines) if "Error" in x or "error" in x), lines[-1] if lines else "")
         return dict(blank, oom=oom, status="oom" if oom else "failed",
                     error=f"exit {proc.returncode}: {last.strip()[:200]}", log_tail=proc.stdout[-2000:])

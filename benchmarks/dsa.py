@@ -286,14 +286,21 @@ def bench_bwd_variants(T: int, H: int) -> None:
     ]
     fused.configs = won or fused.configs[:1]
     first: list = []
-    for mode in ("atomic", "kmajor_ds", "sorted_ds"):
+    # (mode, pass-1 TOKEN_TILE): kmajor_ds in both work orders (0: a token's slot blocks together; 64: slots
+    # sorted by key, 64-token tiles, slot block outer: the atomics of the programs running together share a band)
+    for mode, tile in (("atomic", 0), ("kmajor_ds", 0), ("kmajor_ds", 64), ("sorted_ds", 0)):
+        label = mode if mode == "atomic" else f"{mode}, tile {tile}"
 
-        def run(mode=mode):
+        def run(mode=mode, tile=tile, label=label):
             def step():
                 return bwd_k.sparse_mqa_bwd(q, kv, idx, o, lse, do, None, SCALE, mode)
 
-            ms = timed(step, reps=3 if mode != "sorted_ds" else 1, warmup=1)
-            grads = step()
+            bwd_k.TOKEN_TILE = tile
+            try:
+                ms = timed(step, reps=3 if mode != "sorted_ds" else 1, warmup=1)
+                grads = step()
+            finally:
+                bwd_k.TOKEN_TILE = 0
             if not first:
                 first.extend(grads)
                 agree = ""
@@ -305,13 +312,13 @@ def bench_bwd_variants(T: int, H: int) -> None:
                 cfg = picked(fused)
             else:
                 cfg = f"dKV {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
-            row(shape, f"bwd (dKV {mode})", f"{ms:.2f}", tflops(f_bwd, ms), f"cfg {cfg}", agree, "")
+            row(shape, f"bwd (dKV {label})", f"{ms:.2f}", tflops(f_bwd, ms), f"cfg {cfg}", agree, "")
             if mode == "kmajor_ds":
-                autotune_rows(shape, "pass 1 dKV+dS", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
+                autotune_rows(shape, f"pass 1 dKV+dS tile {tile}", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
                 autotune_rows(shape, "pass 2 dQ", bwd_k._sparse_mqa_bwd_kernel_dq, SEEN)
 
-        guarded(f"{shape} bwd {mode}", run)
-        if mode == "kmajor_ds":
+        guarded(f"{shape} bwd {label}", run)
+        if mode == "kmajor_ds" and tile == 0:
             guarded(f"{shape} two-pass split", lambda: _two_pass_split(shape, q, kv, idx, o, lse, do, nnz))
     bench_dense(T, H, None)
 
@@ -324,6 +331,7 @@ def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
     K = idx.shape[-1]
     HP = -(-H // bwd_k.DS_HEAD_PAD) * bwd_k.DS_HEAD_PAD
     qc, kvc, doc, lsec = q.contiguous(), kv.contiguous(), do.contiguous(), lse.contiguous()
+    idx = idx.to(torch.int32).contiguous()
     delta = bwd_k.attention_delta(o, do, None)
     ds = torch.empty((T, K, HP), device="cuda", dtype=q.dtype)
     dkv32 = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)

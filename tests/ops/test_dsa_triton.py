@@ -98,14 +98,16 @@ def test_attention_varlen_packed(mode):
     _check_attention(1, 17, 4, 32, 16, 6, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
-@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
-def test_two_pass_token_chunks(mode, monkeypatch):
+@pytest.mark.parametrize(("mode", "tile"), [("kmajor_ds", 0), ("kmajor_ds", 4), ("sorted_ds", 2)])
+def test_two_pass_token_chunks(mode, tile, monkeypatch):
     """The two-pass backward over several token chunks (dS buffer of 3 tokens, 2 x 13 tokens: a chunk straddles
-    the sequences); K = 20 spans two 16-slot blocks, the second one partly masked."""
+    the sequences); K = 20 spans two 16-slot blocks, the second one partly masked. tile > 0: slots sorted by key,
+    pass 1 in tiles of `tile` tokens (partial tiles in every chunk)."""
     from moestack.ops.dsa import triton_attn_bwd
 
     B, T, H, V, R, K = 2, 13, 3, 32, 16, 20
-    monkeypatch.setattr(triton_attn_bwd, "DS_BUFFER_BYTES", 3 * K * H * 4)
+    monkeypatch.setattr(triton_attn_bwd, "DS_BUFFER_BYTES", 3 * K * triton_attn_bwd.DS_HEAD_PAD * 4)
+    monkeypatch.setattr(triton_attn_bwd, "TOKEN_TILE", tile)
     _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=41), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 

@@ -25,7 +25,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxa
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 DIMS = {"V": 512, "R": 64, "VP": 512, "RP": 64}
 PTRS = {"IDX": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DKV": "*fp32", "BUF": "*fp32"}
-SCALARS = {"scale": "fp32", "scale_log2": "fp32", "n0": "i32", "T": "i32", "H": "i32", "K": "i32", "HP": "i32"}
+SCALARS = {"scale": "fp32", "scale_log2": "fp32", **dict.fromkeys(("n0", "n", "T", "H", "K", "HP"), "i32")}
 
 
 def compile_one(label: str, kern, consts: dict, num_warps: int, num_stages: int) -> None:
@@ -68,8 +68,10 @@ def _each(label, kern, configs, extra):
 def main() -> None:
     only = sys.argv[1:] or ["dkv", "dq"]
     if "dkv" in only:
-        _each("dkv_ds atomic", bwd._sparse_mqa_bwd_kernel_dkv, bwd._dkv_ds_configs(), {"DKV_OUT": "atomic"})
-        _each("dkv_ds rows", bwd._sparse_mqa_bwd_kernel_dkv, bwd._dkv_ds_configs()[:1], {"DKV_OUT": "rows"})
+        kern, cfgs = bwd._sparse_mqa_bwd_kernel_dkv, bwd._dkv_ds_configs()
+        _each("dkv_ds atomic", kern, cfgs, {"DKV_OUT": "atomic", "TOKEN_TILE": 0})
+        _each("dkv_ds atomic tile64", kern, cfgs[:1], {"DKV_OUT": "atomic", "TOKEN_TILE": 64})
+        _each("dkv_ds rows", kern, cfgs[:1], {"DKV_OUT": "rows", "TOKEN_TILE": 0})
     if "dq" in only:
         _each("dq_ds", bwd._sparse_mqa_bwd_kernel_dq, bwd._bwd_configs(bwd._DQ_DS_SHAPES), {})
     if "kmajor" in only:

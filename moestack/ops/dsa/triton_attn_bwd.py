@@ -80,6 +80,13 @@ _DKV_DS_SHAPES = [(64, 128, 64, 8, 2), (64, 64, 64, 4, 3), (32, 128, 64, 8, 2)]
 _DQ_DS_SHAPES = [(64, 32, 8, 3), (64, 64, 8, 2), (32, 64, 4, 3)]
 DS_BUFFER_BYTES = 2 * 2**30  # dS [tokens, K, HP] (q dtype) held at once by the two-pass backward
 DS_HEAD_PAD = 64  # HP = H rounded up to this: a multiple of every pass-1 / pass-2 BLOCK_H
+# Pass-1 work order. 0: slot blocks of one token run together (the token's Q, dO shared in L2; the fp32 dKV rows hit
+# anywhere in [0, t]: 75 MB of them at T = 32768, more than the L2). TOKEN_TILE > 0 (opt-in, env
+# MOESTACK_DSA_BWD_TILE): each token's slots sorted by key row first (slot order is free: P, dS and the rows follow
+# it), then tiles of TOKEN_TILE consecutive tokens with the slot block as the slower index inside the tile, so the
+# programs running together add into one band of key rows (slot block j of a token ~ its j-th key quantile) and
+# the tile's Q and dO (TOKEN_TILE x 136 KB at H = 64) stay in L2 across its slot blocks.
+TOKEN_TILE = int(os.environ.get("MOESTACK_DSA_BWD_TILE", "0"))
 
 
 def _dkv_ds_configs():
@@ -361,24 +368,24 @@ def _add_rows(ptrs, x, mask, DKV_OUT: tl.constexpr, accumulate):
 
 @triton.autotune(
     configs=_dkv_ds_configs(),
-    key=["H", "K", "V", "R", "DKV_OUT"],
+    key=["H", "K", "V", "R", "DKV_OUT", "TOKEN_TILE"],
     prune_configs_by={"early_config_prune": _prune_head_blocks},
     reset_to_zero=["DKV"],
 )
-@triton.jit(do_not_specialize=["n0", "T", "H", "K"])
+@triton.jit(do_not_specialize=["n0", "n", "T", "H", "K"])
 def _sparse_mqa_bwd_kernel_dkv(
     Q, KV, IDX, DO, LSE, DELTA, DKV, DS,
-    n0, T, H, K, HP, scale, scale_log2,
+    n0, n, T, H, K, HP, scale, scale_log2,
     s_qb, s_qt, s_qh,
     s_kb, s_ks,
     s_ib, s_it,
     s_ob, s_ot, s_oh,
     s_dkb, s_dks,
     V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr, DKV_OUT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    TOKEN_TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1 of the two-pass backward. One program per (token n0 + i, block of BLOCK_K slots); the slot block is
-    the fast grid index, so the programs running together share a token's Q and dO in L2. Heads in blocks of
+    """Pass 1 of the two-pass backward. One program per (token n0 + i, i < n, block of BLOCK_K slots), in the
+    order TOKEN_TILE says (module constant of that name; programs past the last token do nothing). Heads in blocks of
     BLOCK_H: key-major S^T = K Q^T, dP^T = V dO^T [BLOCK_K, BLOCK_H] (contractions streamed in BLOCK_C chunks),
     P^T, dS^T; dS^T (scaled, q dtype) is stored to DS[i] [K, HP] for pass 2 (dQ = dS K; HP = H padded to a
     multiple of BLOCK_H: the stores carry no head mask, so they vectorise; padded heads get 0), and the dKV rows
@@ -387,12 +394,19 @@ def _sparse_mqa_bwd_kernel_dkv(
     this program) for the sorted scatter; "none", not at all (benchmarks/dsa.py: the pass without its output)."""
     pid = tl.program_id(0)
     n_kb = tl.cdiv(K, BLOCK_K)
-    i = pid // n_kb
+    if TOKEN_TILE == 0:
+        i = pid // n_kb
+        kb = pid % n_kb
+    else:
+        kb = (pid % (TOKEN_TILE * n_kb)) // TOKEN_TILE
+        i = (pid // (TOKEN_TILE * n_kb)) * TOKEN_TILE + pid % TOKEN_TILE
+    live = i < n  # a partial last tile: those programs read token n - 1 and write nothing
+    i = tl.minimum(i, n - 1)
     pid_t = n0 + i
     b = (pid_t // T).to(tl.int64)
     t = (pid_t % T).to(tl.int64)
-    offs_k = (pid % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = (offs_k < K) & live
     offs_cc = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, RP)
     mask_r = offs_r < R
@@ -599,18 +613,20 @@ def _dkv_ds_pass(q, kv, idx, do, lse, delta, scale, dst, ds, n0, n, out):
     K, V = idx.shape[-1], do.shape[-1]
     VP, RP = padded_dims(V, D - V)
 
+    tile = TOKEN_TILE
+
     def grid(meta):
-        return (n * triton.cdiv(K, meta["BLOCK_K"]),)
+        return ((n if tile == 0 else triton.cdiv(n, tile) * tile) * triton.cdiv(K, meta["BLOCK_K"]),)
 
     _sparse_mqa_bwd_kernel_dkv[grid](
         q, kv, idx, do, lse, delta, dst, ds,
-        n0, T, H, K, ds.shape[-1], scale, scale * LOG2E,
+        n0, n, T, H, K, ds.shape[-1], scale, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         idx.stride(0), idx.stride(1),
         do.stride(0), do.stride(1), do.stride(2),
         dst.stride(0), dst.stride(1),
-        V=V, R=D - V, VP=VP, RP=RP, DKV_OUT=out,
+        V=V, R=D - V, VP=VP, RP=RP, DKV_OUT=out, TOKEN_TILE=tile,
     )  # fmt: skip
 
 
@@ -639,6 +655,8 @@ def _two_pass_bwd(q, kv, idx, do, lse, delta, scale, dq, dkv32, deterministic, d
     B, T, H, D = q.shape
     K, V = idx.shape[-1], do.shape[-1]
     N = B * T
+    if TOKEN_TILE > 0:  # slots in key order (see TOKEN_TILE); -1 slots first
+        idx = torch.sort(idx, dim=-1).values.contiguous()
     HP = triton.cdiv(H, DS_HEAD_PAD) * DS_HEAD_PAD
     chunk = max(1, min(N, ds_bytes // (K * HP * q.element_size())))
     if deterministic:

@@ -224,8 +224,7 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
         rows64 = rows.to(tl.int64)
         b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
                       other=0.0).to(tl.float32)  # [G, G]
-        b_abs = tl.abs(b_x)
-        b_amax_r = tl.max(b_abs, 1)
+        b_amax_r = tl.max(tl.abs(b_x), 1)  # |x| recomputed below rather than kept: two [G, G] fp32 tiles at most
         b_sr = tl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)  # [G] one scale per row
         b_qr = tl.clamp(b_x / b_sr[:, None], -448.0, 448.0)
         tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty),
@@ -239,7 +238,7 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
             p_s = s + rows64 * nk + i_k
         tl.store(p_s, b_sr, mask=m_r)
         if TILES:
-            b_amax_c = tl.max(b_abs, 0)
+            b_amax_c = tl.max(tl.abs(b_x), 0)
             b_sc = tl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)  # [G] one scale per column of the tile
             b_qc = tl.clamp(b_x / b_sc[None, :], -448.0, 448.0)
             toks = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT; rows past the expert are zeros
@@ -301,7 +300,8 @@ def quantize_dual(
     if N:
         fp8_quant_dual_kernel[(G, nk)](
             x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
-            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles, num_warps=8)
+            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
+            num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
 
 
@@ -319,7 +319,8 @@ def quantize_blocks_pair(
     if E and K and F:
         qTv = qT.transpose(1, 2)  # [E, K, F] view: strides to store a w-indexed block
         fp8_quant_blocks_pair_kernel[(nk, nf, E)](
-            w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP, num_warps=8)
+            w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP,
+            num_warps=16)  # sm_90a: 120 registers from bf16, no spills (211 at 8 warps)
     return (q, s), (qT, sT)
 
 

@@ -245,8 +245,11 @@ def test_attention_gpu_bf16_full_size(H, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["atomic", "kmajor_ds"])
-def test_attention_gpu_k2048_varlen(mode):
+@pytest.mark.parametrize(("mode", "tile"), [("atomic", 0), ("kmajor_ds", 0), ("kmajor_ds", 64)])
+def test_attention_gpu_k2048_varlen(mode, tile, monkeypatch):
+    from moestack.ops.dsa import triton_attn_bwd
+
+    monkeypatch.setattr(triton_attn_bwd, "TOKEN_TILE", tile)  # pass-1 work order of kmajor_ds
     cu = [0, 1500, 1501, 4096]
     T, K = 4096, 2048
     g = torch.Generator().manual_seed(5)

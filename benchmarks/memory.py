@@ -47,7 +47,7 @@ from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
-from moestack.memory.report import GIB, format_report, measure_memory, predicted_memory, single_device_plan
+from moestack.memory.report import GIB, format_report, measure_memory, planner_cost, single_device_plan
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
 from moestack.train.optimizers import build_optimizer_from_name
@@ -224,10 +224,37 @@ def phase_rows(args) -> list[dict]:
 
 
 def predict(spec, plan: Plan, cal) -> dict:
-    """The planner's peak for `plan`: allocated (total minus "reserved") and the breakdown, in GiB."""
-    mem = predicted_memory(spec, plan, cal)
+    """The planner's peak for `plan`: allocated (total minus "reserved"), the breakdown and the activations at the
+    end of forward (what the memory report measures), in GiB."""
+    cost = planner_cost(spec, plan, cal)
+    mem = cost.memory
     return {"alloc_gib": (sum(mem.values()) - mem.get("reserved", 0.0)) / GIB,
-            "breakdown_gib": {k: v / GIB for k, v in mem.items()}}
+            "breakdown_gib": {k: v / GIB for k, v in mem.items()},
+            "forward_activations_gib": cost.forward_activations / GIB}
+
+
+# technique row -> the Calibration.act_factors key its measured activations calibrate
+ACT_FACTOR_KEY = {"recompute selective": "selective", "recompute full": "full",
+                  "activation offload": "activation_offload", "fp8 saved expert inputs": "fp8"}
+
+
+def act_ratio(r: dict) -> float | None:
+    """Measured activations at the end of forward (memory report, CUDA) / the planner's."""
+    measured = r.get("report", {}).get("measured_gib", {}).get("activations")
+    predicted = r.get("predicted", {}).get("forward_activations_gib")
+    if measured is None or not predicted or r.get("report", {}).get("device_total_gib") is None:
+        return None
+    return measured / predicted
+
+
+def suggested_act_factors(rows: list[dict], cal) -> dict[str, float]:
+    """Calibration.act_factors that would make each technique's activation term match its measurement."""
+    out = {}
+    for r in rows:
+        key, ratio = ACT_FACTOR_KEY.get(r.get("technique")), act_ratio(r)
+        if key is not None and ratio is not None:
+            out[key] = round(cal.act_factors.get(key, 1.0) * ratio, 4)
+    return out
 
 
 def run_row(row: dict, args, base, cal) -> dict:
@@ -359,6 +386,11 @@ def _details(rows: list[dict]) -> list[str]:
             out += ["", label + ":"] + r["report_lines"]
         elif pred:
             out += ["", label + ": planner GiB " + ", ".join(f"{k} {v:.2f}" for k, v in pred.items())]
+        ratio = act_ratio(r)
+        if ratio is not None:
+            out.append(f"  act x {ratio:.3f} (measured / planner activations at the end of forward: "
+                       f"{r['report']['measured_gib']['activations']:.2f} / "
+                       f"{r['predicted']['forward_activations_gib']:.2f} GiB)")
         for key in ("activation_offload", "expert_offload", "act_bytes_per_token_layer"):
             if key in r:
                 out.append(f"  {key}: {r[key]}")
@@ -458,6 +490,11 @@ def main() -> None:
           f"planner GiB = cost model peak minus its reserved term; fit x = measured / planner")
     print("\n".join(table(rows, args.reference, hbm_gib)))
     print("\n".join(_details(rows)), flush=True)
+    factors = suggested_act_factors(rows, cal)
+    if factors:
+        target = args.calibration or "the calibration JSON"
+        print(f"\nfeed back: \"act_factors\": {json.dumps(factors)}  (merge into {target}; fit x above is the "
+              "planner total's factor per row)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

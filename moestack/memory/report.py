@@ -231,9 +231,8 @@ def _measure_saved(model, optimizer, inputs, targets, autocast) -> MemoryReport:
     return MemoryReport(str(inputs.device), measured, by_kind, host, None, None, notes=notes)
 
 
-def predicted_memory(spec, plan: Plan, cal=None) -> dict[str, float]:
-    """The planner's per-device memory breakdown (bytes) for `plan` (moestack/planner/cost.py) under calibration
-    `cal` (default: the built-in one)."""
+def planner_cost(spec, plan: Plan, cal=None):
+    """The planner's PlanCost for `plan` (moestack/planner/cost.py) under calibration `cal` (default: built-in)."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.planner.calibration import load_calibration
     from moestack.planner.cost import CostModel
@@ -243,8 +242,12 @@ def predicted_memory(spec, plan: Plan, cal=None) -> dict[str, float]:
     prof = profile_model(spec, plan.seq_len)
     flops = prof.train_flops_per_token + prof.mtp_train_flops_per_token
     cal = cal if cal is not None else load_calibration()
-    cost = CostModel(spec, cluster, cal, plan.seq_len, flops).evaluate(plan)
-    return dict(cost.memory)
+    return CostModel(spec, cluster, cal, plan.seq_len, flops).evaluate(plan)
+
+
+def predicted_memory(spec, plan: Plan, cal=None) -> dict[str, float]:
+    """The planner's per-device memory breakdown (bytes) for `plan` under calibration `cal` (default: built-in)."""
+    return dict(planner_cost(spec, plan, cal).memory)
 
 
 def single_device_plan(model: str, seq_len: int, micro_batch_size: int, grad_accum_steps: int = 1,

@@ -19,6 +19,8 @@ import json
 import math
 from pathlib import Path
 
+from typing import Annotated, Literal
+
 from pydantic import Field
 
 from moestack.config.base import ConfigError, StrictModel
@@ -77,6 +79,10 @@ class Calibration(StrictModel):
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
+    # measured / modelled saved activations per memory technique (benchmarks/memory.py prints them as "act x" and
+    # a suggested act_factors line): multiply the activation term of parts under selective / full recompute, the
+    # layers in flight under activation offload, the activations of a plan with FP8 storage; absent = 1
+    act_factors: dict[Literal["selective", "full", "activation_offload", "fp8"], Annotated[float, Field(gt=0)]] = {}
 
     def gemm_efficiency(self, tokens: float, n: int, k: int, dtype: str = "bf16", grouped: bool = False) -> float:
         """Fraction of the dtype's peak reached by [tokens, k] @ [k, n] (tokens per expert when grouped)."""

@@ -820,8 +820,16 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     top-k copies, with MOE_MEMORY_HEADROOM for dropless bursts. full: only the sub-layer input (SP-sharded).
     """
     T, tp = ctx.tokens, ctx.plan.tp
+    factors = ctx.cal.act_factors
     if mode == "full":
-        return T * ctx.spec.hidden_size * BF16 / tp
+        return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
+    scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
+    return scale * _saved_bytes(part, mode, ctx)
+
+
+def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
+    """activation_bytes before the measured technique factors (none / selective)."""
+    T, tp = ctx.tokens, ctx.plan.tp
     copies = autocast_weight_copies(part, ctx) if mode == "none" else 0.0
     measured = ctx.cal.parts.get(part.kind)
     if measured is not None:
@@ -952,6 +960,7 @@ class PlanCost:
     layout: StageLayout
     rank_fwd_bwd: list[tuple[float, float, float]]  # per rank per micro-batch: (fwd, bwd + recompute, wgrad)
     notes: list[str] = field(default_factory=list)
+    forward_activations: float = 0.0  # busiest rank: what forward leaves for backward (the memory report's term)
 
     @property
     def memory_total(self) -> float:
@@ -1209,7 +1218,7 @@ class CostModel:
         time["offload"] = off_time
         time = {k: val for k, val in time.items() if val > 0}
 
-        memory = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
+        memory, forward_act = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
         tokens = plan.tokens_per_step
         flops = self.model_flops_per_token * tokens
         tflops = flops / step / plan.devices / 1e12
@@ -1218,6 +1227,7 @@ class CostModel:
                         host_bytes, cluster.device.host_memory_bytes, time, "", layout,
                         list(zip(fwd, bwd, wgr)))
         cost.binding = binding_constraint(cost)
+        cost.forward_activations = forward_act
         return cost
 
     @staticmethod
@@ -1332,14 +1342,16 @@ class CostModel:
         return flops / (peak * self.cal.gemm_peak_eff * 0.8)
 
     def _memory(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
-                act_layer_max: list[float]) -> dict[str, float]:
-        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020)."""
+                act_layer_max: list[float]) -> tuple[dict[str, float], float]:
+        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), and that
+        rank's activations at the end of forward (before the one-end-of-backward accounting)."""
         cal, spec = self.cal, self.spec
         sd, se = self._shards(plan)
         m = plan.num_microbatches
         T = plan.micro_batch_size * plan.seq_len / plan.cp
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         best: dict[str, float] = {}
+        best_fwd_act = 0.0
         for r in range(plan.pp):
             d, e = dense[r], expert[r]
             w_shard_d = sd if plan.zero_stage == 3 else 1
@@ -1368,7 +1380,8 @@ class CostModel:
                 inflight = max(1.0, inflight - r * (2 if plan.schedule == "interleaved_1f1b" else 1) / plan.vpp)
             act = rank_cost[r].act
             if plan.offload.activations:  # layers in flight (copying out / being produced) + what is never offloaded
-                mem["activations"] = ACT_OFFLOAD_LAYERS * act_layer_max[r] + rank_cost[r].act_kept * inflight
+                in_flight = ACT_OFFLOAD_LAYERS * cal.act_factors.get("activation_offload", 1.0)
+                mem["activations"] = in_flight * act_layer_max[r] + rank_cost[r].act_kept * inflight
             else:
                 mem["activations"] = act * inflight
             buffers = 0.0
@@ -1387,12 +1400,13 @@ class CostModel:
             if plan.tp > 1:
                 buffers += T * spec.hidden_size * BF16
             mem["buffers"] = buffers
+            fwd_act = mem["activations"]
             if self._grads_build_up(plan):
                 self._one_end_of_backward(plan, mem)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
             if sum(mem.values()) > sum(best.values()):
-                best = mem
-        return best
+                best, best_fwd_act = mem, fwd_act
+        return best, best_fwd_act
 
 
 def binding_constraint(cost: PlanCost) -> str:

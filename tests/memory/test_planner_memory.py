@@ -155,3 +155,33 @@ def test_rows_and_table_report_failures(bench):
     assert "timed out" in body[4] and "skipped (no time left)" in body[5]
     assert bench.reference_row(rows, "recompute full") is rows[1]
     assert bench.reference_row(rows, "first") is rows[1]
+
+
+def test_act_factors_scale_their_technique_only(bench):
+    """Calibration.act_factors (fed back from benchmarks/memory.py) multiply the activation term of their technique
+    and leave the others alone; PlanCost.forward_activations is what forward leaves (the report's term)."""
+    from moestack.memory.report import planner_cost
+
+    base_cal = load_calibration(ROOT / "benchmarks" / "calibration-proxy-h200.json")
+    scaled = base_cal.model_copy(update={"act_factors": {"selective": 0.5, "full": 2.0, "activation_offload": 0.25,
+                                                         "fp8": 0.75}})
+    spec = bench.variant_spec(load_model_spec("proxy"), SEQ, None)
+
+    def fwd_act(name, cal):
+        plan = bench.make_plan("proxy", SEQ, 1, bench.TECHNIQUES[name], "h200-1gpu")
+        return planner_cost(spec, plan, cal).forward_activations
+
+    for name, f in (("recompute selective", 0.5), ("fp8 saved expert inputs", 0.75)):
+        assert fwd_act(name, scaled) == pytest.approx(f * fwd_act(name, base_cal), rel=1e-3), name
+    assert fwd_act("baseline", scaled) == fwd_act("baseline", base_cal)
+    assert fwd_act("recompute full", scaled) == pytest.approx(2 * fwd_act("recompute full", base_cal), rel=1e-3)
+    off, off_scaled = fwd_act("activation offload", base_cal), fwd_act("activation offload", scaled)
+    assert off_scaled < off
+    # rows -> suggested factors: measured / planner activations times the factor already in the calibration
+    rows = [{"technique": "recompute selective", "report": {"measured_gib": {"activations": 30.0},
+                                                            "device_total_gib": 80.0},
+             "predicted": {"forward_activations_gib": 20.0}},
+            {"technique": "muon", "report": {"measured_gib": {"activations": 1.0}, "device_total_gib": 80.0},
+             "predicted": {"forward_activations_gib": 2.0}}]
+    assert bench.suggested_act_factors(rows, scaled) == {"selective": 0.75}
+    assert bench.suggested_act_factors(rows, base_cal) == {"selective": 1.5}

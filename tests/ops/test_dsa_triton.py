@@ -134,6 +134,27 @@ def test_empty_rows_and_bad_input():
         sparse_mqa_attention_triton(q, kv, idx, 32, 0.2, dkv_mode="fast")
 
 
+def test_backward_empty_rows_all_modes():
+    """Queries with no selected key (lse = -inf, o = 0) get dq = 0 and add nothing to dkv in every dKV mode; the
+    other rows' gradients agree across modes (the reference's autograd gives NaN through an empty logsumexp)."""
+    g = torch.Generator().manual_seed(19)
+    q, kv = torch.randn(1, 9, 3, 48, generator=g), torch.randn(1, 9, 48, generator=g)
+    idx = _random_idx(1, 9, 5, seed=19)
+    idx[0, 3] = idx[0, 7] = -1
+    do, dlse = torch.randn(1, 9, 3, 32, generator=g), torch.randn(1, 9, 3, generator=g)
+    empty = (idx < 0).all(-1, keepdim=True)  # [1, 9, 1]: rows 3 and 7
+    grads = {}
+    for mode in ("atomic", "kmajor_ds", "sorted_ds"):
+        qa, ka = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        o, lse = sparse_mqa_attention_triton(qa, ka, idx, 32, 0.2, dkv_mode=mode)
+        ((o * do).sum() + (lse.masked_fill(empty, 0) * dlse).sum()).backward()  # lse -inf there
+        assert torch.all(qa.grad[0, [3, 7]] == 0) and torch.isfinite(ka.grad).all()
+        grads[mode] = (qa.grad, ka.grad)
+    for mode in ("kmajor_ds", "sorted_ds"):
+        for a, b in zip(grads[mode], grads["atomic"], strict=True):
+            assert _rel(a, b) < CPU_TOL
+
+
 def _assert_same_topk(got, q, k, w, top_k, cu):
     """Equal selected-score multisets and -1 counts (index order may differ on exact ties)."""
     S = ref.indexer_scores(q.double(), k.double(), w.double(), cu)

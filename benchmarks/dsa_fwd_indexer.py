@@ -11,7 +11,8 @@ Rows ('|'-prefixed markdown):
 * indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs), T = 32768 and 131072: "chunked" (the default:
   score blocks of rows in HBM + torch.topk), "fused" (sampled threshold + fused scoring with candidate compaction
   + top-k of <= 4096 candidates; MOESTACK_DSA_TOPK=fused) and "fused_fp8" (e4m3 scoring). Columns: ms, scoring
-  TFLOP/s (T^2/2 x Hi x Di x 2, the causal half), fraction of selected keys shared with the chunked (T=32768) or
+  TFLOP/s (T^2/2 x Hi x Di x 2, the causal half); "fused_torchsel" = fused with torch.topk instead of the
+  bisection select kernel for the last step (T = 32768 only); fraction of selected keys shared with the chunked (T=32768) or
   fused bf16 (T=131072) selection, rows recomputed exactly (threshold missed), and indexer / attention forward
   time at the same T (the issue asks <= 1/3 at T = 131072).
 * forward at T = 131072, H = 64 (default and splits), the denominator of that ratio.
@@ -162,7 +163,8 @@ def bench_indexer(T: int, variants: tuple[str, ...], fwd_ms: dict, ref_name: str
             if variant == "chunked":
                 fn = lambda: indexer_topk_triton(q, k, w, TOP_K)
             else:
-                fn = lambda: indexer_topk_fused(q, k, w, TOP_K, fp8=variant == "fused_fp8", stats=stats)
+                fn = lambda: indexer_topk_fused(q, k, w, TOP_K, fp8=variant == "fused_fp8", stats=stats,
+                                                select="torch" if variant == "fused_torchsel" else "triton")  # fmt: skip
             ms = timed(fn, reps=3 if T <= 32768 else 2)
             sel[variant] = fn()
             agree = ""
@@ -200,7 +202,7 @@ def main() -> None:
     sel32 = guarded("T=32768 selection", lambda: X.indexer_topk_fused(*indexer_inputs(32768), TOP_K))
     fwd32 = bench_forward(32768, 64, sel32, sweep=True) if sel32 is not None else {}
     del sel32
-    bench_indexer(32768, ("chunked", "fused", "fused_fp8"), fwd32, "chunked", {})
+    bench_indexer(32768, ("chunked", "fused", "fused_torchsel", "fused_fp8"), fwd32, "chunked", {})
     if not args.no_131k:
         variants = ("fused", "fused_fp8") + (("chunked",) if args.chunked_131k else ())
         times: dict = {}

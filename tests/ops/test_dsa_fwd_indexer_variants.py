@@ -96,19 +96,42 @@ def _indexer_inputs(B, T, Hi, Di, seed):
 # (stride, margin, cap, chunk_bytes): sampled threshold; thresholds too high (every long row falls back) and too
 # low (candidate overflow -> fallback); several row chunks; small cap = every long row through the threshold path
 @pytest.mark.parametrize(
-    ("stride", "margin", "cap", "chunk_bytes"),
-    [(4, 1.5, None, fused.CHUNK_BYTES), (4, 0.2, None, fused.CHUNK_BYTES), (2, 6.0, 10, fused.CHUNK_BYTES),
-     (3, 1.5, 9, 9000)],
+    ("stride", "margin", "cap", "chunk_bytes", "select"),
+    [(4, 1.5, None, fused.CHUNK_BYTES, "triton"), (4, 1.5, None, fused.CHUNK_BYTES, "torch"),
+     (4, 0.2, None, fused.CHUNK_BYTES, "triton"), (2, 6.0, 10, fused.CHUNK_BYTES, "triton"),
+     (3, 1.5, 9, 9000, "triton")],
 )  # fmt: skip
-def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes):
+def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes, select):
     B, T, Hi, Di, K = 2, 45, 3, 20, 6
     q, k, w = _indexer_inputs(B, T, Hi, Di, seed=stride)
     stats = {}
     got = fused.indexer_topk_fused(q, k, w, K, stride=stride, margin=margin, cap=cap, chunk_bytes=chunk_bytes,
-                                   stats=stats)  # fmt: skip
+                                   select=select, stats=stats)  # fmt: skip
     _assert_same_topk(got, q, k, w, K, None)
     if margin < 0.5 or margin > 4:
         assert stats["fallback_rows"] > 0  # the exact path ran
+
+
+def test_topk_select_kernel_ties_and_short_rows():
+    """Exact top-K of candidate lists with many exact ties (incl. negative scores and zeros), rows shorter than K,
+    empty rows and counts above CAP (only the first CAP slots are read)."""
+    g = torch.Generator().manual_seed(4)
+    B, R, CAP, K = 2, 6, 24, 7
+    cs = torch.randint(-3, 4, (B, R, CAP), generator=g).float() * 0.5  # many ties, -1.5 .. 1.5
+    cs[0, 1, :5] = -0.0
+    ci = torch.randperm(B * R * CAP, generator=g).reshape(B, R, CAP).int()
+    cnt = torch.tensor([[24, 5, 0, 30, 7, 19], [1, 24, 8, 6, 24, 24]], dtype=torch.int32)
+    out = torch.full((B, R, K), -7, dtype=torch.int32)
+    fused.topk_select_kernel[(R, B)](cs, ci, cnt, out, R, K, cs.stride(0), cs.stride(1), out.stride(0),
+                                     out.stride(1), CAP=CAP, BLOCK=32)  # fmt: skip
+    for b in range(B):
+        for r in range(R):
+            n = min(int(cnt[b, r]), CAP)
+            got = [int(i) for i in out[b, r] if i >= 0]
+            assert len(got) == min(n, K) and (out[b, r, len(got) :] == -1).all()
+            pos = {int(i): j for j, i in enumerate(ci[b, r, :n])}
+            want = cs[b, r, :n].sort(descending=True).values[:K]
+            assert sorted(float(cs[b, r, pos[i]]) for i in got) == sorted(want.tolist())
 
 
 @pytest.mark.parametrize("cu", [[0, 10, 25, 45], [0, 30, 45]])

@@ -25,7 +25,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 
 def compile_one(label, kern, ptr_types, consts, scalars, num_warps, num_stages) -> None:
-    jf = kern.fn if hasattr(kern, "fn") else kern  # under @triton.autotune
+    jf = kern.fn if isinstance(kern, triton.runtime.Autotuner) else kern  # under @triton.autotune
     sig = {n: "constexpr" if n in consts else scalars.get(n) or ptr_types.get(n, "*bf16") for n in jf.arg_names}
     src = ASTSource(fn=jf, signature=sig, constexprs={(jf.arg_names.index(k),): v for k, v in consts.items()})
     try:

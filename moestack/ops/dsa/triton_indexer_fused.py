@@ -12,7 +12,8 @@ Per chunk of query rows [t0, t1) (candidate buffers bounded by CHUNK_BYTES):
 2. candidates. The scoring kernel scores every visible (row, key) tile once and appends the keys with
    score >= thr[t] (score and position) to the row's candidate list [R, CAP]: per row a counter bumped by one
    atomic per tile, slots by a prefix sum of the tile's hits. Nothing T x T is written.
-3. selection. torch.topk(k) over the <= CAP candidates of each row (descending, -1 where fewer than k).
+3. selection. Exact top-k of the <= CAP candidates of each row: topk_select_kernel (bisection for the k-th largest
+   score, then compaction; candidate order) or torch.topk (descending); -1 where fewer than k.
 4. exactness. Whenever count(score >= thr) >= k, the row's top-k lies inside its candidates, so the result equals
    the top-k of all visible keys (ties aside). Rows whose count is < min(k, n_visible) (thr too high) or > CAP
    (overflow) are recomputed exactly (all visible keys, torch fp32) - rare with margin 1.5 and CAP = 2k on any
@@ -128,6 +129,44 @@ def indexer_select_kernel(
         tl.store(OUT_I + o_base + off, b_pos[None, :] + tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int32), mask=keep)
 
 
+@triton.jit(do_not_specialize=["R", "K"])
+def topk_select_kernel(
+    CS, CI, CNT, OUT, R, K, s_cb, s_cr, s_ob, s_or,
+    CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Exact top-K of one row's candidates CS/CI[b, r, :min(CNT, CAP)] -> OUT[b, r, :K] (positions, in candidate
+    order, -1 after the last): the K-th largest score by bisection on order-preserving int32 keys (32 counts over
+    the row), then every key above it and the first ties (in slot order) up to K."""
+    r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(CNT + b * R + r), CAP)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < n
+    row = b * s_cb + r.to(tl.int64) * s_cr
+    b_x = tl.load(CS + row + offs, mask=valid, other=0.0)  # [BLOCK] fp32
+    bits = b_x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order (no NaN)
+    lo = tl.full([], -2147483648, tl.int64)  # invariant: count(key >= lo) >= K (when n >= K)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        c = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0)  # mid is inside the int32 range
+        lo = tl.where(c >= K, mid, lo)
+        hi = tl.where(c >= K, hi, mid - 1)
+    tau = lo.to(tl.int32)  # the K-th largest key
+    gt = valid & (key > tau)
+    eq = valid & (key == tau)
+    need = K - tl.sum(gt.to(tl.int32), 0)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    sel = tl.where(n <= K, valid, sel)
+    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
+    n_sel = tl.sum(sel.to(tl.int32), 0)
+    o_row = OUT + b * s_ob + r.to(tl.int64) * s_or
+    b_i = tl.load(CI + row + offs, mask=sel, other=-1)
+    tl.store(o_row + slot, b_i, mask=sel)
+    tl.store(o_row + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= n_sel) & (offs < K))
+
+
 def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride, mode, cap):
     B, _, Hi, Di = q.shape
     DP = max(16, triton.next_power_of_2(Di))
@@ -170,20 +209,24 @@ def indexer_topk_fused(
     margin: float = 1.5,
     cap: int | None = None,
     fp8: bool = False,
+    select: str = "triton",
     chunk_bytes: int = CHUNK_BYTES,
     stats: dict | None = None,
 ) -> torch.Tensor:
-    """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded, descending score
-    (reference.indexer_topk_from_inputs). stride: key sampling step of the threshold pass; margin: expected
+    """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded: the selected set of
+    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected
     candidates per row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); fp8: e4m3 scoring
-    (approximate scores, so near-tie selections may differ from bf16). stats (optional dict) receives the number
-    of rows recomputed exactly ("fallback_rows")."""
+    (approximate scores, so near-tie selections may differ from bf16); select: "triton" (topk_select_kernel,
+    slots in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference).
+    stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows")."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T = q_idx.shape[:2]
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens (packed documents) needs batch size 1, got B = {B}")
     cap = cap or 2 * top_k
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select = '{select}' is not one of triton, torch")
     if cap < top_k or stride < 1 or margin <= 0:
         raise ValueError(f"need cap >= top_k, stride >= 1, margin > 0; got cap={cap}, stride={stride}, "
                          f"margin={margin}")  # fmt: skip
@@ -223,13 +266,24 @@ def indexer_topk_fused(
             thr = torch.where((n_vis > cap).expand(B, R), est, thr)
             del samp, top
         cnt = torch.zeros((B, R), device=dev, dtype=torch.int32)
-        cand_s = torch.full((B, R, cap), float("-inf"), device=dev, dtype=torch.float32)
-        cand_i = torch.full((B, R, cap), -1, device=dev, dtype=torch.int32)
+        if select == "torch":
+            cand_s = torch.full((B, R, cap), float("-inf"), device=dev, dtype=torch.float32)
+            cand_i = torch.full((B, R, cap), -1, device=dev, dtype=torch.int32)
+        else:  # the select kernel reads slots < count only
+            cand_s = torch.empty((B, R, cap), device=dev, dtype=torch.float32)
+            cand_i = torch.empty((B, R, cap), device=dev, dtype=torch.int32)
         _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
-        kk = min(top_k, cap)
-        vals, slot = cand_s.topk(kk, dim=-1)  # descending
-        idx = cand_i.gather(-1, slot).masked_fill(vals == float("-inf"), -1)
-        del cand_s, cand_i, vals, slot
+        if select == "torch":
+            vals, slot = cand_s.topk(top_k, dim=-1)  # descending
+            idx = cand_i.gather(-1, slot).masked_fill(vals == float("-inf"), -1)
+            del vals, slot
+        else:
+            idx = torch.empty((B, R, top_k), device=dev, dtype=torch.int32)
+            topk_select_kernel[(R, B)](
+                cand_s, cand_i, cnt, idx, R, top_k, cand_s.stride(0), cand_s.stride(1), idx.stride(0), idx.stride(1),
+                CAP=cap, BLOCK=triton.next_power_of_2(cap), num_warps=8,
+            )  # fmt: skip
+        del cand_s, cand_i
         bad = (cnt > cap) | (cnt < torch.minimum(n_vis, torch.tensor(top_k, device=dev)).to(torch.int32))
         bad_rows = bad.nonzero()  # host sync: the rows whose threshold missed
         if len(bad_rows):
@@ -260,6 +314,10 @@ def sm90_report(compile_one) -> None:
     """sm90_report.py hook: compile the scoring kernel's GPU configs in both modes (bf16 and fp8 inputs)."""
     scal = {n: "i32" for n in ("t0", "t1", "Hi", "n_cols", "s_qb", "s_qt", "s_qh", "s_kb", "s_ks", "s_wb", "s_wt",
                                 "s_sb", "s_ob", "s_or")}  # fmt: skip
+    if os.environ.get("ONLY", "") in "topk select":
+        compile_one("topk select CAP4096", topk_select_kernel, {"CS": "*fp32", "CI": "*i32", "CNT": "*i32",
+                    "OUT": "*i32"}, {"CAP": 4096, "BLOCK": 4096}, {n: "i32" for n in ("R", "K", "s_cb", "s_cr",
+                    "s_ob", "s_or")}, 8, 1)  # fmt: skip
     for dt in ("*bf16", "*fp8e4nv"):
         ptr = {"Q": dt, "KI": dt, "W": "*fp32", "KSCALE": "*fp32", "DSTART": "*i32", "THR": "*fp32", "CNT": "*i32",
                "OUT_S": "*fp32", "OUT_I": "*i32"}  # fmt: skip

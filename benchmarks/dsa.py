@@ -80,7 +80,8 @@ def picked(kernel) -> str:
         return ""
     short = {"BLOCK_H": "H", "BLOCK_K": "K", "BLOCK_V": "V", "BLOCK_C": "C", "COL_GROUPS": "G"}
     kw = " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.kwargs.items())
-    return f"{kw} w{cfg.num_warps} s{cfg.num_stages}"
+    cap = f" maxnreg{cfg.maxnreg}" if getattr(cfg, "maxnreg", None) else ""
+    return f"{kw} w{cfg.num_warps} s{cfg.num_stages}{cap}"
 
 
 def autotune_rows(shape: str, label: str, kernel, seen: set) -> None:

@@ -28,7 +28,7 @@ PTRS = {"IDX": "*i32", "LSE": "*fp32", "DELTA": "*fp32", "DKV": "*fp32", "BUF": 
 SCALARS = {"scale": "fp32", "scale_log2": "fp32", **dict.fromkeys(("n0", "n", "T", "H", "K", "HP"), "i32")}
 
 
-def compile_one(label: str, kern, consts: dict, num_warps: int, num_stages: int) -> None:
+def compile_one(label: str, kern, consts: dict, num_warps: int, num_stages: int, maxnreg=None) -> None:
     """Compile one config to PTX, assemble with ptxas -v, print one '|' row."""
     jf = kern.fn if hasattr(kern, "fn") else kern  # under @triton.autotune
     sig = {n: "constexpr" if n in consts else SCALARS.get(n) or PTRS.get(n) or ("i32" if n.startswith("s_") else "*bf16")
@@ -39,7 +39,8 @@ def compile_one(label: str, kern, consts: dict, num_warps: int, num_stages: int)
     src = ASTSource(fn=jf, signature=sig, constexprs={(jf.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)  # fmt: skip
     try:
-        ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+        opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+        ck = triton.compile(src, target=TARGET, options=opts)
     except Exception as e:  # noqa: BLE001 - report, go on with the other configs
         print(f"| {label} | COMPILE ERROR {type(e).__name__}: {str(e)[:400]}")
         return
@@ -56,13 +57,14 @@ def compile_one(label: str, kern, consts: dict, num_warps: int, num_stages: int)
     info = " ".join(line.split("info    : ")[-1].strip() for line in r.stderr.splitlines()
                     if "registers" in line or "spill" in line)  # fmt: skip
     wgmma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma.sync"
-    print(f"| {label} w{num_warps} s{num_stages} | {info} | smem {ck.metadata.shared / 1024:.0f} KB | {wgmma} |")
+    cap = f" maxnreg {maxnreg}" if maxnreg else ""
+    print(f"| {label} w{num_warps} s{num_stages}{cap} | {info} | smem {ck.metadata.shared / 1024:.0f} KB | {wgmma} |")
 
 
 def _each(label, kern, configs, extra):
     for c in configs:
         cfg = " ".join(f"{k}={v}" for k, v in c.kwargs.items())
-        compile_one(f"{label} {cfg}", kern, {**DIMS, **extra, **c.kwargs}, c.num_warps, c.num_stages)
+        compile_one(f"{label} {cfg}", kern, {**DIMS, **extra, **c.kwargs}, c.num_warps, c.num_stages, c.maxnreg)
 
 
 def main() -> None:

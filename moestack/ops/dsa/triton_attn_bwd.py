@@ -76,7 +76,14 @@ def _kmajor_configs():
 # no replicated tile); 128 slots per program halve the re-reads of the token's Q and dO from L2 per slot.
 # Pass 2, dQ = dS K (BLOCK_H, BLOCK_K, warps, stages): one product, no scores, so Triton splits the [64, 576] fp32
 # accumulator over both warpgroups (N) and pipelines the gathers.
-_DKV_DS_SHAPES = [(64, 128, 64, 8, 2), (64, 64, 64, 4, 3), (32, 128, 64, 8, 2)]
+# The sixth entry caps registers per thread (Triton's maxnreg) so more programs share an SM and hide each other's
+# waits (one program alternates wgmma, layout conversion and atomics): sm_90 ptxas, 64 heads: 128 slots x 8 warps
+# takes 238 registers (1 program per SM) uncapped, 128 with 300 B of spills (2 per SM); 64 x 4 warps 240 (2 per
+# SM) uncapped, 168 with 192 B of spills (3 per SM). Measured by the autotuner, not assumed.
+_DKV_DS_SHAPES = [
+    (64, 128, 64, 8, 2, None), (64, 128, 64, 8, 2, 128), (64, 64, 64, 4, 3, None), (64, 64, 64, 4, 2, 168),
+    (32, 128, 64, 8, 2, None),
+]  # fmt: skip
 _DQ_DS_SHAPES = [(64, 32, 8, 3), (64, 64, 8, 2), (32, 64, 4, 3)]
 DS_BUFFER_BYTES = 2 * 2**30  # dS [tokens, K, HP] (q dtype) held at once by the two-pass backward
 DS_HEAD_PAD = 64  # HP = H rounded up to this: a multiple of every pass-1 / pass-2 BLOCK_H
@@ -93,8 +100,14 @@ def _dkv_ds_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32}, num_warps=1, num_stages=1)]
     shapes = _DKV_DS_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _DKV_DS_SHAPES
-    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s)
-            for bh, bk, bc, w, s in shapes]  # fmt: skip
+    return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s, maxnreg=r)
+            for bh, bk, bc, w, s, r in shapes]  # fmt: skip
+
+
+def _prune_dkv_ds(configs, named_args, **kwargs):
+    """As _prune_head_blocks; the deterministic rows output (sorted_ds) tunes over the first two configs only."""
+    kept = _prune_head_blocks(configs, named_args, **kwargs)
+    return kept[:2] if kwargs.get("DKV_OUT") == "rows" else kept
 
 
 def _prune_bwd(configs, named_args, **kwargs):
@@ -369,7 +382,7 @@ def _add_rows(ptrs, x, mask, DKV_OUT: tl.constexpr, accumulate):
 @triton.autotune(
     configs=_dkv_ds_configs(),
     key=["H", "K", "V", "R", "DKV_OUT", "TOKEN_TILE"],
-    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    prune_configs_by={"early_config_prune": _prune_dkv_ds},
     reset_to_zero=["DKV"],
 )
 @triton.jit(do_not_specialize=["n0", "n", "T", "H", "K"])

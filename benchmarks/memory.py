@@ -282,7 +282,7 @@ def run_isolated(row: dict, args, timeout_s: float) -> dict:
     try:
         try:
             proc = subprocess.run(_child_argv(args, row, path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=max(1.0, timeout_s))
+                                  text=True, timeout=max(1.0, timeout_s), check=False)
         except subprocess.TimeoutExpired as err:
             tail = (err.stdout or b"")
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
@@ -307,8 +307,8 @@ def run_isolated(row: dict, args, timeout_s: float) -> dict:
 # tables
 
 
-HEADER = ["| technique | experts | seq | peak GiB | saved GiB | step s | time added | planner GiB | planner error "
-          "| fit x |", "|---|---|---|---|---|---|---|---|---|---|"]
+HEADER = [("| technique | experts | seq | peak GiB | saved GiB | step s | time added | planner GiB | planner error "
+           "| fit x |"), "|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def reference_row(rows: list[dict], reference: str | None) -> dict | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
 from typing import Annotated, Literal
 
 from pydantic import Field

@@ -1,0 +1,60 @@
+"""benchmarks/memory.py: the table reports OOM / failed / timed-out / skipped rows, and a row that crashes in its
+own process is reported without stopping the phase."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rows_and_table_report_failures(bench):
+    """benchmarks/memory.py: OOM, failed, timed-out and skipped rows are reported as such; saved / time added are
+    taken against the baseline, else the reference row."""
+    rows = [
+        {"technique": "baseline", "experts": 128, "seq": 16384, "oom": True, "status": "oom",
+         "predicted": {"alloc_gib": 150.0}},
+        {"technique": "recompute full", "experts": 128, "seq": 16384, "oom": False, "status": "ok", "peak_gib": 60.0,
+         "step_s": 1.0, "predicted": {"alloc_gib": 63.0}},
+        {"technique": "muon", "experts": 128, "seq": 16384, "oom": False, "status": "ok", "peak_gib": 100.0,
+         "step_s": 1.5, "predicted": {"alloc_gib": 95.0}},
+        {"technique": "expert offload", "experts": 128, "seq": 16384, "oom": False, "status": "failed",
+         "error": "exit 1: RuntimeError: CUDA error"},
+        {"technique": "optimizer offload", "experts": 128, "seq": 16384, "oom": False, "status": "timeout"},
+        {"technique": "all combined", "experts": 128, "seq": 16384, "oom": False, "status": "skipped",
+         "error": "no time left"},
+    ]
+    lines = bench.table(rows, "recompute full", 140.4)
+    assert all(x.startswith("|") for x in lines)
+    body = lines[2:]
+    assert "out of memory (140 GiB)" in body[0] and "150.0" in body[0]
+    assert "| 60.0 | - | 1.00 | - | 63.0 | +5.0% | 0.952 |" in body[1]
+    assert "| 100.0 | -40.0 | 1.50 | +50% | 95.0 | -5.0% | 1.053 |" in body[2]
+    assert "failed: exit 1: RuntimeError: CUDA error" in body[3]
+    assert "timed out" in body[4] and "skipped (no time left)" in body[5]
+    assert bench.reference_row(rows, "recompute full") is rows[1]
+    assert bench.reference_row(rows, "first") is rows[1]
+
+
+def test_isolated_row_crash_is_a_failed_row(bench):
+    """A child that dies (here: a plan field the Plan rejects) becomes a "failed" row with its error line."""
+    args = argparse.Namespace(model="tiny", device="cpu", cluster="cpu", micro_batch=1, steps=1, warmup=0,
+                              no_report=True, calibration=None)
+    row = {"name": "bad", "fields": {"optimizer": "sgd"}, "seq": 16, "experts": None}
+    r = bench.run_isolated(row, args, timeout_s=300)
+    assert r["status"] == "failed" and not r["oom"], r
+    assert r["error"].startswith("exit 1:") and "optimizer" in r["log_tail"]
+    line = bench.row_line(dict(r, predicted={}), None, None)
+    assert line.startswith("| bad | None | 16 | failed: exit 1:")

@@ -105,9 +105,12 @@ def _dkv_ds_configs():
 
 
 def _prune_dkv_ds(configs, named_args, **kwargs):
-    """As _prune_head_blocks; the deterministic rows output (sorted_ds) tunes over the first two configs only."""
+    """As _prune_head_blocks; fewer compiles for the variants off the main path: the deterministic rows output
+    (sorted_ds) tunes over the first two configs, the banded order (TOKEN_TILE > 0) over the first three."""
     kept = _prune_head_blocks(configs, named_args, **kwargs)
-    return kept[:2] if kwargs.get("DKV_OUT") == "rows" else kept
+    if kwargs.get("DKV_OUT") == "rows":
+        return kept[:2]
+    return kept[:3] if kwargs.get("TOKEN_TILE", 0) > 0 else kept
 
 
 def _prune_bwd(configs, named_args, **kwargs):

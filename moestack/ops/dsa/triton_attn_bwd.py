@@ -3,7 +3,7 @@
 With P = softmax over a query's selected keys (rebuilt from the forward's lse), dP = dO V^T,
 dS = P (dP - Delta) with Delta = rowsum(dO * O) - dlse (the lse gradient folds into Delta), then
 dQ = scale dS K and, per selected row s, dKV[s] += scale dS^T Q (+ P^T dO on the value dims).
-Many queries select the same key row, so dKV is a scatter-add. Three ways, selectable (`dkv_mode`):
+Many queries select the same key row, so dKV is a scatter-add. Selectable (`dkv_mode`):
   * "atomic": one fused kernel per (token, head block) computes dQ and adds its [BLOCK_K, D] dKV tiles into an
     fp32 buffer with relaxed fp32 atomics. The summation order (so the last bits) varies run to run; with
     H / BLOCK_H head blocks per token it issues that many atomics per (token, slot, dim).
@@ -20,6 +20,12 @@ Many queries select the same key row, so dKV is a scatter-add. Three ways, selec
     buffer (a chunk of queries at a time, so memory stays bounded); the chunk's (query, slot) pairs are sorted by
     key row and a segment-sum kernel adds each key's rows in that fixed order. Costs the scores twice and the
     buffer's write + read through HBM.
+  * "kmajor_ds" (two passes, every product once): pass 1, one program per (token, block of slots), computes the
+    key-major tiles of "kmajor" once, adds the dKV rows by vectorised atomics and stores dS (q dtype) to a
+    [tokens, K, HP] buffer; pass 2 computes dQ = dS K per (token, head block): one product, no scores. Both run
+    per chunk of tokens (DS_BUFFER_BYTES). TOKEN_TILE picks pass 1's work order.
+  * "sorted_ds": deterministic "kmajor_ds": pass 1 writes the contribution rows (summed over head blocks in the
+    program) for the sorted segment sum of "sorted" instead of the atomics.
 
 Shape legend: B batch, T queries, S keys, H heads, D = V + R latent dims, K selected slots, N = B*T tokens.
 """

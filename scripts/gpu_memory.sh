@@ -47,8 +47,9 @@ T0=$(date +%s)
 echo "## long"
 if [ "$NGPU" -ge 2 ]; then
   D=$((BUDGET - 30))
-  # both phases share the host: the largest phase leaves room for the long phase's offload rows (~60 GiB)
-  CUDA_VISIBLE_DEVICES=1 largest "$D" 0.6 &
+  # both phases share the host: the largest phase leaves a quarter of MemAvailable for the long phase's offload
+  # rows (<= ~65 GB of host memory each)
+  CUDA_VISIBLE_DEVICES=1 largest "$D" 0.75 &
   PID=$!
   CUDA_VISIBLE_DEVICES=0 long "$D"
   wait "$PID"

@@ -3,7 +3,7 @@
     python3 benchmarks/dsa.py                 # T in {8192, 32768}, heads in {20, 64, 96}, top-2048 (< 150 s)
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
     python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
-                                              # vs kmajor, forward per 64-head config, the dense anchor
+                                              # vs kmajor_ds, forward per 64-head config, the dense anchor
     python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 180 s): the atomic
                                               # default vs the two-pass modes, per-pass split, dense anchor
 
@@ -191,12 +191,17 @@ def bench_sparse(
                 cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_kmajor_kernel)}"
             elif mode in ("atomic_split", "sorted"):
                 cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_rows_kernel)}"
+            if mode in bwd_k.TWO_PASS_MODES:  # the fused dQ kernel is not used
+                cfg = f"pass 1 {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
             row(f"T={T} H={H}", f"sparse fwd+bwd (triton, dKV {mode})", f"{fb_ms:.2f}", tflops(3 * f_fwd, fb_ms),
                 f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, agree)  # fmt: skip
             if fwd_sweep:
                 autotune_rows(f"T={T} H={H}", f"bwd ({mode})", bwd_k._sparse_mqa_bwd_kernel, SEEN)
                 if mode == "kmajor":
                     autotune_rows(f"T={T} H={H}", "dKV kmajor", bwd_k._sparse_mqa_dkv_kmajor_kernel, SEEN)
+                if mode == "kmajor_ds":
+                    autotune_rows(f"T={T} H={H}", "pass 1 dKV+dS", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
+                    autotune_rows(f"T={T} H={H}", "pass 2 dQ", bwd_k._sparse_mqa_bwd_kernel_dq, SEEN)
 
         guarded(f"T={T} H={H} fwd+bwd {mode}", run)
     return fwd_ms, fb_best[0]
@@ -359,7 +364,7 @@ def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t131072", action="store_true", help="add T = 131072 at 64 heads")
-    ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor, "
+    ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor_ds, "
                     "forward per config, dense anchor (< 90 s)")  # fmt: skip
     ap.add_argument("--bwd", action="store_true", help="backward variants alone at T=32768, H=64 (< 180 s)")
     args = ap.parse_args()
@@ -389,14 +394,12 @@ def main() -> None:
         if selections[T] is None:
             continue
         idx, idx_ms = selections[T]
-        # dKV: atomic (default) vs kmajor everywhere; at 64 heads also atomic_split (and sorted at 8192: its buffer
-        # round trip is slow); --quick: atomic vs kmajor only
+        # dKV: atomic (default) vs the two-pass kmajor_ds everywhere; at 64 heads also kmajor (and the deterministic
+        # sorted_ds at 8192: its buffer round trip is slow); --quick: atomic vs kmajor_ds only
         if args.quick or H != 64:
-            modes = ("atomic", "kmajor")
+            modes = ("atomic", "kmajor_ds")
         else:
-            modes = (
-                ("atomic", "kmajor", "atomic_split", "sorted") if T == 8192 else ("atomic", "kmajor", "atomic_split")
-            )
+            modes = ("atomic", "kmajor_ds", "kmajor", "sorted_ds") if T == 8192 else ("atomic", "kmajor_ds", "kmajor")
         sweep = args.quick and T == 32768
         a = (T, H, idx)
         sparse_ms = guarded(f"T={T} H={H} sparse", lambda a=a, m=modes, i=idx_ms, w=sweep: bench_sparse(*a, i, m, w))

@@ -326,7 +326,9 @@ def bench_bwd_variants(T: int, H: int) -> None:
         guarded(f"{shape} bwd {label}", run)
         if mode == "kmajor_ds" and tile == 0:
             guarded(f"{shape} two-pass split", lambda: _two_pass_split(shape, q, kv, idx, o, lse, do, nnz))
-    bench_dense(T, H, None)
+    del first[:]
+    torch.cuda.empty_cache()
+    guarded(f"{shape} dense", lambda: bench_dense(T, H, None))
 
 
 def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:

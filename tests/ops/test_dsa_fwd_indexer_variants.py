@@ -98,11 +98,11 @@ def _indexer_inputs(B, T, Hi, Di, seed):
 @pytest.mark.parametrize(
     ("stride", "margin", "cap", "chunk_bytes", "select"),
     [(4, 1.5, None, fused.CHUNK_BYTES, "triton"), (4, 1.5, None, fused.CHUNK_BYTES, "torch"),
-     (4, 0.2, None, fused.CHUNK_BYTES, "triton"), (2, 6.0, 10, fused.CHUNK_BYTES, "triton"),
-     (3, 1.5, 9, 9000, "triton")],
+     (4, 0.2, None, fused.CHUNK_BYTES, "torch"), (2, 6.0, 10, fused.CHUNK_BYTES, "torch"),
+     (3, 1.5, 9, 9000, "torch")],  # the select kernel is slow in the interpreter: once here, once below
 )  # fmt: skip
 def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes, select):
-    B, T, Hi, Di, K = 2, 45, 3, 20, 6
+    B, T, Hi, Di, K = 1 if select == "triton" else 2, 45, 3, 20, 6
     q, k, w = _indexer_inputs(B, T, Hi, Di, seed=stride)
     stats = {}
     got = fused.indexer_topk_fused(q, k, w, K, stride=stride, margin=margin, cap=cap, chunk_bytes=chunk_bytes,
@@ -138,7 +138,7 @@ def test_topk_select_kernel_ties_and_short_rows():
 def test_indexer_fused_documents(cu):
     q, k, w = _indexer_inputs(1, 45, 2, 16, seed=len(cu))
     cu_t = torch.tensor(cu)
-    got = fused.indexer_topk_fused(q, k, w, 5, cu_seqlens=cu_t, stride=2, cap=8)
+    got = fused.indexer_topk_fused(q, k, w, 5, cu_seqlens=cu_t, stride=2, cap=8, select="torch")
     _assert_same_topk(got, q, k, w, 5, cu_t)
 
 

@@ -4,7 +4,7 @@
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
     python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
                                               # vs kmajor_ds, forward per 64-head config, the dense anchor
-    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 180 s): the atomic
+    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 140 s): the atomic
                                               # default vs the two-pass modes, per-pass split, dense anchor
 
 Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won; the
@@ -368,7 +368,7 @@ def main() -> None:
     ap.add_argument("--t131072", action="store_true", help="add T = 131072 at 64 heads")
     ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor_ds, "
                     "forward per config, dense anchor (< 90 s)")  # fmt: skip
-    ap.add_argument("--bwd", action="store_true", help="backward variants alone at T=32768, H=64 (< 180 s)")
+    ap.add_argument("--bwd", action="store_true", help="backward variants alone at T=32768, H=64 (< 140 s)")
     args = ap.parse_args()
     import triton
 
@@ -380,7 +380,7 @@ def main() -> None:
     row("shape", "variant", "ms", "TFLOP/s", "detail", "vs", "")
     row("---", "---", "---", "---", "---", "---", "---")
     if args.bwd:
-        BUDGET_S = 165.0
+        BUDGET_S = 130.0  # then the GPU tests (kernels compiled by now) in the same < 200 s slot
         bench_bwd_variants(32768, 64)
         print(f"total {time.time() - T0:.0f} s; required bwd >= 150 TFLOP/s (target 250) at T=32768 H=64")
         return

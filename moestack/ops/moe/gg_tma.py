@@ -24,10 +24,12 @@ At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16:
   SM, strided over the list).
 - Weight gradient, few rows: out[e, a, b] = sum_r P[r, a] Q[r, b] with b the contiguous dimension of the gradient
   (P, Q = dY, X for the [E, F, D] parameter layout, X, dY for a contiguous [E, D, F]), so the accumulator's rows
-  are stored coalesced; one program per (expert, a-tile, group of GB b-tiles): the P tile is reused from L1 and a
-  tile's stores overlap the next tile's MMA. The reduction is over the expert's rows in BT chunks (masked loads:
-  rows past the end must not contribute). Store: plain masked stores, or a TMA store through a 3D descriptor
-  [E, A, B] (clipped per expert) with $MOESTACK_MOE_GG_TMA_STORE=1.
+  are stored coalesced; one program per (expert, a-tile, group of GB b-tiles), one flat loop over (b-tile, row
+  chunk of BT) pipelined 3 deep, so operand chunks stream across tile boundaries and the next tile's loads
+  overlap this tile's store (a loop per tile would wait for its first load after every store). Row chunks are
+  masked loads (rows past the expert must not contribute). Store: plain masked stores (116-128 registers at
+  8 warps: two programs per SM), or a TMA store through a 3D descriptor [E, A, B] (clipped per expert) with
+  $MOESTACK_MOE_GG_TMA_STORE=1 (ptxas then serialises the MMA before the store: C7517, 150+ registers).
 
 No atomics: each output element is written by one program in a fixed order (bitwise reproducible).
 Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF/BK weight tile, BA/BB dW tile.
@@ -155,58 +157,41 @@ def gg_wgrad_kernel_tma(
     PRECISION: tl.constexpr, TMA_STORE: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
     GB: tl.constexpr,
 ):
-    """out[e, a-tile, b-tiles] = P[rows of e, a-tile]^T @ Q[rows of e, b-tile] for GB consecutive b-tiles.
-    At most BT rows (the common case at few rows per expert): P^T is loaded once and the loop over b-tiles is
-    the pipelined one (the next Q tile loads while this tile multiplies and stores); else the rows are reduced
-    in BT chunks per tile."""
+    """out[e, a-tile, b-tiles] = P[rows of e, a-tile]^T @ Q[rows of e, b-tile] for GB consecutive b-tiles, as one
+    flat loop over (b-tile, row chunk of BT) so the software pipeline streams operand chunks across tile
+    boundaries (the next tile's loads overlap this tile's store). An empty expert still runs one (all-masked)
+    chunk per tile, which stores its zeros."""
     i_t, e = tl.program_id(0), tl.program_id(1)
     n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
     i_a, i_g = i_t // n_groups, i_t % n_groups
     start = tl.load(offs + e - 1, mask=e > 0, other=0)
     end = tl.load(offs + e)
+    n_chunks = tl.maximum(tl.cdiv(end - start, BT), 1)
     o_a = i_a * BA + tl.arange(0, BA)
     m_a = o_a < A
     p_oe = out + e.to(tl.int64) * stride_oe
-    if end - start <= BT:
-        rows = start + tl.arange(0, BT)
+    b_acc = tl.zeros((BA, BB), dtype=tl.float32)
+    for it in range(0, GB * n_chunks):
+        j, c = it // n_chunks, it % n_chunks
+        b0 = (i_g * GB + j) * BB
+        o_b = b0 + tl.arange(0, BB)
+        m_b = o_b < B
+        rows = start + c * BT + tl.arange(0, BT)
         m_r = rows < end
         rows64 = rows.to(tl.int64)
-        b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
-                                mask=m_r[:, None] & m_a[None, :], other=0.0))  # [BA, BT]
-        for j in range(GB):
-            b0 = (i_g * GB + j) * BB
-            o_b = b0 + tl.arange(0, BB)
-            m_b = o_b < B
-            b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
-                          mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
-            b_acc = tl.dot(b_pt, b_q, input_precision=PRECISION)  # [BA, BB]
+        b_p = tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
+                      mask=m_r[:, None] & m_a[None, :], other=0.0)  # [BT, BA]
+        b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
+                      mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
+        b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
+        if c == n_chunks - 1:
             if TMA_STORE:
                 if b0 < B:
                     out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
             else:
                 tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
                          mask=m_a[:, None] & m_b[None, :])
-    else:
-        for j in range(GB):
-            b0 = (i_g * GB + j) * BB
-            o_b = b0 + tl.arange(0, BB)
-            m_b = o_b < B
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
-            for r0 in range(start, end, BT):
-                rows = r0 + tl.arange(0, BT)
-                m_r = rows < end
-                rows64 = rows.to(tl.int64)
-                b_p = tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
-                              mask=m_r[:, None] & m_a[None, :], other=0.0)  # [BT, BA]
-                b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
-                              mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
-                b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
-            if TMA_STORE:
-                if b0 < B:
-                    out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
-            else:
-                tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
-                         mask=m_a[:, None] & m_b[None, :])
 
 
 _NUM_SMS: dict[int, int] = {}

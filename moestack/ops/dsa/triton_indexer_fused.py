@@ -295,9 +295,12 @@ def indexer_topk_fused(
     return torch.cat(out, dim=1)
 
 
-def _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k, rows_per_block: int = 256):
-    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, r) with position t0 + r) over all visible keys, fp32."""
+def _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k, block_bytes: int = 1 << 28):
+    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, r) with position t0 + r) over all visible keys, fp32;
+    a block of rows holds its [rows, keys, Hi] fp32 products (<= block_bytes)."""
     out = []
+    Hi = q_idx.shape[2]
+    rows_per_block = max(1, block_bytes // (4 * Hi * (t0 + int(bad_rows[:, 1].max()) + 1)))
     for i in range(0, len(bad_rows), rows_per_block):
         br = bad_rows[i : i + rows_per_block]
         b, t = br[:, 0], br[:, 1] + t0

@@ -171,7 +171,7 @@ def gg_wgrad_kernel_tma(
     m_a = o_a < A
     p_oe = out + e.to(tl.int64) * stride_oe
     b_acc = tl.zeros((BA, BB), dtype=tl.float32)
-    for it in range(0, GB * n_chunks):
+    for it in range(GB * n_chunks):
         j, c = it // n_chunks, it % n_chunks
         b0 = (i_g * GB + j) * BB
         o_b = b0 + tl.arange(0, BB)

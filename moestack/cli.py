@@ -114,7 +114,7 @@ def _run_training(spec, model_spec, resume: bool, plan=None, memory_report: bool
             from moestack.memory.report import trainer_memory_report
 
             lines = trainer_memory_report(trainer)
-            trainer.log("\n".join(lines), markup=False, highlight=False)
+            trainer.log("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
     finally:
         trainer.close()
 

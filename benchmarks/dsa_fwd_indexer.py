@@ -189,7 +189,7 @@ def main() -> None:
     from moestack.ops.dsa import triton_attn_fwd as F
     from moestack.ops.dsa import triton_indexer_fused as X
 
-    # compile budget: the default forward at its run-4 best config only; fused indexer: bf16 two tiles, fp8 one
+    # compile budget: the default forward at its run-4 best config only; fused indexer scoring: two tiles
     restrict(F._sparse_mqa_fwd_kernel, lambda c: (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"],
                                                   c.num_stages) == (64, 64, 512, 2))  # fmt: skip
     restrict(F._sparse_mqa_fwd_kernel_splits, lambda c: c.kwargs["BLOCK_H"] == 64)

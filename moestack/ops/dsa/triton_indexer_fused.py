@@ -55,8 +55,14 @@ def _configs():
     return [triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s) for bt, bs, w, s in tiles]
 
 
+def _prune(configs, named_args, **kwargs):
+    """The sampled (dense) pass is 1/STRIDE of the work: its first config only (one compile, no tuning)."""
+    return configs[:1] if kwargs.get("MODE", named_args.get("MODE")) == MODE_DENSE else configs
+
+
 @triton.autotune(configs=_configs(), key=["Hi", "DP", "MODE", "KEY_STRIDE", "CAP"],
-                 reset_to_zero=["CNT"], restore_value=["OUT_S", "OUT_I"])  # fmt: skip
+                 reset_to_zero=["CNT"], restore_value=["OUT_S", "OUT_I"],
+                 prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.jit(do_not_specialize=["t0", "t1", "Hi", "n_cols"])
 def indexer_select_kernel(
     Q, KI, W, KSCALE, DSTART, THR, CNT, OUT_S, OUT_I,

@@ -53,14 +53,17 @@ _MIN_BK = 16 if INTERPRET else 64  # smallest K tile of the configs (dX needs K 
 # (BT, BF, BK, warps, stages) tried per BT_MAX (the mean rows per expert rounded up to a power of two, 16..128).
 # Shared memory per program = stages * (BF + BT) * BK * 2 B: at BT = 16, 72 KB (3 programs per SM), 108 KB (2),
 # 144 KB (1); at BT = 128, 3 stages of 128 x 64 tiles (96 KB) let two programs share an SM (one's pipeline fill
-# and epilogue hide behind the other's stream), 4 stages (128 KB) one.
+# and epilogue hide behind the other's stream), 4 stages (128 KB) one. Every program also reads its x tile
+# [BT, K] (from L2, once per f-tile), so the SMs take in (1 + BT / BF) x the weight bytes: BF = 256 halves the
+# extra at BT = 64..128, where L2 -> SM traffic may bind before DRAM does.
 # A BT below BT_MAX reads a weight tile once per token tile (the repeats from L2) but fits more programs per SM;
 # such entries reuse binaries compiled for the smaller BT_MAX (no extra compile when those sizes ran first).
 FWD_CONFIGS = {
     16: [(16, 128, 64, 4, 4), (16, 128, 128, 4, 4), (16, 128, 128, 4, 3)],
     32: [(32, 128, 64, 4, 4), (32, 128, 128, 4, 4), (16, 128, 64, 4, 4), (16, 128, 128, 4, 3)],
-    64: [(64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (32, 128, 64, 4, 4)],
-    128: [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+    64: [(64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (32, 128, 64, 4, 4)],
+    128: [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+          (64, 128, 64, 4, 4)],
 }
 
 

@@ -28,7 +28,7 @@ import torch
 
 V_DIM, D_LAT, TOP_K, HI, DI = 512, 576, 2048, 32, 128
 SCALE = 192**-0.5
-BUDGET_S = 185.0
+BUDGET_S = 120.0  # later variants print "skipped: time cap" (the GPU slot is 200 s with the tests)
 T0 = time.time()
 
 

@@ -140,9 +140,9 @@ def gg_fwd_kernel_tma(
 def _wgrad_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BA": 16, "BB": 32, "GB": 2}, num_warps=4, num_stages=1, pre_hook=_wgrad_blocks)]
-    # few rows: the dW tile is written once after a short reduction (store bound): GB tiles per program, the
-    # b-tile loop pipelined 3 deep (2 stages would issue the next tile's load only after this tile's store);
-    # (BA, BB, GB, warps, stages): 64 accumulator registers per thread (4 warps at 128 x 128: 237 registers)
+    # few rows: each dW tile is written once after a short reduction (store bound); GB tiles per program, the
+    # flat loop pipelined 3 deep. (BA, BB, GB, warps, stages): 64 accumulator registers per thread, 116-128 in
+    # all (plain store), so two programs per SM at 8 warps, three at 4 (gg_spill_report.py)
     shapes = [(128, 128, 8, 8, 3), (64, 128, 8, 4, 3)]
     return [triton.Config({"BA": a, "BB": b, "GB": g}, num_warps=w, num_stages=s, pre_hook=_wgrad_blocks)
             for a, b, g, w, s in shapes]

@@ -33,7 +33,7 @@ case "$FP8" in
   *) echo "FP8 must be v1, v2 or v3, got '$FP8'" >&2; exit 2 ;;
 esac
 COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every=10
-        --set eval_every=0 --set checkpoint.every=0 --set logging.progress=false
+        --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false --set logging.progress=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 ${DEVICE:+--device "$DEVICE"})
 RUN_BF16=$DEST/fp8parity_${MODEL}_bf16_s${SEQ}_b${BS}
 RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}_s${SEQ}_b${BS}

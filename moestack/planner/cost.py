@@ -1100,18 +1100,22 @@ class CostModel:
         g_d, g_e = (sd, se) if plan.zero_stage >= 2 else (1, 1)
         host = 0.0
         if plan.offload.optimizer:
-            hbm = dense * BF16 / w_d + e_dev * BF16 / w_e
+            w_b = FP32 if plan.devices == 1 else BF16  # as _memory
+            hbm = dense * w_b / w_d + e_dev * w_b / w_e
             host += (dense / sd + e_dev / se) * (FP32 + opt_b)
         else:
             hbm = dense * FP32 / w_d + e_dev * FP32 / w_e + dense * opt_b / sd + e_dev * opt_b / se
-        hbm += dense * FP32 / g_d + e_dev * FP32 / g_e
+        grads = dense * FP32 / g_d + e_dev * FP32 / g_e
         if plan.offload.experts:
             host += expert / se * (FP32 + FP32 + opt_b)
         inflight = inflight_microbatches(plan.schedule, p, plan.vpp, plan.num_microbatches)
         if plan.offload.activations:
             host += act * inflight
+            act_dev = 0.0
         else:
-            hbm += act * min(inflight, (inflight + 1) / 2)  # ranks hold between 1 and `inflight` micro-batches
+            act_dev = act * min(inflight, (inflight + 1) / 2)  # ranks hold between 1 and `inflight` micro-batches
+        # gradients that build up while activations are freed (_grads_build_up): the larger of the two at least
+        hbm += max(grads, act_dev) if self._grads_build_up(plan) else grads + act_dev
         return hbm + self.cal.runtime_reserved_gib * GIB, host
 
     # -- parameters per rank ----------------------------------------------------------------------------------

@@ -157,3 +157,21 @@ def test_act_factors_scale_their_technique_only(bench):
              "predicted": {"forward_activations_gib": 2.0}}]
     assert bench.suggested_act_factors(rows, scaled) == {"selective": 0.75}
     assert bench.suggested_act_factors(rows, base_cal) == {"selective": 1.5}
+
+
+def test_memory_lower_bound_stays_below_the_evaluated_peak(bench):
+    """The search prunes on memory_lower_bound: it must not exceed what evaluate says, for every technique."""
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.planner.cost import CostModel
+    from moestack.planner.profile import profile_model
+
+    for seq in (4096, SEQ):
+        spec = bench.variant_spec(load_model_spec("proxy"), seq, None)
+        prof = profile_model(spec, seq)
+        cm = CostModel(spec, load_cluster_spec("h200-1gpu"), load_calibration(), seq, prof.train_flops_per_token)
+        for name, fields in bench.TECHNIQUES.items():
+            plan = bench.make_plan("proxy", seq, 1, fields, "h200-1gpu")
+            hbm, host = cm.memory_lower_bound(plan)
+            cost = cm.evaluate(plan)
+            assert hbm <= cost.memory_total * (1 + 1e-9), (seq, name, hbm / GIB, cost.memory_total / GIB)
+            assert host <= cost.host_bytes * (1 + 1e-9) or host == 0, (seq, name)

@@ -17,7 +17,7 @@ Per chunk of query rows [t0, t1) (candidate buffers bounded by CHUNK_BYTES):
 4. exactness. Whenever count(score >= thr) >= k, the row's top-k lies inside its candidates, so the result equals
    the top-k of all visible keys (ties aside). Rows whose count is < min(k, n_visible) (thr too high) or > CAP
    (overflow) are recomputed exactly (all visible keys, torch fp32) - rare with margin 1.5 and CAP = 2k on any
-   score distribution that the strided sample represents; correct on every input. One host sync per chunk
+   score distribution that the strided sample represents; correct on every input. One host sync per call
    (the list of such rows).
 
 Cost: the scoring GEMM once (+ 1/STRIDE for the sample), no T x T HBM traffic, a top-k over [T, CAP].
@@ -253,8 +253,7 @@ def indexer_topk_fused(
     n_samp_T = pos_T // stride - (start_T + stride - 1) // stride + 1  # sampled positions in [start, t]
     r_bound = math.ceil(margin * top_k / stride + margin / 2) + 1  # >= r of every row with n_vis > cap
     rows = max(1, min(T, chunk_bytes // (B * (8 * cap + 4 * (T // stride + 1)))))
-    out = []
-    n_fallback = 0
+    out, bads = [], []
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         R = t1 - t0
@@ -290,26 +289,26 @@ def indexer_topk_fused(
                 CAP=cap, BLOCK=triton.next_power_of_2(cap), num_warps=8,
             )  # fmt: skip
         del cand_s, cand_i
-        bad = (cnt > cap) | (cnt < torch.minimum(n_vis, torch.tensor(top_k, device=dev)).to(torch.int32))
-        bad_rows = bad.nonzero()  # host sync: the rows whose threshold missed
-        if len(bad_rows):
-            n_fallback += len(bad_rows)
-            idx[bad_rows[:, 0], bad_rows[:, 1]] = _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k)
+        bads.append((cnt > cap) | (cnt < n_vis.clamp_max(top_k).to(torch.int32)))  # threshold missed
         out.append(idx)
+    idx = torch.cat(out, dim=1)
+    bad_rows = torch.cat(bads, dim=1).nonzero()  # [n, 2] (b, t); the one host sync
+    if len(bad_rows):
+        idx[bad_rows[:, 0], bad_rows[:, 1]] = _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k)
     if stats is not None:
-        stats["fallback_rows"] = n_fallback
-    return torch.cat(out, dim=1)
+        stats["fallback_rows"] = len(bad_rows)
+    return idx
 
 
-def _exact_rows(q_idx, k_idx, w, bad_rows, t0, start_T, top_k, block_bytes: int = 1 << 28):
-    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, r) with position t0 + r) over all visible keys, fp32;
-    a block of rows holds its [rows, keys, Hi] fp32 products (<= block_bytes)."""
+def _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k, block_bytes: int = 1 << 28):
+    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, t)) over all visible keys, fp32; a block of rows holds
+    its [rows, keys, Hi] fp32 products (<= block_bytes)."""
     out = []
     Hi = q_idx.shape[2]
-    rows_per_block = max(1, block_bytes // (4 * Hi * (t0 + int(bad_rows[:, 1].max()) + 1)))
+    rows_per_block = max(1, block_bytes // (4 * Hi * (int(bad_rows[:, 1].max()) + 1)))
     for i in range(0, len(bad_rows), rows_per_block):
         br = bad_rows[i : i + rows_per_block]
-        b, t = br[:, 0], br[:, 1] + t0
+        b, t = br[:, 0], br[:, 1]
         s_max = int(t.max()) + 1
         dots = torch.einsum("nhd,nsd->nsh", q_idx[b, t].float(), k_idx[b, :s_max].float())  # [n, S, Hi]
         I = torch.einsum("nsh,nh->ns", dots.relu(), w[b, t].float())

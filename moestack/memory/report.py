@@ -45,6 +45,7 @@ class MemoryReport:
     peak: float | None  # peak allocated (CUDA)
     device_total: float | None  # peak reserved + context (CUDA): what the device had to hold
     predicted: dict[str, float] | None = None  # the planner's breakdown for the same plan (bytes)
+    predicted_forward_activations: float | None = None  # the planner's activations at the end of forward (bytes)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -149,7 +150,7 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None, in
     else:
         report = _measure_saved(model, optimizer, inputs, targets, autocast)
     if plan is not None:
-        report.predicted = predicted_memory(model.spec, plan, cal)
+        _attach_prediction(report, model.spec, plan, cal)
     return report
 
 
@@ -245,6 +246,12 @@ def planner_cost(spec, plan: Plan, cal=None):
     return CostModel(spec, cluster, cal, plan.seq_len, flops).evaluate(plan)
 
 
+def _attach_prediction(report: MemoryReport, spec, plan: Plan, cal=None) -> None:
+    cost = planner_cost(spec, plan, cal)
+    report.predicted = dict(cost.memory)
+    report.predicted_forward_activations = cost.forward_activations
+
+
 def predicted_memory(spec, plan: Plan, cal=None) -> dict[str, float]:
     """The planner's per-device memory breakdown (bytes) for `plan` under calibration `cal` (default: built-in)."""
     return dict(planner_cost(spec, plan, cal).memory)
@@ -274,7 +281,7 @@ def trainer_memory_report(trainer) -> list[str]:
     inputs, targets = inputs.to(trainer.device), targets.to(trainer.device)
     report = measure_memory(trainer.model, trainer.optimizer, inputs, targets, trainer.autocast)
     try:
-        report.predicted = predicted_memory(trainer.model_spec, plan)
+        _attach_prediction(report, trainer.model_spec, plan)
     except Exception as err:  # noqa: BLE001 - the measurement is still worth printing
         report.notes.append(f"planner prediction unavailable: {type(err).__name__}: {err}")
     lines = format_report(report)
@@ -298,6 +305,11 @@ def format_report(report: MemoryReport) -> list[str]:
     for cat in CATEGORIES:
         lines.append(row(cat, report.measured.get(cat), pred.get(cat)))
         if cat == "activations":
+            if report.predicted_forward_activations is not None:
+                # measured: what forward leaves for backward; the planner's peak row may hold fewer (one-device
+                # peaks at one end of backward, while gradients build up as activations are freed)
+                lines.append(row("  at end of forward", report.measured.get(cat),
+                                 report.predicted_forward_activations))
             for kind, nbytes in sorted(report.activations_by_kind.items()):
                 lines.append(row(f"  {kind}", nbytes, None))
     total_pred = sum(pred.values()) if pred else None

@@ -83,8 +83,11 @@ def test_measure_memory_cpu(trained):
     assert set(report.predicted) == set(CATEGORIES)
     assert report.predicted == predicted_memory(model.spec, plan)
     assert abs(report.predicted["weights"] / report.measured["weights"] - 1) < 1e-3
+    assert report.predicted_forward_activations > 0
+    assert report.predicted_forward_activations >= report.predicted["activations"]  # the peak may hold fewer
     text = "\n".join(format_report(report))
     assert "allocator stats need CUDA" in text and "planner GiB" in text and "moe" in text
+    assert "at end of forward" in text
 
 
 def test_measured_activations_follow_recompute(trained):

@@ -134,6 +134,25 @@ def test_empty_rows_and_bad_input():
         sparse_mqa_attention_triton(q, kv, idx, 32, 0.2, dkv_mode="fast")
 
 
+def test_two_pass_timing_mode_writes_no_dkv():
+    """Pass 1's benchmark-only output mode "none": the same dS as "atomic", nothing added to dKV."""
+    from moestack.ops.dsa import triton_attn_bwd as bwd
+
+    g = torch.Generator().manual_seed(23)
+    B, T, H, V, R, K = 1, 6, 3, 32, 16, 5
+    q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
+    do, idx = torch.randn(B, T, H, V, generator=g), _random_idx(B, T, K, seed=23)
+    o, lse = sparse_mqa_attention_triton(q, kv, idx, V, 0.2)
+    delta = bwd.attention_delta(o, do, None)
+    out = {}
+    for mode in ("atomic", "none"):
+        ds, dkv = torch.zeros(T, K, bwd.DS_HEAD_PAD), torch.zeros(B, T, V + R)
+        bwd._dkv_ds_pass(q, kv, idx, do, lse, delta, 0.2, dkv, ds, 0, T, mode)
+        out[mode] = ds, dkv
+    assert torch.equal(out["none"][0], out["atomic"][0]) and out["atomic"][1].abs().sum() > 0
+    assert torch.all(out["none"][1] == 0)
+
+
 def test_backward_empty_rows_all_modes():
     """Queries with no selected key (lse = -inf, o = 0) get dq = 0 and add nothing to dkv in every dKV mode; the
     other rows' gradients agree across modes (the reference's autograd gives NaN through an empty logsumexp)."""

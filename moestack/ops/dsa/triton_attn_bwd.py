@@ -379,13 +379,16 @@ def _sparse_mqa_dkv_kmajor_kernel(
 @triton.jit
 def _add_rows(ptrs, x, mask, DKV_OUT: tl.constexpr, accumulate):
     """x into fp32 rows: relaxed atomics ("atomic"); stored, added to what is there if accumulate ("rows");
-    dropped ("none": timing of the rest only)."""
+    "none" (timing only): a store of x's elements above 3e38 alone (none in practice), so x is still computed
+    and re-laid out for the store, but no memory traffic."""
     if DKV_OUT == "rows":
         if accumulate:
             x += tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, x, mask=mask)
     elif DKV_OUT == "atomic":
         tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, x, mask=mask & (x > 3.0e38))
 
 
 @triton.autotune(
@@ -413,7 +416,8 @@ def _sparse_mqa_bwd_kernel_dkv(
     multiple of BLOCK_H: the stores carry no head mask, so they vectorise; padded heads get 0), and the dKV rows
     dS^T Q + P^T dO go out in BLOCK_C-column chunks: DKV_OUT "atomic", relaxed fp32 atomics into DKV[b, idx]
     (one per element and head block); "rows", written to DKV = BUF[i] [K, D] fp32 (summed over head blocks by
-    this program) for the sorted scatter; "none", not at all (benchmarks/dsa.py: the pass without its output)."""
+    this program) for the sorted scatter; "none", computed but not written (benchmarks/dsa.py: the atomics'
+    share of the pass)."""
     pid = tl.program_id(0)
     n_kb = tl.cdiv(K, BLOCK_K)
     if TOKEN_TILE == 0:

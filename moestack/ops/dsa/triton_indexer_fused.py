@@ -180,11 +180,13 @@ def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key
     def grid(meta):
         return (triton.cdiv(t1 - t0, meta["BLOCK_T"]), triton.cdiv(n_cols, meta["BLOCK_S"]), B)
 
-    dummy = out_s
+    # unused pointers get their own scratch, never out_s: the autotuner zeroes CNT (reset_to_zero) and restores
+    # OUT_I around its benchmark runs, which must not touch the dense pass's -inf-filled output
+    f32 = torch.zeros(1, device=q.device, dtype=torch.float32)
+    i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     indexer_select_kernel[grid](
-        q, k, w, kscale if kscale is not None else dummy, dstart if dstart is not None else dummy,
-        thr if thr is not None else dummy, cnt if cnt is not None else dummy, out_s,
-        out_i if out_i is not None else dummy,
+        q, k, w, f32 if kscale is None else kscale, i32 if dstart is None else dstart,
+        f32 if thr is None else thr, i32 if cnt is None else cnt, out_s, i32 if out_i is None else out_i,
         t0, t1, Hi, n_cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         kscale.stride(0) if kscale is not None else 0, out_s.stride(0), out_s.stride(1),

@@ -338,20 +338,26 @@ def _mixer_plan(attn: nn.Module, tp: int) -> tuple[dict[str, Rule], dict[str, in
     raise NotImplementedError(f"tensor parallelism has no plan for the mixer {type(attn).__name__}")
 
 
-def _apply_ffn(ffn: nn.Module, mesh: DeviceMesh, sp: bool, dist_: _Distributor) -> _Unit:
+def _apply_ffn(ffn: nn.Module, mesh: DeviceMesh, sp: bool, dist_: _Distributor) -> list[tuple[nn.Module, _Unit]]:
+    """(module, unit) pairs whose forward swaps the unit's parameters, inner modules first."""
     tp = mesh.size()
     if isinstance(ffn, GLUMLP):
         unit = dist_.unit(ffn, _glu_plan(ffn, tp))
         _hook_sharded_io(ffn, mesh, sp)
-        return unit
+        return [(ffn, unit)]
     if isinstance(ffn, MoE):
-        unit = dist_.unit(ffn, _moe_plan(ffn, tp))
+        plan = _moe_plan(ffn, tp)
+        # The router is its own unit: with bf16 compute FSDP shards it separately (fp32 policy), and FSDP's
+        # pre-forward unshard on router.__call__ would put the DTensor back after the MoE unit's swap.
+        router_plan = {k.removeprefix("router."): plan.pop(k) for k in list(plan) if k.startswith("router.")}
+        router_unit = dist_.unit(ffn.router, router_plan)
+        unit = dist_.unit(ffn, plan)  # skips router.weight: already a DTensor
         if not sp:  # with SP the input already is this rank's sequence shard
             _hook_token_shard_io(ffn, mesh)
         if ffn.shared is not None:  # rows of x_TD [N, D]: all tokens of the TP group, sharded columns
             _hook_sharded_io(ffn.shared, mesh, sp=True, dim=0)
         ffn.seq_shard_group = mesh.get_group()  # the model reduces sequence statistics (aux loss) over it
-        return unit
+        return [(ffn.router, router_unit), (ffn, unit)]
     raise NotImplementedError(f"tensor parallelism has no plan for the ffn {type(ffn).__name__}")
 
 
@@ -419,7 +425,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         plan, heads = _mixer_plan(block.attn, tp)
         add(block.attn, dist_.unit(block.attn, plan, heads))
         _hook_sharded_io(block.attn, tp_mesh, sp)
-        add(block.ffn, _apply_ffn(block.ffn, tp_mesh, sp, dist_))
+        for module, unit in _apply_ffn(block.ffn, tp_mesh, sp, dist_):
+            add(module, unit)
     if model.norm is not None:
         add(model.norm, dist_.unit(model.norm, {}, default=seq_rule))
     if model.lm_head is not None:  # the loss reads lm_head.weight directly: swap it for the whole forward

@@ -34,6 +34,7 @@ import gc
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -445,6 +446,9 @@ def main() -> None:
             json.dump(out, f, default=str)
         return
 
+    # an outer `timeout` sends SIGTERM: exit through Python so that subprocess.run kills the running row's process
+    # (an orphaned row would keep its GPU memory while the next phase starts)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from moestack.config.cluster import load_cluster_spec
 
     # the device's memory from the cluster preset: the parent never creates a CUDA context (it would take memory

@@ -7,7 +7,8 @@
 #
 # Env: MODEL (proxy), STEPS (200), SEQ (4096), GBS (global batch in sequences, 16), NPROC (GPUs found),
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
-#      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first).
+#      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first),
+#      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,7 @@ DEST=${OUT:-runs/multigpu}
 PHASES=${PHASES:-layouts a2a scaling}
 CLUSTER=h200-cluster
 mkdir -p "$DEST"
+[ -n "${PACK:-}" ] && trap 'tar czf "$PACK" --exclude=checkpoints --exclude=tb -C "$DEST" . 2>/dev/null' EXIT
 [ "$NPROC" -ge 2 ] || { echo "error: needs 2 or more devices (NPROC=$NPROC)"; exit 2; }
 COMMON=(-q --set logging.every=1 --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3)

@@ -9,7 +9,9 @@
 MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole layer forward and forward+backward,
 then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) at K3 EP16 widths (56 experts,
 3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per expert, and the weight quantisation an optimizer step
-adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them).
+adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them). More variants
+(FP8_VARIANTS): fp8v3-triton / fp8v3-cublas force v3's GEMM path, fp8v3-tma = v3's Triton path with fp8_tma.py,
+fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -233,6 +235,10 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "fp8v3-cublas": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "0"}),
     "fp8v3-triton": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1",
                              "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
+    # v3 on Triton with the TMA-descriptor forward / dX kernel (fp8_tma.py); and v3 + TMA below the cuBLAS rows
+    "fp8v3-tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
+                          "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
+    "fp8v3+tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1"}),
 }
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -216,12 +216,16 @@ def test_registry_v3_env(monkeypatch):
 
 FP8_RMS = 0.05  # e4m3 on both operands: ~2.5-3% relative RMS per operand, ~4% on a product of random data
 GPU_V3_CASES = [
-    # counts kind, E, D, F, cublas_min_rows (0: the cuBLAS path wherever the probe accepts it)
-    ("uniform600", 8, 1024, 1536, 0),
-    ("odd", 7, 3584, 1024, 0),
-    ("skew", 16, 2048, 512, 0),
-    ("uniform600", 8, 1024, 1536, 10**9),  # Triton path with the fused quantisers
-    ("uniform64", 32, 1024, 1000, 10**9),  # swap-AB Triton path, F not a multiple of 128
+    # counts kind, E, D, F, cublas_min_rows (0: the cuBLAS path wherever the probe accepts it), TMA kernel
+    ("uniform600", 8, 1024, 1536, 0, False),
+    ("odd", 7, 3584, 1024, 0, False),
+    ("skew", 16, 2048, 512, 0, False),
+    ("uniform600", 8, 1024, 1536, 10**9, False),  # Triton path with the fused quantisers
+    ("uniform64", 32, 1024, 1000, 10**9, False),  # swap-AB Triton path, F not a multiple of 128
+    ("uniform600", 8, 1024, 1536, 10**9, True),  # fp8_tma.py, tokens on M (BT 64 / 128)
+    ("uniform64", 32, 1024, 1000, 10**9, True),  # fp8_tma.py at BT_MAX 64, F % 128 != 0
+    ("odd", 7, 3584, 1024, 10**9, True),
+    ("uniform16", 56, 512, 1024, 10**9, True),  # fp8_tma.py swap-AB (BT 16)
 ]
 
 
@@ -256,9 +260,10 @@ def test_quantize_dual_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,E,D,F,min_rows", GPU_V3_CASES)
-def test_v3_gpu(kind, E, D, F, min_rows):
+@pytest.mark.parametrize("kind,E,D,F,min_rows,tma", GPU_V3_CASES)
+def test_v3_gpu(kind, E, D, F, min_rows, tma, monkeypatch):
     """v3 against the fp32 loop (fp8 error bounds) and against v2 (the same recipe: close to each other)."""
+    monkeypatch.setenv(f8.TMA_ENV, "1" if tma else "0")
     wc.clear()
     counts = gpu_counts(kind, E)
     x, param, offs = make_case(counts, D, F, torch.bfloat16, seed=E + F, tail=5)
@@ -280,7 +285,7 @@ def test_v3_gpu(kind, E, D, F, min_rows):
     agree = [rel_err(a[:used] if i < 2 else a, b[:used] if i < 2 else b)
              for i, (a, b) in enumerate(zip(outs["v3"], outs["v2"]))]
     cublas = min_rows == 0 and fsm.shapes_ok(D, F) and fsm.available(x.device)
-    print(f"MOE_FP8_V3 {kind} E={E} D={D} F={F} cublas={cublas}: vs fp32 {errs}, vs v2 {agree}")
+    print(f"MOE_FP8_V3 {kind} E={E} D={D} F={F} cublas={cublas} tma={tma}: vs fp32 {errs}, vs v2 {agree}")
     assert all(e < FP8_RMS for e in errs.values()), errs
     assert all(e < 1e-2 for e in agree), agree
     wc.clear()
@@ -327,3 +332,41 @@ def test_scaled_mm_wgrad_single_tile_bf16_fallback(monkeypatch):
             assert 1e-5 < rel_err(dw[e], want) < 1e-2
         else:
             assert rel_err(dw[e], want) < 1e-6
+
+
+def test_fp8_tma_interpreter():
+    """fp8_tma.py directly (forward and the dX layout) with unrounded fp32 "q", against the fp64 loop; then v3's
+    Triton path with MOESTACK_FP8_TMA=1 forward and backward."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case; the GPU runs test_v3_gpu with MOESTACK_FP8_TMA=1")
+    from moestack.ops.moe import fp8_tma
+
+    for counts in ([0, 37, 3, 0, 20], [0, 137, 3, 0, 90]):  # mean rows 12 (swap-AB), 46 (tokens on M)
+        x, param, offs = make_case(counts, 200, 48, torch.float32, seed=12, tail=2)
+        used = sum(counts)
+        w = param.transpose(1, 2)  # [E, K=200, F=48]
+        (qw, sw), (qwT, swT) = fq.quantize_blocks_pair(w, torch.float32)
+        qx, sx, _, _ = fq.quantize_dual(x, offs, torch.float32, tiles=False)
+        assert fp8_tma.supported(qx, qw)
+        y = fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.float32)
+        y_ref = grouped_mm_loop(x.double(), w.double(), offs)
+        assert rel_err(y[:used], y_ref[:used]) < 1e-5 and (y[used:] == 0).all()
+        dy = torch.randn(x.shape[0], 48, generator=torch.Generator().manual_seed(13))
+        qdy, sdy, _, _ = fq.quantize_dual(dy, offs, torch.float32, tiles=False)
+        assert fp8_tma.supported(qdy, qwT)
+        dx = fp8_tma.grouped_mm(qdy, sdy, qwT, swT, offs, torch.float32)
+        dx_ref = grouped_mm_loop(dy.double(), w.double().transpose(1, 2), offs)
+        assert rel_err(dx[:used], dx_ref[:used]) < 1e-5 and (dx[used:] == 0).all()
+
+
+def test_v3_tma_path_interpreter(monkeypatch):
+    if DEV == "cuda":
+        pytest.skip("interpreter case; the GPU runs test_v3_gpu with MOESTACK_FP8_TMA=1")
+    monkeypatch.setenv(f8.TMA_ENV, "1")
+    from moestack.ops.moe import fp8_tma
+
+    taken = []
+    orig = fp8_tma.grouped_mm
+    monkeypatch.setattr(fp8_tma, "grouped_mm", lambda *a: (taken.append(1), orig(*a))[1])
+    _v3_vs_loop([20, 0, 9, 3], 136, 48, min_rows=10**9, seed=14)
+    assert len(taken) == 2  # forward and dX

@@ -30,7 +30,8 @@ pass per operand (fp8_quant.quantize_dual: x read once for both its 1x128 row ti
 tiles; dy likewise for dX and dW), both weight layouts from one read of the weight (fp8_weight_cache.pair), and
 at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS (512) with K, F multiples of 512 on sm90 the three GEMMs
 run one cuBLAS blockwise call per expert (fp8_scaled_mm.py; one host read of the offsets, cached per offsets
-tensor), else the Triton kernels above.
+tensor), else the Triton kernels above, or with MOESTACK_FP8_TMA=1 the TMA-descriptor forward / dX kernel of
+fp8_tma.py (opt-in, unmeasured).
 
 Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
 """
@@ -59,6 +60,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
 V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
+TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 
 
 SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: swap-AB at or below this mean
@@ -71,6 +73,16 @@ def use_v2(v2: bool | None) -> bool:
 
 def use_v3(v3: bool | None) -> bool:
     return os.environ.get(V3_ENV, "0") == "1" if v3 is None else bool(v3)
+
+
+def _triton_rows_mm(qx, sx, qw, sw, offs_E, out_dtype, swap: int) -> torch.Tensor:
+    """v3's Triton forward / dX: the TMA kernel (fp8_tma.py) with MOESTACK_FP8_TMA=1 where it applies, else v2's."""
+    if os.environ.get(TMA_ENV, "0") == "1":
+        from moestack.ops.moe import fp8_tma
+
+        if fp8_tma.supported(qx, qw):
+            return fp8_tma.grouped_mm(qx, sx, qw, sw, offs_E, out_dtype)
+    return fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, out_dtype, tile_sw=True, swap_max_rows=swap)
 
 
 def _swap_configs() -> list[triton.Config]:
@@ -354,7 +366,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             y = fsm.rows_mm(qx, sx, qw, sw, swT, ends, x_ND.dtype)
         else:
             ends = None
-            y = fp8_grouped_mm_quantized(qx, sx, qw, sw, offs_E, x_ND.dtype, tile_sw=True, swap_max_rows=swap)
+            y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
         ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends = q_dtype, x_ND.dtype, swap, ends
         return y
@@ -372,8 +384,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             if ends is not None:  # w^T's block scales are swT [E, F/128, D/128], transposed: the forward's sw
                 dx = fsm.rows_mm(qdy, sdy, qwT, swT, sw, ends, ctx.x_dtype)
             else:
-                dx = fp8_grouped_mm_quantized(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, tile_sw=True,
-                                              swap_max_rows=ctx.swap)
+                dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
             if ends is not None:
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like=w_EDF)

@@ -8,6 +8,8 @@
 # Usage on the device machine:  bash scripts/fp8_parity.sh [extra moestack train flags]
 #   STEPS=150 SEQ=2048 BS=2 FP8=v3 MODEL=proxy OUT=runs   (defaults)
 #   MOESTACK_FP8_CACHE=0 bash scripts/fp8_parity.sh   # fp8 weights requantised every call (checks the weight cache)
+#   MOESTACK_FP8_TMA=1 bash scripts/fp8_parity.sh     # v3 with the TMA forward / dX kernel (fp8_tma.py)
+# (MOESTACK_FP8_* variables only affect the fp8 run: the bf16 run does not use the fp8 backend.)
 # Runtime (estimate, H200, proxy with the Triton kernels at ~0.35 s per 4096-token step): ~1.5-2 min per run
 # including compilation, ~4 min for both at the defaults.
 set -euo pipefail

@@ -488,6 +488,9 @@ def main() -> None:
         if args.phase == "largest" and r.get("status") != "ok":
             stop_axis.add(row.get("axis"))
         print(row_line(r, reference_row(rows, args.reference), hbm_gib), flush=True)
+        if args.json:  # after every row: a cut run still leaves its numbers
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1, default=str)
     ref = reference_row(rows, args.reference)
     print(f"\n{args.model}, micro-batch {args.micro_batch}, {device}, phase {args.phase}; saved / time added vs "
           f"{ref['technique'] + ' (' + str(ref['experts']) + ' experts, seq ' + str(ref['seq']) + ')' if ref else '-'}; "

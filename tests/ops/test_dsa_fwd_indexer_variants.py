@@ -44,13 +44,16 @@ def _random_idx(B, T, K, g, device="cpu"):
 # ------------------------------------------------------------------------------------------- forward "splits"
 
 
-@pytest.mark.parametrize(("H", "V", "R"), [(20, 32, 16), (33, 16, 16)])
-def test_fwd_splits_matches_reference(H, V, R):
+@pytest.mark.parametrize(
+    ("H", "V", "R", "variant"), [(20, 32, 16, "splits"), (33, 16, 16, "splits"), (20, 32, 16, "pf")]
+)
+def test_fwd_splits_matches_reference(H, V, R, variant):
+    """The chain-broken (splits) and the plain (pf) score paths; prefetch hints are GPU-only (inline PTX)."""
     g = torch.Generator().manual_seed(H)
     B, T, K = 3 - H // 20, 17, 18  # T, K not multiples of the 16-wide blocks; H padded to the head block
     q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
     idx = _random_idx(B, T, K, g)
-    o, lse = sparse_mqa_fwd(q, kv, idx, V, 0.3, variant="splits")
+    o, lse = sparse_mqa_fwd(q, kv, idx, V, 0.3, variant=variant)
     ro, rlse = ref.sparse_mqa_attention(q.double(), kv.double(), idx, V, 0.3)
     assert _rel(o, ro) < CPU_TOL
     assert torch.all(lse[:, 3] == float("-inf")) and torch.all(o[:, 3] == 0)  # the empty query
@@ -185,16 +188,17 @@ fused_topk = fused.indexer_topk_fused
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [20, 64, 96])
-def test_fwd_splits_gpu(H):
-    """bf16, 576 = 512 + 64 latent, top-2048 at T = 4096: splits vs the fp64 reference and vs the default kernel."""
+@pytest.mark.parametrize(("H", "variant"), [(20, "splits"), (64, "splits"), (96, "splits_pf"), (64, "splits_pf2"),
+                                            (64, "pf")])  # fmt: skip
+def test_fwd_splits_gpu(H, variant):
+    """bf16, 576 = 512 + 64 latent, top-2048 at T = 4096: each variant vs the fp64 reference and vs the default."""
     g = torch.Generator(device="cuda").manual_seed(H)
     T, K = 4096, 2048
     q = torch.randn(1, T, H, 576, generator=g, device="cuda").bfloat16()
     kv = torch.randn(1, T, 576, generator=g, device="cuda").bfloat16()
     idx = torch.stack([torch.randperm(T, generator=g, device="cuda")[:K] for _ in range(T)])[None].int()
     idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)  # causal, -1 padded
-    o, lse = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant="splits")
+    o, lse = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant=variant)
     o0, _ = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant="default")
     ro, rlse = ref.sparse_mqa_attention_blockwise(q.double(), kv.double(), idx, 512, 192**-0.5)
     assert _rel(o, ro) < 2e-2 and _rel(lse, rlse) < 2e-2, (_rel(o, ro), _rel(lse, rlse))

@@ -63,13 +63,14 @@ def fwd(split: bool) -> None:
         scal[n] = "i32"
     ptr = {"IDX": "*i32", "LSE": "*fp32"}
     base = {"V": 512, "R": 64, "VP": 512, "RP": 64}
+    split_, pf = os.environ.get("SPLIT", "1") == "1", int(os.environ.get("PREFETCH", "0"))
     if split:
         cfgs = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1)]
         if os.environ.get("CFG"):
             cfgs = [tuple(int(x) for x in os.environ["CFG"].split(","))]
         for bh, bk, w, s in cfgs:
             compile_one(f"fwd splits H{bh} K{bk}", F._sparse_mqa_fwd_kernel_splits, ptr,
-                        {**base, "BLOCK_H": bh, "BLOCK_K": bk}, scal, w, s)  # fmt: skip
+                        {**base, "BLOCK_H": bh, "BLOCK_K": bk, "SPLIT": split_, "PREFETCH": pf, "PF_LINES": 9, "PF_P2": 16}, scal, w, s)  # fmt: skip
     else:
         for bh, bk, bv, w, s in [(64, 64, 512, 8, 2), (64, 32, 512, 8, 3)]:
             compile_one(f"fwd default H{bh} K{bk} V{bv}", F._sparse_mqa_fwd_kernel, ptr,

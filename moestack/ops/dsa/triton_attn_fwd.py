@@ -149,7 +149,31 @@ def fwd_split_configs():
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in tiles]
 
 
-@triton.autotune(configs=fwd_split_configs(), key=["H", "K", "V", "R"],
+@triton.jit
+def _gather_rows(kv_base, ids, s_ks, offs_c, offs_r, mask_c, mask_r, V: tl.constexpr):
+    """Latent rows kv[ids] split as value part [BK, VP] and rope part [BK, RP]; zeros at -1 slots."""
+    valid = ids >= 0
+    rows = kv_base + tl.where(valid, ids, 0).to(tl.int64) * s_ks
+    b_kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
+    b_kr = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+    return b_kc, b_kr
+
+
+@triton.jit
+def _prefetch_rows(kv_base, ids, s_ks, PF_LINES: tl.constexpr, PF_P2: tl.constexpr, LEVEL: tl.constexpr):
+    """prefetch.global.L1 (LEVEL 1) or .L2 (LEVEL 2) of the 128-byte lines of rows kv[ids] (PF_LINES per row, PF_P2
+    = its next power of two; -1 slots hint row 0)."""
+    line = tl.minimum(tl.arange(0, PF_P2), PF_LINES - 1) * (1024 // kv_base.dtype.element_ty.primitive_bitwidth)
+    ptr = kv_base + tl.where(ids >= 0, ids, 0).to(tl.int64)[:, None] * s_ks + line[None, :]
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.autotune(configs=fwd_split_configs(), key=["H", "K", "V", "R", "SPLIT", "PREFETCH"],
                  prune_configs_by={"early_config_prune": _prune_head_blocks})  # fmt: skip
 @triton.jit(do_not_specialize=["T", "H", "K", "ONE"])
 def _sparse_mqa_fwd_kernel_splits(
@@ -160,9 +184,12 @@ def _sparse_mqa_fwd_kernel_splits(
     s_ib, s_it,
     s_ob, s_ot, s_oh,
     V: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    PF_LINES: tl.constexpr, PF_P2: tl.constexpr,
 ):  # fmt: skip
-    """As _sparse_mqa_fwd_kernel with BLOCK_V = VP (one program per (token, head block)); ONE must be 1."""
+    """As _sparse_mqa_fwd_kernel with BLOCK_V = VP (one program per (token, head block)); ONE must be 1.
+    SPLIT: score tile split over warpgroups (above); PREFETCH 1 / 2: L1 / L2 prefetch hints for the next block's
+    rows (PF_LINES 128-byte lines per row), 0: none (GPU only: inline PTX)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     b = pid_t // T
@@ -183,23 +210,32 @@ def _sparse_mqa_fwd_kernel_splits(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, VP], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        ids = tl.load(idx_base + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+        if PREFETCH:
+            nxt = k0 + BLOCK_K + offs_k
+            ids_nx = tl.load(idx_base + nxt, mask=nxt < K, other=-1)
+        b_kc, b_kr = _gather_rows(kv_base, ids, s_ks, offs_c, offs_r, mask_c, mask_r, V)
+        if PREFETCH:
+            # hint the rows of block k0 + BLOCK_K into L1 (prefetch.global.L1: no registers held; a register
+            # prefetch of the next tile spills ~1.4 KB here) while block k0's gather is in flight. Triton's
+            # pipeliner async-copies the current slot ids only; the row gathers stay synchronous loads in the loop.
+            _prefetch_rows(kv_base, ids_nx, s_ks, PF_LINES, PF_P2, PREFETCH)
         valid = ids >= 0
-        rows = kv_base + tl.where(valid, ids, 0).to(tl.int64) * s_ks
-        b_kc = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)  # [BK, VP]
-        b_kr = tl.load(rows[:, None] + V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
-        # each dot in its own if region: no dot in its forward slice -> warps split over keys, no replica
-        # (two different conditions: ifs on the same one get merged, and the first dot would feed the second)
-        if ONE > 0:
-            b_s = tl.dot(b_qc, tl.trans(b_kc))  # [BH, BK]
+        if SPLIT:
+            # each dot in its own if region: no dot in its forward slice -> warps split over keys, no replica
+            # (two different conditions: ifs on the same one get merged, and the first dot would feed the second)
+            if ONE > 0:
+                b_s = tl.dot(b_qc, tl.trans(b_kc))  # [BH, BK]
+            else:
+                b_s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+            if ONE < 2:
+                b_s2 = tl.dot(b_qr, tl.trans(b_kr), b_s)
+            else:
+                b_s2 = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)  # never taken; constant: b_s single-use
         else:
-            b_s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-        if ONE < 2:
-            b_s2 = tl.dot(b_qr, tl.trans(b_kr), b_s)
-        else:
-            b_s2 = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)  # never taken; a constant keeps b_s single-use
+            b_s2 = tl.dot(b_qr, tl.trans(b_kr), tl.dot(b_qc, tl.trans(b_kc)))  # replicated over warpgroups
         b_s2 = tl.where(valid[None, :], b_s2 * scale_log2, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(b_s2, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -217,7 +253,8 @@ def _sparse_mqa_fwd_kernel_splits(
     tl.store(LSE + pid_t.to(tl.int64) * H + offs_h, lse, mask=mask_h)
 
 
-FWD_VARIANTS = ("default", "splits")
+# pf: + L1 prefetch hints for the next block's gather; pf2: L2 hints (kv beyond L2: T = 131072 is 151 MB)
+FWD_VARIANTS = ("default", "splits", "splits_pf", "splits_pf2", "pf")
 FWD_ENV_VAR = "MOESTACK_DSA_FWD"
 
 
@@ -247,8 +284,10 @@ def sparse_mqa_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32).
 
-    variant: "default" (autotuned, value dims optionally split over programs) or "splits" (score tile split over
-    the warpgroups, see _sparse_mqa_fwd_kernel_splits); None reads MOESTACK_DSA_FWD (default "default")."""
+    variant: "default" (autotuned, value dims optionally split over programs), "splits" (score tile split over
+    the warpgroups, see _sparse_mqa_fwd_kernel_splits), "splits_pf" / "splits_pf2" (splits + L1 / L2 prefetch hints for
+    the next block's rows) or "pf" (prefetch only, replicated scores); None reads MOESTACK_DSA_FWD
+    (default "default")."""
     variant = variant or os.environ.get(FWD_ENV_VAR, "default")
     if variant not in FWD_VARIANTS:
         raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS} (argument or {FWD_ENV_VAR})")
@@ -262,7 +301,8 @@ def sparse_mqa_fwd(
 
     VP, RP = padded_dims(v_dim, D - v_dim)
 
-    if variant == "splits":
+    if variant != "default":
+        lines = triton.cdiv(D * q.element_size(), 128)  # 128-byte lines per latent row (9 at 576 bf16)
         _sparse_mqa_fwd_kernel_splits[lambda meta: (B * T, triton.cdiv(H, meta["BLOCK_H"]))](
             q, kv, idx, o, lse,
             T, H, K, scale * LOG2E, 1,
@@ -270,7 +310,9 @@ def sparse_mqa_fwd(
             kv.stride(0), kv.stride(1),
             idx.stride(0), idx.stride(1),
             o.stride(0), o.stride(1), o.stride(2),
-            V=v_dim, R=D - v_dim, VP=VP, RP=RP,
+            V=v_dim, R=D - v_dim, VP=VP, RP=RP, SPLIT=variant != "pf",
+            PREFETCH=0 if variant == "splits" or INTERPRET else 2 if variant == "splits_pf2" else 1, PF_LINES=lines,
+            PF_P2=triton.next_power_of_2(lines),
         )  # fmt: skip
         return o, lse
 

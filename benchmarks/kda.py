@@ -3,12 +3,18 @@
     python3 benchmarks/kda.py                      # the three issue shapes, forward and forward+backward
     python3 benchmarks/kda.py --shapes 1x4096x8x128 --no-fla
     python3 benchmarks/kda.py --quick --fla-ref 4.083 21.1    # < 90 s: headline shape, old vs new variants
+    python3 benchmarks/kda.py --bwd-quick --fla-ref 4.083 21.1    # < 120 s: the phase-C backward variants,
+                                                                  # end to end and per kernel, headline shape
 
 Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
 suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands), "+k1=BKS:warps"
 (MOESTACK_KDA_K1: a fixed intra-kernel config) and "+k2=BV:warps" (MOESTACK_KDA_K2: a fixed forward-recurrence
 config), "+b3a=BV:BKS:warps" / "+b3b=BKC:warps" (MOESTACK_KDA_B3A / _B3B: fixed backward per-chunk kernel configs),
-e.g. "ours-save+bf16+k1=16:4+k2=16:4+b3b=16:4".
+"+xs" (MOESTACK_KDA_BWD_X=saved: K1 writes X and Akk, B3a reads them and W instead of recomputing), "+bbf16"
+(MOESTACK_KDA_BWD_DOTS=bf16: B3a's WY dots and B3b's score-gradient dots with bf16 operands), "+split" /
+"+narrow" (MOESTACK_KDA_B3B_FORM: B3b without the inline exact path / also with stripe-sized operands),
+"+k1split" (MOESTACK_KDA_K1_EXACT=split: K1 likewise in two launches), e.g.
+"ours-save+bf16+k1=16:4+k2=16:4+b3b=16:4+xs+bbf16".
 
 Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
 (an activated log-decay, as fla's own tests draw it), beta = sigmoid(N(0, 1)). Ours runs `kda_fused(gate="none",
@@ -32,6 +38,13 @@ DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x
 # --quick: the measured defaults next to the new variants (old first, so a budget cut drops new ones)
 QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k1=16:4", "ours-save+bf16+k1=16:4",
                   "ours+bf16+k1=16:4+k2=16:4", "ours-save+b3b=16:4", "ours-save+bf16+k1=16:4+b3b=16:4"]
+# --bwd-quick: the current default, the best measured opt-in stack (run 4: 21.56 ms), then the phase-C variants on
+# top of it (old first, so a budget cut drops new ones)
+_BEST = "ours-save+bf16+k1=16:4+b3b=16:4"
+BWD_QUICK_BACKENDS = ["ours", _BEST, _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split",
+                      _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
+                      "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split",
+                      "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
 
 
 def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
@@ -67,9 +80,17 @@ def _variant_env(name: str) -> dict:
             env["MOESTACK_KDA_B3A"] = part[4:]
         elif part.startswith("b3b="):
             env["MOESTACK_KDA_B3B"] = part[4:]
+        elif part == "xs":
+            env["MOESTACK_KDA_BWD_X"] = "saved"
+        elif part == "bbf16":
+            env["MOESTACK_KDA_BWD_DOTS"] = "bf16"
+        elif part in ("split", "narrow"):
+            env["MOESTACK_KDA_B3B_FORM"] = part
+        elif part == "k1split":
+            env["MOESTACK_KDA_K1_EXACT"] = "split"
         else:
-            raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' "
-                             "(use +bf16, +k1=BKS:warps, +k2=BV:warps, +b3a=BV:BKS:warps or +b3b=BKC:warps)")
+            raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' (use +bf16, +k1=BKS:warps, "
+                             "+k2=BV:warps, +b3a=BV:BKS:warps, +b3b=BKC:warps, +xs, +bbf16 or +narrow)")
     return env
 
 
@@ -172,6 +193,87 @@ def breakdown(x: dict, rep: int, skip_bwd: bool = False) -> dict:
         try:
             out[name] = do_bench(fn, warmup=25, rep=rep, return_mode="median")
         except Exception as e:  # one failing variant (a config that does not compile) must not stop the rest
+            print(f"| kernel {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | |", flush=True)
+    return out
+
+
+def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
+    """Median ms of K1 and the backward kernels in each phase-C variant next to the current ones, on inputs x (as
+    breakdown). Variants past `deadline` (perf_counter seconds) are skipped with a '|' row each."""
+    from triton.testing import do_bench
+
+    from moestack.ops.kda import triton_bwd as tb
+    from moestack.ops.kda import triton_fwd as tf
+    from moestack.ops.kda.triton_op import _chunk_layout
+
+    B, T, _, K = x["q"].shape
+    V = x["v"].shape[-1]
+    q, k, v, g, beta = (x[n].reshape(B * T, *x[n].shape[2:]).contiguous() for n in ("q", "k", "v", "g", "beta"))
+    cu = torch.arange(B + 1, device="cuda", dtype=torch.int32) * T
+    cmap, offs = _chunk_layout(cu, B * T)
+    kw = dict(scale=K**-0.5, gate=0, lower_bound=-5.0, l2norm=True)
+    fkw = dict(beta_sigmoid=False, inter_dtype=q.dtype, **kw)
+
+    def k1(dots, cfg, store_x, exact="inline"):
+        return lambda: tf.kda_fwd_intra(q, k, v, g, beta, None, None, cmap, cu, intra_dots=dots, k1_config=cfg,
+                                        store_x=store_x, k1_exact=exact, **fkw)
+
+    steps = {
+        "K1 tf32 16:4 (default)": k1("tf32", "16:4", False),
+        "K1 bf16 16:4 +store X, split": k1("bf16", "16:4", True, "split"),
+        "K1 bf16 32:4 +store X, split": k1("bf16", "32:4", True, "split"),
+        "K1 bf16 16:4 +store X": k1("bf16", "16:4", True),
+        "K1 tf32 16:4 split": k1("tf32", "16:4", False, "split"),
+        "K1 bf16 16:4": k1("bf16", "16:4", False),
+    }
+    intra = k1("bf16", "16:4", True)()  # with xinv / akk; the recompute-X kernels do not read them
+    intra_plain = {n: t for n, t in intra.items() if n not in ("xinv", "akk")}
+    _, _, h, d = tf.kda_fwd_recurrence(intra, None, offs, cu, n_seqs=B, V=V, out_dtype=v.dtype, store_o=False,
+                                       store_ht=False, store_states=True)
+    do = torch.randn_like(v)
+    steps["B2 bwd recurrence"] = lambda: tb.kda_bwd_recurrence(intra, do, None, offs, cu, n_seqs=B, V=V,
+                                                               need_dh0=False)
+    dh, dd, _ = steps["B2 bwd recurrence"]()
+
+    def b3a(saved, lowp, env):
+        src = intra if saved else intra_plain
+
+        def run():
+            with _env_set(env):
+                return tb.kda_bwd_wy(k, v, beta, src, cmap, cu, h, dh, d, dd, do, beta_sigmoid=False, lowp=lowp)
+        return run
+
+    for label, saved, lowp, env in (
+            ("B3a (default, 32:32:8)", False, False, {}), ("B3a saved X + bf16", True, True, {}),
+            ("B3a saved X", True, False, {}),
+            ("B3a saved X + bf16, 32:16:4", True, True, {"MOESTACK_KDA_B3A": "32:16:4"}),
+            ("B3a bf16", False, True, {})):
+        steps[label] = b3a(saved, lowp, env)
+    part = steps["B3a (default, 32:32:8)"]()[2]
+
+    def b3b(lowp, form, cfg):
+        env = {"MOESTACK_KDA_B3B": cfg} if cfg else {}
+
+        def run():
+            with _env_set(env):
+                return tb.kda_bwd_scores(q, k, g, None, None, intra, cmap, cu, dict(part), lowp=lowp, form=form,
+                                         **kw)
+        return run
+
+    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", None),
+                            (True, "narrow", None), (False, "split", "16:4"), (True, "masked", "16:4"),
+                            (True, "narrow", "16:4"), (False, "masked", None)):
+        steps[f"B3b {'bf16' if lowp else 'tf32'} {form} {cfg or '32:8'}"] = b3b(lowp, form, cfg)
+    out = {}
+    for name, fn in steps.items():
+        if time.perf_counter() > deadline:
+            print(f"| kernel {name} | skipped: time budget | | | | | |", flush=True)
+            continue
+        try:
+            fn()
+            out[name] = do_bench(fn, warmup=25, rep=rep, return_mode="median")
+            print(f"  kernel {name:45s} {out[name]:8.3f} ms", flush=True)
+        except Exception as e:  # one failing variant must not stop the rest
             print(f"| kernel {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | |", flush=True)
     return out
 
@@ -301,6 +403,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="< 90 s on an H200: the first shape only, no fla, ours old vs new variants, kernel breakdown, "
                         "short conv rows")
+    p.add_argument("--bwd-quick", action="store_true",
+                   help="< 120 s on an H200: the first shape only, no fla, the phase-C variants (K1 storing X, "
+                        "B3a reading it, bf16 backward dots, split / narrow B3b, split K1) end to end next to the "
+                        "default and the best opt-in stack, then per kernel")
     p.add_argument("--fla-ref", nargs=2, type=float, default=None, metavar=("FWD_MS", "FWDBWD_MS"),
                    help="fla's fwd and fwd+bwd ms at the first shape, measured elsewhere (fla's autotune takes "
                         "~100 s): used for the speedup column and labelled as such")
@@ -320,6 +426,10 @@ def main() -> None:
         args.shapes, args.no_fla, args.breakdown, args.rep = args.shapes[:1], True, True, 200
         args.budget_s = min(args.budget_s, 60.0)
         args.backends = args.backends or QUICK_BACKENDS
+    if args.bwd_quick:
+        args.shapes, args.no_fla, args.rep, args.no_layer_ops = args.shapes[:1], True, 100, True
+        args.budget_s = min(args.budget_s, 75.0)  # end-to-end rows; the per-kernel rows stop at 118 s
+        args.backends = args.backends or BWD_QUICK_BACKENDS
     names = ["ours", "ours-save"] + ([] if args.no_fla or not _fla_installed() else ["fla"])
     names = args.backends or names
     results = []
@@ -360,6 +470,10 @@ def main() -> None:
                 print(f"  {shape} {r['mode']:8s} {name:10s} {ms:8.3f} ms  (warm-up {warm:.1f} s)", flush=True)
                 del run, ins
                 torch.cuda.empty_cache()
+        if args.bwd_quick:
+            for step, ms in bwd_variant_breakdown(x, args.rep, t_start + 118.0).items():
+                results.append(dict(shape=shape, name="ours kernel", mode=step, ms=ms, tok_s=B * T / ms * 1e3,
+                                    tflops=0.0))
         if args.breakdown and "ours" in names:
             for step, ms in breakdown(x, args.rep, skip_bwd=args.quick).items():
                 results.append(dict(shape=shape, name="ours kernel", mode=step, ms=ms, tok_s=B * T / ms * 1e3,

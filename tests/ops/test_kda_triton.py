@@ -222,7 +222,67 @@ def test_fixed_kernel_configs(monkeypatch, env):
     check(x, gate="none", fused=False, recompute=True)
 
 
-@pytest.mark.parametrize("env,value", [("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
+def _set_env(monkeypatch, env: str) -> None:
+    for item in env.split():
+        monkeypatch.setenv(*item.split("="))
+
+
+BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
+                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_B3A=16:16:4 "
+                "MOESTACK_KDA_K1_EXACT=split"]
+
+
+@pytest.mark.parametrize("env", BWD_VARIANTS)
+def test_bwd_variants(monkeypatch, env):
+    """The backward variants (triton_bwd.py: K1 saves X / Akk for B3a; B3b with stripe-sized operands) in fp32:
+    forward, final state and every gradient at T = 63 (padding, 2 channel / V blocks, save mode)."""
+    _set_env(monkeypatch, env)
+    x = make_inputs(1, 63, 2, 32, 32, h0=True, seed=41)
+    x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
+    check(x, gate="none", fused=False, recompute=False)
+
+
+def test_bwd_variants_varlen(monkeypatch):
+    """All backward variants together on uneven packed documents with the fused K3 gate (recompute mode)."""
+    _set_env(monkeypatch, BWD_VARIANTS[-1])
+    cu = torch.tensor([0, 5, 75, 100], dtype=torch.int32)
+    x = make_inputs(1, 100, 2, 16, 16, n_seqs=3, gate="k3", seed=43)
+    check(x, gate="k3", cu_seqlens=cu, recompute=True)
+
+
+@pytest.mark.parametrize("form", ["split", "narrow"])
+def test_bwd_variants_exact_path(monkeypatch, form):
+    """Strong Kimi gates (the exact per-column path for the diagonal blocks; the second launch of K1 and of B3b
+    in the split forms) through the new forms."""
+    _set_env(monkeypatch, f"MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_EXACT=split")
+    x = make_inputs(1, 64, 1, 16, 16, gate="kimi", seed=5)
+    x["A_log"] = torch.full((1,), 0.7)
+    x["dt_bias"][:3] = 6.0
+    assert max_span(kda_gate_kimi_linear(x["g"], x["A_log"], x["dt_bias"])) > SPAN_MAX
+    check(x, gate="kimi", recompute=False, tol_grad=1e-4)
+
+
+@pytest.mark.parametrize("form", ["masked", "narrow"])
+def test_low_precision_dots_structure(monkeypatch, form):
+    """The "bf16" dot switches (K1 and backward) run their code paths in fp16 under the interpreter (its bf16
+    dot is broken): this checks the structure (masks, transposes, operands) at an fp16-sized bound, mild gates
+    (fp16 would overflow the exp factors of strong ones). Their bf16 accuracy is the GPU tests' job."""
+    _set_env(monkeypatch, f"MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_BWD_X=saved "
+                          f"MOESTACK_KDA_B3B_FORM={form}")
+    x = make_inputs(1, 63, 2, 32, 32, h0=True, seed=45)
+    x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
+    check(x, gate="none", fused=False, recompute=True, tol_out=3e-3, tol_grad=3e-3)
+
+
+def test_saved_x_recompute_matches_save(monkeypatch):
+    """With K1 writing X and Akk, save and recompute still give the same gradients bit for bit."""
+    monkeypatch.setenv("MOESTACK_KDA_BWD_X", "saved")
+    test_recompute_matches_save()
+
+
+@pytest.mark.parametrize("env,value", [("MOESTACK_KDA_BWD_X", "stored"), ("MOESTACK_KDA_BWD_DOTS", "fp8"),
+                                       ("MOESTACK_KDA_B3B_FORM", "wide"), ("MOESTACK_KDA_K1_EXACT", "yes"),
+                                       ("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
                                        ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_K1", "16:8:300"),
                                        ("MOESTACK_KDA_K2", "16:4:128"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
                                        ("MOESTACK_KDA_B3A", "32:4"), ("MOESTACK_KDA_B3B", "x:4")])
@@ -277,6 +337,10 @@ def test_gpu_bf16_varlen(recompute):
 def test_gpu_bf16_correlated_keys(intra_dots, monkeypatch):
     """Op level, full head size: keys sharing a direction (the in-model NaN case), weak and saturated gates."""
     monkeypatch.setenv("MOESTACK_KDA_INTRA_DOTS", intra_dots)
+    _correlated_keys_case(intra_dots)
+
+
+def _correlated_keys_case(label: str, recompute: bool = True) -> None:
     x = make_inputs(1, 1000, 2, 128, 128, h0=True, gate="k3", dtype=torch.float32, seed=23)  # A_log, dt_bias too
     shared = torch.randn(1, 1, 1, 128, generator=torch.Generator().manual_seed(6)) * 2
     x["q"], x["k"] = x["q"] + shared, x["k"] + shared
@@ -286,8 +350,46 @@ def test_gpu_bf16_correlated_keys(intra_dots, monkeypatch):
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
     # 2x the usual bf16 bounds: the inverse runs in tf32 (~1e-3 on X for keys this correlated, triton_fwd.py
     # INV_PRECISION); the failure this guards against was a relative error of ~1e8.
-    errs = check(x, gate="k3", tol_out=2 * GPU_TOL_OUT, tol_grad=2 * GPU_TOL_GRAD)
-    print(f"\nKDA_GPU_ERR correlated-keys {intra_dots} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    errs = check(x, gate="k3", recompute=recompute, tol_out=2 * GPU_TOL_OUT, tol_grad=2 * GPU_TOL_GRAD)
+    print(f"\nKDA_GPU_ERR correlated-keys {label} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+# The phase-C backward variants on top of the best measured opt-in stack (run 4), as benchmarks/kda.py --bwd-quick
+# times them: K1 saves X / Akk (B3a reads them), bf16 backward dots, and the narrow B3b.
+GPU_BWD_STACK = ("MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_X=saved "
+                 "MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split")
+GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=narrow"),
+                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+narrow", "tf32+saved+split"])
+def test_gpu_bwd_variants(env, monkeypatch):
+    """The backward variants at the usual bf16 bounds: varlen K3 with initial states (save mode, then recompute
+    mode), and correlated keys with weak / saturated gates at 2x the bounds (as test_gpu_bf16_correlated_keys)."""
+    _set_env(monkeypatch, env)
+    cu = torch.tensor([0, 17, 300, 301, 1000], dtype=torch.int32, device="cuda")
+    x = make_inputs(1, 1000, 4, 128, 128, n_seqs=4, gate="k3", dtype=torch.bfloat16, device="cuda", seed=97)
+    for recompute in (False, True):
+        errs = check(x, gate="k3", cu_seqlens=cu, recompute=recompute, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+        print(f"\nKDA_GPU_ERR {env} recompute={recompute} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    _correlated_keys_case(env, recompute=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["masked", "split", "narrow"])
+def test_gpu_bwd_variants_exact_path(form, monkeypatch):
+    """Strong Kimi gates in a few channels (chunks flagged for the exact path: B3b's second launch) with the
+    bf16 stack, K = V = 128 (masked: K1 and B3b with the inline exact path, as an anchor)."""
+    env = GPU_BWD_STACK.replace("B3B_FORM=split", f"B3B_FORM={form}")
+    _set_env(monkeypatch, env.replace("K1_EXACT=split", "K1_EXACT=inline") if form == "masked" else env)
+    x = make_inputs(1, 500, 2, 128, 128, gate="kimi", seed=51)
+    x["A_log"] = torch.full((2,), 0.7)
+    x["dt_bias"][:3] = 6.0
+    assert max_span(kda_gate_kimi_linear(x["g"], x["A_log"], x["dt_bias"])) > SPAN_MAX
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
+    errs = check(x, gate="kimi", recompute=False, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+    print(f"\nKDA_GPU_ERR exact-path {form} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 
 @pytest.mark.gpu
@@ -336,8 +438,11 @@ def _train_kda_layer(backend: str, monkeypatch, steps: int = 50) -> list[float]:
 
 
 @pytest.mark.gpu
-def test_gpu_in_model_training_matches_reference(monkeypatch):
-    """50 AdamW steps of a KDA layer under bf16 autocast: Triton backend finite and on the reference's curve."""
+@pytest.mark.parametrize("env", ["", GPU_BWD_STACK], ids=["default", "bwd_stack"])
+def test_gpu_in_model_training_matches_reference(monkeypatch, env):
+    """50 AdamW steps of a KDA layer under bf16 autocast: Triton backend finite and on the reference's curve
+    (default kernels; and with the opt-in switches of GPU_BWD_STACK)."""
+    _set_env(monkeypatch, env)
     ref = _train_kda_layer("reference", monkeypatch)
     ours = _train_kda_layer("triton", monkeypatch)
     rel = [abs(a - b) / abs(b) for a, b in zip(ours, ref)]

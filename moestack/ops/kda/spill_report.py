@@ -1,6 +1,9 @@
 """Compile the KDA kernels for sm_90 without a GPU and print ptxas's register / spill report per kernel.
 
-    python -m moestack.ops.kda.spill_report [k1 k2 b2 b3a b3b]     # env: BKS, BV, BKC, NW, GATE, LOWP pick the variant
+    python -m moestack.ops.kda.spill_report [k1 k2 b2 b3a b3b]
+
+Env picks the variant: BKS, BV, BKC, NW, GATE, LOWP, XSAVED (K1 STORE_X / B3a LOAD_X), NARROW (B3b), SEL (K1, B3b:
+1 = the launch without the exact path, 2 = the exact-path launch), MAXNREG (a register cap).
 
 Catches compile errors before a GPU run and shows register pressure (spills cost more than re-reading a tile from
 L1/L2 here). K = V = 128, bf16 intermediates. The PTX goes to a temporary folder and through the ptxas bundled
@@ -34,7 +37,10 @@ def compile_one(label, kern, ptr_types, consts, scalars, num_warps, num_stages=2
     src = ASTSource(fn=jf, signature=_signature(jf, ptr_types, consts, scalars),
                     constexprs={(jf.arg_names.index(k),): v for k, v in consts.items()})
     try:
-        ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        if os.environ.get("MAXNREG"):  # a register cap, as the "size:warps:maxnreg" launch switches set
+            options["maxnreg"] = int(os.environ["MAXNREG"])
+        ck = triton.compile(src, target=TARGET, options=options)
     except Exception as e:  # report, go on with the other kernels
         print(f"| {label} | COMPILE ERROR {type(e).__name__}: {str(e)[:600]}")
         return
@@ -59,14 +65,14 @@ def main() -> None:
     fused = bool(os.environ.get("GATE"))  # GATE=1: the fused K3 gate, L2 norm and dt_bias variant of K1
     nw, bv = _env("NW", 8), _env("BV", 32)
     if "k1" in only:
-        for warps in (8, 16):
+        for warps in (nw,) if "NW" in os.environ else (8, 16):
             compile_one(
                 "K1 intra", F.kda_fwd_kernel_intra,
                 {"g": F32, "beta": F32, "A_log": F32, "dt_bias": F32, "chunk_map": I32, "cu_seqlens": I32,
-                 "gl": F32, "gc": F32, "rq": F32, "rk": F32, "flag": I32},
+                 "gl": F32, "gc": F32, "rq": F32, "rk": F32, "flag": I32, "xinv": F32},
                 {**COMMON, "BV": 128, "GATE": _env("GATE", 0), "LOWER_BOUND": -5.0, "HAS_DT_BIAS": fused,
                  "L2NORM": fused, "L2_EPS": 1e-6, "BETA_SIGMOID": False, "SPAN_MAX": 80.0, "BKS": _env("BKS", 32),
-                 "LOWP": bool(_env("LOWP", 0))},
+                 "LOWP": bool(_env("LOWP", 0)), "STORE_X": bool(_env("XSAVED", 0)), "SEL": _env("SEL", 0)},
                 {"scale": "fp32", "H": "i32"}, warps)
     rec = {"K": 128, "V": 128, "BT": 64, "BK": 128, "BV": bv}
     if "k2" in only:
@@ -81,15 +87,18 @@ def main() -> None:
     if "b3a" in only:
         compile_one("B3a wy", Bw.kda_bwd_kernel_wy,
                     {"beta": F32, "gc": F32, "rk": F32, "flag": I32, "chunk_map": I32, "cu_seqlens": I32,
-                     "dbeta": F32, "p_dqp": F32, "p_dkd": F32, "p_dkp": F32, "p_da": F32, "p_dn": F32, "p_dbl": F32},
-                    {**COMMON, "BV": bv, "BKS": _env("BKS", 32), "BETA_SIGMOID": False}, {"H": "i32"}, nw, 1)
+                     "dbeta": F32, "p_dqp": F32, "p_dkd": F32, "p_dkp": F32, "p_da": F32, "p_dn": F32, "p_dbl": F32,
+                     "xinv": F32},
+                    {**COMMON, "BV": bv, "BKS": _env("BKS", 32), "BETA_SIGMOID": False,
+                     "LOAD_X": bool(_env("XSAVED", 0)), "LOWP": bool(_env("LOWP", 0))}, {"H": "i32"}, nw, 1)
     if "b3b" in only:
         compile_one("B3b scores", Bw.kda_bwd_kernel_scores,
                     {"g": F32, "A_log": F32, "dt_bias": F32, "gc": F32, "rq": F32, "rk": F32, "flag": I32,
                      "chunk_map": I32, "cu_seqlens": I32, "p_dqp": F32, "p_dkd": F32, "p_dkp": F32, "p_da": F32,
                      "p_dn": F32, "p_dbl": F32, "dg": F32, "pd_dt": F32, "pd_alog": F32},
                     {"K": 128, "BT": 64, "SUB": 16, "BKC": _env("BKC", 32), "GATE": 0, "LOWER_BOUND": -5.0,
-                     "HAS_DT_BIAS": False, "L2NORM": False},
+                     "HAS_DT_BIAS": False, "L2NORM": False, "LOWP": bool(_env("LOWP", 0)),
+                     "NARROW": bool(_env("NARROW", 0)), "SEL": _env("SEL", 0)},
                     {"scale": "fp32", "H": "i32"}, nw, 1)
 
 

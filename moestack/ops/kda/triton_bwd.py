@@ -19,6 +19,7 @@ import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import (
     BT,
+    LOWP_DT,
     SUB,
     _chunk_coords,
     _configs,
@@ -89,43 +90,129 @@ def kda_bwd_kernel_recurrence(
 
 
 @triton.jit
+def _lp(x, LOWP: tl.constexpr):
+    """A dot operand: bf16 when LOWP (fp32 accumulate), else as is (fp32 -> tf32 on the GPU)."""
+    if LOWP:
+        return x.to(LOWP_DT)
+    else:
+        return x
+
+
+@triton.jit
 def _intra_scores_bwd(b_q, b_k, b_b, p_gc, n, stride, ncol, b_da, b_dn, slow, b_dq, b_dk, b_db,
-                      BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr):
+                      BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, LOWP: tl.constexpr = False):
     """Add the gradients through Aqk (dA, lower incl.) and Akk (dN = d Akk, strictly lower) to dq~, dk and db.
 
     Every score term is x_i exp(b_i - b_j) y_j, so its log-decay gradient is x_i dx_i at row i minus y_j dy_j at j.
+    LOWP: the dots take bf16 operands (b_da, b_dn may already be bf16), fp32 accumulate.
     """
-    o_t = tl.arange(0, BT)
+    if LOWP:
+        b_da_d, b_dn_d = b_da.to(LOWP_DT), b_dn.to(LOWP_DT)
+    else:
+        b_da_d, b_dn_d = b_da, b_dn
+    b_da_t, b_dn_t = tl.trans(b_da_d), tl.trans(b_dn_d)
     for c in range(BT // SUB):  # a runtime loop: one copy of the body (smem, compile time)
         r = _gc_row(p_gc, c * SUB + SUB - 1, n, stride, ncol, BK)
         e_l, e_r = _stripe_factors(b_b, r, c, slow, BT, SUB)
-        b_kr = b_k * e_r
-        b_t = e_l * tl.dot(b_da, b_kr)
+        b_kr = _lp(b_k * e_r, LOWP)
+        b_t = e_l * tl.dot(b_da_d, b_kr)
         b_dq += b_t
         b_db += b_q * b_t
-        b_t = e_l * tl.dot(b_dn, b_kr)
+        b_t = e_l * tl.dot(b_dn_d, b_kr)
         b_dk += b_t
         b_db += b_k * b_t
-        b_t = e_r * (tl.dot(tl.trans(b_da), b_q * e_l) + tl.dot(tl.trans(b_dn), b_k * e_l))
+        b_t = e_r * (tl.dot(b_da_t, _lp(b_q * e_l, LOWP)) + tl.dot(b_dn_t, _lp(b_k * e_l, LOWP)))
         b_dk += b_t
         b_db -= b_k * b_t
     if slow:
-        for j in range(BT):
-            b_e = _exact_diag_factor(b_b, j, BT, SUB, False)  # [BT, BK] exp(b_i - b_j), rows i >= j in j's block
-            sel_c = (o_t == j)[None, :]
-            b_da_j = tl.sum(tl.where(sel_c, b_da, 0.0), 1)  # column j of dA
-            b_dn_j = tl.sum(tl.where(sel_c, b_dn, 0.0), 1)  # column j of dAkk (0 at i == j)
-            b_ke = b_e * _row(b_k, j, BT)[None, :]
-            b_t = b_da_j[:, None] * b_ke
-            b_dq += b_t
-            b_db += b_q * b_t
-            b_t = b_dn_j[:, None] * b_ke
-            b_dk += b_t
-            b_db += b_k * b_t
-            b_ck_j = tl.sum((b_da_j[:, None] * b_q + b_dn_j[:, None] * b_k) * b_e, 0)
-            b_t = tl.where((o_t == j)[:, None], b_ck_j[None, :], 0.0)
-            b_dk += b_t
-            b_db -= b_k * b_t
+        b_dq, b_dk, b_db = _intra_scores_bwd_exact(b_q, b_k, b_b, b_da, b_dn, b_dq, b_dk, b_db, BT, SUB)
+    return b_dq, b_dk, b_db
+
+
+@triton.jit
+def _intra_scores_bwd_exact(b_q, b_k, b_b, b_da, b_dn, b_dq, b_dk, b_db, BT: tl.constexpr, SUB: tl.constexpr):
+    """The diagonal sub-blocks' score gradients one column at a time (chunks flagged for the exact path)."""
+    o_t = tl.arange(0, BT)
+    for j in range(BT):
+        b_e = _exact_diag_factor(b_b, j, BT, SUB, False)  # [BT, BK] exp(b_i - b_j), rows i >= j in j's block
+        sel_c = (o_t == j)[None, :]
+        b_da_j = tl.sum(tl.where(sel_c, b_da.to(tl.float32), 0.0), 1)  # column j of dA
+        b_dn_j = tl.sum(tl.where(sel_c, b_dn.to(tl.float32), 0.0), 1)  # column j of dAkk (0 at i == j)
+        b_ke = b_e * _row(b_k, j, BT)[None, :]
+        b_t = b_da_j[:, None] * b_ke
+        b_dq += b_t
+        b_db += b_q * b_t
+        b_t = b_dn_j[:, None] * b_ke
+        b_dk += b_t
+        b_db += b_k * b_t
+        b_ck_j = tl.sum((b_da_j[:, None] * b_q + b_dn_j[:, None] * b_k) * b_e, 0)
+        b_t = tl.where((o_t == j)[:, None], b_ck_j[None, :], 0.0)
+        b_dk += b_t
+        b_db -= b_k * b_t
+    return b_dq, b_dk, b_db
+
+
+@triton.jit
+def _tok_ptr_tc(x, t0, n_rows, H, i_h, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, col0):
+    """Block pointer to the [BD, BR] tile of x^T (x [T, H, D] token-major) at columns col0.. of x."""
+    return tl.make_block_ptr(x + (t0.to(tl.int64) * H + i_h) * D, (D, n_rows), (1, H * D), (col0, 0), (BD, BR),
+                             (0, 1))
+
+
+@triton.jit
+def _intra_scores_bwd_narrow(k, gc, rk, p_da, p_dn, p_scr, t0, n, H, i_h, col0, b_q, b_k, b_b, b_bl, slow,
+                             b_dq, b_dk, b_db, K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                             BKC: tl.constexpr, LOWP: tl.constexpr):
+    """_intra_scores_bwd without the masked full-size operands: per 16-column stripe c, the dots read dA[:, c]
+    ([BT, SUB], straight from p_da / p_dn) and the stripe's own rows of k, b ([SUB, BKC], from memory), so
+    dq, dk += e_l * (dA[:, c] @ (k_c e_r)) is a K = 16 dot and the transposed term (dA[:, c]^T @ (q e_l)) has 16
+    output rows, not 64 (a quarter of the tensor-core work and of the staged operands). Those rows, disjoint
+    across stripes, go through p_scr (this channel block of a consumed fp32 buffer) into dk, db."""
+    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, SUB)
+    o_k = col0 + tl.arange(0, BKC)
+    m_k = o_k < K
+    p_gc = gc + (t0.to(tl.int64) * H + i_h) * K + col0
+    tl.debug_barrier()  # p_scr was read just before, by other threads
+    for c in range(BT // SUB):
+        r = _gc_row(p_gc, c * SUB + SUB - 1, n, H * K, K - col0, BKC)
+        lo = c * SUB + tl.where(slow, SUB, 0)  # slow: the diagonal block goes by the exact path
+        m_l = (o_t >= lo)[:, None]
+        e_l = tl.where(m_l, tl.exp(tl.where(m_l, b_b - r[None, :], 0.0)), 0.0)  # [BT, BKC]
+        rows = c * SUB + o_s
+        m_s = rows < n
+        m_sk = m_s[:, None] & m_k[None, :]
+        p_rows = (t0 + rows).to(tl.int64) * H + i_h  # [SUB]
+        b_kc = tl.load(k + p_rows[:, None] * K + o_k[None, :], mask=m_sk, other=0.0).to(tl.float32) \
+            * tl.load(rk + p_rows, mask=m_s, other=0.0)[:, None]
+        b_bc = tl.load(gc + p_rows[:, None] * K + o_k[None, :], mask=m_sk, other=0.0)
+        b_bc = tl.where(m_s[:, None], b_bc, b_bl[None, :])
+        e_r = tl.exp(r[None, :] - b_bc)  # [SUB, BKC], in [1, e^span]
+        b_kr = _lp(b_kc * e_r, LOWP)
+        b_dac = _lp(tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, SUB, c * SUB), boundary_check=(0, 1),
+                            padding_option="zero"), LOWP)  # [BT, SUB]
+        b_dnc = _lp(tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, SUB, c * SUB), boundary_check=(0, 1),
+                            padding_option="zero"), LOWP)
+        b_t = e_l * tl.dot(b_dac, b_kr)
+        b_dq += b_t
+        b_db += b_q * b_t
+        b_t = e_l * tl.dot(b_dnc, b_kr)
+        b_dk += b_t
+        b_db += b_k * b_t
+        b_dact = _lp(tl.load(_tok_ptr_tc(p_da, t0, n, H, i_h, BT, BT, SUB, c * SUB), boundary_check=(0, 1),
+                             padding_option="zero"), LOWP)  # [SUB, BT]
+        b_dnct = _lp(tl.load(_tok_ptr_tc(p_dn, t0, n, H, i_h, BT, BT, SUB, c * SUB), boundary_check=(0, 1),
+                             padding_option="zero"), LOWP)
+        b_tc = e_r * (tl.dot(b_dact, _lp(b_q * e_l, LOWP)) + tl.dot(b_dnct, _lp(b_k * e_l, LOWP)))  # [SUB, BKC]
+        tl.store(p_scr + p_rows[:, None] * K + o_k[None, :], b_tc, mask=m_sk)
+    tl.debug_barrier()
+    b_t = tl.load(_tok_ptr(p_scr, t0, n, H, i_h, K, BT, BKC, col0), boundary_check=(0, 1), padding_option="zero")
+    b_dk += b_t
+    b_db -= b_k * b_t
+    if slow:
+        b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+        b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+        b_dq, b_dk, b_db = _intra_scores_bwd_exact(b_q, b_k, b_b, b_da, b_dn, b_dq, b_dk, b_db, BT, SUB)
     return b_dq, b_dk, b_db
 
 
@@ -151,7 +238,7 @@ def _wy_inputs(k, beta, gc, rk, i_h, t0, t_end, H, K: tl.constexpr, BT: tl.const
 
 @triton.jit
 def _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K: tl.constexpr, BT: tl.constexpr,
-                           SUB: tl.constexpr, BKS: tl.constexpr):
+                           SUB: tl.constexpr, BKS: tl.constexpr, LOWP: tl.constexpr = False):
     """Akk [BT, BT] (strictly lower) summed over channel blocks of BKS, each loaded from k, rk and gc: the
     score loop keeps ~6 [BT, BKS] tiles live, which at BKS = K = 128 alone filled the register file."""
     o_t = tl.arange(0, BT)
@@ -166,7 +253,7 @@ def _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K: tl.constexpr, 
         b_b = tl.where(m_t[:, None], b_b, b_bl[None, :])
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * b_rk[:, None]
-        b_a, _ = _intra_scores(b_k, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, False)
+        b_a, _ = _intra_scores(b_k, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, False, LOWP)
         b_akk += b_a
     return b_akk
 
@@ -180,17 +267,18 @@ def _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K: tl.constexpr, 
 @triton.jit
 def kda_bwd_kernel_wy(
     k, v, beta, gc, rk, flag, chunk_map, cu_seqlens,
-    h, dh, d, dd, do,
+    h, dh, d, dd, do, xinv, akk, w,
     dv, dbeta, p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
     H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    BKS: tl.constexpr, BETA_SIGMOID: tl.constexpr, LOAD_X: tl.constexpr = False, LOWP: tl.constexpr = False,
 ):
     """Backward, part 1 of 2, one program per (chunk slot, head): the contractions over V and the WY form.
 
     Writes dv and dbeta (final) and, as fp32 partials for kda_bwd_kernel_scores: dQp = dO S^T, dKd = D dS'^T,
     dKp = Diag(beta) X^T dW ([T, H, K]); dAqk and d(Diag(beta) Akk) ([T, H, BT]); exp(b_last) rowsum(S dS')
-    ([NC, H, K]). Recomputes Akk and X = (I + Diag(beta) Akk)^-1 from k, b (gc) and beta.
+    ([NC, H, K]). Recomputes Akk and X = (I + Diag(beta) Akk)^-1 from k, b (gc) and beta, or with LOAD_X reads
+    them (xinv, akk) and W (w) as the forward wrote them. LOWP: the WY dots take bf16 operands.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
@@ -225,15 +313,22 @@ def kda_bwd_kernel_wy(
     b_da = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None], b_da, 0.0)
     tl.store(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), b_da, boundary_check=(0, 1))
 
-    # Pass 2: Akk and X = (I + Diag(beta) Akk)^-1 again, then dW = -dD S^T, dU = dD through the WY form.
+    # Pass 2: Akk and X = (I + Diag(beta) Akk)^-1 (again, or read back), then dW = -dD S^T, dU = dD through WY.
     b_bl = _gc_row(gc + (t0.to(tl.int64) * H + i_h) * K, BT - 1, n, H * K, K, BK)
     tl.store(p_dbl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_bl) * b_dsl, mask=o_k < K)
     b_beta = tl.load(beta + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
         b_beta = tl.where(m_t, tl.sigmoid(b_beta), 0.0)
-    slow = tl.load(flag + i_c * H + i_h) != 0
-    b_akk = _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K, BT, SUB, BKS)
-    b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    if LOAD_X:  # padded rows read as 0 (the forward's are identity rows of X): they only ever meet zero rows
+        b_akk = tl.load(_tok_ptr(akk, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1),
+                        padding_option="zero").to(tl.float32)
+        b_minv = tl.load(_tok_ptr(xinv, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+    else:
+        slow = tl.load(flag + i_c * H + i_h) != 0
+        b_akk = _akk_by_channel_blocks(k, gc, rk, i_h, t0, t_end, H, slow, K, BT, SUB, BKS, LOWP)
+        b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    b_minv_d = _lp(b_minv, LOWP)
+    b_minv_t = tl.trans(b_minv_d)
     b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
     b_gm = tl.zeros([BT, BT], tl.float32)  # dD (beta v)^T  (= dU Y_v^T)
     b_dbeta = tl.zeros([BT], tl.float32)
@@ -245,9 +340,12 @@ def kda_bwd_kernel_wy(
         b_h = tl.load(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
                       padding_option="zero")
         b_dsw += tl.dot(b_ddv, tl.trans(b_h))
-        b_ddf = b_ddv.to(tl.float32)
-        b_gm += tl.dot(b_ddf, tl.trans(b_beta[:, None] * b_v))
-        b_dyv = tl.dot(tl.trans(b_minv), b_ddf)  # X^T dU
+        if LOWP:
+            b_ddf = b_ddv.to(LOWP_DT)
+        else:
+            b_ddf = b_ddv.to(tl.float32)
+        b_gm += tl.dot(b_ddf, tl.trans(_lp(b_beta[:, None] * b_v, LOWP)))
+        b_dyv = tl.dot(b_minv_t, b_ddf)  # X^T dU
         tl.store(_tok_ptr(dv, t0, n, H, i_h, V, BT, BV, i_v * BV), (b_beta[:, None] * b_dyv).to(dv.dtype.element_ty),
                  boundary_check=(0, 1))
         b_dbeta += tl.sum(b_dyv * b_v, 1)
@@ -256,7 +354,7 @@ def kda_bwd_kernel_wy(
     # and overwritten by Diag(beta) X^T dW.
     tl.store(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BK), b_dsw, boundary_check=(0, 1))
     tl.debug_barrier()
-    b_dn = tl.dot(tl.dot(tl.trans(b_minv), b_gm), tl.trans(b_minv))
+    b_dn = tl.dot(_lp(tl.dot(b_minv_t, _lp(b_gm, LOWP)), LOWP), tl.trans(b_minv_d))
     b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     for col0 in range(0, K, BKS):
         p_c = _tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BKS, col0)
@@ -264,9 +362,14 @@ def kda_bwd_kernel_wy(
         b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
         b_kp = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                        padding_option="zero").to(tl.float32) * b_rk[:, None] * tl.exp(b_b)  # 0 on padded rows
-        b_dyk = -tl.dot(tl.trans(b_minv), b_dsw_c)  # X^T dW
+        b_dyk = -tl.dot(b_minv_t, _lp(b_dsw_c, LOWP))  # X^T dW
         b_dbeta += tl.sum(b_dyk * b_kp, 1)
-        b_dn += tl.dot(b_dyk, tl.trans(tl.dot(b_minv, b_beta[:, None] * b_kp)))  # (X^T dW) W^T
+        if LOAD_X:  # W = X Diag(beta) (k exp(b)) as the forward stored it
+            b_w = tl.load(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+                          padding_option="zero").to(tl.float32)
+        else:
+            b_w = tl.dot(b_minv_d, _lp(b_beta[:, None] * b_kp, LOWP))
+        b_dn += tl.dot(_lp(b_dyk, LOWP), tl.trans(_lp(b_w, LOWP)))  # (X^T dW) W^T
         tl.debug_barrier()  # every thread has read block c before it is overwritten
         tl.store(p_c, b_beta[:, None] * b_dyk, boundary_check=(0, 1))
     b_dn = tl.where(o_t[:, None] > o_t[None, :], -b_dn, 0.0)  # d(Diag(beta) Akk)
@@ -281,7 +384,7 @@ def kda_bwd_kernel_wy(
     triton.Config({"BKC": 32}, num_warps=8, num_stages=1),
     triton.Config({"BKC": 64}, num_warps=8, num_stages=1),
     triton.Config({"BKC": 64}, num_warps=16, num_stages=1),
-]), key=["K", "GATE", "L2NORM"], restore_value=["p_dqp", "p_dkd"])  # it parks d q_hat, d k_hat there
+]), key=["K", "GATE", "L2NORM"], restore_value=["p_dqp", "p_dkd", "p_dkp"])  # parks d q_hat, d k_hat there
 @triton.jit
 def kda_bwd_kernel_scores(
     q, k, g, A_log, dt_bias, gc, rq, rk, flag, chunk_map, cu_seqlens,
@@ -290,20 +393,32 @@ def kda_bwd_kernel_scores(
     scale, H,
     K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    LOWP: tl.constexpr = False, NARROW: tl.constexpr = False, SEL: tl.constexpr = 0,
 ):
     """Backward, part 2 of 2, one program per (chunk slot, head), BKC channels at a time (all of this is
     per channel except the L2-norm rows): gradients through Aqk, Akk, Qp, Kd and W's k exp(b), the cumsum, the
-    gate and the L2 norm. Writes dq, dk, dg and the per-chunk dt_bias / A_log partials (pd_dt, pd_alog)."""
+    gate and the L2 norm. Writes dq, dk, dg and the per-chunk dt_bias / A_log partials (pd_dt, pd_alog).
+    LOWP: the score-gradient dots take bf16 operands. NARROW: _intra_scores_bwd_narrow (stripe-sized operands)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < t_end
     n = t_end - t0
     slow = tl.load(flag + i_c * H + i_h) != 0
+    if SEL == 1:  # fast chunks only: the exact path is not compiled in (its register pressure spilled)
+        if slow:
+            return
+        slow = False
+    elif SEL == 2:  # the chunks flagged for the exact path only
+        if not slow:
+            return
     b_rq = tl.load(rq + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
-    b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
-    b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+    if not NARROW:
+        b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+        b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
+        if LOWP:  # dot operands only: half the registers for the two tiles live through the channel loop
+            b_da, b_dn = b_da.to(LOWP_DT), b_dn.to(LOWP_DT)
 
     # Pass 2: everything per channel block.
     b_pal = 0.0
@@ -335,8 +450,13 @@ def kda_bwd_kernel_scores(
                       padding_option="zero") * b_e
         b_dk_ += b_t
         b_db += b_k * b_t
-        b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, p_gc, n, H * K, K - col0, b_da, b_dn, slow,
-                                               b_dq_, b_dk_, b_db, BT, SUB, BKC)
+        if NARROW:  # p_dkp's block col0 (read above) is free: scratch for the stripes' dk rows
+            b_dq_, b_dk_, b_db = _intra_scores_bwd_narrow(k, gc, rk, p_da, p_dn, p_dkp, t0, n, H, i_h, col0, b_q,
+                                                          b_k, b_b, b_bl, slow, b_dq_, b_dk_, b_db, K, BT, SUB,
+                                                          BKC, LOWP)
+        else:
+            b_dq_, b_dk_, b_db = _intra_scores_bwd(b_q, b_k, b_b, p_gc, n, H * K, K - col0, b_da, b_dn, slow,
+                                                   b_dq_, b_dk_, b_db, BT, SUB, BKC, LOWP)
         b_db += tl.where((o_t == BT - 1)[:, None], b_dbl[None, :], 0.0)
         b_dg = tl.where(m_tk, tl.cumsum(b_db, axis=0, reverse=True), 0.0)
 
@@ -400,6 +520,40 @@ def kda_bwd_kernel_scores(
 # process): $MOESTACK_KDA_B3A = "BV:BKS:warps", $MOESTACK_KDA_B3B = "BKC:warps"; unset = autotuned / first config.
 # At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults run one per SM).
 B3A_ENV, B3B_ENV = "MOESTACK_KDA_B3A", "MOESTACK_KDA_B3B"
+# Backward variants (phase C), read once per forward call by triton_op (so a recompute matches its forward):
+# $MOESTACK_KDA_BWD_X = "recompute" (default: B3a recomputes Akk by channel blocks and inverts again: ~26 of its
+# ~64 dots) or "saved" (K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and B3a reads them and W).
+# $MOESTACK_KDA_BWD_DOTS = "tf32" (default) or "bf16": B3a's WY dots and B3b's score-gradient dots take bf16
+# operands (fp32 accumulate; the triangular inverse, when recomputed, stays at MOESTACK_KDA_INV_PRECISION).
+BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("recompute", "saved")
+BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "bf16")
+# $MOESTACK_KDA_B3B_FORM = "masked" (default: per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked
+# operands, the exact path inline), "split" (the same, but the chunks flagged for the exact path go to a second
+# launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4) or "narrow" (split, and
+# stripe-sized operands read from memory: _intra_scores_bwd_narrow). Read per backward call.
+B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("masked", "split", "narrow")
+
+
+def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str:
+    choice = value or os.environ.get(env) or allowed[0]
+    if choice not in allowed:
+        raise ValueError(f"{what}={choice!r} is unknown: use one of {allowed} (argument or ${env})")
+    return choice
+
+
+def bwd_x_choice(bwd_x: str | None = None) -> str:
+    """The argument, else $MOESTACK_KDA_BWD_X, else "recompute" (see BWD_X_ENV above)."""
+    return _named_choice(bwd_x, BWD_X_ENV, BWD_X, "bwd_x")
+
+
+def b3b_form_choice(form: str | None = None) -> str:
+    """The argument, else $MOESTACK_KDA_B3B_FORM, else "masked" (see B3B_FORM_ENV above)."""
+    return _named_choice(form, B3B_FORM_ENV, B3B_FORM, "b3b_form")
+
+
+def bwd_dots_choice(bwd_dots: str | None = None) -> str:
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_X_ENV above)."""
+    return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
 
 
 def _fixed_config(env: str, names: tuple, sizes: tuple) -> dict | None:
@@ -441,8 +595,11 @@ def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seq
     return dh, dd, dh0
 
 
-def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do, *, beta_sigmoid: bool):
-    """Backward part 1. Returns dv, dbeta (like v, beta) and the fp32 partials for part 2 (a dict)."""
+def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do, *, beta_sigmoid: bool,
+               lowp: bool = False):
+    """Backward part 1. Returns dv, dbeta (like v, beta) and the fp32 partials for part 2 (a dict). Reads X, Akk
+    and W from `intra` when it has "xinv" (kda_fwd_intra(store_x=True)), else recomputes X and Akk. lowp: bf16
+    operands for the WY dots."""
     T, H, K = k.shape
     V = v.shape[-1]
     NC = chunk_map.shape[0]
@@ -456,20 +613,23 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
     choice = _fixed_config(B3A_ENV, ("BV", "BKS"), (16, 32, 64))
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
+    load_x = "xinv" in intra
     kern[(NC, H)](
         k, v, beta, intra["gc"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
-        h, dh, d, dd, do,
+        h, dh, d, dd, do, intra.get("xinv", dd), intra.get("akk", dd), intra["w"],
         dv, dbeta, *part.values(),
         H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid, **extra,
+        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid, LOAD_X=load_x,
+        LOWP=lowp, **extra,
     )
     return dv, dbeta, part
 
 
 def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, part: dict, *, scale: float,
-                   gate: int, lower_bound: float, l2norm: bool):
+                   gate: int, lower_bound: float, l2norm: bool, lowp: bool = False, form: str | None = None):
     """Backward part 2 (consumes `part`). Returns dq, dk, dg (like q, k, g) and the per-chunk partials
-    pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused)."""
+    pd_dt [NC, H, K] / pd_alog [NC, H] fp32 (None when the gate is not fused). lowp: bf16 dot operands;
+    form: see b3b_form_choice."""
     T, H, K = q.shape
     NC = chunk_map.shape[0]
     dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
@@ -481,25 +641,32 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
     choice = _fixed_config(B3B_ENV, ("BKC",), (16, 32, 64))
     if choice is not None:
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
-    kern[(NC, H)](
-        q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
-        intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
-        *part.values(),
-        dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
-        scale, H,
-        K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm,
-        **extra,
-    )
+    form = b3b_form_choice(form)
+    # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form)
+    launches = [(0, False)] if form == "masked" else [(1, form == "narrow"), (2, False)]
+    for sel, narrow in launches:
+        kern[(NC, H)](
+            q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+            intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
+            *part.values(),
+            dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
+            scale, H,
+            K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None,
+            L2NORM=l2norm, LOWP=lowp, NARROW=narrow, SEL=sel, **extra,
+        )
     return dq, dk, dg, pd_dt, pd_alog
 
 
 def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do, *,
-                  scale: float, gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool):
+                  scale: float, gate: int, lower_bound: float, l2norm: bool, beta_sigmoid: bool,
+                  bwd_dots: str | None = None):
     """Intra-chunk gradients: kda_bwd_wy then kda_bwd_scores (fp32 partials in between: 2 KB per token and head
-    at K = 128, freed on return). `intra` is kda_fwd_intra's output. Returns dq, dk, dv, dg, dbeta, pd_dt,
-    pd_alog."""
+    at K = 128, freed on return). `intra` is kda_fwd_intra's output (with xinv / akk: B3a reads X instead of
+    recomputing it). bwd_dots: see bwd_dots_choice. Returns dq, dk, dv, dg, dbeta, pd_dt, pd_alog."""
+    lowp = bwd_dots_choice(bwd_dots) == "bf16"
     dv, dbeta, part = kda_bwd_wy(k, v, beta, intra, chunk_map, cu_seqlens, h, dh, d, dd, do,
-                                 beta_sigmoid=beta_sigmoid)
+                                 beta_sigmoid=beta_sigmoid, lowp=lowp)
     dq, dk, dg, pd_dt, pd_alog = kda_bwd_scores(q, k, g, A_log, dt_bias, intra, chunk_map, cu_seqlens, part,
-                                                scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm)
+                                                scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm,
+                                                lowp=lowp)
     return dq, dk, dv, dg, dbeta, pd_dt, pd_alog

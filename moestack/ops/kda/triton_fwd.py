@@ -46,10 +46,16 @@ K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, se
 # CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
 # dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
 K1_ENV = "MOESTACK_KDA_K1"
+# "inline" (default) or "split": K1 in two launches, the exact path compiled only into the second, which runs just
+# the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 -> 60 B).
+K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("inline", "split")
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The low-precision dot operand type of the "bf16" switches. The interpreter's bf16 dot is broken (NaN), so there
+# the same code paths run in fp16 (the CPU tests check their structure at a loose bound; precision: GPU tests).
+LOWP_DT = tl.constexpr(tl.float16 if INTERPRET else tl.bfloat16)
 
 
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
@@ -182,10 +188,10 @@ def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
         e_l, e_r = _stripe_factors(b_b, r, c, slow, BT, SUB)
         b_kr = b_k * e_r
         if LOWP:
-            b_krt = tl.trans(b_kr.to(tl.bfloat16))
-            b_akk += tl.dot((b_k * e_l).to(tl.bfloat16), b_krt)
+            b_krt = tl.trans(b_kr.to(LOWP_DT))
+            b_akk += tl.dot((b_k * e_l).to(LOWP_DT), b_krt)
             if WITH_Q:
-                b_aqk += tl.dot((b_q * e_l).to(tl.bfloat16), b_krt)
+                b_aqk += tl.dot((b_q * e_l).to(LOWP_DT), b_krt)
         else:
             b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
             if WITH_Q:
@@ -264,17 +270,23 @@ def _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K: tl.constexpr, BT: tl.constexp
 @triton.jit
 def kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
-    w, u, qp, kd, aqk, gl, gc, rq, rk, flag,
+    w, u, qp, kd, aqk, gl, gc, rq, rk, flag, xinv, akk,
     scale, H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
-    LOWP: tl.constexpr,
+    LOWP: tl.constexpr, STORE_X: tl.constexpr = False, SEL: tl.constexpr = 0,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
-    exact-path flag [NC, H]."""
+    exact-path flag [NC, H]; with STORE_X also X = (I + Diag(beta) Akk)^-1 (xinv [T, H, BT] fp32) and Akk
+    (akk [T, H, BT]), which the backward then reads instead of recomputing them (MOESTACK_KDA_BWD_X=saved).
+    SEL (MOESTACK_KDA_K1_EXACT=split): 1 = finish only the chunks the factorised exp covers, with the exact path
+    compiled out (registers), the others stop after writing their flag; 2 = only the flagged chunks, run after 1."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
+    if SEL == 2:
+        if tl.load(flag + i_c * H + i_h) == 0:
+            return
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < t_end
@@ -308,7 +320,12 @@ def kda_fwd_kernel_intra(
     tl.debug_barrier()  # b is read back below, by rows and by other threads
     span = _max_span(p_gc, n, H * K, K, BT, SUB, BK)
     slow = span > SPAN_MAX
-    tl.store(flag + i_c * H + i_h, slow.to(tl.int32))
+    if SEL != 2:
+        tl.store(flag + i_c * H + i_h, slow.to(tl.int32))
+    if SEL == 1:
+        if slow:
+            return
+        slow = False
 
     # Pass 2: Akk, Aqk; Qp = q~ exp(b), Kd = k exp(b_last - b), b_last.
     b_akk = tl.zeros([BT, BT], tl.float32)
@@ -329,11 +346,15 @@ def kda_fwd_kernel_intra(
         o_kc = col0 + tl.arange(0, BKS)
         tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_kc, b_bl, mask=o_kc < K)
     tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
+    if STORE_X:  # here, not after the inverse: Akk would stay live through it (registers)
+        tl.store(_tok_ptr(akk, t0, n, H, i_h, BT, BT, BT), b_akk.to(akk.dtype.element_ty), boundary_check=(0, 1))
 
     # Pass 3: X = (I + Diag(beta) Akk)^-1, W = X Diag(beta) (k exp(b)), U = X Diag(beta) v.
     b_minv = _unit_lower_inverse(b_beta[:, None] * b_akk, BT)
+    if STORE_X:
+        tl.store(_tok_ptr(xinv, t0, n, H, i_h, BT, BT, BT), b_minv, boundary_check=(0, 1))
     if LOWP:
-        b_minv_d = b_minv.to(tl.bfloat16)
+        b_minv_d = b_minv.to(LOWP_DT)
     else:
         b_minv_d = b_minv
     for col0 in range(0, K, BKS):
@@ -342,14 +363,14 @@ def kda_fwd_kernel_intra(
                       padding_option="zero").to(tl.float32) * (b_rk * b_beta)[:, None]
         b_kb = b_k * tl.exp(b_b)
         if LOWP:
-            b_kb = b_kb.to(tl.bfloat16)
+            b_kb = b_kb.to(LOWP_DT)
         tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), tl.dot(b_minv_d, b_kb).to(w.dtype.element_ty),
                  boundary_check=(0, 1))
     for col0 in range(0, V, BKS):
         b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
         b_bv = b_beta[:, None] * b_v.to(tl.float32)
         if LOWP:
-            b_bv = b_bv.to(tl.bfloat16)
+            b_bv = b_bv.to(LOWP_DT)
         b_u = tl.dot(b_minv_d, b_bv)
         tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKS, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
@@ -433,16 +454,27 @@ def intra_dots_choice(intra_dots: str | None = None) -> str:
     return choice
 
 
+def k1_exact_choice(k1_exact: str | None = None) -> str:
+    """The argument, else $MOESTACK_KDA_K1_EXACT, else "inline" (see K1_EXACT_ENV)."""
+    choice = k1_exact or os.environ.get(K1_EXACT_ENV) or K1_EXACT[0]
+    if choice not in K1_EXACT:
+        raise ValueError(f"k1_exact={choice!r} is unknown: use one of {K1_EXACT} (argument or ${K1_EXACT_ENV})")
+    return choice
+
+
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
                   lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
-                  l2_eps: float = 1e-6, intra_dots: str | None = None, k1_config: str | None = None) -> dict:
+                  l2_eps: float = 1e-6, intra_dots: str | None = None, k1_config: str | None = None,
+                  store_x: bool = False, k1_exact: str | None = None) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
     Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype), gl [NC, H, K] fp32 (b of the
     chunk's last row), and for backward gc [T, H, K] fp32 (b), rq, rk [T, H] fp32 (inverse norms; 1 without the
     norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice;
-    k1_config: see k1_config_choice.
+    k1_config: see k1_config_choice. store_x: also xinv [T, H, BT] fp32 (the chunk's X = (I + Diag(beta) Akk)^-1
+    by rows) and akk [T, H, BT] (inter_dtype), for a backward that reads them instead of recomputing.
+    k1_exact: see k1_exact_choice.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -460,6 +492,9 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         flag=torch.empty(NC, H, dtype=torch.int32, device=q.device),
     )
     dummy = q.new_empty(1, dtype=torch.float32)
+    if store_x:
+        out["xinv"] = q.new_empty(T, H, BT, dtype=torch.float32)
+        out["akk"] = q.new_empty(T, H, BT, dtype=inter_dtype)
     kern, extra = kda_fwd_kernel_intra, {}
     choice = k1_config_choice(k1_config)
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
@@ -467,15 +502,18 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         extra = {"BKS": choice[0], "num_warps": choice[1]}
         if choice[2] is not None:  # a register cap: two 8-warp CTAs per SM at 128 (ptxas: ~0.3 KB spills)
             extra["maxnreg"] = choice[2]
-    kern[(NC, H)](
-        q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
-        chunk_map, cu_seqlens,
-        out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"], out["gc"], out["rq"], out["rk"], out["flag"],
-        scale, H,
-        K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-        BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=intra_dots_choice(intra_dots) == "bf16", **extra,
-    )
+    lowp = intra_dots_choice(intra_dots) == "bf16"
+    for sel in (1, 2) if k1_exact_choice(k1_exact) == "split" else (0,):
+        kern[(NC, H)](
+            q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
+            chunk_map, cu_seqlens,
+            out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"], out["gc"], out["rq"], out["rk"],
+            out["flag"], out.get("xinv", dummy), out.get("akk", dummy),
+            scale, H,
+            K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+            GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, **extra,
+        )
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moestack.ops.kda.triton_bwd import kda_bwd_intra, kda_bwd_recurrence
+from moestack.ops.kda.triton_bwd import bwd_dots_choice, bwd_x_choice, kda_bwd_intra, kda_bwd_recurrence
 from moestack.ops.kda.triton_fwd import (
     BT,
     GATE_K3,
@@ -26,6 +26,7 @@ from moestack.ops.kda.triton_fwd import (
     GATE_NONE,
     INTERPRET,
     intra_dots_choice,
+    k1_exact_choice,
     kda_fwd_intra,
     kda_fwd_recurrence,
 )
@@ -33,7 +34,8 @@ from moestack.ops.kda.triton_fwd import (
 __all__ = ["kda_fused", "kda_triton", "triton_available", "triton_supports"]
 
 _GATES = {"none": GATE_NONE, "k3": GATE_K3, "kimi": GATE_KIMI}
-_INTRA = ("w", "u", "qp", "kd", "aqk", "gl", "gc", "rq", "rk", "flag")  # kda_fwd_intra's outputs, all kept by "save"
+# kda_fwd_intra's outputs, all kept by "save" (xinv, akk: only with MOESTACK_KDA_BWD_X=saved, else None)
+_INTRA = ("w", "u", "qp", "kd", "aqk", "gl", "gc", "rq", "rk", "flag", "xinv", "akk")
 
 
 def triton_available() -> bool:
@@ -89,11 +91,12 @@ class _KDATriton(torch.autograd.Function):
         intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
                               lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
                               beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q),
-                              intra_dots=cfg["intra_dots"])
+                              intra_dots=cfg["intra_dots"], store_x=cfg["bwd_x"] == "saved",
+                              k1_exact=cfg["k1_exact"])
         save = not cfg["recompute"]
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
-        saved = [intra[n] for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)
+        saved = [intra.get(n) for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)
         ctx.save_for_backward(*flat, A_log, dt_bias, h0, cu, chunk_map, chunk_offsets, *saved)
         ctx.cfg, ctx.shape = cfg, (B, T, H, K, V, N)
         ctx.has_h0 = initial_state is not None
@@ -108,11 +111,12 @@ class _KDATriton(torch.autograd.Function):
             intra = kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"],
                                   gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
                                   l2_eps=cfg["l2_eps"], beta_sigmoid=cfg["beta_sigmoid"],
-                                  inter_dtype=_inter_dtype(q), intra_dots=cfg["intra_dots"])
+                                  inter_dtype=_inter_dtype(q), intra_dots=cfg["intra_dots"],
+                                  store_x=cfg["bwd_x"] == "saved", k1_exact=cfg["k1_exact"])
             _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                             store_o=False, store_ht=False, store_states=True)
         else:
-            intra = dict(zip(_INTRA, saved))
+            intra = {n: t for n, t in zip(_INTRA, saved) if t is not None}
             h, d = saved[len(_INTRA):]
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
@@ -120,7 +124,7 @@ class _KDATriton(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, pd_dt, pd_alog = kda_bwd_intra(
             q, k, v, g, beta, A_log, dt_bias, intra, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
             gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
-            beta_sigmoid=cfg["beta_sigmoid"])
+            beta_sigmoid=cfg["beta_sigmoid"], bwd_dots=cfg["bwd_dots"])
         dA_log = None if A_log is None or pd_alog is None else pd_alog.sum(0).to(A_log.dtype)
         ddt = None if dt_bias is None or pd_dt is None else pd_dt.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
         grads = [x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta)]
@@ -174,6 +178,9 @@ def kda_fused(
         beta_sigmoid=bool(beta_sigmoid),
         recompute=bool(recompute),
         intra_dots=intra_dots_choice(),  # $MOESTACK_KDA_INTRA_DOTS, fixed here so a recompute matches the forward
+        k1_exact=k1_exact_choice(),  # $MOESTACK_KDA_K1_EXACT: K1 in one launch or two (exact path split out)
+        bwd_x=bwd_x_choice(),  # $MOESTACK_KDA_BWD_X: K1 writes X and Akk for backward ("saved") or not
+        bwd_dots=bwd_dots_choice(),  # $MOESTACK_KDA_BWD_DOTS: B3a / B3b dot operands
     )
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None

@@ -264,6 +264,12 @@ class _env:
                 os.environ[k] = v
 
 
+def _emit(rows: list[str], row: str) -> None:
+    """Print a result row at once (a run cut by a timeout keeps what it measured) and keep it."""
+    print(row, flush=True)
+    rows.append(row)
+
+
 def _time_fwd_fb(fwd, rep_ms, params, gy):
     """(forward ms without grad, forward+backward ms) after one warm-up step (compile, autotune, fp8 caches)."""
     fwd().backward(gy)
@@ -285,12 +291,17 @@ def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
     rows, base = [], None
     for v in variants:
         backend, env = FP8_VARIANTS[v]
-        with _env(env):
-            layer.moe.experts.backend = backend
-            wc.clear()
-            t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
+        try:
+            with _env(env):
+                layer.moe.experts.backend = backend
+                wc.clear()
+                t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
+        except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
+            _emit(rows, f"| layer {name} | {v} | error: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160] if str(e) else ''} |")
+            continue
         base = base or (t_f, t_b)
-        rows.append(f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
+        _emit(rows, f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
                     f"{t_f:.2f} | {t_b:.2f} | {base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
                     f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
     layer.moe.experts.backend = None
@@ -317,13 +328,18 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
         base = None
         for v in variants:
             backend, env = FP8_VARIANTS[v]
-            with _env(env):
-                ex.backend = backend
-                wc.clear()
-                t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
-                                        [xs, ex.w_gate_up, ex.w_down], gy)
+            try:
+                with _env(env):
+                    ex.backend = backend
+                    wc.clear()
+                    t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
+                                            [xs, ex.w_gate_up, ex.w_down], gy)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
+                _emit(out, f"| expert FFN {m} rows/expert | {v} | error: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''} |")
+                continue
             base = base or (t_f, t_b)
-            out.append(f"| expert FFN E{E} L{L} I{inter}, {m} rows/expert | {v} | {t_f:.2f} | {t_b:.2f} | "
+            _emit(out, f"| expert FFN E{E} L{L} I{inter}, {m} rows/expert | {v} | {t_f:.2f} | {t_b:.2f} | "
                        f"{base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
                        f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
         torch.cuda.empty_cache()
@@ -334,7 +350,7 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
     with torch.no_grad():
         t2 = bench(lambda: [fq.quantize_blocks(w) for w in (w1, w1.transpose(1, 2), w2, w2.transpose(1, 2))], rep_ms)
         t3 = bench(lambda: [fq.quantize_blocks_pair(w) for w in (w1, w2)], rep_ms)
-    out.append(f"| weight requantisation per optimizer step (E{E}, both weights, both layouts, bf16 params) | "
+    _emit(out, f"| weight requantisation per optimizer step (E{E}, both weights, both layouts, bf16 params) | "
                f"v2 {t2:.2f} ms / v3 {t3:.2f} ms | - | - | - | - |")
     return out
 
@@ -349,8 +365,7 @@ def fp8_main(args) -> None:
         if args.only and (shape[0] != args.only if exact else args.only not in shape[0]):
             continue
         try:
-            for row in fp8_layer(shape, variants, args.rep):
-                print(row, flush=True)
+            fp8_layer(shape, variants, args.rep)  # prints its rows as they come
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
             print(f"| layer {shape[0]} | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
                   flush=True)
@@ -358,8 +373,7 @@ def fp8_main(args) -> None:
     if not args.no_ffn:
         rows = tuple(int(r) for r in args.ffn_rows.split(","))
         try:
-            for row in fp8_ffn((args.ffn_variants or args.fp8_variants).split(","), args.rep, rows):
-                print(row, flush=True)
+            fp8_ffn((args.ffn_variants or args.fp8_variants).split(","), args.rep, rows)
         except Exception as e:  # noqa: BLE001
             print(f"| expert FFN | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
                   flush=True)

@@ -28,7 +28,10 @@ COMMON=(--model "$MODEL" --device "$DEVICE" --warmup 1 --steps 2)
 # the planner's calibration for the proxy: `moestack tune proxy` on an H200 (2026-11-29): measured saved bytes per part
 [ "$MODEL" = proxy ] && COMMON+=(--calibration benchmarks/calibration-proxy-h200.json)
 NGPU=0
-[ "$DEVICE" = cuda ] && NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$DEVICE" = cuda ]; then
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$NGPU" -gt 0 ] 2>/dev/null || NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
 LONG_ROWS="baseline,recompute full,recompute selective,activation offload,fp8 saved expert inputs,adamw bf16 states,muon,expert offload,optimizer offload,all combined"
 echo "gpu_memory.sh: $MODEL on $DEVICE, $NGPU GPU(s), seq $SEQ, budget ${BUDGET}s, logs in $DEST"
 

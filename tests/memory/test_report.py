@@ -145,3 +145,16 @@ def test_trainer_memory_report(tmp_path):
     assert planner_weights > 0
     for n, p in trainer.model.named_parameters():
         assert torch.equal(p, before[n]) and p.grad is None, n
+
+
+def test_cli_train_memory_report(tmp_path):
+    """`moestack train --memory-report` prints the report after training."""
+    from typer.testing import CliRunner
+
+    from moestack.cli import app
+
+    r = CliRunner().invoke(app, ["train", "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--quiet",
+                                 "--out", str(tmp_path / "run"), "--set", "eval_every=0",
+                                 "--set", "logging.tensorboard=false", "--memory-report"])
+    assert r.exit_code == 0, r.output
+    assert "memory report (cpu" in r.output and "planner GiB" in r.output and "at end of forward" in r.output

@@ -60,8 +60,9 @@ def _prune(configs, named_args, **kwargs):
     return configs[:1] if kwargs.get("MODE", named_args.get("MODE")) == MODE_DENSE else configs
 
 
-@triton.autotune(configs=_configs(), key=["Hi", "DP", "MODE", "KEY_STRIDE", "CAP"],
-                 reset_to_zero=["CNT"], restore_value=["OUT_S", "OUT_I"],
+# reset_to_zero CNT: each autotuning run appends from slot 0 again. No restore of OUT_S / OUT_I: every run writes
+# the same hit count per row, so the real run overwrites all slots < CNT (the only ones read)
+@triton.autotune(configs=_configs(), key=["Hi", "DP", "MODE", "KEY_STRIDE", "CAP"], reset_to_zero=["CNT"],
                  prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.jit(do_not_specialize=["t0", "t1", "Hi", "n_cols"])
 def indexer_select_kernel(

@@ -3,21 +3,22 @@
     python3 benchmarks/dsa_fwd_indexer.py            # all rows below
     python3 benchmarks/dsa_fwd_indexer.py --no-131k  # T = 32768 only
 
-Rows ('|'-prefixed markdown):
+Rows ('|'-prefixed markdown), in this order (the time cap cuts the last ones first):
 * forward, T = 32768, H = 64, top-2048, d_qk 576 / d_v 512, bf16: the default kernel at its best run-4 config
-  (H64 K64 V512 8 warps 2 stages, forced: no autotuning of the other six), and the variants of
-  _sparse_mqa_fwd_kernel_splits (MOESTACK_DSA_FWD=...): "splits" (score tile split over the two warpgroups),
-  "splits_pf" / "splits_pf2" (+ L1 / L2 prefetch hints for the next block's gathered rows), "pf" (hints only,
-  replicated scores), each autotuned over its 64-head tiles (per-config do_bench rows follow);
-  TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse relative difference vs the default.
-* indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs), T = 32768 and 131072: "chunked" (the default:
-  score blocks of rows in HBM + torch.topk), "fused" (sampled threshold + fused scoring with candidate compaction
-  + top-k of <= 4096 candidates; MOESTACK_DSA_TOPK=fused) and "fused_fp8" (e4m3 scoring). Columns: ms, scoring
-  TFLOP/s (T^2/2 x Hi x Di x 2, the causal half); "fused_torchsel" = fused with torch.topk instead of the
-  bisection select kernel for the last step (T = 32768 only); fraction of selected keys shared with the chunked (T=32768) or
-  fused bf16 (T=131072) selection, rows recomputed exactly (threshold missed), and indexer / attention forward
-  time at the same T (the issue asks <= 1/3 at T = 131072).
-* forward at T = 131072, H = 64 (default and splits), the denominator of that ratio.
+  (H64 K64 V512 8 warps 2 stages, forced: no autotuning of the other six) and "splits" (score tile split over
+  the two warpgroups; MOESTACK_DSA_FWD=splits) at H64 K32 8 warps 3 stages; TFLOP/s on the selected keys
+  (2 H nnz (576 + 512)); o / lse relative difference vs the default.
+* indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs) at T = 32768: "chunked" (the default: score
+  blocks of rows in HBM + torch.topk), "fused" (sampled threshold + fused scoring with candidate compaction + exact
+  top-k of <= 4096 candidates by a bisection select kernel; MOESTACK_DSA_TOPK=fused), "fused_torchsel" (fused with
+  torch.topk for the last step), "fused_fp8" (e4m3 scoring). Columns: ms, scoring TFLOP/s (T^2/2 x Hi x Di x 2,
+  the causal half), fraction of selected keys shared with "chunked", rows recomputed exactly (threshold missed),
+  indexer / attention forward time.
+* T = 131072: fused and fused_fp8 indexer (shared keys vs fused), the default and splits forward on the fused
+  selection, and the indexer / attention-forward ratio (the issue asks <= 1/3 at T = 131072).
+* T = 32768 forward prefetch variants (H64 K32 w8 s3): "splits_pf" / "splits_pf2" (splits + L1 / L2 prefetch hints
+  for the next block's gathered rows), "pf" (L1 hints, replicated scores); then "splits" autotuned over three
+  64-head tiles with the autotuner's per-config rows.
 Every variant runs under a guard: an error or the time cap prints a row and the run goes on.
 """
 

@@ -239,6 +239,10 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "fp8v3-tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
                           "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
     "fp8v3+tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1"}),
+    # TMA forward / dX on Triton, weight gradient per expert on cuBLAS at any rows
+    "fp8v3-tma-cublaswg": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
+                                   "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000",
+                                   "MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS": "0"}),
 }
 FFN_ROWS = (128, 256, 586, 2341)
 

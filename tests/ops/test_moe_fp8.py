@@ -191,6 +191,21 @@ def test_v3_scaled_mm_path_emulated(monkeypatch):
     assert calls[0] == (40, 512)  # 37 rows read as 40
 
 
+def test_v3_cublas_wgrad_only_emulated(monkeypatch):
+    """MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS below the forward's threshold: forward / dX on Triton, dW per expert on
+    the (emulated) cuBLAS path."""
+    if DEV == "cuda":
+        pytest.skip("emulation case")
+    monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
+    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS", "0")
+    calls = []
+    orig = fsm.wgrad
+    monkeypatch.setattr(fsm, "wgrad", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+    monkeypatch.setattr(fsm, "rows_mm", lambda *a, **k: pytest.fail("forward / dX must stay on Triton"))
+    _v3_vs_loop([20, 0, 9, 131], 144, 80, min_rows=10**9, seed=15)
+    assert calls == [1]
+
+
 def test_host_offsets_cached():
     offs = torch.tensor([3, 5, 9], dtype=torch.int32)
     a = fsm.host_offsets(offs)

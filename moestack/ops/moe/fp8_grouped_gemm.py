@@ -31,7 +31,9 @@ tiles; dy likewise for dX and dW), both weight layouts from one read of the weig
 at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS (512) with K, F multiples of 512 on sm90 the three GEMMs
 run one cuBLAS blockwise call per expert (fp8_scaled_mm.py; one host read of the offsets, cached per offsets
 tensor), else the Triton kernels above, or with MOESTACK_FP8_TMA=1 the TMA-descriptor forward / dX kernel of
-fp8_tma.py (opt-in, unmeasured).
+fp8_tma.py (opt-in, unmeasured). The weight gradient alone can take the cuBLAS path from its own threshold,
+MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS (default: the same as the forward's): its per-expert GEMMs are D x F, large
+even at few rows per expert.
 
 Legend: N rows, E experts, K reduction width, F output width, D / F width of x / dy in wgrad, P padded tokens.
 """
@@ -357,6 +359,11 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         E, _, F = w_EDF.shape
         min_rows = fsm.cublas_min_rows() if cublas_min_rows is None else cublas_min_rows
         cublas = N > 0 and N >= min_rows * E and fsm.shapes_ok(D, F) and fsm.available(x_ND.device)
+        # the weight gradient alone may take cuBLAS from its own threshold (its GEMMs are D x F per expert, so
+        # they stay large at few rows); it needs no 128x128 scales, only D, F multiples of 16
+        wg_rows = fsm.cublas_wgrad_min_rows(min_rows)
+        cublas_wg = cublas or (ctx.needs_input_grad[1] and N > 0 and N >= wg_rows * E and D % 16 == 0
+                               and F % 16 == 0 and fsm.available(x_ND.device))
         swap = SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
         (qw, sw), (_, swT) = fp8_weight_cache.pair(w_EDF, q_dtype)
         save = ctx.needs_input_grad[1]
@@ -369,6 +376,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
         ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends = q_dtype, x_ND.dtype, swap, ends
+        ctx.wg_ends = fsm.host_offsets(offs_E) if cublas_wg else None
         return y
 
     @staticmethod
@@ -386,8 +394,8 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             else:
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
-            if ends is not None:
-                dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like=w_EDF)
+            if ctx.wg_ends is not None:
+                dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ctx.wg_ends, like=w_EDF)
             else:
                 dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
         return dx, dw, None, None, None, None

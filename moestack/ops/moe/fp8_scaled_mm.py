@@ -46,6 +46,12 @@ def cublas_min_rows() -> int:
     return int(os.environ.get(CUBLAS_MIN_ROWS_ENV, CUBLAS_MIN_ROWS))
 
 
+def cublas_wgrad_min_rows(default: int) -> int:
+    """Mean rows per expert from which v3's weight gradient alone takes this path:
+    $MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS, else `default` (the forward's threshold)."""
+    return int(os.environ.get("MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS", default))
+
+
 def _torch_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
     if _state["out_kwarg"]:
         return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, out=out)

@@ -10,8 +10,9 @@ MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole lay
 then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) at K3 EP16 widths (56 experts,
 3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per expert, and the weight quantisation an optimizer step
 adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them). More variants
-(FP8_VARIANTS): fp8v3-triton / fp8v3-cublas force v3's GEMM path, fp8v3-tma = v3's Triton path with fp8_tma.py,
-fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold.
+(FP8_VARIANTS): fp8v3-triton / fp8v3-cublas force v3's GEMM path, fp8v3-tma = v3's Triton path with fp8_tma.py
+forward / dX, fp8v3-tma-all = the same plus fp8_tma.py's weight gradient, fp8v3-tma-cublaswg = TMA forward / dX
+with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -239,6 +240,8 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "fp8v3-tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
                           "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
     "fp8v3+tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1"}),
+    "fp8v3-tma-all": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
+                              "MOESTACK_FP8_TMA_WGRAD": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
     # TMA forward / dX on Triton, weight gradient per expert on cuBLAS at any rows
     "fp8v3-tma-cublaswg": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
                                    "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000",

@@ -372,17 +372,40 @@ def test_fp8_tma_interpreter():
         assert rel_err(dx[:used], dx_ref[:used]) < 1e-5 and (dx[used:] == 0).all()
 
 
+def test_fp8_tma_wgrad_interpreter():
+    """fp8_tma.wgrad in both gradient layouts against the fp64 per-expert products (unrounded fp32 "q"); an
+    expert with several token tiles, empty experts, tail rows."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case")
+    from moestack.ops.moe import fp8_tma
+
+    counts = [0, 140, 3, 0, 20]
+    x, param, offs = make_case(counts, 48, 40, torch.float32, seed=16, tail=2)
+    dy = torch.randn(x.shape[0], 40, generator=torch.Generator().manual_seed(17))
+    _, _, qxT, sx = fq.quantize_dual(x, offs, torch.float32)
+    _, _, qdyT, sdy = fq.quantize_dual(dy, offs, torch.float32)
+    assert fp8_tma.wgrad_supported(qxT, qdyT)
+    starts = [0, *offs[:-1].tolist()]
+    ref = torch.stack([x[a:b].double().t() @ dy[a:b].double() for a, b in zip(starts, offs.tolist())])
+    for like in (param.transpose(1, 2), param.transpose(1, 2).contiguous()):
+        dw = fp8_tma.wgrad(qxT, sx, qdyT, sdy, offs, like)
+        assert dw.stride() == like.stride() and rel_err(dw, ref) < 1e-5
+        assert (dw[torch.tensor(counts) == 0] == 0).all()
+
+
 def test_v3_tma_path_interpreter(monkeypatch):
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_v3_gpu with MOESTACK_FP8_TMA=1")
     monkeypatch.setenv(f8.TMA_ENV, "1")
+    monkeypatch.setenv(f8.TMA_WGRAD_ENV, "1")
     from moestack.ops.moe import fp8_tma
 
     taken = []
-    orig = fp8_tma.grouped_mm
-    monkeypatch.setattr(fp8_tma, "grouped_mm", lambda *a: (taken.append(1), orig(*a))[1])
+    orig, orig_wg = fp8_tma.grouped_mm, fp8_tma.wgrad
+    monkeypatch.setattr(fp8_tma, "grouped_mm", lambda *a: (taken.append("mm"), orig(*a))[1])
+    monkeypatch.setattr(fp8_tma, "wgrad", lambda *a: (taken.append("wgrad"), orig_wg(*a))[1])
     _v3_vs_loop([20, 0, 9, 3], 136, 48, min_rows=10**9, seed=14)
-    assert len(taken) == 2  # forward and dX
+    assert taken == ["mm", "mm", "wgrad"]  # forward, dX, dW
 
 
 @pytest.mark.gpu

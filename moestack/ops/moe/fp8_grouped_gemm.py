@@ -63,6 +63,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
 V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
+TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
 
 
 SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: swap-AB at or below this mean
@@ -348,6 +349,16 @@ class Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+def _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, like) -> torch.Tensor:
+    """v3's Triton weight gradient: fp8_tma.wgrad with MOESTACK_FP8_TMA_WGRAD=1 where it applies, else v2's."""
+    if os.environ.get(TMA_WGRAD_ENV, "0") == "1":
+        from moestack.ops.moe import fp8_tma
+
+        if fp8_tma.wgrad_supported(qxT, qdyT):
+            return fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs_E, like)
+    return fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=like)
+
+
 class Fp8GroupedMMv3(torch.autograd.Function):
     """v3 (module docstring): fused quantisers, both weight layouts cached from one pass, per-expert cuBLAS
     blockwise GEMMs at many rows per expert (fp8_scaled_mm), else v2's Triton kernels. Saves for backward: x's
@@ -397,7 +408,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             if ctx.wg_ends is not None:
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ctx.wg_ends, like=w_EDF)
             else:
-                dw = fp8_grouped_wgrad_quantized(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
+                dw = _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
         return dx, dw, None, None, None, None
 
 

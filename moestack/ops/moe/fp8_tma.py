@@ -20,7 +20,14 @@ current 128-slice product).
 - Schedule: the persistent work list of triton_grouped_gemm ((expert, f-tile, token-tile) from offs in registers,
   no host sync), 2 programs per SM.
 
-Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF weight-column tile.
+Weight gradient (MOESTACK_FP8_TMA_WGRAD=1, separate switch): out[e, a, b] = sum over e's 128-token tiles g of
+(P[a, g-tile] @ Q[b, g-tile]^T) * sP[g, a] * sQ[g, b], from the token-tile operands of fp8_quant (qT [width, P]:
+tokens contiguous, so both TMA tiles are K-major), with b the contiguous dimension of the gradient (P, Q = dY, X
+for Experts' [E, F, D] parameter layout, X, dY for a contiguous [E, D, F]); one program per (a-tile, b-tile,
+expert), the expert's token tiles pipelined by TMA.
+
+Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF weight-column tile, A / B the
+weight gradient's row / contiguous width.
 """
 
 from __future__ import annotations
@@ -120,6 +127,82 @@ def fp8_gg_fwd_kernel_tma(
         cols = (t % n_ftiles) * BF + o_f
         p_y = y + rows.to(tl.int64)[None, :] * stride_yn + cols[:, None]
         tl.store(p_y, tl.zeros((BF, BT), dtype=y.dtype.element_ty), mask=(cols < F)[:, None] & (rows < N)[None, :])
+
+
+def _wgrad_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BA": 16, "BB": 32}, num_warps=4, num_stages=1, pre_hook=_wgrad_blocks)]
+    shapes = [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4)]  # (BA, BB, warps, stages)
+    return [triton.Config({"BA": a, "BB": b}, num_warps=w, num_stages=st, pre_hook=_wgrad_blocks)
+            for a, b, w, st in shapes]
+
+
+def _wgrad_blocks(nargs) -> None:
+    nargs["p_desc"].block_shape = [nargs["BA"], nargs["G"]]
+    nargs["q_desc"].block_shape = [nargs["BB"], nargs["G"]]
+
+
+@triton.autotune(configs=_wgrad_configs(), key=["A", "B", "E", "BT_MAX"], do_bench=quick_bench)
+@triton.jit(do_not_specialize=["E", "BT_MAX"])
+def fp8_gg_wgrad_kernel_tma(
+    p_desc, q_desc, sp, sq, out, offs, A, B, E, stride_oe, stride_oa, BT_MAX,
+    BE: tl.constexpr, PRECISION: tl.constexpr, G: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
+):
+    """out[e, a-tile, b-tile] (b contiguous) over expert e's token tiles; zeros for an empty expert."""
+    i_t, e = tl.program_id(0), tl.program_id(1)
+    n_b = tl.cdiv(B, BB)
+    i_a, i_b = i_t // n_b, i_t % n_b
+    o_e = tl.arange(0, BE)
+    _, _, b_tiles, b_tile_end = _expert_tiles(offs, E, o_e, G)
+    sel = o_e == e
+    g_end = _pick(b_tile_end, sel)
+    g_start = g_end - _pick(b_tiles, sel)
+    o_a = i_a * BA + tl.arange(0, BA)
+    o_b = i_b * BB + tl.arange(0, BB)
+    m_a, m_b = o_a < A, o_b < B
+    b_acc = tl.zeros((BA, BB), dtype=tl.float32)
+    for g in range(g_start, g_end):
+        b_p = p_desc.load([i_a * BA, g * G])  # [BA, G]
+        b_q = q_desc.load([i_b * BB, g * G])  # [BB, G]
+        b_sp = tl.load(sp + g * A + o_a, mask=m_a, other=0.0)  # [BA]; g * A < 2^31 (tiles x width)
+        b_sq = tl.load(sq + g * B + o_b, mask=m_b, other=0.0)  # [BB]
+        b_acc += tl.dot(b_p, tl.trans(b_q), input_precision=PRECISION) * b_sp[:, None] * b_sq[None, :]
+    p_o = out + e.to(tl.int64) * stride_oe + o_a.to(tl.int64)[:, None] * stride_oa + o_b[None, :]
+    tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=m_a[:, None] & m_b[None, :])
+
+
+def wgrad_supported(qxT: torch.Tensor, qdyT: torch.Tensor) -> bool:
+    """Token-tile operands a TMA descriptor covers (contiguous [width, P], 16-byte aligned)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0
+               and (INTERPRET or t.is_cuda) for t in (qxT, qdyT))
+
+
+def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Tensor, offs_E: torch.Tensor,
+          like: torch.Tensor) -> torch.Tensor:
+    """dw [E, D, F] from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F]);
+    in like's dtype and layout (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]);
+    zero for empty experts. Requires wgrad_supported(qxT, qdyT)."""
+    D, Ptok = qxT.shape
+    F, E = qdyT.shape[0], like.shape[0]
+    if like.transpose(1, 2).is_contiguous():
+        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
+        out, P, sP, Q, sQ = dw.transpose(1, 2), qdyT, sdy, qxT, sx  # out[e, f, d] = sum_t dy[t, f] x[t, d]
+    else:
+        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+        out, P, sP, Q, sQ = dw, qxT, sx, qdyT, sdy
+    A, B = out.shape[1], out.shape[2]
+    assert out.stride(2) == 1 and sP.is_contiguous() and sQ.is_contiguous()
+    p_desc = TensorDescriptor(P, [A, Ptok], [Ptok, 1], [16, fq.GROUP])  # block shapes: set by the pre-hook
+    q_desc = TensorDescriptor(Q, [B, Ptok], [Ptok, 1], [16, fq.GROUP])
+
+    def grid(meta):
+        return (triton.cdiv(A, meta["BA"]) * triton.cdiv(B, meta["BB"]), E)
+
+    fp8_gg_wgrad_kernel_tma[grid](
+        p_desc, q_desc, sP, sQ, out, offs_E, A, B, E, out.stride(0), out.stride(1), bt_max(Ptok, E),
+        BE=triton.next_power_of_2(E), PRECISION="ieee" if P.dtype == torch.float32 else "tf32", G=fq.GROUP,
+    )
+    return dw
 
 
 _NUM_SMS: dict[int, int] = {}

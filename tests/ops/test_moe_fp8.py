@@ -236,7 +236,7 @@ GPU_V3_CASES = [
     ("odd", 7, 3584, 1024, 0, False),
     ("skew", 16, 2048, 512, 0, False),
     ("uniform64", 32, 1024, 1000, 10**9, False),  # Triton path (swap-AB), F not a multiple of 128
-    ("uniform600", 8, 1024, 1536, 10**9, True),  # fp8_tma.py, tokens on M (BT 64 / 128)
+    ("uniform600", 8, 1024, 1536, 10**9, True),  # fp8_tma.py (forward / dX tokens on M, BT 64 / 128; dW)
     ("uniform64", 32, 1024, 1000, 10**9, True),  # fp8_tma.py at BT_MAX 64, F % 128 != 0
     ("uniform16", 56, 512, 1024, 10**9, True),  # fp8_tma.py swap-AB (BT 16)
 ]  # the Triton path at many rows (persistent kernel) runs in test_v3_layer_gpu
@@ -277,6 +277,7 @@ def test_quantize_dual_gpu():
 def test_v3_gpu(kind, E, D, F, min_rows, tma, monkeypatch):
     """v3 against the fp32 loop (fp8 error bounds) and against v2 (the same recipe: close to each other)."""
     monkeypatch.setenv(f8.TMA_ENV, "1" if tma else "0")
+    monkeypatch.setenv(f8.TMA_WGRAD_ENV, "1" if tma else "0")
     wc.clear()
     counts = gpu_counts(kind, E)
     x, param, offs = make_case(counts, D, F, torch.bfloat16, seed=E + F, tail=5)
@@ -418,6 +419,7 @@ def test_v3_layer_gpu(min_rows, tma, monkeypatch):
     from moestack.model.moe import MoE
 
     monkeypatch.setenv(f8.TMA_ENV, "1" if tma else "0")
+    monkeypatch.setenv(f8.TMA_WGRAD_ENV, "1" if tma else "0")
     monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", str(min_rows))
     wc.clear()
     torch.manual_seed(0)

@@ -143,10 +143,13 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         tokens = torch.randint(0, spec.vocab_size, shape, generator=g).to(device)
         targets = torch.randint(0, spec.vocab_size, shape, generator=g).to(device)
         autocast = autocast_for(device)
+        offloader = model.memory_policies.activation_offload
         times, losses = [], []
         for i in range(warmup + steps):
             if i == warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+                if offloader is not None:  # time the copies of the timed steps (the transfer to hide)
+                    offloader.timing = True
             _sync(device)
             t0 = time.perf_counter()
             losses.append(train_step(model, opt, tokens, targets, autocast))
@@ -159,6 +162,13 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
         pol = model.memory_policies
         if pol.activation_offload is not None:
+            if pol.activation_offload.timing:
+                try:
+                    d2h_s, h2d_s = pol.activation_offload.copy_times()
+                    out["offload_copy_s"] = (d2h_s + h2d_s) / steps  # per timed step
+                except RuntimeError as err:  # timing is a measurement aid: never lose the row to it
+                    out["offload_copy_error"] = str(err)[:200]
+                pol.activation_offload.timing = False
             out["activation_offload"] = vars(pol.activation_offload.stats).copy()
         if pol.expert_offload is not None:
             out["expert_offload"] = vars(pol.expert_offload.stats).copy()
@@ -378,7 +388,8 @@ def mem_available() -> float:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _details(rows: list[dict]) -> list[str]:
+def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
+    """Per-row memory reports, offload statistics and measured factors (`ref`: the reference row)."""
     out = []
     for r in rows:
         label = f"{r['technique']} ({r['experts']} experts, seq {r['seq']})"
@@ -387,6 +398,16 @@ def _details(rows: list[dict]) -> list[str]:
             out += ["", label + ":"] + r["report_lines"]
         elif pred:
             out += ["", label + ": planner GiB " + ", ".join(f"{k} {v:.2f}" for k, v in pred.items())]
+        if r.get("offload_copy_s") is not None:
+            line = f"  activation offload: copies {r['offload_copy_s']:.2f} s per step (D2H + H2D, copy streams)"
+            same = (ref is not None and ref is not r and ref.get("seq") == r.get("seq")
+                    and ref["plan"]["recompute"] == r["plan"]["recompute"]
+                    and not ref["plan"]["offload"]["activations"])
+            if same and r["offload_copy_s"] > 0:  # the reference is the same step without the copies
+                exposed = r["step_s"] - ref["step_s"]
+                line += (f"; exposed {exposed:.2f} s vs {ref['technique']}: overlap "
+                         f"{100 * (1 - exposed / r['offload_copy_s']):.0f}%")
+            out.append(line)
         ratio = act_ratio(r)
         if ratio is not None:
             out.append(f"  act x {ratio:.3f} (measured / planner activations at the end of forward: "
@@ -496,7 +517,7 @@ def main() -> None:
           f"{ref['technique'] + ' (' + str(ref['experts']) + ' experts, seq ' + str(ref['seq']) + ')' if ref else '-'}; "
           f"planner GiB = cost model peak minus its reserved term; fit x = measured / planner")
     print("\n".join(table(rows, args.reference, hbm_gib)))
-    print("\n".join(_details(rows)), flush=True)
+    print("\n".join(_details(rows, ref)), flush=True)
     factors = suggested_act_factors(rows, cal)
     if factors:
         target = args.calibration or "the calibration JSON"

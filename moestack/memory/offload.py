@@ -79,6 +79,8 @@ class ActivationOffloadStats:
     prefetched: int = 0  # unpacks served by a prefetch
     fetched_sync: int = 0  # unpacks that had to copy on demand
     inflight_wait_s: float = 0.0  # host time forward spent waiting for old D2H copies (in-flight bound)
+    d2h_s: float = 0.0  # copy-stream time of the D2H copies (CUDA, with `timing`; read by copy_times())
+    h2d_s: float = 0.0  # copy-stream time of the prefetch / on-demand H2D copies (idem)
 
 
 class _Group:
@@ -109,7 +111,9 @@ class ActivationOffloader:
         device: the compute device (saved tensors elsewhere, e.g. host-resident expert weights, are kept).
         min_bytes: tensors smaller than this stay on the device (default 64 KiB: not worth a copy).
         max_inflight: blocks whose D2H copies may be in flight at once (>= 1).
-    `stats` counts what happened; `wrap(module)` routes a module's forward through `region()`.
+    `stats` counts what happened; `wrap(module)` routes a module's forward through `region()`. With `timing` set
+    (benchmarks), every side-stream copy is bracketed by timing events and `copy_times()` adds their durations to
+    `stats.d2h_s` / `stats.h2d_s`: the transfer time the step had to hide (the overlap is 1 - exposed / that).
     """
 
     def __init__(self, device: torch.device | str, min_bytes: int = 1 << 16, max_inflight: int = 2):
@@ -117,11 +121,40 @@ class ActivationOffloader:
         self.device = _canonical(torch.device(device))
         self.min_bytes, self.max_inflight = min_bytes, max_inflight
         self.stats = ActivationOffloadStats()
+        self.timing = False
+        self._timed: list[tuple[str, object, object]] = []  # (d2h / h2d, start event, end event)
         self._group: _Group | None = None
         self._last: _Group | None = None
         self._inflight: list[_Group] = []
         self._d2h: dict[torch.device, torch.cuda.Stream] = {}
         self._h2d: dict[torch.device, torch.cuda.Stream] = {}
+
+    # -- timing ----------------------------------------------------------------------------------------------
+    def _start_timer(self, stream):
+        if not self.timing:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def _stop_timer(self, kind: str, start, stream) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._timed.append((kind, start, end))
+
+    def copy_times(self) -> tuple[float, float]:
+        """Add the timed copies recorded so far to stats.d2h_s / h2d_s (synchronises on them); returns the two."""
+        for kind, start, end in self._timed:
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if kind == "d2h":
+                self.stats.d2h_s += ms / 1e3
+            else:
+                self.stats.h2d_s += ms / 1e3
+        self._timed.clear()
+        return self.stats.d2h_s, self.stats.h2d_s
 
     # -- streams ---------------------------------------------------------------------------------------------
     def _stream(self, table: dict, device: torch.device):
@@ -185,9 +218,11 @@ class ActivationOffloader:
             host = _pinned_empty(t.shape, t.dtype, pin=True)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
+                start = self._start_timer(stream)  # after the wait: it brackets the copy alone
                 host.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
+                self._stop_timer("d2h", start, stream)
             t.record_stream(stream)  # the allocator keeps t's memory until the copy is done
             group.d2h_event = event
         else:
@@ -222,7 +257,10 @@ class ActivationOffloader:
         current = torch.cuda.current_stream(saved.device)
         if saved.group.d2h_event is not None:
             current.wait_event(saved.group.d2h_event)
-        return saved.host.to(saved.device, non_blocking=True)
+        start = self._start_timer(current)
+        t = saved.host.to(saved.device, non_blocking=True)
+        self._stop_timer("h2d", start, current)
+        return t
 
     def _prefetch(self, group: _Group) -> None:
         group.prefetched = True
@@ -236,9 +274,11 @@ class ActivationOffloader:
             with torch.cuda.stream(stream):
                 if group.d2h_event is not None:
                     stream.wait_event(group.d2h_event)
+                start = self._start_timer(stream)
                 saved.ready = saved.host.to(saved.device, non_blocking=True)
                 saved.ready_event = torch.cuda.Event()
                 saved.ready_event.record(stream)
+                self._stop_timer("h2d", start, stream)
 
 
 def apply_activation_offload(model: nn.Module, device: torch.device | str, min_bytes: int = 1 << 16,

@@ -58,3 +58,16 @@ def test_isolated_row_crash_is_a_failed_row(bench):
     assert r["error"].startswith("exit 1:") and "optimizer" in r["log_tail"]
     line = bench.row_line(dict(r, predicted={}), None, None)
     assert line.startswith("| bad | None | 16 | failed: exit 1:")
+
+
+def test_details_report_offload_overlap(bench):
+    """The activation-offload line: copy time per step, and the overlap when the reference is the same step
+    without offload."""
+    plan = {"recompute": {"kda": "none"}, "offload": {"activations": False}}
+    ref = {"technique": "baseline", "experts": 128, "seq": 4096, "status": "ok", "step_s": 1.0, "plan": plan}
+    row = {"technique": "activation offload", "experts": 128, "seq": 4096, "status": "ok", "step_s": 1.5,
+           "offload_copy_s": 2.0, "plan": dict(plan, offload={"activations": True})}
+    text = "\n".join(bench._details([ref, row], ref))
+    assert "copies 2.00 s per step" in text and "exposed 0.50 s vs baseline: overlap 75%" in text
+    other = dict(ref, plan=dict(plan, recompute={"kda": "full"}))
+    assert "overlap" not in "\n".join(bench._details([other, row], other))

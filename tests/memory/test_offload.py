@@ -283,10 +283,13 @@ def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch, small_spec)
     held0, loss0, g0 = run(copy.deepcopy(model))
     m = copy.deepcopy(model)
     off = apply_activation_offload(m, "cuda", min_bytes=1 << 16)
+    off.timing = True
     held1, loss1, g1 = run(m)
     assert torch.equal(loss0, loss1) and all(torch.equal(g1[n], g0[n]) for n in g0)
     assert off.stats.bytes > 0 and off.stats.prefetched > 0
     assert held1 < held0 - 0.5 * off.stats.bytes  # the offloaded activations left the device
+    d2h_s, h2d_s = off.copy_times()  # the transfer time the step had to hide
+    assert d2h_s > 0 and h2d_s > 0 and not off._timed
 
 
 @pytest.mark.gpu

@@ -9,8 +9,9 @@
 Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
 suffixes "+bf16" (MOESTACK_KDA_INTRA_DOTS=bf16: K1's score and WY dots with bf16 operands), "+k1=BKS:warps"
 (MOESTACK_KDA_K1: a fixed intra-kernel config) and "+k2=BV:warps" (MOESTACK_KDA_K2: a fixed forward-recurrence
-config), "+b3a=BV:BKS:warps" / "+b3b=BKC:warps" (MOESTACK_KDA_B3A / _B3B: fixed backward per-chunk kernel configs),
-"+xs" (MOESTACK_KDA_BWD_X=saved: K1 writes X and Akk, B3a reads them and W instead of recomputing), "+bbf16"
+config), "+b3a=BV:BKS:warps[:maxnreg]" / "+b3b=BKC:warps[:maxnreg]" (MOESTACK_KDA_B3A / _B3B: fixed backward
+per-chunk kernel configs), "+xs" (MOESTACK_KDA_BWD_X=saved: K1 writes X and Akk, B3a reads them and W instead of
+recomputing), "+bbf16"
 (MOESTACK_KDA_BWD_DOTS=bf16: B3a's WY dots and B3b's score-gradient dots with bf16 operands), "+split" /
 "+narrow" (MOESTACK_KDA_B3B_FORM: B3b without the inline exact path / also with stripe-sized operands),
 "+k1split" (MOESTACK_KDA_K1_EXACT=split: K1 likewise in two launches), e.g.
@@ -42,7 +43,8 @@ QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k
 # top of it (old first, so a budget cut drops new ones)
 _BEST = "ours-save+bf16+k1=16:4+b3b=16:4"
 BWD_QUICK_BACKENDS = ["ours", _BEST, _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split",
-                      _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
+                      _BEST + "+xs+bbf16+split+k1split",
+                      "ours-save+bf16+k1=16:4+b3b=16:4:168+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
                       "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split",
                       "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
 
@@ -214,16 +216,19 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
     kw = dict(scale=K**-0.5, gate=0, lower_bound=-5.0, l2norm=True)
     fkw = dict(beta_sigmoid=False, inter_dtype=q.dtype, **kw)
 
-    def k1(dots, cfg, store_x, exact="inline"):
+    def k1(dots, cfg, store_x, exact="inline", wy=None):
         return lambda: tf.kda_fwd_intra(q, k, v, g, beta, None, None, cmap, cu, intra_dots=dots, k1_config=cfg,
-                                        store_x=store_x, k1_exact=exact, **fkw)
+                                        store_x=store_x, k1_exact=exact, k1_wy=wy, **fkw)
 
     steps = {
         "K1 tf32 16:4 (default)": k1("tf32", "16:4", False),
         "K1 bf16 16:4 +store X, split": k1("bf16", "16:4", True, "split"),
         "K1 bf16 32:4 +store X, split": k1("bf16", "32:4", True, "split"),
+        "K1 bf16 16:4 +store X, split, W/U by 64": k1("bf16", "16:4", True, "split", 64),
+        "K1 bf16 16:4 +store X, split, W/U by 32": k1("bf16", "16:4", True, "split", 32),
         "K1 bf16 16:4 +store X": k1("bf16", "16:4", True),
         "K1 tf32 16:4 split": k1("tf32", "16:4", False, "split"),
+        "K1 bf16 16:4 +store X, split, maxnreg 168": k1("bf16", "16:4:168", True, "split"),
         "K1 bf16 16:4": k1("bf16", "16:4", False),
     }
     intra = k1("bf16", "16:4", True)()  # with xinv / akk; the recompute-X kernels do not read them
@@ -260,7 +265,8 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
                                          **kw)
         return run
 
-    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", None),
+    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", "16:4:168"),
+                            (False, "split", "16:4:168"), (True, "split", None),
                             (True, "narrow", None), (False, "split", "16:4"), (True, "masked", "16:4"),
                             (True, "narrow", "16:4"), (False, "masked", None)):
         steps[f"B3b {'bf16' if lowp else 'tf32'} {form} {cfg or '32:8'}"] = b3b(lowp, form, cfg)

@@ -228,8 +228,8 @@ def _set_env(monkeypatch, env: str) -> None:
 
 
 BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
-                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_B3A=16:16:4 "
-                "MOESTACK_KDA_K1_EXACT=split"]
+                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4:168 "
+                "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K1_WY=32"]
 
 
 @pytest.mark.parametrize("env", BWD_VARIANTS)
@@ -282,6 +282,7 @@ def test_saved_x_recompute_matches_save(monkeypatch):
 
 @pytest.mark.parametrize("env,value", [("MOESTACK_KDA_BWD_X", "stored"), ("MOESTACK_KDA_BWD_DOTS", "fp8"),
                                        ("MOESTACK_KDA_B3B_FORM", "wide"), ("MOESTACK_KDA_K1_EXACT", "yes"),
+                                       ("MOESTACK_KDA_B3B", "16:4:300"), ("MOESTACK_KDA_K1_WY", "48"),
                                        ("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
                                        ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_K1", "16:8:300"),
                                        ("MOESTACK_KDA_K2", "16:4:128"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
@@ -359,7 +360,7 @@ def _correlated_keys_case(label: str, recompute: bool = True) -> None:
 GPU_BWD_STACK = ("MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_X=saved "
                  "MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split")
 GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=narrow"),
-                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split"]
+                "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split MOESTACK_KDA_K1_WY=64"]
 
 
 @pytest.mark.gpu

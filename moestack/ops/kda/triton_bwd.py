@@ -517,8 +517,9 @@ def kda_bwd_kernel_scores(
 
 
 # Fixed launch configs for the two per-chunk backward kernels, read per call (benchmarks compare them in one
-# process): $MOESTACK_KDA_B3A = "BV:BKS:warps", $MOESTACK_KDA_B3B = "BKC:warps"; unset = autotuned / first config.
-# At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults run one per SM).
+# process): $MOESTACK_KDA_B3A = "BV:BKS:warps[:maxnreg]", $MOESTACK_KDA_B3B = "BKC:warps[:maxnreg]"; unset =
+# autotuned / first config. At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults
+# run one per SM); "16:4:168" caps registers for three (split B3b: 100 B spills bf16, 196 B tf32, ptxas sm_90).
 B3A_ENV, B3B_ENV = "MOESTACK_KDA_B3A", "MOESTACK_KDA_B3B"
 # Backward variants (phase C), read once per forward call by triton_op (so a recompute matches its forward):
 # $MOESTACK_KDA_BWD_X = "recompute" (default: B3a recomputes Akk by channel blocks and inverts again: ~26 of its
@@ -557,7 +558,8 @@ def bwd_dots_choice(bwd_dots: str | None = None) -> str:
 
 
 def _fixed_config(env: str, names: tuple, sizes: tuple) -> dict | None:
-    """{name: size, ..., "num_warps": w} from $env ("size:...:warps"), None when unset."""
+    """{name: size, ..., "num_warps": w[, "maxnreg": r]} from $env ("size:...:warps[:maxnreg]"), None when unset.
+    maxnreg caps the registers per thread (64..255): e.g. 168 at 4 warps lets three CTAs share an SM."""
     spec = os.environ.get(env)
     if not spec:
         return None
@@ -565,10 +567,13 @@ def _fixed_config(env: str, names: tuple, sizes: tuple) -> dict | None:
         vals = [int(x) for x in spec.split(":")]
     except ValueError:
         vals = []
-    if len(vals) != len(names) + 1 or any(v not in sizes for v in vals[:-1]) or vals[-1] not in (2, 4, 8, 16):
-        raise ValueError(f"${env}={spec!r} must be '{':'.join(names)}:warps' with sizes in {sizes} and warps "
-                         "2/4/8/16, e.g. '" + ":".join(["32"] * len(names)) + ":4'")
-    return {**dict(zip(names, vals[:-1])), "num_warps": vals[-1]}
+    n = len(names)
+    reg = vals[n + 1] if len(vals) == n + 2 else None
+    if (len(vals) not in (n + 1, n + 2) or any(v not in sizes for v in vals[:n]) or vals[n] not in (2, 4, 8, 16)
+            or (reg is not None and not 64 <= reg <= 255)):
+        raise ValueError(f"${env}={spec!r} must be '{':'.join(names)}:warps[:maxnreg]' with sizes in {sizes}, "
+                         "warps 2/4/8/16, maxnreg 64..255, e.g. '" + ":".join(["32"] * n) + ":4'")
+    return {**dict(zip(names, vals[:n])), "num_warps": vals[n], **({"maxnreg": reg} if reg else {})}
 
 
 def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int,

@@ -49,6 +49,9 @@ K1_ENV = "MOESTACK_KDA_K1"
 # "inline" (default) or "split": K1 in two launches, the exact path compiled only into the second, which runs just
 # the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 -> 60 B).
 K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("inline", "split")
+# K1's W / U pass by column blocks of this size (16, 32, 64, 128) instead of BKS: fewer, larger dots (16 -> 4 at
+# 64); ptxas at 16:4 bf16, split, storing X: 56 B spills -> 80 B (32), 156 B (64). Unset = BKS. Read per call.
+K1_WY_ENV = "MOESTACK_KDA_K1_WY"
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
@@ -275,7 +278,7 @@ def kda_fwd_kernel_intra(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
-    LOWP: tl.constexpr, STORE_X: tl.constexpr = False, SEL: tl.constexpr = 0,
+    LOWP: tl.constexpr, STORE_X: tl.constexpr = False, SEL: tl.constexpr = 0, BKW: tl.constexpr = 0,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
@@ -357,22 +360,32 @@ def kda_fwd_kernel_intra(
         b_minv_d = b_minv.to(LOWP_DT)
     else:
         b_minv_d = b_minv
-    for col0 in range(0, K, BKS):
-        b_b, _ = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
-        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
+    if BKW == 0:  # W and U by channel blocks of BKS (as the scores)
+        _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K, V, BT, BKS, LOWP)
+    else:  # by blocks of BKW: fewer, larger dots (MOESTACK_KDA_K1_WY)
+        _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K, V, BT, BKW, LOWP)
+
+
+@triton.jit
+def _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BKW: tl.constexpr, LOWP: tl.constexpr):
+    """K1's last pass: W = X Diag(beta) (k exp(b)) and U = X Diag(beta) v by column blocks of BKW."""
+    for col0 in range(0, K, BKW):
+        b_b, _ = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKW)
+        b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKW, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * (b_rk * b_beta)[:, None]
         b_kb = b_k * tl.exp(b_b)
         if LOWP:
             b_kb = b_kb.to(LOWP_DT)
-        tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), tl.dot(b_minv_d, b_kb).to(w.dtype.element_ty),
+        tl.store(_tok_ptr(w, t0, n, H, i_h, K, BT, BKW, col0), tl.dot(b_minv_d, b_kb).to(w.dtype.element_ty),
                  boundary_check=(0, 1))
-    for col0 in range(0, V, BKS):
-        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
+    for col0 in range(0, V, BKW):
+        b_v = tl.load(_tok_ptr(v, t0, n, H, i_h, V, BT, BKW, col0), boundary_check=(0, 1), padding_option="zero")
         b_bv = b_beta[:, None] * b_v.to(tl.float32)
         if LOWP:
             b_bv = b_bv.to(LOWP_DT)
         b_u = tl.dot(b_minv_d, b_bv)
-        tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKS, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKW, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
 # First (the single config without autotuning): BV = 32 at 8 warps compiles without spills at K = V = 128
@@ -465,7 +478,7 @@ def k1_exact_choice(k1_exact: str | None = None) -> str:
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
                   lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
                   l2_eps: float = 1e-6, intra_dots: str | None = None, k1_config: str | None = None,
-                  store_x: bool = False, k1_exact: str | None = None) -> dict:
+                  store_x: bool = False, k1_exact: str | None = None, k1_wy: int | None = None) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
@@ -474,7 +487,7 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice;
     k1_config: see k1_config_choice. store_x: also xinv [T, H, BT] fp32 (the chunk's X = (I + Diag(beta) Akk)^-1
     by rows) and akk [T, H, BT] (inter_dtype), for a backward that reads them instead of recomputing.
-    k1_exact: see k1_exact_choice.
+    k1_exact: see k1_exact_choice. k1_wy: the W / U column block (else $MOESTACK_KDA_K1_WY, else BKS).
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -503,6 +516,9 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         if choice[2] is not None:  # a register cap: two 8-warp CTAs per SM at 128 (ptxas: ~0.3 KB spills)
             extra["maxnreg"] = choice[2]
     lowp = intra_dots_choice(intra_dots) == "bf16"
+    wy = k1_wy or os.environ.get(K1_WY_ENV) or 0
+    if str(wy) not in ("0", "16", "32", "64", "128"):
+        raise ValueError(f"k1_wy={wy!r} must be 16, 32, 64 or 128 (argument or ${K1_WY_ENV})")
     for sel in (1, 2) if k1_exact_choice(k1_exact) == "split" else (0,):
         kern[(NC, H)](
             q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
@@ -512,7 +528,7 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
             scale, H,
             K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, **extra,
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, BKW=int(wy), **extra,
         )
     return out
 

@@ -2,8 +2,9 @@
 
     python -m moestack.ops.kda.spill_report [k1 k2 b2 b3a b3b]
 
-Env picks the variant: BKS, BKW (K1's W / U block), BV, BKC, NW, GATE, LOWP, XSAVED (K1 STORE_X / B3a LOAD_X), NARROW (B3b), SEL (K1, B3b:
-1 = the launch without the exact path, 2 = the exact-path launch), MAXNREG (a register cap).
+Env picks the variant: BKS, BKW (K1's W / U block), BV, BKC, NW, GATE, LOWP, XSAVED (K1 STORE_X / B3a LOAD_X),
+NARROW (B3b), SEL (K1, B3b: 1 = the launch without the exact path, 2 = the exact-path launch), MAXNREG (a register
+cap).
 
 Catches compile errors before a GPU run and shows register pressure (spills cost more than re-reading a tile from
 L1/L2 here). K = V = 128, bf16 intermediates. The PTX goes to a temporary folder and through the ptxas bundled

@@ -88,12 +88,12 @@ class _KDATriton(torch.autograd.Function):
         chunk_map, chunk_offsets = _chunk_layout(cu, B * T)
         flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
         h0 = None if initial_state is None else initial_state.float().contiguous()
+        save = not cfg["recompute"]
         intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
                               lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
                               beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q),
-                              intra_dots=cfg["intra_dots"], store_x=cfg["bwd_x"] == "saved",
-                              k1_exact=cfg["k1_exact"])
-        save = not cfg["recompute"]
+                              intra_dots=cfg["intra_dots"], store_x=save and cfg["bwd_x"] == "saved",
+                              k1_exact=cfg["k1_exact"])  # X / Akk only when kept (a recompute writes its own)
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
         saved = [intra.get(n) for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)

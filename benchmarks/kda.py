@@ -14,7 +14,8 @@ per-chunk kernel configs), "+xs" (MOESTACK_KDA_BWD_X=saved: K1 writes X and Akk,
 recomputing), "+bbf16"
 (MOESTACK_KDA_BWD_DOTS=bf16: B3a's WY dots and B3b's score-gradient dots with bf16 operands), "+split" /
 "+narrow" (MOESTACK_KDA_B3B_FORM: B3b without the inline exact path / also with stripe-sized operands),
-"+k1split" (MOESTACK_KDA_K1_EXACT=split: K1 likewise in two launches), e.g.
+"+k1split" (MOESTACK_KDA_K1_EXACT=split: K1 likewise in two launches), "+k1join" (MOESTACK_KDA_K1_JOIN=1: K1's
+Akk and Aqk dots stacked into one per stripe), e.g.
 "ours-save+bf16+k1=16:4+k2=16:4+b3b=16:4+xs+bbf16".
 
 Inputs (bf16): q, k, v ~ N(0, 1) un-normalised (both sides L2-normalise in kernel), g = logsigmoid(N(0, 1))
@@ -43,7 +44,7 @@ QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k
 # top of it (old first, so a budget cut drops new ones)
 _BEST = "ours-save+bf16+k1=16:4+b3b=16:4"
 BWD_QUICK_BACKENDS = ["ours", _BEST, _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split",
-                      _BEST + "+xs+bbf16+split+k1split",
+                      _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+split+k1join",
                       "ours-save+bf16+k1=16:4+b3b=16:4:168+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
                       "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split",
                       "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
@@ -90,6 +91,8 @@ def _variant_env(name: str) -> dict:
             env["MOESTACK_KDA_B3B_FORM"] = part
         elif part == "k1split":
             env["MOESTACK_KDA_K1_EXACT"] = "split"
+        elif part == "k1join":
+            env["MOESTACK_KDA_K1_JOIN"] = "1"
         else:
             raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' (use +bf16, +k1=BKS:warps, "
                              "+k2=BV:warps, +b3a=BV:BKS:warps, +b3b=BKC:warps, +xs, +bbf16 or +narrow)")
@@ -216,13 +219,18 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
     kw = dict(scale=K**-0.5, gate=0, lower_bound=-5.0, l2norm=True)
     fkw = dict(beta_sigmoid=False, inter_dtype=q.dtype, **kw)
 
-    def k1(dots, cfg, store_x, exact="inline", wy=None):
-        return lambda: tf.kda_fwd_intra(q, k, v, g, beta, None, None, cmap, cu, intra_dots=dots, k1_config=cfg,
+    def k1(dots, cfg, store_x, exact="inline", wy=None, join=False):
+        def run():
+            with _env_set({"MOESTACK_KDA_K1_JOIN": "1"} if join else {}):
+                return tf.kda_fwd_intra(q, k, v, g, beta, None, None, cmap, cu, intra_dots=dots, k1_config=cfg,
                                         store_x=store_x, k1_exact=exact, k1_wy=wy, **fkw)
+        return run
 
     steps = {
         "K1 tf32 16:4 (default)": k1("tf32", "16:4", False),
         "K1 bf16 16:4 +store X, split": k1("bf16", "16:4", True, "split"),
+        "K1 bf16 16:4 +store X, joined": k1("bf16", "16:4", True, "split", join=True),
+        "K1 bf16 32:8 +store X, joined": k1("bf16", "32:8", True, "split", join=True),
         "K1 bf16 32:4 +store X, split": k1("bf16", "32:4", True, "split"),
         "K1 bf16 16:4 +store X, split, W/U by 64": k1("bf16", "16:4", True, "split", 64),
         "K1 bf16 16:4 +store X, split, W/U by 32": k1("bf16", "16:4", True, "split", 32),
@@ -265,7 +273,8 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
                                          **kw)
         return run
 
-    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", "16:4:168"),
+    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", "32:4"),
+                            (True, "split", "16:4:168"),
                             (False, "split", "16:4:168"), (True, "split", None),
                             (True, "narrow", None), (False, "split", "16:4"), (True, "masked", "16:4"),
                             (True, "narrow", "16:4"), (False, "masked", None)):

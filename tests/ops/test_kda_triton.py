@@ -229,7 +229,8 @@ def _set_env(monkeypatch, env: str) -> None:
 
 BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4:168 "
-                "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K1_WY=32"]
+                "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K1_WY=32",
+                "MOESTACK_KDA_K1_JOIN=1 MOESTACK_KDA_K1=16:4"]
 
 
 @pytest.mark.parametrize("env", BWD_VARIANTS)
@@ -244,7 +245,7 @@ def test_bwd_variants(monkeypatch, env):
 
 def test_bwd_variants_varlen(monkeypatch):
     """All backward variants together on uneven packed documents with the fused K3 gate (recompute mode)."""
-    _set_env(monkeypatch, BWD_VARIANTS[-1])
+    _set_env(monkeypatch, BWD_VARIANTS[-2] + " MOESTACK_KDA_K1_JOIN=1")
     cu = torch.tensor([0, 5, 75, 100], dtype=torch.int32)
     x = make_inputs(1, 100, 2, 16, 16, n_seqs=3, gate="k3", seed=43)
     check(x, gate="k3", cu_seqlens=cu, recompute=True)
@@ -254,7 +255,8 @@ def test_bwd_variants_varlen(monkeypatch):
 def test_bwd_variants_exact_path(monkeypatch, form):
     """Strong Kimi gates (the exact per-column path for the diagonal blocks; the second launch of K1 and of B3b
     in the split forms) through the new forms."""
-    _set_env(monkeypatch, f"MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_EXACT=split")
+    _set_env(monkeypatch, f"MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_EXACT=split "
+                          f"MOESTACK_KDA_K1_JOIN={int(form == 'narrow')}")
     x = make_inputs(1, 64, 1, 16, 16, gate="kimi", seed=5)
     x["A_log"] = torch.full((1,), 0.7)
     x["dt_bias"][:3] = 6.0
@@ -268,7 +270,7 @@ def test_low_precision_dots_structure(monkeypatch, form):
     dot is broken): this checks the structure (masks, transposes, operands) at an fp16-sized bound, mild gates
     (fp16 would overflow the exp factors of strong ones). Their bf16 accuracy is the GPU tests' job."""
     _set_env(monkeypatch, f"MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_BWD_X=saved "
-                          f"MOESTACK_KDA_B3B_FORM={form}")
+                          f"MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_JOIN={int(form == 'narrow')}")
     x = make_inputs(1, 63, 2, 32, 32, h0=True, seed=45)
     x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
     check(x, gate="none", fused=False, recompute=True, tol_out=3e-3, tol_grad=3e-3)
@@ -283,6 +285,7 @@ def test_saved_x_recompute_matches_save(monkeypatch):
 @pytest.mark.parametrize("env,value", [("MOESTACK_KDA_BWD_X", "stored"), ("MOESTACK_KDA_BWD_DOTS", "fp8"),
                                        ("MOESTACK_KDA_B3B_FORM", "wide"), ("MOESTACK_KDA_K1_EXACT", "yes"),
                                        ("MOESTACK_KDA_B3B", "16:4:300"), ("MOESTACK_KDA_K1_WY", "48"),
+                                       ("MOESTACK_KDA_K1_JOIN", "yes"),
                                        ("MOESTACK_KDA_K2", "17:4"), ("MOESTACK_KDA_K2", "16"),
                                        ("MOESTACK_KDA_K1", "16:3"), ("MOESTACK_KDA_K1", "16:8:300"),
                                        ("MOESTACK_KDA_K2", "16:4:128"), ("MOESTACK_KDA_INTRA_DOTS", "fp8"),
@@ -359,13 +362,13 @@ def _correlated_keys_case(label: str, recompute: bool = True) -> None:
 # times them: K1 saves X / Akk (B3a reads them), bf16 backward dots, and the narrow B3b.
 GPU_BWD_STACK = ("MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_X=saved "
                  "MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split")
-GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=narrow"),
+GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=narrow") + " MOESTACK_KDA_K1_JOIN=1",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split "
                 "MOESTACK_KDA_K1_WY=64"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+narrow", "tf32+saved+split"])
+@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+narrow+join", "tf32+saved+split"])
 def test_gpu_bwd_variants(env, monkeypatch):
     """The backward variants at the usual bf16 bounds: varlen K3 with initial states (save mode, then recompute
     mode), and correlated keys with weak / saturated gates at 2x the bounds (as test_gpu_bf16_correlated_keys)."""

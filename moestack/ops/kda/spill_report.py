@@ -4,7 +4,7 @@
 
 Env picks the variant: BKS, BKW (K1's W / U block), BV, BKC, NW, GATE, LOWP, XSAVED (K1 STORE_X / B3a LOAD_X),
 NARROW (B3b), SEL (K1, B3b: 1 = the launch without the exact path, 2 = the exact-path launch), MAXNREG (a register
-cap).
+cap), JOIN (K1's stacked score dots; with SEL=1).
 
 Catches compile errors before a GPU run and shows register pressure (spills cost more than re-reading a tile from
 L1/L2 here). K = V = 128, bf16 intermediates. The PTX goes to a temporary folder and through the ptxas bundled
@@ -74,7 +74,7 @@ def main() -> None:
                 {**COMMON, "BV": 128, "GATE": _env("GATE", 0), "LOWER_BOUND": -5.0, "HAS_DT_BIAS": fused,
                  "L2NORM": fused, "L2_EPS": 1e-6, "BETA_SIGMOID": False, "SPAN_MAX": 80.0, "BKS": _env("BKS", 32),
                  "LOWP": bool(_env("LOWP", 0)), "STORE_X": bool(_env("XSAVED", 0)), "SEL": _env("SEL", 0),
-                 "BKW": _env("BKW", 0)},
+                 "BKW": _env("BKW", 0), "JOIN": bool(_env("JOIN", 0))},
                 {"scale": "fp32", "H": "i32"}, warps)
     rec = {"K": 128, "V": 128, "BT": 64, "BK": 128, "BV": bv}
     if "k2" in only:

@@ -52,6 +52,9 @@ K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("inline", "split")
 # K1's W / U pass by column blocks of this size (16, 32, 64, 128) instead of BKS: fewer, larger dots (16 -> 4 at
 # 64); ptxas at 16:4 bf16, split, storing X: 56 B spills -> 80 B (32), 156 B (64). Unset = BKS. Read per call.
 K1_WY_ENV = "MOESTACK_KDA_K1_WY"
+# "1": K1's score loop as one dot per stripe with the k and q rows stacked ([2 BT, BKS] x [BKS, BT]) instead of two
+# (Akk, Aqk share the right factor); implies MOESTACK_KDA_K1_EXACT=split (the joined form has no exact path).
+K1_JOIN_ENV = "MOESTACK_KDA_K1_JOIN"
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
@@ -213,6 +216,41 @@ def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
 
 
 @triton.jit
+def _intra_scores_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b, p_gc, ncol, K: tl.constexpr,
+                         BT: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr, LOWP: tl.constexpr):
+    """[Akk; Aqk] ([2 BT, BT], not yet masked) of one channel block with ONE dot per stripe instead of two: the
+    rows of k and q~ are stacked, as both meet the same right factor k_j exp(r - b_j). Read from memory (rq, rk,
+    gc are written by then). No exact path (K1_EXACT=split). b_k, b_b: this block's k_hat and b [BT, BKS]."""
+    o_r = tl.arange(0, 2 * BT)
+    row = o_r % BT
+    is_q = o_r >= BT
+    m_r = row < n
+    o_k = col0 + tl.arange(0, BKS)
+    m_2 = m_r[:, None] & (o_k < K)[None, :]
+    offs = (t0 + row).to(tl.int64) * H + i_h  # [2 BT]
+    p_x = offs[:, None] * K + o_k[None, :]
+    b_x = tl.load(k + p_x, mask=m_2 & ~is_q[:, None], other=0.0).to(tl.float32) \
+        + tl.load(q + p_x, mask=m_2 & is_q[:, None], other=0.0).to(tl.float32)
+    b_s = tl.load(rk + offs, mask=m_r & ~is_q, other=0.0) + tl.load(rq + offs, mask=m_r & is_q, other=0.0) * scale
+    b_x = b_x * b_s[:, None]  # [k_hat; q~]
+    b_bl = _gc_row(p_gc, BT - 1, n, H * K, ncol, BKS)
+    b_b2 = tl.where(m_r[:, None], tl.load(gc + p_x, mask=m_2, other=0.0), b_bl[None, :])
+    o_t = tl.arange(0, BT)
+    b_a2 = tl.zeros([2 * BT, BT], tl.float32)
+    for c in range(BT // SUB):
+        r = _gc_row(p_gc, c * SUB + SUB - 1, n, H * K, ncol, BKS)
+        m_l = (row >= c * SUB)[:, None]
+        e_l = tl.where(m_l, tl.exp(tl.where(m_l, b_b2 - r[None, :], 0.0)), 0.0)  # [2 BT, BKS]
+        m_s = ((o_t >= c * SUB) & (o_t < c * SUB + SUB))[:, None]
+        b_kr = b_k * tl.where(m_s, tl.exp(tl.where(m_s, r[None, :] - b_b, 0.0)), 0.0)  # [BT, BKS]
+        if LOWP:
+            b_a2 += tl.dot((b_x * e_l).to(LOWP_DT), tl.trans(b_kr.to(LOWP_DT)))
+        else:
+            b_a2 += tl.dot(b_x * e_l, tl.trans(b_kr))
+    return b_a2
+
+
+@triton.jit
 def _unit_lower_inverse(b_n, BT: tl.constexpr):
     """(I + N)^-1 for strictly lower N [BT, BT] (BT = 64), by recursive block doubling: with Y the inverse's
     diagonal blocks of size s, the blocks of size 2s are Y - Y C Y, C = N's lower-left s-blocks inside each 2s
@@ -279,6 +317,7 @@ def kda_fwd_kernel_intra(
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
     LOWP: tl.constexpr, STORE_X: tl.constexpr = False, SEL: tl.constexpr = 0, BKW: tl.constexpr = 0,
+    JOIN: tl.constexpr = False,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
@@ -331,23 +370,35 @@ def kda_fwd_kernel_intra(
         slow = False
 
     # Pass 2: Akk, Aqk; Qp = q~ exp(b), Kd = k exp(b_last - b), b_last.
-    b_akk = tl.zeros([BT, BT], tl.float32)
-    b_aqk = tl.zeros([BT, BT], tl.float32)
+    if JOIN:
+        b_a2 = tl.zeros([2 * BT, BT], tl.float32)  # [Akk; Aqk], split after the loop
+    else:
+        b_akk = tl.zeros([BT, BT], tl.float32)
+        b_aqk = tl.zeros([BT, BT], tl.float32)
     for col0 in range(0, K, BKS):
         b_b, b_bl = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
         b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * b_rk[:, None]
-        b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True, LOWP)
-        b_akk += b_a
-        b_aqk += b_aq
+        if JOIN:
+            b_a2 += _intra_scores_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b, p_gc + col0,
+                                         K - col0, K, BT, SUB, BKS, LOWP)
+        else:
+            b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True,
+                                      LOWP)
+            b_akk += b_a
+            b_aqk += b_aq
         tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BKS, col0), (b_q * tl.exp(b_b)).to(qp.dtype.element_ty),
                  boundary_check=(0, 1))
         tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BKS, col0),
                  (b_k * tl.exp(b_bl[None, :] - b_b)).to(kd.dtype.element_ty), boundary_check=(0, 1))
         o_kc = col0 + tl.arange(0, BKS)
         tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_kc, b_bl, mask=o_kc < K)
+    if JOIN:
+        b_akk, b_aqk = tl.split(tl.permute(tl.reshape(b_a2, [2, BT, BT]), (1, 2, 0)))
+        b_akk = tl.where(o_t[:, None] > o_t[None, :], b_akk, 0.0)
+        b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk, 0.0)
     tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
     if STORE_X:  # here, not after the inverse: Akk would stay live through it (registers)
         tl.store(_tok_ptr(akk, t0, n, H, i_h, BT, BT, BT), b_akk.to(akk.dtype.element_ty), boundary_check=(0, 1))
@@ -519,7 +570,11 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     wy = k1_wy or os.environ.get(K1_WY_ENV) or 0
     if str(wy) not in ("0", "16", "32", "64", "128"):
         raise ValueError(f"k1_wy={wy!r} must be 16, 32, 64 or 128 (argument or ${K1_WY_ENV})")
-    for sel in (1, 2) if k1_exact_choice(k1_exact) == "split" else (0,):
+    join = os.environ.get(K1_JOIN_ENV, "0")
+    if join not in ("0", "1"):
+        raise ValueError(f"${K1_JOIN_ENV}={join!r} must be 0 or 1")
+    split = join == "1" or k1_exact_choice(k1_exact) == "split"
+    for sel in (1, 2) if split else (0,):
         kern[(NC, H)](
             q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
             chunk_map, cu_seqlens,
@@ -528,7 +583,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
             scale, H,
             K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, BKW=int(wy), **extra,
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, BKW=int(wy),
+            JOIN=join == "1" and sel == 1, **extra,
         )
     return out
 

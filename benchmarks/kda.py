@@ -13,7 +13,8 @@ config), "+b3a=BV:BKS:warps[:maxnreg]" / "+b3b=BKC:warps[:maxnreg]" (MOESTACK_KD
 per-chunk kernel configs), "+xs" (MOESTACK_KDA_BWD_X=saved: K1 writes X and Akk, B3a reads them and W instead of
 recomputing), "+bbf16"
 (MOESTACK_KDA_BWD_DOTS=bf16: B3a's WY dots and B3b's score-gradient dots with bf16 operands), "+split" /
-"+narrow" (MOESTACK_KDA_B3B_FORM: B3b without the inline exact path / also with stripe-sized operands),
+"+narrow" / "+joined" (MOESTACK_KDA_B3B_FORM: B3b without the inline exact path / also with stripe-sized
+operands / also with two stacked dots per stripe instead of four),
 "+k1split" (MOESTACK_KDA_K1_EXACT=split: K1 likewise in two launches), "+k1join" (MOESTACK_KDA_K1_JOIN=1: K1's
 Akk and Aqk dots stacked into one per stripe), e.g.
 "ours-save+bf16+k1=16:4+k2=16:4+b3b=16:4+xs+bbf16".
@@ -45,6 +46,7 @@ QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k
 _BEST = "ours-save+bf16+k1=16:4+b3b=16:4"
 BWD_QUICK_BACKENDS = ["ours", _BEST, _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split",
                       _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+split+k1join",
+                      _BEST + "+xs+bbf16+joined+k1join",
                       "ours-save+bf16+k1=16:4+b3b=16:4:168+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
                       "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split",
                       "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
@@ -87,7 +89,7 @@ def _variant_env(name: str) -> dict:
             env["MOESTACK_KDA_BWD_X"] = "saved"
         elif part == "bbf16":
             env["MOESTACK_KDA_BWD_DOTS"] = "bf16"
-        elif part in ("split", "narrow"):
+        elif part in ("split", "narrow", "joined"):
             env["MOESTACK_KDA_B3B_FORM"] = part
         elif part == "k1split":
             env["MOESTACK_KDA_K1_EXACT"] = "split"
@@ -273,7 +275,8 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
                                          **kw)
         return run
 
-    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "split", "32:4"),
+    for lowp, form, cfg in ((False, "masked", "16:4"), (True, "split", "16:4"), (True, "joined", "16:4"),
+                            (True, "joined", None), (False, "joined", "16:4"), (True, "split", "32:4"),
                             (True, "split", "16:4:168"),
                             (False, "split", "16:4:168"), (True, "split", None),
                             (True, "narrow", None), (False, "split", "16:4"), (True, "masked", "16:4"),

@@ -228,6 +228,7 @@ def _set_env(monkeypatch, env: str) -> None:
 
 
 BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
+                "MOESTACK_KDA_B3B_FORM=joined MOESTACK_KDA_B3B=16:4",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4:168 "
                 "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K1_WY=32",
                 "MOESTACK_KDA_K1_JOIN=1 MOESTACK_KDA_K1=16:4"]
@@ -251,7 +252,7 @@ def test_bwd_variants_varlen(monkeypatch):
     check(x, gate="k3", cu_seqlens=cu, recompute=True)
 
 
-@pytest.mark.parametrize("form", ["split", "narrow"])
+@pytest.mark.parametrize("form", ["split", "narrow", "joined"])
 def test_bwd_variants_exact_path(monkeypatch, form):
     """Strong Kimi gates (the exact per-column path for the diagonal blocks; the second launch of K1 and of B3b
     in the split forms) through the new forms."""
@@ -264,13 +265,13 @@ def test_bwd_variants_exact_path(monkeypatch, form):
     check(x, gate="kimi", recompute=False, tol_grad=1e-4)
 
 
-@pytest.mark.parametrize("form", ["masked", "narrow"])
+@pytest.mark.parametrize("form", ["masked", "narrow", "joined"])
 def test_low_precision_dots_structure(monkeypatch, form):
     """The "bf16" dot switches (K1 and backward) run their code paths in fp16 under the interpreter (its bf16
     dot is broken): this checks the structure (masks, transposes, operands) at an fp16-sized bound, mild gates
     (fp16 would overflow the exp factors of strong ones). Their bf16 accuracy is the GPU tests' job."""
     _set_env(monkeypatch, f"MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_BWD_X=saved "
-                          f"MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_JOIN={int(form == 'narrow')}")
+                          f"MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_JOIN={int(form != 'masked')}")
     x = make_inputs(1, 63, 2, 32, 32, h0=True, seed=45)
     x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
     check(x, gate="none", fused=False, recompute=True, tol_out=3e-3, tol_grad=3e-3)
@@ -362,13 +363,13 @@ def _correlated_keys_case(label: str, recompute: bool = True) -> None:
 # times them: K1 saves X / Akk (B3a reads them), bf16 backward dots, and the narrow B3b.
 GPU_BWD_STACK = ("MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_X=saved "
                  "MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split")
-GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=narrow") + " MOESTACK_KDA_K1_JOIN=1",
+GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=joined") + " MOESTACK_KDA_K1_JOIN=1",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split "
                 "MOESTACK_KDA_K1_WY=64"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+narrow+join", "tf32+saved+split"])
+@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+joined", "tf32+saved+split"])
 def test_gpu_bwd_variants(env, monkeypatch):
     """The backward variants at the usual bf16 bounds: varlen K3 with initial states (save mode, then recompute
     mode), and correlated keys with weak / saturated gates at 2x the bounds (as test_gpu_bf16_correlated_keys)."""
@@ -382,12 +383,17 @@ def test_gpu_bwd_variants(env, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["masked", "split", "narrow"])
+@pytest.mark.parametrize("form", ["masked", "joined"])
 def test_gpu_bwd_variants_exact_path(form, monkeypatch):
-    """Strong Kimi gates in a few channels (chunks flagged for the exact path: B3b's second launch) with the
-    bf16 stack, K = V = 128 (masked: K1 and B3b with the inline exact path, as an anchor)."""
+    """Strong Kimi gates in a few channels (chunks flagged for the exact path: the second launch of K1 and B3b,
+    the same masked code for every split form) with the bf16 stack, K = V = 128 (masked: K1 and B3b with the
+    inline exact path, as an anchor; joined: K1 and B3b joined)."""
     env = GPU_BWD_STACK.replace("B3B_FORM=split", f"B3B_FORM={form}")
-    _set_env(monkeypatch, env.replace("K1_EXACT=split", "K1_EXACT=inline") if form == "masked" else env)
+    if form == "masked":
+        env = env.replace("K1_EXACT=split", "K1_EXACT=inline")
+    else:
+        env += " MOESTACK_KDA_K1_JOIN=1"
+    _set_env(monkeypatch, env)
     x = make_inputs(1, 500, 2, 128, 128, gate="kimi", seed=51)
     x["A_log"] = torch.full((2,), 0.7)
     x["dt_bias"][:3] = 6.0

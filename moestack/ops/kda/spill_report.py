@@ -4,7 +4,7 @@
 
 Env picks the variant: BKS, BKW (K1's W / U block), BV, BKC, NW, GATE, LOWP, XSAVED (K1 STORE_X / B3a LOAD_X),
 NARROW (B3b), SEL (K1, B3b: 1 = the launch without the exact path, 2 = the exact-path launch), MAXNREG (a register
-cap), JOIN (K1's stacked score dots; with SEL=1).
+cap), JOIN (K1's / B3b's stacked score dots; with SEL=1).
 
 Catches compile errors before a GPU run and shows register pressure (spills cost more than re-reading a tile from
 L1/L2 here). K = V = 128, bf16 intermediates. The PTX goes to a temporary folder and through the ptxas bundled
@@ -100,7 +100,7 @@ def main() -> None:
                      "p_dn": F32, "p_dbl": F32, "dg": F32, "pd_dt": F32, "pd_alog": F32},
                     {"K": 128, "BT": 64, "SUB": 16, "BKC": _env("BKC", 32), "GATE": 0, "LOWER_BOUND": -5.0,
                      "HAS_DT_BIAS": False, "L2NORM": False, "LOWP": bool(_env("LOWP", 0)),
-                     "NARROW": bool(_env("NARROW", 0)), "SEL": _env("SEL", 0)},
+                     "NARROW": bool(_env("NARROW", 0)), "SEL": _env("SEL", 0), "JOIN": bool(_env("JOIN", 0))},
                     {"scale": "fp32", "H": "i32"}, nw, 1)
 
 

@@ -153,6 +153,44 @@ def _intra_scores_bwd_exact(b_q, b_k, b_b, b_da, b_dn, b_dq, b_dk, b_db, BT: tl.
 
 
 @triton.jit
+def _intra_scores_bwd_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b, p_gc, b_dan, b_dant,
+                             b_dq, b_dk, b_db, K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                             BKC: tl.constexpr, LOWP: tl.constexpr):
+    """_intra_scores_bwd with two dots per stripe instead of four (no exact path: B3B_FORM=joined runs split):
+    b_dan = [dA; dN] ([2 BT, BT]) meets k_j exp(r - b_j) once for dq and dk together, and b_dant = [dA^T | dN^T]
+    ([BT, 2 BT]) meets the stacked [q~; k] exp(b_i - r) once. The stacked rows are read from memory."""
+    o_r = tl.arange(0, 2 * BT)
+    row = o_r % BT
+    is_q = o_r < BT  # top half: q~ (meets dA), bottom: k (meets dN)
+    m_r = row < n
+    o_k = col0 + tl.arange(0, BKC)
+    m_2 = m_r[:, None] & (o_k < K)[None, :]
+    offs = (t0 + row).to(tl.int64) * H + i_h
+    p_x = offs[:, None] * K + o_k[None, :]
+    b_x = tl.load(q + p_x, mask=m_2 & is_q[:, None], other=0.0).to(tl.float32) \
+        + tl.load(k + p_x, mask=m_2 & ~is_q[:, None], other=0.0).to(tl.float32)
+    b_s = tl.load(rq + offs, mask=m_r & is_q, other=0.0) * scale + tl.load(rk + offs, mask=m_r & ~is_q, other=0.0)
+    b_x = b_x * b_s[:, None]  # [q~; k_hat]
+    b_bl = _gc_row(p_gc, BT - 1, n, H * K, K - col0, BKC)
+    b_b2 = tl.where(m_r[:, None], tl.load(gc + p_x, mask=m_2, other=0.0), b_bl[None, :])
+    o_t = tl.arange(0, BT)
+    b_acc = tl.zeros([2 * BT, BKC], tl.float32)  # [dq~; dk] from the row side
+    for c in range(BT // SUB):
+        r = _gc_row(p_gc, c * SUB + SUB - 1, n, H * K, K - col0, BKC)
+        m_l = (row >= c * SUB)[:, None]
+        e_l = tl.where(m_l, tl.exp(tl.where(m_l, b_b2 - r[None, :], 0.0)), 0.0)  # [2 BT, BKC]
+        m_s = ((o_t >= c * SUB) & (o_t < c * SUB + SUB))[:, None]
+        e_r = tl.where(m_s, tl.exp(tl.where(m_s, r[None, :] - b_b, 0.0)), 0.0)  # [BT, BKC]
+        b_acc += e_l * tl.dot(b_dan, _lp(b_k * e_r, LOWP))
+        b_t = e_r * tl.dot(b_dant, _lp(b_x * e_l, LOWP))  # column side, dk only
+        b_dk += b_t
+        b_db -= b_k * b_t
+    b_top, b_bot = tl.split(tl.permute(tl.reshape(b_acc, [2, BT, BKC]), (1, 2, 0)))
+    b_xt, b_xb = tl.split(tl.permute(tl.reshape(b_x * b_acc, [2, BT, BKC]), (1, 2, 0)))
+    return b_dq + b_top, b_dk + b_bot, b_db + b_xt + b_xb
+
+
+@triton.jit
 def _tok_ptr_tc(x, t0, n_rows, H, i_h, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, col0):
     """Block pointer to the [BD, BR] tile of x^T (x [T, H, D] token-major) at columns col0.. of x."""
     return tl.make_block_ptr(x + (t0.to(tl.int64) * H + i_h) * D, (D, n_rows), (1, H * D), (col0, 0), (BD, BR),
@@ -393,7 +431,7 @@ def kda_bwd_kernel_scores(
     scale, H,
     K: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    LOWP: tl.constexpr = False, NARROW: tl.constexpr = False, SEL: tl.constexpr = 0,
+    LOWP: tl.constexpr = False, NARROW: tl.constexpr = False, SEL: tl.constexpr = 0, JOIN: tl.constexpr = False,
 ):
     """Backward, part 2 of 2, one program per (chunk slot, head), BKC channels at a time (all of this is
     per channel except the L2-norm rows): gradients through Aqk, Akk, Qp, Kd and W's k exp(b), the cumsum, the
@@ -414,7 +452,19 @@ def kda_bwd_kernel_scores(
             return
     b_rq = tl.load(rq + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
-    if not NARROW:
+    if JOIN:  # [dA; dN] and [dA^T | dN^T], built once
+        o_r = tl.arange(0, 2 * BT)
+        m_r = (o_r % BT) < n
+        p_r = ((t0 + o_r % BT).to(tl.int64) * H + i_h) * BT
+        p_2 = p_r[:, None] + o_t[None, :]
+        top = (o_r < BT)[:, None]
+        b_dan = _lp(tl.load(p_da + p_2, mask=m_r[:, None] & top, other=0.0)
+                    + tl.load(p_dn + p_2, mask=m_r[:, None] & ~top, other=0.0), LOWP)  # [2 BT, BT]
+        p_2t = p_r[None, :] + o_t[:, None]
+        topt = (o_r < BT)[None, :]
+        b_dant = _lp(tl.load(p_da + p_2t, mask=m_r[None, :] & topt, other=0.0)
+                     + tl.load(p_dn + p_2t, mask=m_r[None, :] & ~topt, other=0.0), LOWP)  # [BT, 2 BT]
+    elif not NARROW:
         b_da = tl.load(_tok_ptr(p_da, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
         b_dn = tl.load(_tok_ptr(p_dn, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
         if LOWP:  # dot operands only: half the registers for the two tiles live through the channel loop
@@ -450,7 +500,11 @@ def kda_bwd_kernel_scores(
                       padding_option="zero") * b_e
         b_dk_ += b_t
         b_db += b_k * b_t
-        if NARROW:  # p_dkp's block col0 (read above) is free: scratch for the stripes' dk rows
+        if JOIN:
+            b_dq_, b_dk_, b_db = _intra_scores_bwd_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b,
+                                                          p_gc, b_dan, b_dant, b_dq_, b_dk_, b_db, K, BT, SUB, BKC,
+                                                          LOWP)
+        elif NARROW:  # p_dkp's block col0 (read above) is free: scratch for the stripes' dk rows
             b_dq_, b_dk_, b_db = _intra_scores_bwd_narrow(k, gc, rk, p_da, p_dn, p_dkp, t0, n, H, i_h, col0, b_q,
                                                           b_k, b_b, b_bl, slow, b_dq_, b_dk_, b_db, K, BT, SUB,
                                                           BKC, LOWP)
@@ -530,9 +584,10 @@ BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("recompute", "saved")
 BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "bf16")
 # $MOESTACK_KDA_B3B_FORM = "masked" (default: per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked
 # operands, the exact path inline), "split" (the same, but the chunks flagged for the exact path go to a second
-# launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4) or "narrow" (split, and
-# stripe-sized operands read from memory: _intra_scores_bwd_narrow). Read per backward call.
-B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("masked", "split", "narrow")
+# launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4), "narrow" (split, and
+# stripe-sized operands read from memory: _intra_scores_bwd_narrow) or "joined" (split, and two stacked dots per
+# stripe instead of four: _intra_scores_bwd_joined). Read per backward call.
+B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("masked", "split", "narrow", "joined")
 
 
 def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str:
@@ -648,8 +703,8 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
     form = b3b_form_choice(form)
     # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form)
-    launches = [(0, False)] if form == "masked" else [(1, form == "narrow"), (2, False)]
-    for sel, narrow in launches:
+    launches = [(0, False)] if form == "masked" else [(1, form), (2, "masked")]
+    for sel, f in launches:
         kern[(NC, H)](
             q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
             intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,
@@ -657,7 +712,7 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
             dq, dk, dg, dummy if pd_dt is None else pd_dt, dummy if pd_alog is None else pd_alog,
             scale, H,
             K=K, BT=BT, SUB=SUB, GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None,
-            L2NORM=l2norm, LOWP=lowp, NARROW=narrow, SEL=sel, **extra,
+            L2NORM=l2norm, LOWP=lowp, NARROW=f == "narrow", JOIN=f == "joined", SEL=sel, **extra,
         )
     return dq, dk, dg, pd_dt, pd_alog
 

@@ -42,14 +42,13 @@ DEFAULT_SHAPES = ["1x32768x32x128", "2x8192x96x128", "8x4096x20x128"]  # B x T x
 QUICK_BACKENDS = ["ours", "ours-save", "ours+bf16", "ours+k1=16:4", "ours+bf16+k1=16:4", "ours-save+bf16+k1=16:4",
                   "ours+bf16+k1=16:4+k2=16:4", "ours-save+b3b=16:4", "ours-save+bf16+k1=16:4+b3b=16:4"]
 # --bwd-quick: the current default, the best measured opt-in stack (run 4: 21.56 ms), then the phase-C variants on
-# top of it (old first, so a budget cut drops new ones)
+# top of it, the likely best first (a budget cut drops the attribution rows at the end)
 _BEST = "ours-save+bf16+k1=16:4+b3b=16:4"
-BWD_QUICK_BACKENDS = ["ours", _BEST, _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split",
-                      _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+split+k1join",
-                      _BEST + "+xs+bbf16+joined+k1join",
-                      "ours-save+bf16+k1=16:4+b3b=16:4:168+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+narrow+k1split",
-                      "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split",
-                      "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
+BWD_QUICK_BACKENDS = [
+    "ours", _BEST, _BEST + "+xs+bbf16", _BEST + "+xs+bbf16+split+k1split", _BEST + "+xs+bbf16+joined+k1join",
+    _BEST + "+xs+bbf16+split+k1join", "ours-save+bf16+k1=16:4+b3b=16:4:168+xs+bbf16+split+k1split",
+    _BEST + "+xs", _BEST + "+bbf16", _BEST + "+xs+bbf16+split", _BEST + "+xs+bbf16+narrow+k1split",
+    "ours-save+bf16+k1=32:4+b3b=16:4+xs+bbf16+split+k1split", "ours+bf16+k1=16:4+b3b=16:4+xs+bbf16+split+k1split"]
 
 
 def kda_flops(B: int, T: int, H: int, K: int, C: int = 64) -> float:
@@ -230,8 +229,8 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
 
     steps = {
         "K1 tf32 16:4 (default)": k1("tf32", "16:4", False),
-        "K1 bf16 16:4 +store X, split": k1("bf16", "16:4", True, "split"),
         "K1 bf16 16:4 +store X, joined": k1("bf16", "16:4", True, "split", join=True),
+        "K1 bf16 16:4 +store X, split": k1("bf16", "16:4", True, "split"),
         "K1 bf16 32:8 +store X, joined": k1("bf16", "32:8", True, "split", join=True),
         "K1 bf16 32:4 +store X, split": k1("bf16", "32:4", True, "split"),
         "K1 bf16 16:4 +store X, split, W/U by 64": k1("bf16", "16:4", True, "split", 64),
@@ -282,8 +281,12 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
                             (True, "narrow", None), (False, "split", "16:4"), (True, "masked", "16:4"),
                             (True, "narrow", "16:4"), (False, "masked", None)):
         steps[f"B3b {'bf16' if lowp else 'tf32'} {form} {cfg or '32:8'}"] = b3b(lowp, form, cfg)
+    first = ("K1 tf32 16:4 (default)", "K1 bf16 16:4 +store X, joined", "K1 bf16 16:4 +store X, split",
+             "B3a (default, 32:32:8)", "B3a saved X + bf16", "B3b tf32 masked 16:4", "B3b bf16 split 16:4",
+             "B3b bf16 joined 16:4", "B3b bf16 joined 32:8", "B3b bf16 split 32:8", "B2 bwd recurrence")
     out = {}
-    for name, fn in steps.items():
+    for name in [n for n in first if n in steps] + [n for n in steps if n not in first]:  # budget: these first
+        fn = steps[name]
         if time.perf_counter() > deadline:
             print(f"| kernel {name} | skipped: time budget | | | | | |", flush=True)
             continue

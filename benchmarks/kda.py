@@ -3,7 +3,7 @@
     python3 benchmarks/kda.py                      # the three issue shapes, forward and forward+backward
     python3 benchmarks/kda.py --shapes 1x4096x8x128 --no-fla
     python3 benchmarks/kda.py --quick --fla-ref 4.083 21.1    # < 90 s: headline shape, old vs new variants
-    python3 benchmarks/kda.py --bwd-quick --fla-ref 4.083 21.1    # < 120 s: the phase-C backward variants,
+    python3 benchmarks/kda.py --bwd-quick --fla-ref 4.083 21.1    # < 110 s: the phase-C backward variants,
                                                                   # end to end and per kernel, headline shape
 
 Variants of ours (same process, same inputs): "ours" (recompute in backward), "ours-save" (recompute=False), and
@@ -425,7 +425,7 @@ def main() -> None:
                    help="< 90 s on an H200: the first shape only, no fla, ours old vs new variants, kernel breakdown, "
                         "short conv rows")
     p.add_argument("--bwd-quick", action="store_true",
-                   help="< 120 s on an H200: the first shape only, no fla, the phase-C variants (K1 storing X, "
+                   help="< 110 s on an H200: the first shape only, no fla, the phase-C variants (K1 storing X, "
                         "B3a reading it, bf16 backward dots, split / narrow B3b, split K1) end to end next to the "
                         "default and the best opt-in stack, then per kernel")
     p.add_argument("--fla-ref", nargs=2, type=float, default=None, metavar=("FWD_MS", "FWDBWD_MS"),
@@ -449,7 +449,7 @@ def main() -> None:
         args.backends = args.backends or QUICK_BACKENDS
     if args.bwd_quick:
         args.shapes, args.no_fla, args.rep, args.no_layer_ops = args.shapes[:1], True, 100, True
-        args.budget_s = min(args.budget_s, 75.0)  # end-to-end rows; the per-kernel rows stop at 118 s
+        args.budget_s = min(args.budget_s, 60.0)  # end-to-end rows; the per-kernel rows stop at 100 s
         args.backends = args.backends or BWD_QUICK_BACKENDS
     names = ["ours", "ours-save"] + ([] if args.no_fla or not _fla_installed() else ["fla"])
     names = args.backends or names
@@ -492,7 +492,7 @@ def main() -> None:
                 del run, ins
                 torch.cuda.empty_cache()
         if args.bwd_quick:
-            for step, ms in bwd_variant_breakdown(x, args.rep, t_start + 118.0).items():
+            for step, ms in bwd_variant_breakdown(x, args.rep, t_start + 100.0).items():
                 results.append(dict(shape=shape, name="ours kernel", mode=step, ms=ms, tok_s=B * T / ms * 1e3,
                                     tflops=0.0))
         if args.breakdown and "ours" in names:

@@ -382,42 +382,6 @@ def test_gpu_bwd_variants(env, monkeypatch):
     _correlated_keys_case(env, recompute=False)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", ["masked", "joined"])
-def test_gpu_bwd_variants_exact_path(form, monkeypatch):
-    """Strong Kimi gates in a few channels (chunks flagged for the exact path: the second launch of K1 and B3b,
-    the same masked code for every split form) with the bf16 stack, K = V = 128 (masked: K1 and B3b with the
-    inline exact path, as an anchor; joined: K1 and B3b joined)."""
-    env = GPU_BWD_STACK.replace("B3B_FORM=split", f"B3B_FORM={form}")
-    if form == "masked":
-        env = env.replace("K1_EXACT=split", "K1_EXACT=inline")
-    else:
-        env += " MOESTACK_KDA_K1_JOIN=1"
-    _set_env(monkeypatch, env)
-    x = make_inputs(1, 500, 2, 128, 128, gate="kimi", seed=51)
-    x["A_log"] = torch.full((2,), 0.7)
-    x["dt_bias"][:3] = 6.0
-    assert max_span(kda_gate_kimi_linear(x["g"], x["A_log"], x["dt_bias"])) > SPAN_MAX
-    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
-    errs = check(x, gate="kimi", recompute=False, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
-    print(f"\nKDA_GPU_ERR exact-path {form} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("env", ["MOESTACK_KDA_INTRA_DOTS=bf16",
-                                 "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K2=16:4",
-                                 "MOESTACK_KDA_B3A=32:16:4 MOESTACK_KDA_B3B=16:4"])
-@pytest.mark.parametrize("recompute", [True])  # the forward runs twice; save vs recompute: test_gpu_bf16_varlen
-def test_gpu_bf16_switches(env, recompute, monkeypatch):
-    """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""
-    for item in env.split():
-        monkeypatch.setenv(*item.split("="))
-    cu = torch.tensor([0, 17, 300, 301, 1000], dtype=torch.int32, device="cuda")
-    x = make_inputs(1, 1000, 4, 128, 128, n_seqs=4, gate="k3", dtype=torch.bfloat16, device="cuda", seed=98)
-    errs = check(x, gate="k3", cu_seqlens=cu, recompute=recompute, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
-    print(f"\nKDA_GPU_ERR {env} recompute={recompute} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
-
-
 def _train_kda_layer(backend: str, monkeypatch, steps: int = 50) -> list[float]:
     """A K3 KDA layer trained under bf16 autocast on random data whose tokens share a direction (so keys are
     correlated, as in a real model), with half the decay channels saturated at the -5 bound."""
@@ -462,3 +426,39 @@ def test_gpu_in_model_training_matches_reference(monkeypatch, env):
     assert all(math.isfinite(v) for v in ours), f"non-finite Triton losses: {ours}"
     assert all(math.isfinite(v) for v in ref), f"non-finite reference losses: {ref}"
     assert max(rel) < 2e-2, f"Triton losses leave the reference's curve: {list(zip(ours, ref))}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["joined", "masked"])
+def test_gpu_bwd_variants_exact_path(form, monkeypatch):
+    """Strong Kimi gates in a few channels (chunks flagged for the exact path: the second launch of K1 and B3b,
+    the same masked code for every split form) with the bf16 stack, K = V = 128 (masked: K1 and B3b with the
+    inline exact path, as an anchor; joined: K1 and B3b joined)."""
+    env = GPU_BWD_STACK.replace("B3B_FORM=split", f"B3B_FORM={form}")
+    if form == "masked":
+        env = env.replace("K1_EXACT=split", "K1_EXACT=inline")
+    else:
+        env += " MOESTACK_KDA_K1_JOIN=1"
+    _set_env(monkeypatch, env)
+    x = make_inputs(1, 500, 2, 128, 128, gate="kimi", seed=51)
+    x["A_log"] = torch.full((2,), 0.7)
+    x["dt_bias"][:3] = 6.0
+    assert max_span(kda_gate_kimi_linear(x["g"], x["A_log"], x["dt_bias"])) > SPAN_MAX
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
+    errs = check(x, gate="kimi", recompute=False, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+    print(f"\nKDA_GPU_ERR exact-path {form} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", ["MOESTACK_KDA_INTRA_DOTS=bf16",
+                                 "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K2=16:4",
+                                 "MOESTACK_KDA_B3A=32:16:4 MOESTACK_KDA_B3B=16:4"])
+@pytest.mark.parametrize("recompute", [True])  # the forward runs twice; save vs recompute: test_gpu_bf16_varlen
+def test_gpu_bf16_switches(env, recompute, monkeypatch):
+    """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""
+    for item in env.split():
+        monkeypatch.setenv(*item.split("="))
+    cu = torch.tensor([0, 17, 300, 301, 1000], dtype=torch.int32, device="cuda")
+    x = make_inputs(1, 1000, 4, 128, 128, n_seqs=4, gate="k3", dtype=torch.bfloat16, device="cuda", seed=98)
+    errs = check(x, gate="k3", cu_seqlens=cu, recompute=recompute, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
+    print(f"\nKDA_GPU_ERR {env} recompute={recompute} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))

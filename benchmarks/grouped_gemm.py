@@ -66,16 +66,21 @@ SMALL_BUDGET_S = 100.0
 PEAK_TBS, PEAK_TFS = 4.8, 989.0  # H200: HBM3e bandwidth, dense bf16 tensor-core peak
 
 
-def backends() -> dict:
+def backends(fp8: bool = True) -> dict:
+    """name -> grouped_mm; fp8=False leaves the FP8 module unimported (--small, --no-fp8)."""
     from functools import partial
 
-    from moestack.ops.moe import fp8_grouped_gemm as f8
     from moestack.ops.moe import triton_grouped_gemm as tg
 
-    return {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
-            "swap": partial(tg.grouped_mm, variant="swap"), "tma": partial(tg.grouped_mm, variant="tma"),
-            "tma-p": partial(tg.grouped_mm, variant="tma-p"), "fp8": partial(f8.grouped_mm, v2=False),
-            "fp8v2": partial(f8.grouped_mm, v2=True), "fp8v2ns": partial(f8.grouped_mm, v2=True, swap_max_rows=0)}
+    fns = {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
+           "swap": partial(tg.grouped_mm, variant="swap"), "tma": partial(tg.grouped_mm, variant="tma"),
+           "tma-p": partial(tg.grouped_mm, variant="tma-p")}
+    if fp8:
+        from moestack.ops.moe import fp8_grouped_gemm as f8
+
+        fns.update({"fp8": partial(f8.grouped_mm, v2=False), "fp8v2": partial(f8.grouped_mm, v2=True),
+                    "fp8v2ns": partial(f8.grouped_mm, v2=True, swap_max_rows=0)})
+    return fns
 
 
 def quant_times(E: int, D: int, F: int, tokens: int) -> str:
@@ -232,14 +237,11 @@ def main() -> int:
         print("| needs a CUDA GPU |")
         return 1
     t0 = time.perf_counter()
-    fns = backends()
-    if args.no_fp8:
-        for n in ("fp8", "fp8v2", "fp8v2ns"):
-            fns.pop(n)
-    if args.variants:
-        fns = {n: fns[n] for n in args.variants.split(",")}
+    wanted = args.variants.split(",") if args.variants else None
+    fns = backends(fp8=not args.no_fp8 and (wanted is None or any(n.startswith("fp8") for n in wanted)))
+    if wanted:
+        fns = {n: fns[n] for n in wanted}
     names = list(fns)
-    from moestack.ops.moe.fp8_grouped_gemm import SWAP_MAX_ROWS as f8_swap_rows
     from moestack.ops.moe.triton_grouped_gemm import KERNEL_ENV, resolve_variant
 
     kernel = resolve_variant(args.kernel or ("tma" if args.small and not os.environ.get(KERNEL_ENV) else None))
@@ -274,7 +276,7 @@ def main() -> int:
                 errs = {}
                 ref = outputs(reference.grouped_mm, x, w, offs, dy)
                 for n, fn in fns.items():
-                    if n == "fp8v2ns" and tokens > f8_swap_rows:  # the same kernels as fp8v2 there
+                    if n == "fp8v2ns" and tokens > _fp8_swap_rows():  # the same kernels as fp8v2 there
                         ms[n] = ms["fp8v2"]
                         layer[n][0] += ms[n][0]
                         layer[n][1] += ms[n][1]
@@ -320,6 +322,12 @@ def main() -> int:
                 print(f"| tuned | {kern.base_fn.__name__} | {key} | {cfg} |")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _fp8_swap_rows() -> int:
+    from moestack.ops.moe.fp8_grouped_gemm import SWAP_MAX_ROWS
+
+    return SWAP_MAX_ROWS
 
 
 RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("tma", "torch"), ("tma-p", "torch"),

@@ -260,6 +260,7 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
     for label, saved, lowp, env in (
             ("B3a (default, 32:32:8)", False, False, {}), ("B3a saved X + bf16", True, True, {}),
             ("B3a saved X", True, False, {}),
+            ("B3a saved X + bf16, 64:64:8", True, True, {"MOESTACK_KDA_B3A": "64:64:8"}),
             ("B3a saved X + bf16, 32:16:4", True, True, {"MOESTACK_KDA_B3A": "32:16:4"}),
             ("B3a bf16", False, True, {})):
         steps[label] = b3a(saved, lowp, env)
@@ -282,7 +283,8 @@ def bwd_variant_breakdown(x: dict, rep: int, deadline: float) -> dict:
                             (True, "narrow", "16:4"), (False, "masked", None)):
         steps[f"B3b {'bf16' if lowp else 'tf32'} {form} {cfg or '32:8'}"] = b3b(lowp, form, cfg)
     first = ("K1 tf32 16:4 (default)", "K1 bf16 16:4 +store X, joined", "K1 bf16 16:4 +store X, split",
-             "B3a (default, 32:32:8)", "B3a saved X + bf16", "B3b tf32 masked 16:4", "B3b bf16 split 16:4",
+             "B3a (default, 32:32:8)", "B3a saved X + bf16", "B3a saved X + bf16, 64:64:8", "B3b tf32 masked 16:4",
+             "B3b bf16 split 16:4",
              "B3b bf16 joined 16:4", "B3b bf16 joined 32:8", "B3b bf16 split 32:8", "B2 bwd recurrence")
     out = {}
     for name in [n for n in first if n in steps] + [n for n in steps if n not in first]:  # budget: these first

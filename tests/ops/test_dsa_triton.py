@@ -352,7 +352,7 @@ def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
 
 
 def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
-    """torch.use_deterministic_algorithms(True): the sorted dKV scatter and no atomic indexer-score backward."""
+    """torch.use_deterministic_algorithms(True): the two-pass sorted dKV scatter and no atomic indexer-score backward."""
     from moestack.ops import dsa
     from moestack.ops.dsa import triton_op
 
@@ -371,5 +371,5 @@ def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
         assert entry.automatic is not None and not entry.automatic(cuda_like)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert seen == ["atomic", "sorted"]
+    assert seen == ["kmajor_ds", "sorted_ds"]
     assert entry.automatic(cuda_like)

@@ -25,11 +25,14 @@ from moestack.ops.moe import reference
 VARIANTS = ("persistent", "swap", "tma", "tma-p")  # = triton_grouped_gemm.VARIANTS (no triton import here)
 
 ENV_VAR = "MOESTACK_MOE_CROSSOVER"
-# Defaults measured on one H200 (2026-11-29, `benchmarks/grouped_gemm.py`, fwd): the Triton kernel beats torch's
-# grouped GEMM only at a few rows per expert (1.15-1.28x at 16-32 on K3's 3584 -> 6144 gate/up GEMM, ~1.0x at 64,
-# 0.72-0.92x at 128); elsewhere torch wins. A crossover JSON written on the local GPU replaces these.
-DEFAULT_ROWS = 16
-DEFAULT_BY_SHAPE = {"3584x6144": 32}
+# Defaults measured on one H200 (2026-11-29, session 3, `benchmarks/grouped_gemm.py --small --write-crossover`,
+# forward + backward): the TMA swap-AB kernel ("tma") beats torch's grouped GEMM on K3's expert GEMMs up to 64 rows
+# per expert (layer fwd+bwd 1.43x at 16, 1.39x at 32, 1.15x at 64; 0.94x at 128); on the smaller shapes (56 x
+# 2048 -> 1024, 224 x 1024 -> 512) torch wins at every measured row count. A JSON written on the local GPU replaces
+# these.
+DEFAULT_ROWS = 0
+DEFAULT_BY_SHAPE = {"3584x6144": 64, "3072x3584": 64}
+DEFAULT_KERNEL = "tma"
 
 
 @dataclass
@@ -38,7 +41,8 @@ class CrossoverTable:
 
     default_rows: int = DEFAULT_ROWS
     by_shape: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BY_SHAPE))
-    kernel: str | None = None  # Triton kernel family below the crossover; None = $MOESTACK_MOE_GG_KERNEL
+    # Triton kernel family below the crossover; None = $MOESTACK_MOE_GG_KERNEL (else triton_grouped_gemm's default)
+    kernel: str | None = None
 
     def threshold(self, D: int, F: int) -> int:
         return self.by_shape.get(f"{D}x{F}", self.default_rows)
@@ -68,7 +72,9 @@ class CrossoverTable:
 def default_table() -> CrossoverTable:
     """The table from $MOESTACK_MOE_CROSSOVER if set, else the built-in default (read once per process)."""
     path = os.environ.get(ENV_VAR)
-    return CrossoverTable.load(path) if path else CrossoverTable()
+    if path:
+        return CrossoverTable.load(path)
+    return CrossoverTable(kernel=os.environ.get("MOESTACK_MOE_GG_KERNEL") or DEFAULT_KERNEL)
 
 
 def choose(N: int, E: int, D: int, F: int, table: CrossoverTable | None = None) -> str:

@@ -27,32 +27,12 @@ import argparse
 import time
 
 import torch
+from dsa import row, timed  # benchmarks/dsa.py: CUDA-event median timing, markdown rows
 
 V_DIM, D_LAT, TOP_K, HI, DI = 512, 576, 2048, 32, 128
 SCALE = 192**-0.5
 BUDGET_S = 95.0  # later variants print "skipped: time cap" (the GPU slot is 200 s with the tests)
 T0 = time.time()
-
-
-def timed(fn, reps: int, warmup: int = 1) -> float:
-    """Median ms of fn() over reps CUDA-event-timed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    out.sort()
-    return out[len(out) // 2]
-
-
-def row(*cells) -> None:
-    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 def guarded(label: str, fn):

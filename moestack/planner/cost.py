@@ -1244,20 +1244,22 @@ class CostModel:
 
     def _one_end_of_backward(self, plan: Plan, mem: dict[str, float]) -> None:
         """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
-        LM head's gradient, the loss buffers) or at its end (all gradients), plus one layer's working set (the
-        gradients of its saved tensors, or its recomputed activations: the no-recompute bytes of the largest
-        layer)."""
+        LM head's gradient, then either the loss buffers or one layer's working set) or at its end (all gradients
+        plus one layer's working set). A layer's working set is the gradients of its saved tensors, or its
+        recomputed activations: the no-recompute bytes of the largest layer. The loss backward runs and frees its
+        chunk buffers before the first layer's backward starts, so the two are never alive together (measured on
+        the H200 at seq 16384: the peak over the saved activations was the loss chunk, not chunk + layer)."""
         kind_cost, _, _ = self.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
         scratch = max(c.act for c in kind_cost)
         head = (self.work.head.params * self.work.num_heads_out / plan.tp) * FP32
-        start = mem["activations"] + min(head, mem["gradients"]) + mem["buffers"]
-        end = mem["gradients"]
+        start = mem["activations"] + min(head, mem["gradients"]) + max(mem["buffers"], scratch)
+        end = mem["gradients"] + scratch
         if start >= end:
             mem["gradients"] = min(head, mem["gradients"])
+            mem["buffers"] = max(mem["buffers"], scratch)
         else:
             mem["activations"] = 0.0
-            mem["buffers"] = 0.0
-        mem["buffers"] += scratch
+            mem["buffers"] = scratch
 
     def _dp_times(self, plan: Plan, dense: float, expert: float, fwd: float, bwd: float, m: int,
                   layers: int) -> tuple[float, float]:

@@ -72,7 +72,8 @@ def layouts(root: Path, ref_name: str, names: list[str]) -> None:
         pred = (r["plan"] or {}).get("predicted") or {}
         step_meas = r["tokens_per_step"] / r["tps"] if r["tps"] else None
         step_pred = pred.get("step_time_s")
-        mem_pred = sum((pred.get("memory_gib") or {}).values()) or None
+        # allocated peak: the planner's total without its "reserved" allowance (the measurement is max allocated)
+        mem_pred = sum(v for k, v in (pred.get("memory_gib") or {}).items() if k != "reserved") or None
         time_cmp = f"{step_pred:.3f} / {step_meas:.3f} ({100 * (step_pred / step_meas - 1):+.0f}%)" \
             if step_pred and step_meas else "-"
         mem_cmp = f"{mem_pred:.1f} / {r['peak']:.1f} ({100 * (mem_pred / r['peak'] - 1):+.0f}%)" \

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from moestack.config.cluster import GIB, ClusterSpec
 from moestack.config.model_spec import LayerKind, ModelSpec
 from moestack.config.plan import Plan, RecomputePolicy
+from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS  # the chunked loss, as adapt.py prices it
 from moestack.planner.calibration import Calibration
 
 BF16 = 2
@@ -32,8 +33,6 @@ FP32 = 4
 # activation offload (moestack.memory.offload.ActivationOffloader, max_inflight=2): two layers' saved tensors wait for
 # their device-to-host copies while a third is produced (the copies are slower than the compute that fills them)
 ACT_OFFLOAD_LAYERS = 3
-LOSS_CHUNK_TOKENS = 4096  # moestack.model.loss.chunked_cross_entropy's default chunk (adapt.py uses the same)
-LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 copy + fp32 gradient of one chunk, alive together in backward (adapt.py)
 
 # ------------------------------------------------------------------------------------------------------------
 # 1. Work per token

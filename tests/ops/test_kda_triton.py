@@ -210,21 +210,20 @@ def test_recompute_matches_save():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _set_env(monkeypatch, env: str) -> None:
+    for item in env.split():
+        monkeypatch.setenv(*item.split("="))
+
+
 @pytest.mark.parametrize("env", ["MOESTACK_KDA_K2=16:4", "MOESTACK_KDA_K1=16:8:128",
                                  "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_B3B=16:4"])
 def test_fixed_kernel_configs(monkeypatch, env):
     """$MOESTACK_KDA_K1 / _K2 / _B3A / _B3B = "size[:size]:warps" launch that kernel with that config (here 2
     channel blocks / 2 V-blocks)."""
-    for item in env.split():
-        monkeypatch.setenv(*item.split("="))
+    _set_env(monkeypatch, env)
     x = make_inputs(2, 63, 2, 32, 32, h0=True, seed=31)
     x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
     check(x, gate="none", fused=False, recompute=True)
-
-
-def _set_env(monkeypatch, env: str) -> None:
-    for item in env.split():
-        monkeypatch.setenv(*item.split("="))
 
 
 BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
@@ -456,8 +455,7 @@ def test_gpu_bwd_variants_exact_path(form, monkeypatch):
 @pytest.mark.parametrize("recompute", [True])  # the forward runs twice; save vs recompute: test_gpu_bf16_varlen
 def test_gpu_bf16_switches(env, recompute, monkeypatch):
     """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""
-    for item in env.split():
-        monkeypatch.setenv(*item.split("="))
+    _set_env(monkeypatch, env)
     cu = torch.tensor([0, 17, 300, 301, 1000], dtype=torch.int32, device="cuda")
     x = make_inputs(1, 1000, 4, 128, 128, n_seqs=4, gate="k3", dtype=torch.bfloat16, device="cuda", seed=98)
     errs = check(x, gate="k3", cu_seqlens=cu, recompute=recompute, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)

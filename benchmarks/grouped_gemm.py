@@ -111,20 +111,21 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
     bt = tg.swap_token_tile(N, E)
     wt = w.transpose(1, 2)
     act = 2 * N * (D + F)  # bytes of the two activations (read x, write y / read dy, write dx / read both)
-    parts = {  # name: (fn, bytes)
-        "fwd torch": (lambda: reference.grouped_mm(x, w, offs), 2 * E * D * F + act),
-        "dX torch": (lambda: reference.grouped_mm(dy, wt, offs), 2 * E * D * F + act),
-        "dW torch": (lambda: reference._NATIVE_GROUPED_MM(x.t(), dy, offs=offs), 2 * E * D * F + act),
-        "fwd tma": (lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt), 2 * E * D * F + act),
-        "fwd tma-p": (lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt, persistent=True), 2 * E * D * F + act),
-        "dX tma": (lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt), 2 * E * D * F + act),
-        "dW tma": (lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False), 2 * E * D * F + act),
-        "dW tma-store": (lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True), 2 * E * D * F + act),
+    nbytes = 2 * E * D * F + act  # every kernel: the weights or dW once, plus the activations
+    parts = {
+        "fwd torch": lambda: reference.grouped_mm(x, w, offs),
+        "dX torch": lambda: reference.grouped_mm(dy, wt, offs),
+        "dW torch": lambda: reference._NATIVE_GROUPED_MM(x.t(), dy, offs=offs),
+        "fwd tma": lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt),
+        "fwd tma-p": lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt, persistent=True),
+        "dX tma": lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt),
+        "dW tma": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False),
+        "dW tma-store": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True),
     }
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
     cells = []
-    for name, (fn, nbytes) in parts.items():
+    for name, fn in parts.items():
         try:
             ms = median_ms(fn, target_ms=30.0)
             cells.append(f"{name} {ms:.3f} ms {nbytes / (ms * 1e9):.2f} TB/s ({roof / ms:.0%})")
@@ -240,6 +241,9 @@ def main() -> int:
     wanted = args.variants.split(",") if args.variants else None
     fns = backends(fp8=not args.no_fp8 and (wanted is None or any(n.startswith("fp8") for n in wanted)))
     if wanted:
+        unknown = [n for n in wanted if n not in fns]
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; choose from {list(fns)} (fp8 ones only without --no-fp8)")
         fns = {n: fns[n] for n in wanted}
     names = list(fns)
     from moestack.ops.moe.triton_grouped_gemm import KERNEL_ENV, resolve_variant

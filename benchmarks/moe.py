@@ -33,6 +33,8 @@ router logits, down- and up-projection GEMMs timed alone), speed-up vs the plain
 from __future__ import annotations
 
 import argparse
+import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -250,25 +252,9 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
 FFN_ROWS = (128, 256, 586, 2341)
 
 
-class _env:
-    def __init__(self, values: dict[str, str]):
-        self.values, self.saved = values, {}
-
-    def __enter__(self):
-        import os
-
-        for k, v in self.values.items():
-            self.saved[k] = os.environ.get(k)
-            os.environ[k] = v
-
-    def __exit__(self, *exc):
-        import os
-
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _err(e: Exception, n: int = 200) -> str:
+    """An exception as one table cell: its type and the first n characters of its first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:n] if str(e) else ''}"
 
 
 def _emit(rows: list[str], row: str) -> None:
@@ -299,13 +285,12 @@ def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
     for v in variants:
         backend, env = FP8_VARIANTS[v]
         try:
-            with _env(env):
+            with mock.patch.dict(os.environ, env):
                 layer.moe.experts.backend = backend
                 wc.clear()
                 t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
-            _emit(rows, f"| layer {name} | {v} | error: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:160] if str(e) else ''} |")
+            _emit(rows, f"| layer {name} | {v} | error: {_err(e, 160)} |")
             continue
         base = base or (t_f, t_b)
         _emit(rows, f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
@@ -336,14 +321,13 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
         for v in variants:
             backend, env = FP8_VARIANTS[v]
             try:
-                with _env(env):
+                with mock.patch.dict(os.environ, env):
                     ex.backend = backend
                     wc.clear()
                     t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
                                             [xs, ex.w_gate_up, ex.w_down], gy)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
-                _emit(out, f"| expert FFN {m} rows/expert | {v} | error: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:160] if str(e) else ''} |")
+                _emit(out, f"| expert FFN {m} rows/expert | {v} | error: {_err(e, 160)} |")
                 continue
             base = base or (t_f, t_b)
             _emit(out, f"| expert FFN E{E} L{L} I{inter}, {m} rows/expert | {v} | {t_f:.2f} | {t_b:.2f} | "
@@ -374,7 +358,7 @@ def fp8_main(args) -> None:
         try:
             fp8_layer(shape, variants, args.rep)  # prints its rows as they come
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
-            print(f"| layer {shape[0]} | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
+            print(f"| layer {shape[0]} | error: {_err(e)} |",
                   flush=True)
         torch.cuda.empty_cache()
     if not args.no_ffn:
@@ -382,7 +366,7 @@ def fp8_main(args) -> None:
         try:
             fp8_ffn((args.ffn_variants or args.fp8_variants).split(","), args.rep, rows)
         except Exception as e:  # noqa: BLE001
-            print(f"| expert FFN | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
+            print(f"| expert FFN | error: {_err(e)} |",
                   flush=True)
 
 
@@ -419,7 +403,7 @@ def main() -> None:
         except torch.OutOfMemoryError:
             print(f"| {shape[0]} | skipped: out of memory |", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
-            print(f"| {shape[0]} | error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |",
+            print(f"| {shape[0]} | error: {_err(e)} |",
                   flush=True)
         torch.cuda.empty_cache()
 

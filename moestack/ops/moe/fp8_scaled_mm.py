@@ -119,9 +119,7 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
                         st(sbs, (nk, nf), sb_stride, sb0 + e * nk * nf),
                         st(y_full, (m, F), (F, 1), y0 + r0 * F))
     y = y_full[:N]
-    used = ends[-1] if ends else 0
-    if used < N + 3:
-        y_full[used:].zero_()
+    y_full[ends[-1] if ends else 0:].zero_()  # rows past the last expert, and the 3 spare rows
     return y
 
 

@@ -38,7 +38,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moestack.ops.moe import fp8_quant as fq
-from moestack.ops.moe.triton_grouped_gemm import INTERPRET, _expert_tiles, _pick, quick_bench
+from moestack.ops.moe.triton_grouped_gemm import (
+    INTERPRET,
+    _expert_tiles,
+    _num_programs,
+    _pick,
+    _precision,
+    quick_bench,
+    swap_token_tile,
+)
 
 # (BT, BF, warps, stages) per BT_MAX (mean rows per expert as a power of two, 16..128). Shared memory per program
 # = stages * (BT + BF) * 128 B: BT = 128, BF = 128: 32 KB per stage.
@@ -199,22 +207,10 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
         return (triton.cdiv(A, meta["BA"]) * triton.cdiv(B, meta["BB"]), E)
 
     fp8_gg_wgrad_kernel_tma[grid](
-        p_desc, q_desc, sP, sQ, out, offs_E, A, B, E, out.stride(0), out.stride(1), bt_max(Ptok, E),
-        BE=triton.next_power_of_2(E), PRECISION="ieee" if P.dtype == torch.float32 else "tf32", G=fq.GROUP,
+        p_desc, q_desc, sP, sQ, out, offs_E, A, B, E, out.stride(0), out.stride(1), swap_token_tile(Ptok, E),
+        BE=triton.next_power_of_2(E), PRECISION=_precision(P.dtype), G=fq.GROUP,
     )
     return dw
-
-
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def supported(qx: torch.Tensor, qw: torch.Tensor) -> bool:
@@ -225,11 +221,6 @@ def supported(qx: torch.Tensor, qw: torch.Tensor) -> bool:
     return (qx.stride(1) == 1 and (qx.stride(0) * es) % 16 == 0 and qx.data_ptr() % 16 == 0
             and qw.stride(1) == 1 and qw.stride(2) == K and qw.stride(0) == F * K and (K * es) % 16 == 0
             and qw.data_ptr() % 16 == 0 and (INTERPRET or qx.is_cuda))
-
-
-def bt_max(N: int, E: int) -> int:
-    """Mean rows per expert as a power of two in 16..128 (picks the config list)."""
-    return min(128, max(16, triton.next_power_of_2(max(1, N // max(E, 1)))))
 
 
 def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
@@ -245,14 +236,15 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     w2 = torch.as_strided(qw, (E * F, K), (K, 1))  # memory [E, F, K]
     w_desc = TensorDescriptor.from_tensor(w2, [16, 16])  # block shapes: set by the pre-hook
     x_desc = TensorDescriptor(qx, [N, K], [qx.stride(0), 1], [16, 16])
-    sms = _num_sms(qx.device)
+    max_programs = _num_programs(qx.device)  # 2 per SM
+    bt_max = swap_token_tile(N, E)  # mean rows per expert as a power of two in 16..128: picks the config list
 
     def grid(meta):
-        return (max(1, min(2 * sms, (triton.cdiv(N, meta["BT"]) + E) * triton.cdiv(F, meta["BF"]))),)
+        return (max(1, min(max_programs, (triton.cdiv(N, meta["BT"]) + E) * triton.cdiv(F, meta["BF"]))),)
 
     fp8_gg_fwd_kernel_tma[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, sx.stride(0), sw.stride(0), sw.stride(1), y.stride(0),
-        bt_max(N, E), BE=triton.next_power_of_2(E), PRECISION="ieee" if qx.dtype == torch.float32 else "tf32",
-        BK=fq.GROUP, **({"BT": 16 if bt_max(N, E) < 64 else 64} if INTERPRET else {}),
+        bt_max, BE=triton.next_power_of_2(E), PRECISION=_precision(qx.dtype),
+        BK=fq.GROUP, **({"BT": 16 if bt_max < 64 else 64} if INTERPRET else {}),
     )
     return y

@@ -44,7 +44,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moestack.ops.moe.triton_grouped_gemm import INTERPRET, _expert_tiles, _pick, _precision, quick_bench
+from moestack.ops.moe.triton_grouped_gemm import (
+    INTERPRET,
+    _expert_tiles,
+    _num_programs,
+    _pick,
+    _precision,
+    quick_bench,
+)
 
 TMA_STORE = os.environ.get("MOESTACK_MOE_GG_TMA_STORE", "0") == "1"
 _MIN_BK = 16 if INTERPRET else 64  # smallest K tile of the configs (dX needs K % BK == 0)
@@ -197,18 +204,6 @@ def gg_wgrad_kernel_tma(
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """A tensor a TMA descriptor can cover: unit last stride, 16-byte base, positive 16-byte outer strides (an
     expanded gradient, stride 0, goes to the pointer-based swap kernel)."""
@@ -244,11 +239,11 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
         w2 = torch.as_strided(w_EKF, (E * K, F), (w_EKF.stride(1), 1))
     w_desc = TensorDescriptor.from_tensor(w2, [16, 16])
     x_desc = TensorDescriptor(x_NK, [N, K], [x_NK.stride(0), 1], [16, 16])  # block shapes: set by the pre-hook
-    sms = _num_sms(x_NK.device)
+    max_programs = _num_programs(x_NK.device)  # 2 per SM
 
     def grid(meta):
         work = (triton.cdiv(N, meta["BT"]) + E) * triton.cdiv(F, meta["BF"])
-        return (max(1, min(2 * sms, work) if persistent else work),)
+        return (max(1, min(max_programs, work) if persistent else work),)
 
     gg_fwd_kernel_tma[grid](
         x_desc, w_desc, y, offs_E, N, K, F, E, y.stride(0), y.stride(1), BT_MAX,

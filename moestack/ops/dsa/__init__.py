@@ -166,6 +166,7 @@ def _register_triton() -> None:
         from moestack.ops.dsa import triton_op
     except ImportError:  # no triton in this environment: the reference serves every op
         return
+
     def on_cuda(t: torch.Tensor) -> bool:
         return t.is_cuda
 
@@ -180,6 +181,7 @@ def _register_triton() -> None:
         ("indexer_scores_at", triton_op.indexer_scores_at_triton, on_cuda_nondeterministic),
     ):
         register_backend("triton", fn, available=triton_op.triton_available, op=op, automatic=automatic)
+
 
 _register_triton()
 

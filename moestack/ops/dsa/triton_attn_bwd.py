@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, padded_dims
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, LOG2E, _prune_head_blocks, autotune_off, padded_dims
 
 TWO_PASS_MODES = ("kmajor_ds", "sorted_ds")  # pass 1 dKV + dS, pass 2 dQ from dS (no recomputed scores)
 DKV_MODES = ("atomic", "atomic_split", "sorted", "kmajor", *TWO_PASS_MODES)
@@ -49,7 +49,7 @@ def _bwd_configs(shapes):
     """(BLOCK_H, BLOCK_K, warps, stages) list -> configs; one config under the interpreter or MOESTACK_DSA_AUTOTUNE=0."""
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+    if autotune_off():
         shapes = shapes[:1]
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in shapes]
 
@@ -72,7 +72,7 @@ def _kmajor_configs():
     if INTERPRET:  # two column groups: the tests cover the split
         cfg = {"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32, "COL_GROUPS": 2}
         return [triton.Config(cfg, num_warps=1, num_stages=1)]
-    shapes = _KMAJOR_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _KMAJOR_SHAPES
+    shapes = _KMAJOR_SHAPES[:1] if autotune_off() else _KMAJOR_SHAPES
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc, "COL_GROUPS": g}, num_warps=w, num_stages=s)
             for bh, bk, bc, g, w, s in shapes]  # fmt: skip
 
@@ -105,7 +105,7 @@ TOKEN_TILE = int(os.environ.get("MOESTACK_DSA_BWD_TILE", "64"))  # 64: 101 ms vs
 def _dkv_ds_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_C": 32}, num_warps=1, num_stages=1)]
-    shapes = _DKV_DS_SHAPES[:1] if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0" else _DKV_DS_SHAPES
+    shapes = _DKV_DS_SHAPES[:1] if autotune_off() else _DKV_DS_SHAPES
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_C": bc}, num_warps=w, num_stages=s, maxnreg=r)
             for bh, bk, bc, w, s, r in shapes]  # fmt: skip
 

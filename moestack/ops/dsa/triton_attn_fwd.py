@@ -25,6 +25,11 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
 
 
+def autotune_off() -> bool:
+    """MOESTACK_DSA_AUTOTUNE=0: one config per DSA kernel (one compile, no autotuning)."""
+    return os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0"
+
+
 def _prune_head_blocks(configs, named_args, **kwargs):
     """Drop head blocks wider than needed and value slices wider than the padded value dims."""
     H, V = named_args["H"], kwargs.get("VP", named_args.get("VP", 1 << 30))
@@ -37,7 +42,7 @@ def fwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_V": 32}, num_warps=4, num_stages=1)]
     out = []
-    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+    if autotune_off():
         return [triton.Config({"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_V": 512}, num_warps=8, num_stages=2)]
     # sm_90 compile (ptxas) of each: no spills, shared memory 94-221 KB; BLOCK_H 64 runs wgmma, 32 / 16 mma.sync.
     # (64, 64, 512): phase B. With 8 warps Triton puts all warps on the head axis of the score tile (it feeds the
@@ -144,7 +149,7 @@ def fwd_split_configs():
     # sm_90 ptxas (sm90_report.py): (64, 32) 131 KB, 64 B spills, gathers pipelined; (64, 64) 197 KB, ~0.6 KB spills,
     # gathers not pipelined; a 32-head tile (mma.sync, 4 warps) spills 1.6 KB: not listed
     tiles = [(64, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2)]
-    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+    if autotune_off():
         tiles = tiles[:1]
     return [triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bh, bk, w, s in tiles]
 

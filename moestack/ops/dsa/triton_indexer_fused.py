@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, autotune_off
 
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
 MODE_DENSE, MODE_SELECT = 0, 1
@@ -50,7 +50,7 @@ def _configs():
         return [triton.Config({"BLOCK_T": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
     # sm_90 ptxas (sm90_report.py): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
     tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]
-    if os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0":
+    if autotune_off():
         tiles = tiles[:1]
     return [triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s) for bt, bs, w, s in tiles]
 

@@ -55,6 +55,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
     _num_programs,
     _pick,
     _rows_bucket,
+    empty_grad_like,
     quick_bench,
     swap_token_tile,
 )
@@ -304,10 +305,7 @@ def fp8_grouped_wgrad_quantized(qxT, sx, qdyT, sdy, offs_E, like: torch.Tensor) 
     D, P = qxT.shape
     F = qdyT.shape[0]
     E = like.shape[0]
-    if like.transpose(1, 2).is_contiguous():
-        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
-    else:
-        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+    dw = empty_grad_like(like, D, F)
 
     def grid(meta):
         return (triton.cdiv(D, meta["BD"]) * triton.cdiv(F, meta["BF"]), E)

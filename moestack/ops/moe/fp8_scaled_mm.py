@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe.triton_grouped_gemm import empty_grad_like
 
 CUBLAS_MIN_ROWS_ENV = "MOESTACK_FP8_CUBLAS_MIN_ROWS"
 CUBLAS_MIN_ROWS = 512  # default; measured crossover to be confirmed on the GPU (benchmarks/moe.py --fp8)
@@ -127,12 +128,9 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
           like: torch.Tensor) -> torch.Tensor:
     """dw [E, D, F] (like's dtype; laid out as like when like is the transposed view of a contiguous [E, F, D]
     parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F])."""
-    D, F, E = qxT.shape[0], qdyT.shape[0], like.shape[0]
+    D, F = qxT.shape[0], qdyT.shape[0]
     transposed = like.transpose(1, 2).is_contiguous()
-    if transposed:
-        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
-    else:
-        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+    dw = empty_grad_like(like, D, F)
     g0 = 0
     start = 0
     for e, end in enumerate(ends):

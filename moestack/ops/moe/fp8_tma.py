@@ -44,6 +44,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
     _num_programs,
     _pick,
     _precision,
+    empty_grad_like,
     quick_bench,
     swap_token_tile,
 )
@@ -192,11 +193,10 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
     zero for empty experts. Requires wgrad_supported(qxT, qdyT)."""
     D, Ptok = qxT.shape
     F, E = qdyT.shape[0], like.shape[0]
+    dw = empty_grad_like(like, D, F)
     if like.transpose(1, 2).is_contiguous():
-        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
         out, P, sP, Q, sQ = dw.transpose(1, 2), qdyT, sdy, qxT, sx  # out[e, f, d] = sum_t dy[t, f] x[t, d]
     else:
-        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
         out, P, sP, Q, sQ = dw, qxT, sx, qdyT, sdy
     A, B = out.shape[1], out.shape[2]
     assert out.stride(2) == 1 and sP.is_contiguous() and sQ.is_contiguous()

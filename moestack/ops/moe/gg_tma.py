@@ -50,6 +50,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
     _num_programs,
     _pick,
     _precision,
+    empty_grad_like,
     quick_bench,
 )
 
@@ -260,11 +261,10 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     D = x_ND.shape[1]
     F = dy_NF.shape[1]
     E = like.shape[0]
+    dw = empty_grad_like(like, D, F)
     if like.transpose(1, 2).is_contiguous():
-        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
         out, P, Q = dw.transpose(1, 2), dy_NF, x_ND  # out[e, f, d] = sum_r dy[r, f] x[r, d]
     else:
-        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
         out, P, Q = dw, x_ND, dy_NF
     A, B = out.shape[1], out.shape[2]
     tma_store = TMA_STORE if tma_store is None else tma_store

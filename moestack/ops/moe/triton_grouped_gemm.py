@@ -264,6 +264,15 @@ grouped_mm_wgrad_small_kernel = triton.autotune(
 )(grouped_mm_wgrad_kernel.fn)
 
 
+def empty_grad_like(like: torch.Tensor, D: int, F: int) -> torch.Tensor:
+    """An uninitialised dW [E, D, F] in like's dtype and device, laid out as like when like is the transposed view
+    of a contiguous [E, F, D] (the view Experts passes: the gradient in the parameter's layout), else contiguous."""
+    E = like.shape[0]
+    if like.transpose(1, 2).is_contiguous():
+        return torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
+    return torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+
+
 def _precision(dtype: torch.dtype) -> str:
     """fp32 operands multiply in full fp32 (torch's default for matmul), not tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -341,10 +350,7 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
         from moestack.ops.moe import gg_tma
 
         return gg_tma.grouped_mm_wgrad(x_ND, dy_NF, offs_E, like, swap_token_tile(N, E))
-    if like.transpose(1, 2).is_contiguous():  # the view Experts passes: grad in the parameter's layout
-        dw = torch.empty((E, F, D), device=like.device, dtype=like.dtype).transpose(1, 2)
-    else:
-        dw = torch.empty((E, D, F), device=like.device, dtype=like.dtype)
+    dw = empty_grad_like(like, D, F)
 
     def grid(meta):
         return (triton.cdiv(D, meta["BD"]) * triton.cdiv(F, meta["BF"]), E)

@@ -25,6 +25,7 @@ from moestack.ops.kda.triton_fwd import (
     _configs,
     _exact_diag_factor,
     _intra_scores,
+    _named_choice,
     _row,
     _gc_row,
     _load_gate,
@@ -590,13 +591,6 @@ BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "bf16")
 B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("masked", "split", "narrow", "joined")
 
 
-def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str:
-    choice = value or os.environ.get(env) or allowed[0]
-    if choice not in allowed:
-        raise ValueError(f"{what}={choice!r} is unknown: use one of {allowed} (argument or ${env})")
-    return choice
-
-
 def bwd_x_choice(bwd_x: str | None = None) -> str:
     """The argument, else $MOESTACK_KDA_BWD_X, else "recompute" (see BWD_X_ENV above)."""
     return _named_choice(bwd_x, BWD_X_ENV, BWD_X, "bwd_x")
@@ -608,7 +602,7 @@ def b3b_form_choice(form: str | None = None) -> str:
 
 
 def bwd_dots_choice(bwd_dots: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_X_ENV above)."""
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_DOTS_ENV above)."""
     return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
 
 

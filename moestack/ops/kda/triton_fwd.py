@@ -506,24 +506,26 @@ def kda_fwd_kernel_recurrence(
 # ---- launchers -----------------------------------------------------------------------------------------------
 
 
+def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str:
+    """The argument, else $env, else allowed[0]; ValueError naming the allowed values otherwise."""
+    choice = value or os.environ.get(env) or allowed[0]
+    if choice not in allowed:
+        raise ValueError(f"{what}={choice!r} is unknown: use one of {allowed} (argument or ${env})")
+    return choice
+
+
 def intra_dots_choice(intra_dots: str | None = None) -> str:
     """K1's dot operand precision: the argument, else $MOESTACK_KDA_INTRA_DOTS, else "tf32".
 
     "bf16" is faster (H200 2026-11-29, 1x32768x32x128: K1 4.03 vs 4.26 ms at BKS 16 / 4 warps, 3.43 at 32 / 4) and
     passed the op-level GPU test (rel. RMS ~4e-3), but the correlated-keys and in-model GPU tests have not run with
     it yet (the failure they guard against was an in-model NaN): it becomes the default once they pass."""
-    choice = intra_dots or os.environ.get(INTRA_DOTS_ENV) or "tf32"
-    if choice not in INTRA_DOTS:
-        raise ValueError(f"intra_dots={choice!r} is unknown: use one of {INTRA_DOTS} (argument or ${INTRA_DOTS_ENV})")
-    return choice
+    return _named_choice(intra_dots, INTRA_DOTS_ENV, INTRA_DOTS, "intra_dots")
 
 
 def k1_exact_choice(k1_exact: str | None = None) -> str:
     """The argument, else $MOESTACK_KDA_K1_EXACT, else "inline" (see K1_EXACT_ENV)."""
-    choice = k1_exact or os.environ.get(K1_EXACT_ENV) or K1_EXACT[0]
-    if choice not in K1_EXACT:
-        raise ValueError(f"k1_exact={choice!r} is unknown: use one of {K1_EXACT} (argument or ${K1_EXACT_ENV})")
-    return choice
+    return _named_choice(k1_exact, K1_EXACT_ENV, K1_EXACT, "k1_exact")
 
 
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,

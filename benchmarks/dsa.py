@@ -4,8 +4,8 @@
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
     python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
                                               # vs kmajor_ds, forward per 64-head config, the dense anchor
-    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 140 s): the atomic
-                                              # default vs the two-pass modes, per-pass split, dense anchor
+    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 140 s): atomic (the v2
+                                              # default) vs the two-pass modes, per-pass split, dense anchor
 
 Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won; the
 fwd+bwd rows after the first give the relative difference of dq and dkv from the first dKV mode's (same inputs:
@@ -265,7 +265,7 @@ def random_selection(T: int) -> torch.Tensor:
 
 
 def bench_bwd_variants(T: int, H: int) -> None:
-    """--bwd: sparse_mqa_bwd alone (on one forward's o, lse; dlse = None) per dKV mode, the atomic default first
+    """--bwd: sparse_mqa_bwd alone (on one forward's o, lse; dlse = None) per dKV mode, atomic (the v2 default) first
     (pinned to run 4's winner, H32 K32 w8 s2: one compile) as the yardstick of the others' gradients; then the
     two-pass split of kmajor_ds over all tokens at once: Delta, pass 1 (dKV + dS) with and without its dKV atomics,
     pass 2 (dQ from dS), each with the TFLOP/s of the products it computes (pass 1: 4, pass 2: 1)."""

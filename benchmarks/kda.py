@@ -96,7 +96,8 @@ def _variant_env(name: str) -> dict:
             env["MOESTACK_KDA_K1_JOIN"] = "1"
         else:
             raise ValueError(f"unknown variant suffix '+{part}' in backend '{name}' (use +bf16, +k1=BKS:warps, "
-                             "+k2=BV:warps, +b3a=BV:BKS:warps, +b3b=BKC:warps, +xs, +bbf16 or +narrow)")
+                             "+k2=BV:warps, +b3a=BV:BKS:warps, +b3b=BKC:warps, +xs, +bbf16, +split, +narrow, "
+                             "+joined, +k1split or +k1join)")
     return env
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,3 +28,13 @@ def small_spec() -> ModelSpec:
     data.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
     data["moe"]["router"]["seq_aux_loss_coef"] = 0.05
     return ModelSpec.model_validate(data)
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """benchmarks/memory.py as a module (its plans, technique table and planner prediction)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("memory_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,7 +4,6 @@ moestack.train.optimizers implies. Measured factors come from benchmarks/memory.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,6 @@ from moestack.planner.cost import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ = 16384
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return _bench()
 
 
 @pytest.fixture(scope="module", params=["built-in", "tuned"])

@@ -9,7 +9,6 @@ were fitted on the session-3 rows; the other rows check the model itself.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,14 +30,6 @@ MEASURED = [
     (1, 16384, "adamw bf16 states", 120.20),
     (1, 16384, "muon", 122.07),
 ]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(("mbs", "seq", "technique", "measured"), MEASURED)

@@ -43,6 +43,16 @@ def nan_poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
 
 
+@pytest.fixture(autouse=True)
+def fp32_dots_on_cpu(monkeypatch):
+    """The default dots are bf16 (fp16 under the interpreter, whose bf16 dot is broken): CPU tests check the
+    kernels' logic exactly in fp32 unless they set the switches; test_low_precision_dots_structure runs the bf16
+    code paths, the GPU tests their precision (at the defaults)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("MOESTACK_KDA_INTRA_DOTS", "tf32")
+        monkeypatch.setenv("MOESTACK_KDA_BWD_DOTS", "tf32")
+
+
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     assert not torch.isnan(x).any(), "NaN in output (unwritten element?)"
@@ -226,7 +236,8 @@ def test_fixed_kernel_configs(monkeypatch, env):
     check(x, gate="none", fused=False, recompute=True)
 
 
-BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
+BWD_VARIANTS = ["MOESTACK_KDA_BWD_X=recompute MOESTACK_KDA_B3B_FORM=masked MOESTACK_KDA_K1_EXACT=inline",  # < v6
+                "MOESTACK_KDA_BWD_X=saved", "MOESTACK_KDA_B3B_FORM=narrow", "MOESTACK_KDA_B3B_FORM=split",
                 "MOESTACK_KDA_B3B_FORM=joined MOESTACK_KDA_B3B=16:4",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_B3B_FORM=narrow MOESTACK_KDA_B3B=16:4:168 "
                 "MOESTACK_KDA_B3A=16:16:4 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K1_WY=32",
@@ -297,6 +308,28 @@ def test_bad_switches(monkeypatch, env, value):
         kda_fused(*(x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")), gate="none")[0].sum().backward()
 
 
+def test_bf16_backward_dots_need_saved_x(monkeypatch):
+    """bf16 backward dots on the recompute-X path gave NaN on the H200: refused with the fix named."""
+    monkeypatch.setenv("MOESTACK_KDA_BWD_DOTS", "bf16")
+    monkeypatch.setenv("MOESTACK_KDA_BWD_X", "recompute")
+    x = make_inputs(1, 8, 1, 16, 16, seed=2)
+    with pytest.raises(ValueError, match="MOESTACK_KDA_BWD_X=saved"):
+        kda_fused(*(x[n] for n in ("q", "k", "v", "g", "beta")), gate="none")
+
+
+def test_defaults_are_the_validated_set(monkeypatch):
+    """Unset switches give the GPU-validated set (session 4): bf16 dots, saved X, split forms, fixed configs."""
+    from moestack.ops.kda import triton_bwd, triton_fwd
+
+    for name in ("INTRA_DOTS", "BWD_DOTS", "BWD_X", "B3B_FORM", "K1_EXACT", "K1", "B3A", "B3B"):
+        monkeypatch.delenv(f"MOESTACK_KDA_{name}", raising=False)
+    assert (triton_fwd.intra_dots_choice(), triton_fwd.k1_exact_choice()) == ("bf16", "split")
+    assert (triton_bwd.bwd_dots_choice(), triton_bwd.bwd_x_choice(), triton_bwd.b3b_form_choice()) == \
+        ("bf16", "saved", "split")
+    assert triton_fwd.K1_BF16_DEFAULT[:2] == (16, 4)
+    assert triton_bwd.B3A_BF16_DEFAULT == {"BV": 64, "BKS": 64, "num_warps": 8}
+
+
 def test_dispatcher_backend():
     from moestack.ops.kda import chunk_kda, registered_backends
 
@@ -362,13 +395,17 @@ def _correlated_keys_case(label: str, recompute: bool = True) -> None:
 # times them: K1 saves X / Akk (B3a reads them), bf16 backward dots, and the narrow B3b.
 GPU_BWD_STACK = ("MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_X=saved "
                  "MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split")
+# The defaults before session 4 (tf32 dots, B3a recomputes X, masked B3b, inline exact path): still selectable.
+GPU_PRE_V6 = ("MOESTACK_KDA_INTRA_DOTS=tf32 MOESTACK_KDA_BWD_DOTS=tf32 MOESTACK_KDA_BWD_X=recompute "
+              "MOESTACK_KDA_B3B_FORM=masked MOESTACK_KDA_K1_EXACT=inline")
 GPU_BWD_ENVS = [GPU_BWD_STACK, GPU_BWD_STACK.replace("B3B_FORM=split", "B3B_FORM=joined") + " MOESTACK_KDA_K1_JOIN=1",
                 "MOESTACK_KDA_BWD_X=saved MOESTACK_KDA_K1_EXACT=split MOESTACK_KDA_B3B_FORM=split "
-                "MOESTACK_KDA_K1_WY=64"]
+                "MOESTACK_KDA_K1_WY=64 MOESTACK_KDA_INTRA_DOTS=tf32 MOESTACK_KDA_BWD_DOTS=tf32",
+                GPU_PRE_V6]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+joined", "tf32+saved+split"])
+@pytest.mark.parametrize("env", GPU_BWD_ENVS, ids=["stack", "stack+joined", "tf32+saved+split", "pre-v6"])
 def test_gpu_bwd_variants(env, monkeypatch):
     """The backward variants at the usual bf16 bounds: varlen K3 with initial states (save mode, then recompute
     mode), and correlated keys with weak / saturated gates at 2x the bounds (as test_gpu_bf16_correlated_keys)."""
@@ -412,7 +449,7 @@ def _train_kda_layer(backend: str, monkeypatch, steps: int = 50) -> list[float]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", ["", GPU_BWD_STACK], ids=["default", "bwd_stack"])
+@pytest.mark.parametrize("env", ["", GPU_BWD_STACK, GPU_PRE_V6], ids=["default", "bwd_stack", "pre-v6"])
 def test_gpu_in_model_training_matches_reference(monkeypatch, env):
     """50 AdamW steps of a KDA layer under bf16 autocast: Triton backend finite and on the reference's curve
     (default kernels; and with the opt-in switches of GPU_BWD_STACK)."""
@@ -428,15 +465,15 @@ def test_gpu_in_model_training_matches_reference(monkeypatch, env):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["joined", "masked"])
+@pytest.mark.parametrize("form", ["split", "joined", "masked"])
 def test_gpu_bwd_variants_exact_path(form, monkeypatch):
     """Strong Kimi gates in a few channels (chunks flagged for the exact path: the second launch of K1 and B3b,
-    the same masked code for every split form) with the bf16 stack, K = V = 128 (masked: K1 and B3b with the
-    inline exact path, as an anchor; joined: K1 and B3b joined)."""
+    the same masked code in tf32 for every split form) with the bf16 stack, K = V = 128 (split: the defaults;
+    masked: K1 and B3b with the inline exact path; joined: K1 and B3b joined)."""
     env = GPU_BWD_STACK.replace("B3B_FORM=split", f"B3B_FORM={form}")
     if form == "masked":
         env = env.replace("K1_EXACT=split", "K1_EXACT=inline")
-    else:
+    elif form == "joined":
         env += " MOESTACK_KDA_K1_JOIN=1"
     _set_env(monkeypatch, env)
     x = make_inputs(1, 500, 2, 128, 128, gate="kimi", seed=51)
@@ -451,7 +488,7 @@ def test_gpu_bwd_variants_exact_path(form, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", ["MOESTACK_KDA_INTRA_DOTS=bf16",
                                  "MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_K1=16:4 MOESTACK_KDA_K2=16:4",
-                                 "MOESTACK_KDA_B3A=32:16:4 MOESTACK_KDA_B3B=16:4"])
+                                 "MOESTACK_KDA_B3A=32:16:4 MOESTACK_KDA_B3B=16:4 MOESTACK_KDA_BWD_DOTS=tf32"])
 @pytest.mark.parametrize("recompute", [True])  # the forward runs twice; save vs recompute: test_gpu_bf16_varlen
 def test_gpu_bf16_switches(env, recompute, monkeypatch):
     """The speed switches (triton_fwd.py) at the usual bf16 bounds: varlen K3, initial states, K = V = 128."""

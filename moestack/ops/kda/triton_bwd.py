@@ -576,33 +576,39 @@ def kda_bwd_kernel_scores(
 # autotuned / first config. At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults
 # run one per SM); "16:4:168" caps registers for three (split B3b: 100 B spills bf16, 196 B tf32, ptxas sm_90).
 B3A_ENV, B3B_ENV = "MOESTACK_KDA_B3A", "MOESTACK_KDA_B3B"
+# With bf16 dots (the default) and the variables unset, fixed configs that passed every GPU test replace the
+# autotuner, whose other candidates were never validated in bf16: B3a at BV 32 / BKS 32 / 8 warps gave NaN in the
+# in-model test (H200, session 3; fine in fp16 under the interpreter, so a GPU codegen issue is suspected).
+B3A_BF16_DEFAULT = {"BV": 64, "BKS": 64, "num_warps": 8}
+B3B_BF16_DEFAULT = {"BKC": 16, "num_warps": 4}
+B3B_EXACT_CONFIG = {"BKC": 32, "num_warps": 8}  # the split forms' exact-path launch (tf32 dots), see kda_bwd_scores
 # Backward variants (phase C), read once per forward call by triton_op (so a recompute matches its forward):
-# $MOESTACK_KDA_BWD_X = "recompute" (default: B3a recomputes Akk by channel blocks and inverts again: ~26 of its
-# ~64 dots) or "saved" (K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and B3a reads them and W).
-# $MOESTACK_KDA_BWD_DOTS = "tf32" (default) or "bf16": B3a's WY dots and B3b's score-gradient dots take bf16
-# operands (fp32 accumulate; the triangular inverse, when recomputed, stays at MOESTACK_KDA_INV_PRECISION).
-BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("recompute", "saved")
-BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "bf16")
-# $MOESTACK_KDA_B3B_FORM = "masked" (default: per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked
-# operands, the exact path inline), "split" (the same, but the chunks flagged for the exact path go to a second
+# $MOESTACK_KDA_BWD_X = "saved" (default: K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and
+# B3a reads them and W) or "recompute" (B3a recomputes Akk by channel blocks and inverts again: ~26 of its ~64 dots).
+# $MOESTACK_KDA_BWD_DOTS = "bf16" (default) or "tf32": B3a's WY dots and B3b's score-gradient dots take bf16
+# operands (fp32 accumulate). bf16 needs BWD_X=saved: on the recompute-X path it gave NaN on the H200 (session 3).
+BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("saved", "recompute")
+BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("bf16", "tf32")
+# $MOESTACK_KDA_B3B_FORM = "masked" (per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked operands,
+# the exact path inline), "split" (default; the same, but the chunks flagged for the exact path go to a second
 # launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4), "narrow" (split, and
 # stripe-sized operands read from memory: _intra_scores_bwd_narrow) or "joined" (split, and two stacked dots per
 # stripe instead of four: _intra_scores_bwd_joined). Read per backward call.
-B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("masked", "split", "narrow", "joined")
+B3B_FORM_ENV, B3B_FORM = "MOESTACK_KDA_B3B_FORM", ("split", "masked", "narrow", "joined")
 
 
 def bwd_x_choice(bwd_x: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_X, else "recompute" (see BWD_X_ENV above)."""
+    """The argument, else $MOESTACK_KDA_BWD_X, else "saved" (see BWD_X_ENV above)."""
     return _named_choice(bwd_x, BWD_X_ENV, BWD_X, "bwd_x")
 
 
 def b3b_form_choice(form: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_B3B_FORM, else "masked" (see B3B_FORM_ENV above)."""
+    """The argument, else $MOESTACK_KDA_B3B_FORM, else "split" (see B3B_FORM_ENV above)."""
     return _named_choice(form, B3B_FORM_ENV, B3B_FORM, "b3b_form")
 
 
 def bwd_dots_choice(bwd_dots: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_DOTS_ENV above)."""
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "bf16" (see BWD_DOTS_ENV above)."""
     return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
 
 
@@ -665,6 +671,8 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
     )
     kern, extra = kda_bwd_kernel_wy, {}
     choice = _fixed_config(B3A_ENV, ("BV", "BKS"), (16, 32, 64))
+    if choice is None and lowp:  # with bf16 dots: the GPU-validated config (32:32:8 went NaN in-model, H200)
+        choice = dict(B3A_BF16_DEFAULT)
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
     load_x = "xinv" in intra
@@ -693,12 +701,19 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
     dummy = q.new_empty(1, dtype=torch.float32)
     kern, extra = kda_bwd_kernel_scores, {}
     choice = _fixed_config(B3B_ENV, ("BKC",), (16, 32, 64))
+    if choice is None and lowp:  # with bf16 dots: the GPU-validated (and fastest measured) config
+        choice = dict(B3B_BF16_DEFAULT)
     if choice is not None:
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
     form = b3b_form_choice(form)
-    # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form)
+    # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form, with
+    # tf32 dots at the tf32 default config: the bf16 masked form faulted at 4 warps on the H200 in session 3, and
+    # the launch only does work for the rare chunks with gates beyond SPAN_MAX)
     launches = [(0, False)] if form == "masked" else [(1, form), (2, "masked")]
     for sel, f in launches:
+        if sel == 2 and lowp:
+            kern = getattr(kda_bwd_kernel_scores, "fn", kda_bwd_kernel_scores)
+            extra, lowp = {**B3B_EXACT_CONFIG, "num_stages": 1}, False
         kern[(NC, H)](
             q, k, g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
             intra["gc"], intra["rq"], intra["rk"], intra["flag"], chunk_map, cu_seqlens,

@@ -35,20 +35,21 @@ GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
 # independent keys, ~1e-3 for strongly correlated ones (cos 0.8-0.9; torch simulation), and no register spills
 # in K1 / B3a. tf32x3 (MOESTACK_KDA_INV_PRECISION=tf32x3): ~fp32 accuracy, ~0.3 KB spills per thread (ptxas).
 INV_PRECISION = tl.constexpr(os.environ.get("MOESTACK_KDA_INV_PRECISION", "tf32"))
-# Operands of K1's score dots (Akk, Aqk) and WY dots (W = X.., U = X..): "tf32" (fp32 operands, measured
-# default) or "bf16" (bf16 operands, fp32 accumulate: half the shared-memory staging, twice the tensor-core rate;
+# Operands of K1's score dots (Akk, Aqk) and WY dots (W = X.., U = X..): "bf16" (default: bf16 operands, fp32
+# accumulate: half the shared-memory staging, twice the tensor-core rate) or "tf32" (fp32 operands);
 # the decay factors are bounded, <= 1 off the diagonal sub-blocks, so only the 8-bit mantissa is lost). The
 # inverse itself stays at INV_PRECISION. Read per call (kda_fwd_intra's intra_dots=, else this variable).
 INTRA_DOTS_ENV = "MOESTACK_KDA_INTRA_DOTS"
-INTRA_DOTS = ("tf32", "bf16")
+INTRA_DOTS = ("bf16", "tf32")  # the first is the default
 K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, see k2_config_choice
 # A fixed (BKS, warps) for K1, see k1_config_choice. "16:4": 255 registers (ptxas, sm_90; 44-80 B spills), so two
 # CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
 # dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
 K1_ENV = "MOESTACK_KDA_K1"
+K1_BF16_DEFAULT = (16, 4, None)  # K1's (BKS, warps, maxnreg) with bf16 dots when $MOESTACK_KDA_K1 is unset
 # "inline" (default) or "split": K1 in two launches, the exact path compiled only into the second, which runs just
 # the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 -> 60 B).
-K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("inline", "split")
+K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("split", "inline")
 # K1's W / U pass by column blocks of this size (16, 32, 64, 128) instead of BKS: fewer, larger dots (16 -> 4 at
 # 64); ptxas at 16:4 bf16, split, storing X: 56 B spills -> 80 B (32), 156 B (64). Unset = BKS. Read per call.
 K1_WY_ENV = "MOESTACK_KDA_K1_WY"
@@ -515,16 +516,15 @@ def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str
 
 
 def intra_dots_choice(intra_dots: str | None = None) -> str:
-    """K1's dot operand precision: the argument, else $MOESTACK_KDA_INTRA_DOTS, else "tf32".
+    """K1's dot operand precision: the argument, else $MOESTACK_KDA_INTRA_DOTS, else "bf16".
 
-    "bf16" is faster (H200 2026-11-29, 1x32768x32x128: K1 4.03 vs 4.26 ms at BKS 16 / 4 warps, 3.43 at 32 / 4) and
-    passed the op-level GPU test (rel. RMS ~4e-3), but the correlated-keys and in-model GPU tests have not run with
-    it yet (the failure they guard against was an in-model NaN): it becomes the default once they pass."""
+    bf16 is the default since session 4 (H200 2026-11-29, 1x32768x32x128: K1 4.03 vs 4.26 ms at BKS 16 / 4 warps),
+    once the op-level, correlated-keys and in-model GPU tests passed with it (benchmarks/RESULTS.md, KDA)."""
     return _named_choice(intra_dots, INTRA_DOTS_ENV, INTRA_DOTS, "intra_dots")
 
 
 def k1_exact_choice(k1_exact: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_K1_EXACT, else "inline" (see K1_EXACT_ENV)."""
+    """The argument, else $MOESTACK_KDA_K1_EXACT, else "split" (see K1_EXACT_ENV)."""
     return _named_choice(k1_exact, K1_EXACT_ENV, K1_EXACT, "k1_exact")
 
 
@@ -562,13 +562,15 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         out["xinv"] = q.new_empty(T, H, BT, dtype=torch.float32)
         out["akk"] = q.new_empty(T, H, BT, dtype=inter_dtype)
     kern, extra = kda_fwd_kernel_intra, {}
+    lowp = intra_dots_choice(intra_dots) == "bf16"
     choice = k1_config_choice(k1_config)
+    if choice is None and lowp:  # the GPU-validated bf16 config, not the autotuner's pick among untested ones
+        choice = K1_BF16_DEFAULT
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern = getattr(kda_fwd_kernel_intra, "fn", kda_fwd_kernel_intra)
         extra = {"BKS": choice[0], "num_warps": choice[1]}
         if choice[2] is not None:  # a register cap: two 8-warp CTAs per SM at 128 (ptxas: ~0.3 KB spills)
             extra["maxnreg"] = choice[2]
-    lowp = intra_dots_choice(intra_dots) == "bf16"
     wy = k1_wy or os.environ.get(K1_WY_ENV) or 0
     if str(wy) not in ("0", "16", "32", "64", "128"):
         raise ValueError(f"k1_wy={wy!r} must be 16, 32, 64 or 128 (argument or ${K1_WY_ENV})")
@@ -576,6 +578,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     if join not in ("0", "1"):
         raise ValueError(f"${K1_JOIN_ENV}={join!r} must be 0 or 1")
     split = join == "1" or k1_exact_choice(k1_exact) == "split"
+    # The exact-path launch (sel 2: the rare chunks with gates beyond SPAN_MAX) keeps tf32 dots: its bf16 variants
+    # were never validated on the GPU, and it costs nothing when no chunk is flagged.
     for sel in (1, 2) if split else (0,):
         kern[(NC, H)](
             q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
@@ -585,7 +589,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
             scale, H,
             K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp, STORE_X=store_x, SEL=sel, BKW=int(wy),
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp and sel != 2, STORE_X=store_x, SEL=sel,
+            BKW=int(wy),
             JOIN=join == "1" and sel == 1, **extra,
         )
     return out

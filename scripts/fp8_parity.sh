@@ -2,11 +2,13 @@
 # FP8 loss parity (issue #7): the proxy trained STEPS steps with bf16 expert GEMMs (the default grouped GEMM
 # backend), then again from the same seed and data with the FP8 expert GEMMs (MOESTACK_MOE_BACKEND=fp8, recipe
 # FP8=v1|v2|v3, see moestack/ops/moe/fp8_grouped_gemm.py); prints both loss curves every 10 steps, the largest
-# relative difference and the mean over the last third, and each run's tokens/s.
+# relative difference and the mean over the last third, each run's tokens/s and its steps skipped for a non-finite
+# loss or gradient (the trainer skips those: issue #7's divergence showed up as such steps).
 # Everything else (attention / KDA / routing backends, bf16 autocast, fp32 AdamW) is the same in both runs.
 #
 # Usage on the device machine:  bash scripts/fp8_parity.sh [extra moestack train flags]
-#   STEPS=150 SEQ=2048 BS=2 FP8=v3 MODEL=proxy OUT=runs   (defaults)
+#   STEPS=150 SEQ=2048 BS=2 FP8=v3 MODEL=proxy OUT=runs LOG_EVERY=10   (defaults)
+#   STEPS=12 LOG_EVERY=1 bash scripts/fp8_parity.sh     # short check: every step logged (~1 min per run)
 #   MOESTACK_FP8_CACHE=0 bash scripts/fp8_parity.sh   # fp8 weights requantised every call (checks the weight cache)
 #   MOESTACK_FP8_TMA=1 bash scripts/fp8_parity.sh     # v3 with the TMA forward / dX kernel (fp8_tma.py)
 # (MOESTACK_FP8_* variables only affect the fp8 run: the bf16 run does not use the fp8 backend.)
@@ -26,6 +28,7 @@ SEQ=${SEQ:-2048}
 BS=${BS:-2}
 FP8=${FP8:-v3}
 MODEL=${MODEL:-proxy}
+LOG_EVERY=${LOG_EVERY:-10}
 PY=${PYTHON:-python3}
 FP8_BACKEND=${FP8_BACKEND:-fp8}  # CPU dry run of the script: FP8_BACKEND=reference MODEL=tiny DEVICE=cpu
 case "$FP8" in
@@ -34,7 +37,7 @@ case "$FP8" in
   v3) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=1) ;;
   *) echo "FP8 must be v1, v2 or v3, got '$FP8'" >&2; exit 2 ;;
 esac
-COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every=10
+COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every="$LOG_EVERY"
         --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false --set logging.progress=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 ${DEVICE:+--device "$DEVICE"})
 RUN_BF16=$DEST/fp8parity_${MODEL}_bf16_s${SEQ}_b${BS}
@@ -53,10 +56,11 @@ import json, statistics, sys
 
 def curve(path):
     rows = [json.loads(l) for l in open(path)]
-    train = [r for r in rows if "train/loss" in r]
-    return {r["step"]: r["train/loss"] for r in train}, train
+    train = [r for r in rows if r.get("train/loss") is not None]
+    skipped = sum(1 for r in rows if r.get("train/skipped_nonfinite"))
+    return {r["step"]: r["train/loss"] for r in train}, train, skipped
 
-(bf, bf_rows), (f8, f8_rows) = curve(sys.argv[1]), curve(sys.argv[2])
+(bf, bf_rows, bf_skip), (f8, f8_rows, f8_skip) = curve(sys.argv[1]), curve(sys.argv[2])
 steps = sorted(set(bf) & set(f8))
 print(f"| step | loss bf16 | loss fp8 {sys.argv[3]} | rel. diff |")
 print("|---|---|---|---|")
@@ -75,5 +79,6 @@ finite = all(v == v and abs(v) != float("inf") for v in list(bf.values()) + list
 print(f"FP8_PARITY fp8={sys.argv[3]} steps={steps[-1]} max_rel_diff={100 * rel[worst]:.2f}% (step {worst}) "
       f"mean_rel_diff_last_third={100 * statistics.mean(rel[s] for s in tail):.2f}% "
       f"final bf16={bf[steps[-1]]:.4f} fp8={f8[steps[-1]]:.4f} finite={finite} "
+      f"skipped_nonfinite bf16={bf_skip} fp8={f8_skip} "
       f"tokens/s(median) bf16={tps(bf_rows):,.0f} fp8={tps(f8_rows):,.0f}")
 PY

@@ -146,6 +146,35 @@ def test_weight_cache_pair_hits_blocks():
     wc.clear()
 
 
+@pytest.mark.parametrize("opt_kw", [{"fused": True}, {"foreach": True}])
+def test_weight_cache_follows_optimizer_step(opt_kw):
+    """Issue #7: the trainer's fused AdamW (torch._fused_adamw_) updates the parameters without bumping their
+    version counter, so a version-keyed cache served the step-0 fp8 weights for the whole run (frozen expert
+    weights in the forward: v2's loss gap, v3's divergence). After optimizer.step() both cached layouts and the
+    v3 GEMM must follow the new weights."""
+    wc.clear()
+    counts = [5, 0, 9]
+    x, param, offs = make_case(counts, 136, 40, torch.float32, seed=21)
+    param = torch.nn.Parameter(param)
+    w = param.transpose(1, 2)
+    opt = torch.optim.AdamW([param], lr=0.1, **opt_kw)
+    wc.pair(w, torch.float32)
+    wc.blocks(w, torch.float32)
+    param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(22)).to(param.device)
+    opt.step()
+    assert rel_err(param.detach(), make_case(counts, 136, 40, torch.float32, seed=21)[1]) > 1e-2  # it moved
+    (q, s), (qT, sT) = wc.pair(w, torch.float32)
+    for got, want in (((q, s), fq.quantize_blocks_ref(w.detach(), torch.float32)),
+                      ((qT, sT), fq.quantize_blocks_ref(param.detach(), torch.float32)),
+                      (wc.blocks(w, torch.float32), fq.quantize_blocks_ref(w.detach(), torch.float32))):
+        assert rel_err(fq.dequantize_blocks(*got), fq.dequantize_blocks(*want)) < 1e-6
+    y = f8.Fp8GroupedMMv3.apply(x, w, offs, torch.float32, None, 10**9)
+    y_ref = grouped_mm_loop(x.double(), w.detach().double(), offs)
+    used = sum(counts)
+    assert rel_err(y[:used], y_ref[:used]) < 1e-5
+    wc.clear()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # v3 GEMMs (interpreter / emulation)
 
@@ -230,6 +259,10 @@ def test_registry_v3_env(monkeypatch):
 # GPU
 
 FP8_RMS = 0.05  # e4m3 on both operands: ~2.5-3% relative RMS per operand, ~4% on a product of random data
+# A whole layer (gate/up GEMM -> GLU -> down GEMM, both operands of each in e4m3) vs the bf16 layer: the exact FP8
+# recipe emulated in torch on CPU (correct fp8 casts) gives 6.3-6.4% on the output and on every gradient at
+# test_v3_layer_gpu's shapes, which is what the GPU measured (6.3%): the old bound (5% on the output) was too tight.
+FP8_LAYER = 0.1
 GPU_V3_CASES = [
     # counts kind, E, D, F, cublas_min_rows (0: the cuBLAS path wherever the probe accepts it), TMA kernel
     ("uniform600", 8, 1024, 1536, 0, False),
@@ -441,9 +474,77 @@ def test_v3_layer_gpu(min_rows, tma, monkeypatch):
         errs += [rel_err(a, b) for a, b in zip(outs["fp8"][1], outs["torch"][1]) if b is not None]
         print(f"MOE_FP8_V3_LAYER step {step} min_rows={min_rows} tma={tma}: out {errs[0]:.3g}, "
               f"worst grad {max(errs[1:]):.3g}")
-        assert errs[0] < FP8_RMS and max(errs[1:]) < 2 * FP8_RMS, errs
+        assert max(errs) < FP8_LAYER, errs
         with torch.no_grad():  # an optimizer-like in-place update: the next step must see the new weights
             for p in params:
                 p.mul_(0.9).add_(0.002 * torch.randn_like(p))
+    m.experts.backend = None
+    wc.clear()
+
+
+@pytest.mark.gpu
+def test_quantize_dual_many_experts_gpu():
+    """quantize_dual at the proxy's expert count (E = 128: BE = 128 at 16 warps; the other GPU cases have E <= 56)
+    and widths (768, 640), with empty, one-row, one-tile and multi-tile experts, against the torch spec."""
+    g = torch.Generator().manual_seed(0)
+    counts = [0] * 20 + [1, 3, 127, 128, 129, 255, 256, 257]
+    counts += [int(v) for v in torch.randint(0, 900, (100,), generator=g)]
+    offs = offs_from_counts(counts)
+    used, n_tiles = sum(counts), sum((c + 127) // 128 for c in counts)
+    for K in (768, 640):
+        x = torch.randn(used + 5, K, generator=g).to(DEV, torch.bfloat16)
+        qr, sr = fq.quantize_rows_ref(x)
+        qTr, sTr = fq.quantize_token_tiles_ref(x, offs)
+        q, s, qT, sT = fq.quantize_dual(x, offs)
+        assert torch.isfinite(s[:used]).all() and torch.isfinite(sT[:n_tiles]).all()
+        assert rel_err(s[:used], sr[:used]) < 1e-6 and rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
+        assert (q[:used].float() != qr[:used].float()).float().mean() < 1e-3
+        assert (qT[:, :n_tiles * 128].float() != qTr[:, :n_tiles * 128].float()).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad_min_rows", ["default", "triton"])
+def test_v3_proxy_layer_steps_gpu(wgrad_min_rows, monkeypatch):
+    """Issue #7 at the proxy's MoE shapes: 128 experts, latent 768, inter 640, top-16, 4096 tokens = 65536 rows =
+    512 per expert, so at the default thresholds forward / dX run on Triton (768 is not a multiple of 512) and dW
+    on per-expert cuBLAS ("triton": dW on Triton too). fp32 parameters, bf16 autocast and the trainer's optimizer
+    (fused AdamW on CUDA, which does not bump parameter versions) for 6 steps, following the fp8 gradients. Every
+    step: v3's output and gradients finite and within the layer bound of the bf16 layer at the same, live weights
+    (a stale fp8 weight cache fails from step 1)."""
+    from moestack.config.model_spec import MoESpec
+    from moestack.model.moe import MoE
+
+    if wgrad_min_rows == "triton":
+        monkeypatch.setenv("MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS", str(10**9))
+    monkeypatch.setenv(f8.V3_ENV, "1")
+    wc.clear()
+    torch.manual_seed(0)
+    spec = MoESpec(num_experts=128, top_k=16, expert_intermediate_size=640, latent_size=768)
+    m = MoE(1536, spec, "situ_glu").to(DEV)
+    m.init_weights(0.02)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    for step in range(6):
+        x = torch.randn(2, 2048, 1536, device=DEV)
+        g = torch.randn(2, 2048, 1536, device=DEV)
+        outs = {}
+        for backend in ("torch", "fp8"):
+            m.experts.backend = backend
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = m(x)
+            outs[backend] = (out, torch.autograd.grad((out.float() * g).sum(), params, allow_unused=True))
+        out8, grads8 = outs["fp8"]
+        finite = [bool(torch.isfinite(t).all()) for t in (out8, *[t for t in grads8 if t is not None])]
+        errs = [rel_err(out8, outs["torch"][0])]
+        errs += [rel_err(a, b) for a, b in zip(grads8, outs["torch"][1]) if b is not None]
+        counts = m.last_expert_counts
+        print(f"MOE_FP8_V3_PROXY wgrad={wgrad_min_rows} step {step}: finite {all(finite)}, out {errs[0]:.3g}, "
+              f"worst grad {max(errs[1:]):.3g}, rows/expert min {int(counts.min())} max {int(counts.max())}")
+        assert all(finite), finite
+        assert max(errs) < FP8_LAYER, errs
+        for p, gr in zip(params, grads8):
+            p.grad = gr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     m.experts.backend = None
     wc.clear()

@@ -18,9 +18,10 @@ FP8 storage for this backend (it also composes with it: ExpertSeam then saves it
 v1 (default) requantises the weights on every call (one bf16 read of w and one fp8 write, three times the bytes
 the GEMM itself then reads: at few rows per expert the GEMM streams weights, so this alone made fp8 ~0.4x of bf16).
 v2 (`MOESTACK_FP8_V2=1`, or v2=True): fp8_weight_cache.py keeps each weight's fp8 blocks and scales (forward and
-dX layouts) until the parameter's version counter moves (any in-place update, e.g. optimizer.step), so all
-micro-batches of one step quantise once; and the forward kernel applies the weight scale as one scalar per tile
-when BN divides 128 (one 128x128 block column) instead of a [BN] vector per 128-slice; and at few rows per expert
+dX layouts) until the next optimizer step (a global step hook: fused AdamW does not bump version counters) or
+until the parameter's version counter moves (other in-place updates), so all micro-batches of one step quantise
+once; and the forward kernel applies the weight scale as one scalar per tile when BN divides 128 (one 128x128
+block column) instead of a [BN] vector per 128-slice; and at few rows per expert
 (mean <= MOESTACK_FP8_SWAP_MAX_ROWS, default 64) forward and dX run swap-AB (y^T = w^T x^T: the weight's 128
 output columns are the MMA's M side, BT = 16..64 token rows its N side; both operands stay K-major, as fp8 wgmma
 needs), so no MMA work goes to padding rows.

@@ -1,16 +1,19 @@
-"""FP8 expert weights quantised once per parameter version (the "fp8" backend's v2, MOESTACK_FP8_V2=1).
+"""FP8 expert weights quantised once per optimizer step and parameter version (the "fp8" backend's v2 / v3 cache).
 
 Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales
 (fp8_quant.quantize_blocks) are computed on the first call and reused until the weight changes. A weight counts
-as changed when its version counter moves: every in-place op on the parameter or a view of it bumps that counter
-(optimizer.step, load_state_dict's copy_, p.add_ under no_grad). Entries are keyed by the owning tensor (the
-parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, strides and dtypes, so the forward
-layout and the transposed dX layout are two entries of one parameter.
+as changed (1) after every optimizer step: importing this module registers a global optimizer step post-hook
+(torch.optim.optimizer.register_optimizer_step_post_hook, run by every torch.optim.Optimizer subclass) that empties
+the cache, and (2) when its version counter moves (in-place ops on the parameter or a view of it outside an
+optimizer: load_state_dict's copy_, p.add_ under no_grad). (1) is required: the fused AdamW the trainer uses on
+CUDA (torch._fused_adamw_) does NOT bump the version counter (nor do p.data writes or FSDP's all-gather into the
+unsharded parameter), so a version-keyed cache alone kept the step-0 weights for the whole run (issue #7: the FP8
+forward used frozen expert weights while the optimizer moved the parameters). Entries are keyed by the owning
+tensor (the parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, strides and dtypes, so
+the forward layout and the transposed dX layout are two entries of one parameter.
 
-Not seen: writes that bypass the version counter (`p.data.copy_(...)`, collectives writing into a buffer the
-parameter views, e.g. an FSDP all-gather into the same storage). Call clear() after such writes, or
-clear_after_steps(optimizer) once: the cache is then also emptied after every optimizer step, which is safe
-whatever writes the parameters (unverified with FSDP2 on a GPU: use clear_after_steps there).
+Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` by hand). Call
+clear() after such writes. clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 `MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
@@ -25,6 +28,7 @@ import os
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moestack.ops.moe import fp8_quant as fq
 
@@ -49,8 +53,17 @@ def clear() -> None:
 
 
 def clear_after_steps(optimizer: torch.optim.Optimizer):
-    """Empty the cache after every optimizer.step() (the weights change only there); returns the hook handle."""
+    """Empty the cache after every optimizer.step() (the weights change only there); returns the hook handle.
+    Redundant since the global hook below (kept for callers)."""
     return optimizer.register_step_post_hook(lambda *_: clear())
+
+
+def _after_optimizer_step(*_) -> None:
+    clear()
+
+
+# every optimizer step may change the weights without bumping their version counter (fused AdamW): forget them
+_step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def _purge_dead() -> None:

@@ -48,10 +48,10 @@ from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
+from moestack.memory.host_adamw import build_host_aware_optimizer
 from moestack.memory.report import GIB, format_report, measure_memory, planner_cost, single_device_plan
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
-from moestack.train.optimizers import build_optimizer_from_name
 
 ALL = {"recompute": "full", "offload": ["activations", "experts", "optimizer"], "optimizer": "adamw_bf16",
        "precision": "fp8"}
@@ -101,7 +101,9 @@ def build(spec, plan: Plan, device: torch.device) -> tuple[nn.Module, torch.opti
     materialise(model, device)
     torch.manual_seed(0)
     model.init_weights()
-    opt = build_optimizer_from_name(model, plan.optimizer, OptimizerSpec(lr=1e-4), offload=plan.offload.optimizer)
+    # the optimizer Plan.optimizer names; host-resident parameters step with the fused CPU kernels
+    # (moestack.memory.host_adamw: torch's single-tensor / randint-rounding CPU paths took minutes per step)
+    opt = build_host_aware_optimizer(model, plan.optimizer, OptimizerSpec(lr=1e-4), offload=plan.offload.optimizer)
     return model, opt
 
 
@@ -116,16 +118,32 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, tokens, targets, autocast) -> float:
+def train_step(model, opt, tokens, targets, autocast, split: list | None = None) -> float:
+    """One trainer step; with `split`, appends (forward + backward s, clip + optimizer s) (synchronises between)."""
+    t0 = time.perf_counter()
     with autocast():
         loss = model(tokens, targets)
     loss.backward()
+    if split is not None:
+        _sync(loss.device)
+        t1 = time.perf_counter()
     clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     for moe in model.moe_layers().values():
         moe.router.update_selection_bias()
-    return float(loss.detach())
+    out = float(loss.detach())
+    if split is not None:
+        split.append((t1 - t0, time.perf_counter() - t1))
+    return out
+
+
+def host_gib() -> dict:
+    """This process's peak resident host memory (pinned buffers included) and the host's available memory."""
+    import resource
+
+    return {"host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+            "host_available_gib": mem_available() / GIB}
 
 
 def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: int, report: bool,
@@ -144,7 +162,9 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         targets = torch.randint(0, spec.vocab_size, shape, generator=g).to(device)
         autocast = autocast_for(device)
         offloader = model.memory_policies.activation_offload
-        times, losses = [], []
+        times, losses, split = [], [], []
+        out["build_host"] = host_gib()
+        print(f"[{name}] built in {out['build_s']:.1f} s; host {out['build_host']}", flush=True)
         for i in range(warmup + steps):
             if i == warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -152,11 +172,15 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
                     offloader.timing = True
             _sync(device)
             t0 = time.perf_counter()
-            losses.append(train_step(model, opt, tokens, targets, autocast))
+            losses.append(train_step(model, opt, tokens, targets, autocast, split))
             _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        out.update(step_s=statistics.median(times), losses=losses, oom=False)
+            times.append(time.perf_counter() - t0)
+            print(f"[{name}] step {i} ({'warm-up' if i < warmup else 'timed'}): {times[-1]:.2f} s (fwd+bwd "
+                  f"{split[-1][0]:.2f}, clip+opt {split[-1][1]:.2f}), loss {losses[-1]:.4f}", flush=True)
+        timed = times[warmup:] or times
+        out.update(step_s=statistics.median(timed), losses=losses, oom=False, all_step_s=times,
+                   fwd_bwd_s=[a for a, _ in split], clip_opt_s=[b for _, b in split])
+        out.update(host_gib())
         if device.type == "cuda":
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -364,17 +388,27 @@ def table(rows: list[dict], reference: str | None = "recompute full", hbm_gib: f
 # host memory guard (largest phase: experts in host memory)
 
 
+def _pinned(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned tensor: the size rounded up to a power of two."""
+    return 1 << max(0, (int(nbytes) - 1).bit_length())
+
+
 def host_bytes_needed(spec, fields: dict) -> float:
-    """Host memory of an all-offloaded run: routed experts (fp32 param + fp32 grad + bf16 m, v + bf16 transfer
-    shadow = 14 B / param), with optimizer offload the rest too (fp32 master + bf16 m, v + fp32 grad staging =
-    12 B / param)."""
+    """Host memory of an all-offloaded run: per routed-expert tensor (w_gate_up, w_down of each MoE layer) the fp32
+    weight, the fp32 persistent gradient buffer, the bf16 transfer shadow and bf16 m, v, each pinned and so
+    rounded up to a power of two (14 B / param before rounding); with optimizer offload the rest too (fp32 master
+    + bf16 m, v + fp32 grad staging = 12 B / param)."""
     from moestack.planner.profile import profile_model
 
     prof = profile_model(spec, 2)
-    expert = spec.moe.num_experts * 3 * spec.moe.expert_intermediate_size * (spec.moe.latent_size or spec.hidden_size)
-    expert *= sum(1 for k in spec.layer_kinds() if k.ffn == "moe")
-    dense = prof.total_params - expert
-    return expert * 14 + (dense * 12 if "optimizer" in fields.get("offload", []) else 0)
+    E, I = spec.moe.num_experts, spec.moe.expert_intermediate_size
+    L = spec.moe.latent_size or spec.hidden_size
+    n_moe = sum(1 for k in spec.layer_kinds() if k.ffn == "moe")
+    host = 0
+    for n in (E * 2 * I * L, E * L * I):
+        host += n_moe * sum(_pinned(n * b) for b in (4, 4, 2, 2, 2))
+    dense = prof.total_params - n_moe * E * 3 * I * L
+    return host + (dense * 12 if "optimizer" in fields.get("offload", []) else 0)
 
 
 def mem_available() -> float:
@@ -413,6 +447,11 @@ def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
             out.append(f"  act x {ratio:.3f} (measured / planner activations at the end of forward: "
                        f"{r['report']['measured_gib']['activations']:.2f} / "
                        f"{r['predicted']['forward_activations_gib']:.2f} GiB)")
+        if r.get("all_step_s"):
+            fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
+            out.append(f"  timing: {label}: build {r.get('build_s', 0):.1f} s, steps {fmt(r['all_step_s'])} s "
+                       f"(fwd+bwd {fmt(r['fwd_bwd_s'])}, clip+opt {fmt(r['clip_opt_s'])}; first = warm-up), host "
+                       f"peak RSS {r.get('host_peak_rss_gib', 0):.1f} GiB, available {r.get('host_available_gib', 0):.0f}")
         for key in ("activation_offload", "expert_offload", "act_bytes_per_token_layer"):
             if key in r:
                 out.append(f"  {key}: {r[key]}")
@@ -439,9 +478,14 @@ def main() -> None:
     ap.add_argument("--experts", default="256,384,512", help="num_experts to try, all combined (largest phase)")
     ap.add_argument("--seq-lens", default="", help="sequence lengths to try at the preset's experts, all combined "
                                                    "(largest phase, alternating with --experts)")
+    ap.add_argument("--search", choices=["grow", "down"], default="grow",
+                    help="largest phase: grow (rows in order until one fails, per axis) or down (rows in order, e.g. "
+                         "most experts first; host-infeasible ones skipped; stop at the first that trains)")
     ap.add_argument("--host-fraction", type=float, default=0.85,
                     help="largest phase: skip a row whose host memory estimate exceeds this share of MemAvailable")
     ap.add_argument("--deadline-s", type=float, default=None, help="wall-clock budget of the whole phase")
+    ap.add_argument("--row-timeout-s", type=float, default=None,
+                    help="wall-clock limit of one row (its process is killed; the phase goes on with the next)")
     ap.add_argument("--no-isolate", action="store_true", help="run rows in this process (no subprocess per row)")
     ap.add_argument("--no-report", action="store_true", help="skip the memory report pass")
     ap.add_argument("--kda-backend", default=None, help="sets MOESTACK_KDA_BACKEND (e.g. reference, triton)")
@@ -490,7 +534,7 @@ def main() -> None:
         left = None if args.deadline_s is None else args.deadline_s - (time.monotonic() - t_start)
         skip = None
         if row.get("axis") in stop_axis:
-            skip = "a smaller one failed"
+            skip = "a smaller one failed" if args.search == "grow" else "a larger one trained"
         elif left is not None and left < 20:
             skip = "no time left"
         elif args.phase == "largest" and row["fields"].get("offload"):
@@ -503,11 +547,14 @@ def main() -> None:
         elif args.no_isolate:
             r = run(row["name"], spec, plan, device, args.steps, args.warmup, not args.no_report, cal)
         else:
-            r = run_isolated(row, args, left if left is not None else 24 * 3600)
+            limit = min(x for x in (left, args.row_timeout_s, 24 * 3600.0) if x is not None)
+            r = run_isolated(row, args, limit)
         r["predicted"] = predicted
         rows.append(r)
-        if args.phase == "largest" and r.get("status") != "ok":
+        if args.phase == "largest" and args.search == "grow" and r.get("status") != "ok":
             stop_axis.add(row.get("axis"))
+        if args.phase == "largest" and args.search == "down" and r.get("status") == "ok":
+            stop_axis.update({"experts", "seq"})  # the largest that trains is found: the rest are smaller
         print(row_line(r, reference_row(rows, args.reference), hbm_gib), flush=True)
         if args.json:  # after every row: a cut run still leaves its numbers
             with open(args.json, "w") as f:

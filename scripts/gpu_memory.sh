@@ -1,69 +1,80 @@
 #!/usr/bin/env bash
-# Memory policies on the H200 (issue #9), in under 7 minutes of wall clock:
-#   long     every technique alone at a sequence length the baseline cannot train (SEQ, default 16384): peak GiB,
-#            saved GiB and time added vs the baseline (or "recompute full" when the baseline does not fit), the
-#            planner's peak for the same plan and its error
+# Memory policies on ONE H200 (issue #9): the offload rows and the largest proxy variant, in one call of < 7 min.
+#   long     at SEQ (16384, where the baseline does not fit): "recompute full" (the reference of the saved / time
+#            added columns; its first step also compiles the Triton kernels for the rows after it), then
+#            "expert offload", "optimizer offload", "all combined"
 #   largest  everything combined (full recompute, activation / expert / optimizer offload, bf16 AdamW states, FP8
-#            saved expert inputs), growing num_experts (128, 256, 384) and, alternating, the sequence (32768, 65536)
-#            until a row does not fit (device OOM, or host memory for the offloaded experts)
-#   bash scripts/gpu_memory.sh     # 2+ GPUs: long on GPU 0 and largest on GPU 1 at once; 1 GPU: one after the other
-# Every row runs in its own process (an OOM or a CUDA error ends only that row) and is printed when it finishes;
-# each phase stops starting rows at its deadline. Logs and JSON: $OUT (default runs/memory).
-# Env: PYTHON (python3), SEQ (16384), BUDGET_S (wall budget of the whole script, default 390 s), EXPERTS (128,256,384),
-# SEQS (32768,65536). CPU dry run of the script itself: DEVICE=cpu MODEL=tiny SEQ=64 EXPERTS=16,32 SEQS=128.
+#            saved expert inputs) at SEQ with more experts, searched downwards: EXPERTS (384,320,256,192) in order,
+#            a row whose offloaded bytes (14 B per expert parameter, pinned, each tensor rounded up to a power of
+#            two by torch's host allocator: 256 experts ~96 GB, 320 / 384 ~181 GB) exceed HOST_FRACTION of
+#            MemAvailable is skipped at once, the first row that trains ends the search. The device is not the
+#            limit (all combined at 16384: ~14 GiB); 128 experts is the long phase's "all combined" row.
+#   CUDA_VISIBLE_DEVICES=0 bash scripts/gpu_memory.sh
+# Every row runs in its own process with its own limit (ROW_S; an OOM, a crash or a hang ends only that row) and its
+# table row is printed (and appended to rows.md) as soon as it finishes; each phase stops starting rows at its
+# deadline. Everything (logs, JSON, rows.md) ends up in ONE file: $OUT/memory.tgz (also when the script is cut).
+# Host threads: torch's intra-op pool is set to max(4, nproc / 2 - 1) (TORCH_THREADS): the CPU optimizer step is
+# memory-bound, and an OpenMP pool that shares its cores with another job waits on descheduled threads (measured on
+# the 2-core machine under load: 8 ms per fused-AdamW call whatever its size, vs 12 us on one free thread).
+# Env: PYTHON (python3), SEQ (16384), BUDGET_S (whole script, default 400), ROW_S (per-row limit of the long phase,
+# 100), LONG_ROWS, EXPERTS (384,320,256,192), HOST_FRACTION (0.8), WARMUP (1), STEPS (2), LARGEST_STEPS (1).
+# CPU dry run of the script logic: DEVICE=cpu MODEL=tiny SEQ=64 EXPERTS=32,16 bash scripts/gpu_memory.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-DEST=${OUT:-runs/memory}
-mkdir -p "$DEST"
+OUTDIR=${OUT:-runs/memory}
+mkdir -p "$OUTDIR"
+DEST=$(mktemp -d "${TMPDIR:-/tmp}/gpu_memory.XXXXXX")
 SEQ=${SEQ:-16384}
 MODEL=${MODEL:-proxy}
 DEVICE=${DEVICE:-cuda}
-EXPERTS=${EXPERTS:-128,256,384}
-SEQS=${SEQS:-32768,65536}
-BUDGET=${BUDGET_S:-390}
+EXPERTS=${EXPERTS:-384,320,256,192}
+BUDGET=${BUDGET_S:-400}
+ROW_S=${ROW_S:-100}
+HOSTF=${HOST_FRACTION:-0.8}
+LONG_ROWS=${LONG_ROWS:-recompute full,expert offload,optimizer offload,all combined}
+T0=$(date +%s)
+pack() {  # the one output file; runs on every exit (a cut run still leaves what finished)
+  tar -czf "$OUTDIR/memory.tgz" -C "$DEST" . 2>/dev/null && echo "gpu_memory.sh: outputs in $OUTDIR/memory.tgz"
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 # one config per Triton kernel where moestack has a switch; autotune results cached on disk across the row processes
-export MOESTACK_KDA_AUTOTUNE=0 MOESTACK_DSA_AUTOTUNE=0 TRITON_CACHE_AUTOTUNING=1
-COMMON=(--model "$MODEL" --device "$DEVICE" --warmup 1 --steps 2)
+export MOESTACK_KDA_AUTOTUNE=0 MOESTACK_DSA_AUTOTUNE=0 TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+NT=$(( $(nproc) / 2 - 1 )); [ "$NT" -lt 4 ] && NT=4
+export OMP_NUM_THREADS=${TORCH_THREADS:-$NT}
+COMMON=(--model "$MODEL" --device "$DEVICE" --warmup "${WARMUP:-1}" --no-report)
 # the planner's calibration for the proxy: `moestack tune proxy` on an H200 (2026-11-29): measured saved bytes per part
 [ "$MODEL" = proxy ] && COMMON+=(--calibration benchmarks/calibration-proxy-h200.json)
-NGPU=0
-if [ "$DEVICE" = cuda ]; then
-  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  [ "$NGPU" -gt 0 ] 2>/dev/null || NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-fi
-LONG_ROWS="baseline,recompute full,recompute selective,activation offload,fp8 saved expert inputs,adamw bf16 states,muon,expert offload,optimizer offload,all combined"
-echo "gpu_memory.sh: $MODEL on $DEVICE, $NGPU GPU(s), seq $SEQ, budget ${BUDGET}s, logs in $DEST"
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+filt() { grep --line-buffered -v -e "UserWarning" -e "return float"; }
+# the table rows as each finishes (memory.py prints the whole table again at the end: stop at its second header)
+rows() { awk '/^\| technique/ {n++} n == 1 && /^\| / && !/^\| technique/ && !/^\|---/ {print; fflush()}' >> "$DEST/rows.md"; }
+live() { awk '/^\| technique/ {n++} (n == 1 && /^\|/) || /Traceback|feed back|^  timing:|^  log tail:|^    \[/ {print; fflush()}'; }  # console
+{
+  echo "gpu_memory.sh: $MODEL on $DEVICE (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset}), seq $SEQ, budget ${BUDGET}s, row limit ${ROW_S}s, $(nproc) CPUs"
+  grep -E "MemTotal|MemAvailable" /proc/meminfo
+  [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null
+  $PY -c 'import torch; print("torch", torch.__version__, "threads", torch.get_num_threads())'
+} 2>&1 | tee "$DEST/env.txt"
 
-long() {  # $1 = deadline (s)
-  timeout -k 10 $(($1 + 25)) $PY benchmarks/memory.py --phase long --seq-len "$SEQ" --only "$LONG_ROWS" \
-    "${COMMON[@]}" --deadline-s "$1" --json "$DEST/long.json" 2>&1 | grep --line-buffered -v -e "UserWarning" -e "return float" \
-    | tee "$DEST/long.log"
-}
-largest() {  # $1 = deadline (s), $2 = share of MemAvailable the offloaded experts may take
-  timeout -k 10 $(($1 + 25)) $PY benchmarks/memory.py --phase largest --seq-len "$SEQ" --experts "$EXPERTS" \
-    --seq-lens "$SEQS" --no-report --host-fraction "$2" "${COMMON[@]}" --deadline-s "$1" \
-    --json "$DEST/largest.json" 2>&1 | grep --line-buffered -v -e "UserWarning" -e "return float" > "$DEST/largest.log"
-}
-
-T0=$(date +%s)
-echo "## long"
-if [ "$NGPU" -ge 2 ]; then
-  D=$((BUDGET - 30))
-  # both phases share the host: the largest phase leaves a quarter of MemAvailable for the long phase's offload
-  # rows (<= ~65 GB of host memory each)
-  CUDA_VISIBLE_DEVICES=1 largest "$D" 0.75 &
-  PID=$!
-  CUDA_VISIBLE_DEVICES=0 long "$D"
-  wait "$PID"
+echo "## long (seq $SEQ)"
+D=$(( $(left) * 62 / 100 ))
+timeout -k 10 $((D + 30)) $PY benchmarks/memory.py --phase long --seq-len "$SEQ" --only "$LONG_ROWS" \
+  "${COMMON[@]}" --steps "${STEPS:-2}" --row-timeout-s "$ROW_S" --deadline-s "$D" --json "$DEST/long.json" 2>&1 | filt \
+  | tee "$DEST/long.log" | tee >(rows) | live
+echo
+echo "## largest (all combined, seq $SEQ, experts $EXPERTS, searched downwards)"
+D=$(( $(left) - 15 ))
+if [ "$D" -ge 40 ]; then
+  timeout -k 10 $((D + 30)) $PY benchmarks/memory.py --phase largest --search down --seq-len "$SEQ" --seq-lens "" \
+    --experts "$EXPERTS" --host-fraction "$HOSTF" "${COMMON[@]}" --steps "${LARGEST_STEPS:-1}" --deadline-s "$D" \
+    --json "$DEST/largest.json" 2>&1 | filt | tee "$DEST/largest.log" | tee >(rows) | live
 else
-  D1=$(((BUDGET - 40) * 6 / 10))
-  D2=$((BUDGET - 40 - D1))
-  long "$D1"
-  largest "$D2" 0.85
+  echo "no time left for the largest phase ($D s)"
 fi
+sleep 1  # let the rows.md writers finish
 echo
-echo "## largest"
-cat "$DEST/largest.log"
-echo
+echo "## rows (as finished)"
+cat "$DEST/rows.md" 2>/dev/null
 echo "gpu_memory.sh: done in $(($(date +%s) - T0)) s"

@@ -57,3 +57,36 @@ def test_details_report_offload_overlap(bench):
     assert "copies 2.00 s per step" in text and "exposed 0.50 s vs baseline: overlap 75%" in text
     other = dict(ref, plan=dict(plan, recompute={"kda": "full"}))
     assert "overlap" not in "\n".join(bench._details([other, row], other))
+
+
+def test_host_estimate_rounds_pinned_tensors_to_powers_of_two(bench):
+    """The largest phase's host estimate: 14 B per expert parameter, each pinned tensor rounded up to a power of two
+    (torch's caching host allocator), plus 12 B per other parameter with optimizer offload."""
+    from moestack.config.model_spec import load_model_spec
+
+    assert [bench._pinned(n) for n in (1, 4096, 4097, 3 << 20)] == [1, 4096, 8192, 4 << 20]
+    base = load_model_spec("proxy")
+    need = {e: bench.host_bytes_needed(bench.variant_spec(base, 16384, e), bench.ALL) / 1e9 for e in (128, 192, 256)}
+    assert 50 < need[128] < 60 and abs(need[192] - need[256]) < 0.1 and 90 < need[256] < 100  # 192: rounded up
+    experts_only = bench.host_bytes_needed(bench.variant_spec(base, 16384, 128), {"offload": ["experts"]})
+    assert experts_only < need[128] * 1e9
+
+
+def test_largest_search_down_stops_at_first_trained(bench, tmp_path, monkeypatch):
+    """--search down: rows in the given order, host-infeasible ones skipped, the first that trains ends it."""
+    import json
+    import sys
+
+    out = tmp_path / "rows.json"
+    argv = ["memory.py", "--phase", "largest", "--search", "down", "--experts", "16,8", "--seq-lens", "",
+            "--model", "tiny", "--device", "cpu", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--no-report",
+            "--no-isolate", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    rows = json.loads(out.read_text())
+    assert [(r["experts"], r["status"]) for r in rows] == [(16, "ok"), (8, "skipped")]
+    assert rows[1]["error"] == "a larger one trained" and rows[0]["clip_opt_s"] and rows[0]["host_peak_rss_gib"] > 0
+    monkeypatch.setattr(sys, "argv", argv + ["--host-fraction", "1e-12"])
+    bench.main()
+    rows = json.loads(out.read_text())
+    assert all(r["status"] == "skipped" and r["error"].startswith("host memory") for r in rows)

@@ -1,0 +1,153 @@
+"""Fast AdamW on host (CPU) tensors: what the optimizer offload and host-resident experts step with.
+
+Why: the CPU paths of moestack.train.optimizers step one tensor at a time with torch's single-tensor AdamW (~10
+elementwise passes over 4-byte arrays) or, for bf16 states, with `_adamw_bf16_update`, whose stochastic rounding
+draws its noise with `torch.randint` (serial on the CPU). Measured on the 2-core development machine
+(ns per parameter per step, 1 / 2 threads): single-tensor AdamW 11.2 / 7.5, torch's fused CPU AdamW 1.5 / 0.9,
+`_adamw_bf16_update` 76 / 62 (of which randint 9.8 / 9.5 twice, not threaded) -- 3.8B host parameters of the proxy
+took minutes per step. Here:
+
+- fp32 states: `torch._fused_adamw_` (one multi-threaded pass; the same math as torch.optim.AdamW, not bitwise
+  the single-tensor result: fused and single-tensor AdamW round differently in the last bit).
+- bf16 states (stochastic rounding, as AdamWBF16): in chunks of `CHUNK` elements (cache-sized): the chunk's m, v are
+  widened to fp32 scratch, `torch._fused_adamw_` updates the fp32 master and the scratch, and the scratch is
+  rounded back with noise read from a fixed table of uniform 16-bit integers at a random offset per chunk and
+  state. Each element's noise is uniform on [0, 2^16) whatever the offset, so the rounding stays unbiased
+  (E[round(x)] = x, what the EMA increments need); noise of neighbouring elements is correlated across calls,
+  which unbiasedness does not need. The table is drawn once from the optimizer's seed.
+
+`HostOffloadAdamW` is CPUOffloadAdamW (same state layout, checkpoints, side-stream gradient copies) with these
+kernels; `build_host_aware_optimizer` picks it for Plan.offload.optimizer, and torch's AdamW with `fused=True`
+(CPU and CUDA both supported) when some parameters live on the host (expert offload) without optimizer offload.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from moestack.config.train_spec import OptimizerSpec
+from moestack.train.optim import param_groups
+from moestack.train.optimizers import CPUOffloadAdamW, _adamw_bf16_update, _local, build_optimizer_from_name
+
+CHUNK = 1 << 19  # elements per bf16-state chunk: fp32 master + grad + m, v scratch + noise ~ 10 MB
+NOISE = 1 << 22  # entries of the rounding-noise table (16 MiB)
+
+
+def fused_adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, lr: float,
+                 b1: float, b2: float, eps: float, wd: float) -> None:
+    """One AdamW update in place with torch's fused kernel (p, g, m, v of one dtype; `step` already counted)."""
+    torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                        amsgrad=False, maximize=False)
+
+
+class RoundingNoise:
+    """A table of uniform 16-bit integers (int32) and random offsets into it (module docstring)."""
+
+    def __init__(self, seed: int, size: int = NOISE, chunk: int = CHUNK):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randint(0, 1 << 16, (size + chunk,), dtype=torch.int32, generator=g)
+        self.size, self.rng = size, random.Random(seed)
+
+    def take(self, n: int) -> torch.Tensor:
+        if n > self.table.numel():
+            raise ValueError(f"noise for {n} elements from a table of {self.table.numel()}")
+        o = self.rng.randrange(self.table.numel() - n + 1)
+        return self.table[o:o + n]
+
+
+def _round_into(dst_bf16: torch.Tensor, src32: torch.Tensor, noise: torch.Tensor) -> None:
+    """dst = stochastic bf16 rounding of src (src is overwritten): ((bits + noise) & ~0xffff), then an exact cast."""
+    src32.view(torch.int32).add_(noise).bitwise_and_(-65536)
+    dst_bf16.copy_(src32)
+
+
+class _Scratch:
+    def __init__(self):
+        self.m32 = self.v32 = None
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.m32 is None or self.m32.numel() < n:
+            self.m32, self.v32 = torch.empty(n), torch.empty(n)
+        return self.m32[:n], self.v32[:n]
+
+
+def adamw_bf16_states_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                       lr: float, b1: float, b2: float, eps: float, wd: float, noise: RoundingNoise,
+                       scratch: _Scratch | None = None, chunk: int = CHUNK) -> None:
+    """AdamW on fp32 master `p` (CPU) with bf16 m, v (stochastic rounding), chunk by chunk (module docstring)."""
+    if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+        _adamw_bf16_update(p, g, m, v, int(step), lr, b1, b2, eps, wd,
+                           torch.Generator().manual_seed(noise.rng.randrange(1 << 62)))
+        return
+    pf, gf, mf, vf = p.view(-1), g.view(-1).to(p.dtype), m.view(-1), v.view(-1)
+    scratch = scratch or _Scratch()
+    n_all = pf.numel()
+    for a in range(0, n_all, chunk):
+        b = min(a + chunk, n_all)
+        m32, v32 = scratch.get(chunk)
+        m32, v32 = m32[:b - a], v32[:b - a]
+        m32.copy_(mf[a:b])
+        v32.copy_(vf[a:b])
+        fused_adamw_(pf[a:b], gf[a:b], m32, v32, step, lr, b1, b2, eps, wd)
+        _round_into(mf[a:b], m32, noise.take(b - a))
+        _round_into(vf[a:b], v32, noise.take(b - a))
+
+
+class HostOffloadAdamW(CPUOffloadAdamW):
+    """CPUOffloadAdamW (moestack.train.optimizers: masters and states in pinned host memory, gradients copied on a
+    side stream, weights copied back while the CPU moves on) stepping with the fast host kernels of this module."""
+
+    def __init__(self, *args, seed: int = 0, **kwargs):
+        super().__init__(*args, seed=seed, **kwargs)
+        self._noise = RoundingNoise(seed) if self.state_dtype == torch.bfloat16 else None
+        self._scratch = _Scratch()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if self._h2d is not None:  # last step's weight copies are done; this step's wait for backward's reads
+            self._h2d.synchronize()
+            self._h2d.wait_stream(torch.cuda.current_stream())
+        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = self._grads_to_host([p for _, p in work])
+        for (group, p), (host_grad, event) in zip(work, grads):
+            if event is not None:
+                event.synchronize()  # this gradient has arrived; later ones are still copying
+            state = self._init_state(p)
+            master = self._master(p)
+            b1, b2 = group["betas"]
+            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            state["step"] += 1
+            hp = (group["lr"], b1, b2, group["eps"], group["weight_decay"])
+            if self.state_dtype == torch.bfloat16:
+                adamw_bf16_states_(master, host_grad, m, v, state["step"], *hp, self._noise, self._scratch)
+            else:
+                fused_adamw_(master, host_grad.to(master.dtype), m, v, state["step"], *hp)
+            if "master" in state:
+                self._to_device(p, master)
+        if self._h2d is not None:
+            torch.cuda.current_stream().wait_stream(self._h2d)  # the next forward reads the new weights
+        return loss
+
+
+def build_host_aware_optimizer(model: nn.Module, name: str, spec: OptimizerSpec, offload: bool = False,
+                               seed: int = 0) -> torch.optim.Optimizer:
+    """build_optimizer_from_name, with the host steps fast: offload -> HostOffloadAdamW ("adamw": fp32 states,
+    "adamw_bf16": bf16 states); "adamw" without offload but with parameters in host memory (expert offload) ->
+    torch AdamW with fused=True (its CPU kernel for the host parameters, the CUDA one for the rest; the default
+    would fall back to the single-tensor loop for every parameter). Anything else: build_optimizer_from_name."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if offload and name in ("adamw", "adamw_bf16"):
+        hp = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+        state_dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
+        return HostOffloadAdamW(param_groups(model, spec.weight_decay), state_dtype=state_dtype, seed=seed, **hp)
+    on_host = any(_local(p).device.type == "cpu" for p in params)
+    mixed = on_host and any(_local(p).device.type != "cpu" for p in params)
+    if (name == "adamw" and not offload and mixed
+            and all(_local(p).device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)):
+        return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
+                                 eps=spec.eps, weight_decay=spec.weight_decay, fused=True)
+    return build_optimizer_from_name(model, name, spec, offload=offload, seed=seed)

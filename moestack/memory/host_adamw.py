@@ -27,6 +27,7 @@ import random
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from moestack.config.train_spec import OptimizerSpec
 from moestack.train.optim import param_groups
@@ -38,9 +39,28 @@ NOISE = 1 << 22  # entries of the rounding-noise table (16 MiB)
 
 def fused_adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, lr: float,
                  b1: float, b2: float, eps: float, wd: float) -> None:
-    """One AdamW update in place with torch's fused kernel (p, g, m, v of one dtype; `step` already counted)."""
+    """One AdamW update in place with torch's fused kernel (p, g, m, v of one dtype; `step` already counted).
+    The fused kernel does not bump `p`'s version counter: done here, because ExpertOffload refreshes its bf16
+    transfer shadows when a weight's version changes."""
     torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                         amsgrad=False, maximize=False)
+    increment_version(p)
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW(fused=True) that bumps the version counter of every parameter it stepped (torch's fused
+    kernels do not; ExpertOffload's bf16 shadows of host-resident experts are refreshed on a version change)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, fused=True, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if stepped:
+            increment_version(stepped)
+        return loss
 
 
 class RoundingNoise:
@@ -148,6 +168,6 @@ def build_host_aware_optimizer(model: nn.Module, name: str, spec: OptimizerSpec,
     mixed = on_host and any(_local(p).device.type != "cpu" for p in params)
     if (name == "adamw" and not offload and mixed
             and all(_local(p).device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)):
-        return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas,
-                                 eps=spec.eps, weight_decay=spec.weight_decay, fused=True)
+        return FusedAdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                          weight_decay=spec.weight_decay)
     return build_optimizer_from_name(model, name, spec, offload=offload, seed=seed)

@@ -165,3 +165,26 @@ def test_expert_offload_shadows_refresh_together(small_spec):
     for p in params:  # the others were refreshed by the same call
         version, s = off._shadows[id(p)]
         assert version == p._version and torch.equal(s, p.detach().bfloat16())
+
+
+def test_fused_steps_bump_versions_so_shadows_follow(small_spec):
+    """torch's fused AdamW kernels do not bump version counters; ours do, so expert offload's bf16 transfer shadows
+    (refreshed on a version change) follow every optimizer step: fp32 and bf16 HostOffloadAdamW, FusedAdamW."""
+    from moestack.memory.host_adamw import FusedAdamW
+
+    for make in (lambda ps: HostOffloadAdamW(ps, lr=1e-2),
+                 lambda ps: HostOffloadAdamW(ps, lr=1e-2, state_dtype=torch.bfloat16),
+                 lambda ps: FusedAdamW(ps, lr=1e-2)):
+        model = build_model(small_spec, "cpu", seed=0)
+        off = apply_expert_offload(model, "cpu", transfer_dtype=torch.bfloat16)
+        params = [getattr(e, n) for e in off.attached for n in ("w_gate_up", "w_down")]
+        opt = make(params)
+        for step in range(2):
+            for p in params:
+                p.grad = torch.ones_like(p)
+                before = off._host_source(p).clone()
+            opt.step()
+            for p in params:
+                shadow = off._host_source(p)
+                assert torch.equal(shadow, p.detach().bfloat16()), (type(opt).__name__, step)
+            assert not torch.equal(shadow, before)

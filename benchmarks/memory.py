@@ -395,9 +395,9 @@ def _pinned(nbytes: int) -> int:
 
 def host_bytes_needed(spec, fields: dict) -> float:
     """Host memory of an all-offloaded run: per routed-expert tensor (w_gate_up, w_down of each MoE layer) the fp32
-    weight, the fp32 persistent gradient buffer, the bf16 transfer shadow and bf16 m, v, each pinned and so
-    rounded up to a power of two (14 B / param before rounding); with optimizer offload the rest too (fp32 master
-    + bf16 m, v + fp32 grad staging = 12 B / param)."""
+    weight, the fp32 persistent gradient buffer and the bf16 transfer shadow, each pinned and so rounded up to a
+    power of two, and bf16 m, v (plain memory: HostOffloadAdamW pins only what it copies) = 14 B / param before
+    rounding; with optimizer offload the rest too (fp32 master + bf16 m, v + fp32 grad staging = 12 B / param)."""
     from moestack.planner.profile import profile_model
 
     prof = profile_model(spec, 2)
@@ -406,7 +406,7 @@ def host_bytes_needed(spec, fields: dict) -> float:
     n_moe = sum(1 for k in spec.layer_kinds() if k.ffn == "moe")
     host = 0
     for n in (E * 2 * I * L, E * L * I):
-        host += n_moe * sum(_pinned(n * b) for b in (4, 4, 2, 2, 2))
+        host += n_moe * (sum(_pinned(n * b) for b in (4, 4, 2)) + n * 4)
     dense = prof.total_params - n_moe * E * 3 * I * L
     return host + (dense * 12 if "optimizer" in fields.get("offload", []) else 0)
 
@@ -448,7 +448,7 @@ def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
                        f"{r['report']['measured_gib']['activations']:.2f} / "
                        f"{r['predicted']['forward_activations_gib']:.2f} GiB)")
         if r.get("all_step_s"):
-            fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
+            fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)
             out.append(f"  timing: {label}: build {r.get('build_s', 0):.1f} s, steps {fmt(r['all_step_s'])} s "
                        f"(fwd+bwd {fmt(r['fwd_bwd_s'])}, clip+opt {fmt(r['clip_opt_s'])}; first = warm-up), host "
                        f"peak RSS {r.get('host_peak_rss_gib', 0):.1f} GiB, available {r.get('host_available_gib', 0):.0f}")

@@ -5,8 +5,9 @@
 #            "expert offload", "optimizer offload", "all combined"
 #   largest  everything combined (full recompute, activation / expert / optimizer offload, bf16 AdamW states, FP8
 #            saved expert inputs) at SEQ with more experts, searched downwards: EXPERTS (384,320,256,192) in order,
-#            a row whose offloaded bytes (14 B per expert parameter, pinned, each tensor rounded up to a power of
-#            two by torch's host allocator: 256 experts ~96 GB, 320 / 384 ~181 GB) exceed HOST_FRACTION of
+#            a row whose host bytes (14 B per expert parameter; the pinned weight, gradient and shadow tensors
+#            rounded up to a power of two by torch's host allocator: 256 experts ~95 GB, 320 / 384 ~161 / 167 GB;
+#            + 12 B per other parameter) exceed HOST_FRACTION of
 #            MemAvailable is skipped at once, the first row that trains ends the search. The device is not the
 #            limit (all combined at 16384: ~14 GiB); 128 experts is the long phase's "all combined" row.
 #   CUDA_VISIBLE_DEVICES=0 bash scripts/gpu_memory.sh

@@ -23,12 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops")
 
 _PRE_V6 = "INTRA_DOTS=tf32 BWD_DOTS=tf32 BWD_X=recompute B3B_FORM=masked K1_EXACT=inline"  # defaults < session 4
 SETS = [  # (switches without the MOESTACK_KDA_ prefix, extra args), the most telling first
-    ("", ""), ("", "--recompute"),  # the defaults (session 4: bf16 dots, saved X, split forms, fixed configs)
+    ("", ""), ("", "--recompute"),  # the defaults (session 4: bf16 K1 dots, tf32 backward dots, saved X, split forms)
+    ("BWD_DOTS=wy", ""), ("BWD_DOTS=wy", "--recompute"),  # bf16 in B3a only (dg precision: kda_precision.py)
+    ("BWD_DOTS=bf16", ""),  # session 4 call 1's default: 16.06 ms save, but dg 4-5e-2 vs fp64
     (_PRE_V6, ""),  # the previous defaults (session 3's 23.79 ms)
-    ("K1=32:4", ""),  # K1's faster bf16 config (3.40 vs ~4.0 ms alone) on top of the defaults
-    ("B3A=32:32:8", "--no-time"), ("B3A=64:32:8", "--no-time"), ("B3A=32:64:8", "--no-time"),  # which B3a tile
-    # size breaks bf16 (32:32:8 went NaN in-model in session 3)?
-    ("B3B=32:8", ""), ("K2=32:4", ""),
+    ("B3A=64:32:8 BWD_DOTS=bf16", "--no-time"),  # NaN in call 1 (with 32:32:8): still?
 ]
 
 

@@ -8,7 +8,8 @@
 # Env: MODEL (proxy), STEPS (200), SEQ (4096), GBS (global batch in sequences, 16), NPROC (GPUs found),
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
 #      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first),
-#      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files).
+#      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files),
+#      LAYOUTS (a comma list of the layout names below to run, e.g. "tp2,ep2"; default all).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,10 +77,13 @@ train() {  # train NAME NPROC STEPS
 if [[ " $PHASES " == *" layouts "* ]]; then
   echo "== layouts ($NPROC ranks, $MODEL, $STEPS steps, global batch $GBS x $SEQ)"
   plan single 1 "dp=1,zero=0" && train single 1 "$STEPS"
+  names=()
   for name in "${!FIX[@]}"; do
+    [ -z "${LAYOUTS:-}" ] || [[ ",$LAYOUTS," == *",$name,"* ]] || continue
+    names+=("$name")
     plan "$name" "$NPROC" "${FIX[$name]}" && train "$name" "$NPROC" "$STEPS"
   done
-  $PY scripts/multigpu_summary.py layouts "$DEST" single "${!FIX[@]}"
+  $PY scripts/multigpu_summary.py layouts "$DEST" single "${names[@]}"
 fi
 
 if [[ " $PHASES " == *" a2a "* ]]; then

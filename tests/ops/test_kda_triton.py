@@ -275,12 +275,13 @@ def test_bwd_variants_exact_path(monkeypatch, form):
     check(x, gate="kimi", recompute=False, tol_grad=1e-4)
 
 
-@pytest.mark.parametrize("form", ["masked", "narrow", "joined"])
-def test_low_precision_dots_structure(monkeypatch, form):
+@pytest.mark.parametrize("form,bwd_dots", [("masked", "bf16"), ("narrow", "bf16"), ("joined", "bf16"),
+                                           ("split", "wy")])
+def test_low_precision_dots_structure(monkeypatch, form, bwd_dots):
     """The "bf16" dot switches (K1 and backward) run their code paths in fp16 under the interpreter (its bf16
     dot is broken): this checks the structure (masks, transposes, operands) at an fp16-sized bound, mild gates
     (fp16 would overflow the exp factors of strong ones). Their bf16 accuracy is the GPU tests' job."""
-    _set_env(monkeypatch, f"MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_BWD_DOTS=bf16 MOESTACK_KDA_BWD_X=saved "
+    _set_env(monkeypatch, f"MOESTACK_KDA_INTRA_DOTS=bf16 MOESTACK_KDA_BWD_DOTS={bwd_dots} MOESTACK_KDA_BWD_X=saved "
                           f"MOESTACK_KDA_B3B_FORM={form} MOESTACK_KDA_K1_JOIN={int(form != 'masked')}")
     x = make_inputs(1, 63, 2, 32, 32, h0=True, seed=45)
     x["q"], x["k"], x["beta"] = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
@@ -318,16 +319,18 @@ def test_bf16_backward_dots_need_saved_x(monkeypatch):
 
 
 def test_defaults_are_the_validated_set(monkeypatch):
-    """Unset switches give the GPU-validated set (session 4): bf16 dots, saved X, split forms, fixed configs."""
+    """Unset switches give the GPU-validated set (session 4): bf16 K1 dots, tf32 backward dots (dg precision),
+    saved X, split forms, fixed configs."""
     from moestack.ops.kda import triton_bwd, triton_fwd
 
     for name in ("INTRA_DOTS", "BWD_DOTS", "BWD_X", "B3B_FORM", "K1_EXACT", "K1", "B3A", "B3B"):
         monkeypatch.delenv(f"MOESTACK_KDA_{name}", raising=False)
     assert (triton_fwd.intra_dots_choice(), triton_fwd.k1_exact_choice()) == ("bf16", "split")
     assert (triton_bwd.bwd_dots_choice(), triton_bwd.bwd_x_choice(), triton_bwd.b3b_form_choice()) == \
-        ("bf16", "saved", "split")
-    assert triton_fwd.K1_BF16_DEFAULT[:2] == (16, 4)
-    assert triton_bwd.B3A_BF16_DEFAULT == {"BV": 64, "BKS": 64, "num_warps": 8}
+        ("tf32", "saved", "split")
+    assert triton_fwd.K1_BF16_DEFAULT[:2] == (32, 4)
+    assert triton_bwd.B3A_DEFAULT == {"BV": 64, "BKS": 64, "num_warps": 8}
+    assert triton_bwd.B3B_DEFAULT == {"BKC": 16, "num_warps": 4}
 
 
 def test_dispatcher_backend():
@@ -385,9 +388,10 @@ def _correlated_keys_case(label: str, recompute: bool = True) -> None:
     x["A_log"] = torch.zeros(2)
     x["beta"] = x["beta"] + 3.0
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
-    # 2x the usual bf16 bounds: the inverse runs in tf32 (~1e-3 on X for keys this correlated, triton_fwd.py
-    # INV_PRECISION); the failure this guards against was a relative error of ~1e8.
-    errs = check(x, gate="k3", recompute=recompute, tol_out=2 * GPU_TOL_OUT, tol_grad=2 * GPU_TOL_GRAD)
+    # 3x the usual bf16 bounds: keys this correlated amplify the bf16 rounding of the inputs and intermediates
+    # (the tf32 kernels before session 4 reach o 1.0e-2 here, H200 2026-11-29; every variant 0.9-1.1e-2); the
+    # failure this guards against was a relative error of ~1e8.
+    errs = check(x, gate="k3", recompute=recompute, tol_out=3 * GPU_TOL_OUT, tol_grad=3 * GPU_TOL_GRAD)
     print(f"\nKDA_GPU_ERR correlated-keys {label} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
 
 

@@ -576,19 +576,22 @@ def kda_bwd_kernel_scores(
 # autotuned / first config. At 4 warps a program fits 255 registers and two CTAs share an SM (the 8-warp defaults
 # run one per SM); "16:4:168" caps registers for three (split B3b: 100 B spills bf16, 196 B tf32, ptxas sm_90).
 B3A_ENV, B3B_ENV = "MOESTACK_KDA_B3A", "MOESTACK_KDA_B3B"
-# With bf16 dots (the default) and the variables unset, fixed configs that passed every GPU test replace the
-# autotuner, whose other candidates were never validated in bf16: B3a at BV 32 / BKS 32 / 8 warps gave NaN in the
-# in-model test (H200, session 3; fine in fp16 under the interpreter, so a GPU codegen issue is suspected).
-B3A_BF16_DEFAULT = {"BV": 64, "BKS": 64, "num_warps": 8}
-B3B_BF16_DEFAULT = {"BKC": 16, "num_warps": 4}
+# With the default BWD_X=saved / B3B_FORM=split (or bf16 dots) and the variables unset, fixed configs that passed
+# every GPU test and timed fastest replace the autotuner, whose other candidates were never validated in bf16: B3a
+# at BV 32 / BKS 32 or 64 / 32 with bf16 dots gave NaN (H200, sessions 3-4; fine in fp16 under the interpreter, so
+# a GPU codegen issue is suspected; BKS 64 is the safe side).
+B3A_DEFAULT = {"BV": 64, "BKS": 64, "num_warps": 8}
+B3B_DEFAULT = {"BKC": 16, "num_warps": 4}
 B3B_EXACT_CONFIG = {"BKC": 32, "num_warps": 8}  # the split forms' exact-path launch (tf32 dots), see kda_bwd_scores
 # Backward variants (phase C), read once per forward call by triton_op (so a recompute matches its forward):
 # $MOESTACK_KDA_BWD_X = "saved" (default: K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and
 # B3a reads them and W) or "recompute" (B3a recomputes Akk by channel blocks and inverts again: ~26 of its ~64 dots).
-# $MOESTACK_KDA_BWD_DOTS = "bf16" (default) or "tf32": B3a's WY dots and B3b's score-gradient dots take bf16
-# operands (fp32 accumulate). bf16 needs BWD_X=saved: on the recompute-X path it gave NaN on the H200 (session 3).
+# $MOESTACK_KDA_BWD_DOTS = "tf32" (default), "wy" (bf16 operands, fp32 accumulate, in B3a's WY dots only) or "bf16"
+# (B3a's and B3b's score-gradient dots): bf16 is ~10% faster but put the gate gradient dg at 4-5e-2 relative RMS
+# vs fp64 (tf32: 6-7e-3; benchmarks/kda_precision.py, H200 session 4). wy / bf16 need BWD_X=saved: on the
+# recompute-X path bf16 gave NaN on the H200 (session 3).
 BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("saved", "recompute")
-BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("bf16", "tf32")
+BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "wy", "bf16")
 # $MOESTACK_KDA_B3B_FORM = "masked" (per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked operands,
 # the exact path inline), "split" (default; the same, but the chunks flagged for the exact path go to a second
 # launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4), "narrow" (split, and
@@ -608,7 +611,7 @@ def b3b_form_choice(form: str | None = None) -> str:
 
 
 def bwd_dots_choice(bwd_dots: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "bf16" (see BWD_DOTS_ENV above)."""
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_DOTS_ENV above)."""
     return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
 
 
@@ -671,8 +674,8 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
     )
     kern, extra = kda_bwd_kernel_wy, {}
     choice = _fixed_config(B3A_ENV, ("BV", "BKS"), (16, 32, 64))
-    if choice is None and lowp:  # with bf16 dots: the GPU-validated config (32:32:8 went NaN in-model, H200)
-        choice = dict(B3A_BF16_DEFAULT)
+    if choice is None and (lowp or "xinv" in intra):  # the GPU-validated config (bf16 at 32:32:8 went NaN, H200)
+        choice = dict(B3A_DEFAULT)
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
     load_x = "xinv" in intra
@@ -700,12 +703,12 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
     pd_alog = q.new_empty(NC, H, dtype=torch.float32) if fused_gate else None
     dummy = q.new_empty(1, dtype=torch.float32)
     kern, extra = kda_bwd_kernel_scores, {}
+    form = b3b_form_choice(form)
     choice = _fixed_config(B3B_ENV, ("BKC",), (16, 32, 64))
-    if choice is None and lowp:  # with bf16 dots: the GPU-validated (and fastest measured) config
-        choice = dict(B3B_BF16_DEFAULT)
+    if choice is None and (lowp or form == "split"):  # the GPU-validated (and fastest measured) config
+        choice = dict(B3B_DEFAULT)
     if choice is not None:
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
-    form = b3b_form_choice(form)
     # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form, with
     # tf32 dots at the tf32 default config: the bf16 masked form faulted at 4 warps on the H200 in session 3, and
     # the launch only does work for the rare chunks with gates beyond SPAN_MAX)
@@ -732,9 +735,10 @@ def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, intra: dict, chunk_map, cu_s
     """Intra-chunk gradients: kda_bwd_wy then kda_bwd_scores (fp32 partials in between: 2 KB per token and head
     at K = 128, freed on return). `intra` is kda_fwd_intra's output (with xinv / akk: B3a reads X instead of
     recomputing it). bwd_dots: see bwd_dots_choice. Returns dq, dk, dv, dg, dbeta, pd_dt, pd_alog."""
-    lowp = bwd_dots_choice(bwd_dots) == "bf16"
+    dots = bwd_dots_choice(bwd_dots)
+    lowp = dots == "bf16"
     dv, dbeta, part = kda_bwd_wy(k, v, beta, intra, chunk_map, cu_seqlens, h, dh, d, dd, do,
-                                 beta_sigmoid=beta_sigmoid, lowp=lowp)
+                                 beta_sigmoid=beta_sigmoid, lowp=dots in ("wy", "bf16"))
     dq, dk, dg, pd_dt, pd_alog = kda_bwd_scores(q, k, g, A_log, dt_bias, intra, chunk_map, cu_seqlens, part,
                                                 scale=scale, gate=gate, lower_bound=lower_bound, l2norm=l2norm,
                                                 lowp=lowp)

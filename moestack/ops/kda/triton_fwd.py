@@ -46,7 +46,7 @@ K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, se
 # CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
 # dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
 K1_ENV = "MOESTACK_KDA_K1"
-K1_BF16_DEFAULT = (16, 4, None)  # K1's (BKS, warps, maxnreg) with bf16 dots when $MOESTACK_KDA_K1 is unset
+K1_BF16_DEFAULT = (32, 4, None)  # K1's (BKS, warps, maxnreg) with bf16 dots when $MOESTACK_KDA_K1 is unset
 # "inline" (default) or "split": K1 in two launches, the exact path compiled only into the second, which runs just
 # the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 -> 60 B).
 K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("split", "inline")
@@ -443,9 +443,9 @@ def _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K: 
 # First (the single config without autotuning): BV = 32 at 8 warps compiles without spills at K = V = 128
 # (ptxas, sm_90); 4 warps spill 0.5-0.7 KB per thread.
 @triton.autotune(configs=_configs([
+    triton.Config({"BV": 32}, num_warps=4, num_stages=2),  # first: 0.3 ms less than 32 / 8 at 1x32768x32 (H200)
     triton.Config({"BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
 ]), key=["K", "V", "STORE_O", "STORE_H"])
 @triton.jit

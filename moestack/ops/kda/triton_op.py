@@ -182,9 +182,9 @@ def kda_fused(
         bwd_x=bwd_x_choice(),  # $MOESTACK_KDA_BWD_X: K1 writes X and Akk for backward ("saved") or not
         bwd_dots=bwd_dots_choice(),  # $MOESTACK_KDA_BWD_DOTS: B3a / B3b dot operands
     )
-    if cfg["bwd_dots"] == "bf16" and cfg["bwd_x"] == "recompute":
-        raise ValueError("MOESTACK_KDA_BWD_DOTS=bf16 needs MOESTACK_KDA_BWD_X=saved (bf16 dots on the recompute-X "
-                         "path gave NaN on the H200): unset MOESTACK_KDA_BWD_X or set MOESTACK_KDA_BWD_DOTS=tf32")
+    if cfg["bwd_dots"] != "tf32" and cfg["bwd_x"] == "recompute":
+        raise ValueError(f"MOESTACK_KDA_BWD_DOTS={cfg['bwd_dots']} needs MOESTACK_KDA_BWD_X=saved (bf16 dots on the "
+                         "recompute-X path gave NaN on the H200): unset MOESTACK_KDA_BWD_X or MOESTACK_KDA_BWD_DOTS")
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None
     return _KDATriton.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, output_final_state)

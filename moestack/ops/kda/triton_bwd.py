@@ -586,12 +586,12 @@ B3B_EXACT_CONFIG = {"BKC": 32, "num_warps": 8}  # the split forms' exact-path la
 # Backward variants (phase C), read once per forward call by triton_op (so a recompute matches its forward):
 # $MOESTACK_KDA_BWD_X = "saved" (default: K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and
 # B3a reads them and W) or "recompute" (B3a recomputes Akk by channel blocks and inverts again: ~26 of its ~64 dots).
-# $MOESTACK_KDA_BWD_DOTS = "tf32" (default), "wy" (bf16 operands, fp32 accumulate, in B3a's WY dots only) or "bf16"
-# (B3a's and B3b's score-gradient dots): bf16 is ~10% faster but put the gate gradient dg at 4-5e-2 relative RMS
-# vs fp64 (tf32: 6-7e-3; benchmarks/kda_precision.py, H200 session 4). wy / bf16 need BWD_X=saved: on the
+# $MOESTACK_KDA_BWD_DOTS = "wy" (default: bf16 operands, fp32 accumulate, in B3a's WY dots only; dg as in tf32),
+# "tf32" or "bf16" (B3a's and B3b's score-gradient dots): bf16 is 6% faster than wy but puts the gate gradient dg at
+# 4-5e-2 relative RMS vs fp64 (wy and tf32: 6-7.5e-3; benchmarks/kda_precision.py, H200 session 4). wy / bf16 need BWD_X=saved: on the
 # recompute-X path bf16 gave NaN on the H200 (session 3).
 BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("saved", "recompute")
-BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("tf32", "wy", "bf16")
+BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("wy", "tf32", "bf16")
 # $MOESTACK_KDA_B3B_FORM = "masked" (per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked operands,
 # the exact path inline), "split" (default; the same, but the chunks flagged for the exact path go to a second
 # launch, so the main one compiles without it: ptxas spills 288 -> 0 B at 32:8, 0 at 16:4), "narrow" (split, and
@@ -611,7 +611,7 @@ def b3b_form_choice(form: str | None = None) -> str:
 
 
 def bwd_dots_choice(bwd_dots: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "tf32" (see BWD_DOTS_ENV above)."""
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "wy" (see BWD_DOTS_ENV above)."""
     return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
 
 

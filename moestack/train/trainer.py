@@ -318,12 +318,18 @@ class Trainer:
 
     def _build_parallel_optimizer(self) -> torch.optim.Optimizer:
         plan = self.dist.plan
-        if plan.optimizer == "adamw" and not plan.offload.optimizer:
+        if plan.offload.optimizer or plan.offload.experts:
+            # host-resident state / parameters step with torch's fused CPU kernels (moestack.memory.host_adamw:
+            # the generic paths took minutes per step at the proxy's size on the H200 host)
+            from moestack.memory.host_adamw import build_host_aware_optimizer
+
+            return build_host_aware_optimizer(self.model, plan.optimizer, self.spec.optimizer,
+                                              offload=plan.offload.optimizer, seed=self.spec.seed)
+        if plan.optimizer == "adamw":
             return build_optimizer(self.model, self.spec.optimizer)
         from moestack.train.optimizers import build_optimizer_from_name
 
-        return build_optimizer_from_name(self.model, plan.optimizer, self.spec.optimizer,
-                                         offload=plan.offload.optimizer, seed=self.spec.seed)
+        return build_optimizer_from_name(self.model, plan.optimizer, self.spec.optimizer, seed=self.spec.seed)
 
     def close(self) -> None:
         """Release the process group if this trainer created it."""

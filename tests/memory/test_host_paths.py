@@ -109,6 +109,31 @@ def test_build_host_aware_optimizer_choices():
     assert isinstance(build_host_aware_optimizer(model, "adamw", spec), torch.optim.AdamW)  # all on one device
 
 
+def test_trainer_plan_optimizer_uses_host_paths():
+    """`moestack train --plan` with offload builds the fast host optimizer (the generic CPU paths took minutes per
+    step on the H200 host), and the plain plan keeps torch AdamW."""
+    from types import SimpleNamespace
+
+    from moestack.config.plan import make_plan
+    from moestack.config.train_spec import load_train_spec
+    from moestack.train.trainer import Trainer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    spec = load_train_spec(None, {})
+
+    def built(**fields):
+        plan = make_plan(model="tiny", cluster="cpu", devices=1, seq_len=16, global_batch_size=1,
+                         micro_batch_size=1, **fields)
+        fake = SimpleNamespace(dist=SimpleNamespace(plan=plan), model=model, spec=spec)
+        return Trainer._build_parallel_optimizer(fake)
+
+    opt = built(offload={"optimizer": True}, optimizer="adamw_bf16")
+    assert type(opt) is HostOffloadAdamW and opt.state_dtype == torch.bfloat16
+    assert type(built(offload={"optimizer": True})) is HostOffloadAdamW
+    assert type(built()) is torch.optim.AdamW
+    assert isinstance(built(optimizer="muon"), Muon)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # expert offload host gradients
 

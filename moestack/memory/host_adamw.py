@@ -147,32 +147,16 @@ class HostOffloadAdamW(CPUOffloadAdamW):
             state[key] = host
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        if self._h2d is not None:  # last step's weight copies are done; this step's wait for backward's reads
-            self._h2d.synchronize()
-            self._h2d.wait_stream(torch.cuda.current_stream())
-        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        grads = self._grads_to_host([p for _, p in work])
-        for (group, p), (host_grad, event) in zip(work, grads):
-            if event is not None:
-                event.synchronize()  # this gradient has arrived; later ones are still copying
-            state = self._init_state(p)
-            master = self._master(p)
-            b1, b2 = group["betas"]
-            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            state["step"] += 1
-            hp = (group["lr"], b1, b2, group["eps"], group["weight_decay"])
-            if self.state_dtype == torch.bfloat16:
-                adamw_bf16_states_(master, host_grad, m, v, state["step"], *hp, self._noise, self._scratch)
-            else:
-                fused_adamw_(master, host_grad.to(master.dtype), m, v, state["step"], *hp)
-            if "master" in state:
-                self._to_device(p, master)
-        if self._h2d is not None:
-            torch.cuda.current_stream().wait_stream(self._h2d)  # the next forward reads the new weights
-        return loss
+    def _update(self, master: torch.Tensor, host_grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, state: dict,
+                group: dict) -> None:
+        """CPUOffloadAdamW's update with torch's fused CPU AdamW kernel (bf16 states: by chunks, table noise)."""
+        b1, b2 = group["betas"]
+        state["step"] += 1
+        hp = (group["lr"], b1, b2, group["eps"], group["weight_decay"])
+        if self.state_dtype == torch.bfloat16:
+            adamw_bf16_states_(master, host_grad, m, v, state["step"], *hp, self._noise, self._scratch)
+        else:
+            fused_adamw_(master, host_grad.to(master.dtype), m, v, state["step"], *hp)
 
 
 def build_host_aware_optimizer(model: nn.Module, name: str, spec: OptimizerSpec, offload: bool = False,

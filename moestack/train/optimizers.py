@@ -349,21 +349,25 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
                 event.synchronize()  # this gradient has arrived; later ones are still copying
             state = self._init_state(p)
             master = self._master(p)
-            b1, b2 = group["betas"]
-            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            if self.state_dtype == torch.bfloat16:
-                state["step"] += 1
-                _adamw_bf16_update(master, host_grad, m, v, int(state["step"]), group["lr"], b1, b2, group["eps"],
-                                   group["weight_decay"], self._gen(torch.device("cpu")))
-            else:
-                _adamw([master], [host_grad.to(master.dtype)], [m], [v], [], [state["step"]], foreach=False,
-                       amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
-                       eps=group["eps"], maximize=False)
+            self._update(master, host_grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state, group)
             if "master" in state:
                 self._to_device(p, master)
         if self._h2d is not None:
             torch.cuda.current_stream().wait_stream(self._h2d)  # the next forward reads the new weights
         return loss
+
+    def _update(self, master: torch.Tensor, host_grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, state: dict,
+                group: dict) -> None:
+        """One AdamW update of the host master and states (counts the step); subclasses swap the kernels."""
+        b1, b2 = group["betas"]
+        if self.state_dtype == torch.bfloat16:
+            state["step"] += 1
+            _adamw_bf16_update(master, host_grad, m, v, int(state["step"]), group["lr"], b1, b2, group["eps"],
+                               group["weight_decay"], self._gen(torch.device("cpu")))
+        else:
+            _adamw([master], [host_grad.to(master.dtype)], [m], [v], [], [state["step"]], foreach=False,
+                   amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
+                   eps=group["eps"], maximize=False)
 
     def _grads_to_host(self, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, object]]:
         """Start every gradient's D2H copy (in order, on the side stream); (host grad, event) per parameter."""

@@ -147,11 +147,19 @@ def host_gib() -> dict:
 
 
 def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: int, report: bool,
-        cal=None) -> dict:
-    """Build, train, measure one configuration in this process; {"oom": True} when it does not fit."""
+        cal=None, snapshot: str | None = None) -> dict:
+    """Build, train, measure one configuration in this process; {"oom": True} when it does not fit. With
+    `snapshot` (a folder; CUDA only) the allocator's history is recorded and the live blocks at the timed steps'
+    peak are written there (`peak_snapshot`)."""
     out: dict = {"technique": name, "plan": plan.model_dump(exclude={"predicted"}), "experts": spec.moe.num_experts,
                  "seq": plan.seq_len, "status": "ok"}
     model = opt = None
+    recording = snapshot is not None and device.type == "cuda" and torch.cuda.is_available()
+    if snapshot is not None and not recording:
+        print(f"[{name}] --snapshot needs a CUDA device: not recorded", flush=True)
+    if recording:  # from before the build: every block alive at the peak has its allocation in the trace
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+    trace_start = 0
     try:
         t_build = time.perf_counter()
         model, opt = build(spec, plan, device)
@@ -168,6 +176,8 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         for i in range(warmup + steps):
             if i == warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+                if recording:  # the peak is searched from here on (the timed steps)
+                    trace_start = len(_device_trace(torch.cuda.memory._snapshot(), device))
                 if offloader is not None:  # time the copies of the timed steps (the transfer to hide)
                     offloader.timing = True
             _sync(device)
@@ -184,6 +194,22 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         if device.type == "cuda":
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        if recording:
+            try:
+                peak = peak_blocks(torch.cuda.memory._snapshot(), device, trace_start)
+                peak["max_memory_allocated_gib"] = out["peak_gib"]
+                os.makedirs(snapshot, exist_ok=True)
+                path = os.path.join(snapshot, f"memsnap-{name.replace(' ', '_')}-{spec.moe.num_experts}e-"
+                                              f"{plan.seq_len}.json")
+                with open(path, "w") as f:
+                    json.dump(peak, f, indent=1)
+                out["peak_snapshot"] = path
+                print(f"[{name}] peak snapshot: {path} (replayed peak {peak['peak_gib']:.2f} GiB)", flush=True)
+            except Exception as err:  # a measurement aid: never lose the row to it
+                out["peak_snapshot_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                recording = False
         pol = model.memory_policies
         if pol.activation_offload is not None:
             if pol.activation_offload.timing:
@@ -212,11 +238,70 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
     except torch.OutOfMemoryError as err:
         out.update(oom=True, status="oom", error=str(err).splitlines()[0][:200])
     finally:
+        if recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
         del model, opt
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+SNAPSHOT_MAX_ENTRIES = 5_000_000  # allocator trace ring buffer (alloc / free events) of a --snapshot row
+SNAPSHOT_BLOCKS = 30  # largest live blocks written
+SNAPSHOT_FRAMES = 8  # stack frames per block (innermost first, torch / Python internals left out)
+
+
+def _device_trace(snap: dict, device: torch.device) -> list[dict]:
+    traces = snap.get("device_traces", [])
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return traces[index] if index < len(traces) else []
+
+
+def _frames(entry: dict, n: int = SNAPSHOT_FRAMES) -> list[str]:
+    """The innermost `n` frames of an allocation that are not torch's own (the code that asked for it)."""
+    out = []
+    for fr in entry.get("frames", []):
+        name = fr.get("filename", "")
+        if "/torch/" in name or name.startswith("??") or not name:
+            continue
+        out.append(f"{os.path.basename(name)}:{fr.get('line')}:{fr.get('name')}")
+        if len(out) >= n:
+            break
+    return out
+
+
+def peak_blocks(snap: dict, device: torch.device, start: int = 0, top: int = SNAPSHOT_BLOCKS) -> dict:
+    """The allocator's live blocks at the peak of allocated bytes over trace entries `start`.. of a
+    torch.cuda.memory._snapshot() recorded with _record_memory_history (replays alloc / free_completed, the events
+    that move torch.cuda.memory_allocated); the largest `top` with their allocation frames, and totals per frame."""
+    trace = _device_trace(snap, device)
+    live: dict[int, dict] = {}
+    total = peak = 0
+    peak_at, peak_live = -1, {}
+    for i, e in enumerate(trace):
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif action == "free_completed":
+            hit = live.pop(e["addr"], None)
+            total -= hit["size"] if hit is not None else e["size"]
+        else:
+            continue
+        if i >= start and total > peak:
+            peak, peak_at, peak_live = total, i, dict(live)
+    blocks = sorted(peak_live.values(), key=lambda e: -e["size"])
+    by_site: dict[str, int] = {}
+    for e in blocks:
+        site = (_frames(e, 1) or ["?"])[0]
+        by_site[site] = by_site.get(site, 0) + e["size"]
+    return {"peak_gib": peak / GIB, "trace_index": peak_at, "trace_entries": len(trace), "start": start,
+            "live_blocks": len(blocks), "note": "sizes in bytes; frames innermost first, torch internals left out; "
+            "blocks allocated before recording started are missing (recording starts before the build)",
+            "blocks": [{"bytes": e["size"], "gib": round(e["size"] / GIB, 4), "stream": e.get("stream"),
+                        "frames": _frames(e)} for e in blocks[:top]],
+            "by_site_gib": {k: round(v / GIB, 4) for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def _act_factors(spec, rep, plan: Plan) -> dict[str, float]:
@@ -295,7 +380,8 @@ def suggested_act_factors(rows: list[dict], cal) -> dict[str, float]:
 def run_row(row: dict, args, base, cal) -> dict:
     spec = variant_spec(base, row["seq"], row["experts"])
     plan = make_plan(args.model, row["seq"], args.micro_batch, row["fields"], args.cluster)
-    return run(row["name"], spec, plan, torch.device(args.device), args.steps, args.warmup, not args.no_report, cal)
+    return run(row["name"], spec, plan, torch.device(args.device), args.steps, args.warmup, not args.no_report, cal,
+               snapshot=getattr(args, "snapshot", None))
 
 
 def _child_argv(args, row: dict, out_path: str) -> list[str]:
@@ -306,6 +392,8 @@ def _child_argv(args, row: dict, out_path: str) -> list[str]:
         argv.append("--no-report")
     if args.calibration:
         argv += ["--calibration", args.calibration]
+    if getattr(args, "snapshot", None):
+        argv += ["--snapshot", args.snapshot]
     return argv
 
 
@@ -460,7 +548,7 @@ def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", choices=["techniques", "long", "largest"], default="techniques")
     ap.add_argument("--model", default="proxy")
@@ -490,9 +578,17 @@ def main() -> None:
     ap.add_argument("--no-report", action="store_true", help="skip the memory report pass")
     ap.add_argument("--kda-backend", default=None, help="sets MOESTACK_KDA_BACKEND (e.g. reference, triton)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--snapshot", nargs="?", const=".", default=None, metavar="DIR",
+                    help="CUDA: record the allocator history of each row (torch.cuda.memory._record_memory_history) "
+                         "and write the live blocks at the timed steps' peak (largest 30, with their allocation "
+                         "frames) to DIR/memsnap-<technique>-<experts>e-<seq>.json (default DIR: .); slows the row")
     ap.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.reference is None:
         args.reference = "first" if args.phase == "largest" else "recompute full"
     t_start = time.monotonic()
@@ -545,7 +641,8 @@ def main() -> None:
             r = {"technique": row["name"], "experts": row["experts"], "seq": row["seq"], "oom": False,
                  "status": "skipped", "error": skip}
         elif args.no_isolate:
-            r = run(row["name"], spec, plan, device, args.steps, args.warmup, not args.no_report, cal)
+            r = run(row["name"], spec, plan, device, args.steps, args.warmup, not args.no_report, cal,
+                    snapshot=args.snapshot)
         else:
             limit = min(x for x in (left, args.row_timeout_s, 24 * 3600.0) if x is not None)
             r = run_isolated(row, args, limit)

@@ -1242,21 +1242,40 @@ class CostModel:
         backward and the same zero_grad frees them, so it builds up the same way."""
         return plan.devices == 1 and plan.num_microbatches == 1
 
-    def _one_end_of_backward(self, plan: Plan, mem: dict[str, float]) -> None:
+    def _one_end_of_backward(self, plan: Plan, mem: dict[str, float], expert_ws: float = 0.0) -> None:
         """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
         LM head's gradient, then either the loss buffers or one layer's working set) or at its end (all gradients
         plus one layer's working set). A layer's working set is the gradients of its saved tensors, or its
         recomputed activations: the no-recompute bytes of the largest layer. The loss backward runs and frees its
         chunk buffers before the first layer's backward starts, so the two are never alive together (measured on
-        the H200 at seq 16384: the peak over the saved activations was the loss chunk, not chunk + layer)."""
+        the H200 at seq 16384: the peak over the saved activations was the loss chunk, not chunk + layer).
+
+        `expert_ws`: expert offload's working set (one layer's fetched bf16 weights + the prefetch of the next GEMM
+        + the fp32 gradient staged for the host, moestack/memory/offload.py ExpertOffload / _ExpertGEMM). It is a
+        transient of a MoE layer's backward: nothing is fetched before the first layer's backward, so at the loss
+        phase it is not alive; it adds to the layer working set of the start of backward instead (not to the end's,
+        whose layer is the first, dense, one in the presets; measured: the MoE phase stayed below the loss phase).
+        Measured (H200, 2026-11-29, all combined, seq 16384): the peak moved +0.18 GiB from 128 to 384 experts,
+        where a loss-phase sum would have moved +2.6 GiB.
+
+        The head term stands for what the loss backward holds of the LM head, V x h / tp x 4 bytes: the chunks share
+        one autocast cast of the fp32 weight (one ToCopyBackward node), so their bf16 weight gradients accumulate in
+        that node's input buffer (2 bytes) while each chunk's recompute holds its own bf16 cast of the weight for
+        the GEMM backward (2 bytes); the fp32 gradient appears once all chunks are done (chunk buffers freed).
+        `hidden_loss`: the final norm's saved fp32 input and normalised output, its fp32 output kept by the loss
+        chunks' checkpoints and the accumulating fp32 gradient of that output: 4 x T x h x 4 bytes on the loss
+        stage (the residual stream is fp32: fp32 embedding + residual adds under autocast)."""
         kind_cost, _, _ = self.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
         scratch = max(c.act for c in kind_cost)
         head = (self.work.head.params * self.work.num_heads_out / plan.tp) * FP32
-        start = mem["activations"] + min(head, mem["gradients"]) + max(mem["buffers"], scratch)
+        T = plan.micro_batch_size * plan.seq_len / plan.cp
+        hidden_loss = 4 * T * self.spec.hidden_size * FP32 / plan.tp if mem["buffers"] > 0 else 0.0
+        layer = max(mem["buffers"] + hidden_loss, scratch + expert_ws)
+        start = mem["activations"] + min(head, mem["gradients"]) + layer
         end = mem["gradients"] + scratch
         if start >= end:
             mem["gradients"] = min(head, mem["gradients"])
-            mem["buffers"] = max(mem["buffers"], scratch)
+            mem["buffers"] = layer
         else:
             mem["activations"] = 0.0
             mem["buffers"] = scratch
@@ -1400,15 +1419,18 @@ class CostModel:
             if plan.zero_stage == 3:
                 per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
                 buffers += 2 * per_layer * BF16
-            if plan.offload.experts:
+            expert_ws = 0.0
+            if plan.offload.experts:  # one layer's fetched bf16 weights, the next GEMM's prefetch, the fp32 dW
                 per_layer_e = e / max(1, len(self.work.layers) / plan.pp)
-                buffers += 2 * per_layer_e * BF16 + per_layer_e * FP32
+                expert_ws = 2 * per_layer_e * BF16 + per_layer_e * FP32
+            if plan.offload.experts and not self._grads_build_up(plan):
+                buffers += expert_ws  # several micro-batches / devices: kept as a sum (not measured)
             if plan.tp > 1:
                 buffers += T * spec.hidden_size * BF16
             mem["buffers"] = buffers
             fwd_act = mem["activations"]
             if self._grads_build_up(plan):
-                self._one_end_of_backward(plan, mem)
+                self._one_end_of_backward(plan, mem, expert_ws)  # a transient of a MoE layer's backward
             mem["reserved"] = cal.runtime_reserved_gib * GIB
             if sum(mem.values()) > sum(best.values()):
                 best, best_fwd_act = mem, fwd_act

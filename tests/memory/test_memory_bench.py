@@ -90,3 +90,39 @@ def test_largest_search_down_stops_at_first_trained(bench, tmp_path, monkeypatch
     bench.main()
     rows = json.loads(out.read_text())
     assert all(r["status"] == "skipped" and r["error"].startswith("host memory") for r in rows)
+
+
+def test_snapshot_flag_parses_and_reaches_the_child(bench):
+    """--snapshot (CUDA only; opt-in): off by default, bare flag = the current folder, passed on to row children."""
+    ap = bench.build_parser()
+    assert ap.parse_args([]).snapshot is None
+    assert ap.parse_args(["--snapshot"]).snapshot == "."
+    args = ap.parse_args(["--snapshot", "snaps", "--device", "cpu"])
+    assert args.snapshot == "snaps"
+    args.cluster = "cpu"
+    argv = bench._child_argv(args, {"name": "x", "fields": {}, "seq": 16, "experts": None}, "out.json")
+    assert argv[argv.index("--snapshot") + 1] == "snaps"
+    args.snapshot = None
+    assert "--snapshot" not in bench._child_argv(args, {"name": "x"}, "out.json")
+
+
+def test_peak_blocks_replays_the_allocator_trace(bench):
+    """The live blocks at the peak of a synthetic _snapshot() trace (only entries from `start` count for the peak)."""
+    import torch
+
+    fr = lambda name: [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},  # noqa: E731
+                       {"filename": f"/repo/{name}.py", "line": 7, "name": name}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": fr("weights")},
+             {"action": "alloc", "addr": 2, "size": 500, "frames": fr("build_tmp")},
+             {"action": "free_completed", "addr": 2, "size": 500},  # index 2: peak 600 before `start`
+             {"action": "alloc", "addr": 3, "size": 300, "frames": fr("loss")},
+             {"action": "alloc", "addr": 4, "size": 50, "frames": fr("grad")},
+             {"action": "free_requested", "addr": 3, "size": 300},  # not yet counted as freed
+             {"action": "free_completed", "addr": 3, "size": 300},
+             {"action": "alloc", "addr": 5, "size": 10, "frames": fr("late")}]
+    snap = {"device_traces": [trace]}
+    out = bench.peak_blocks(snap, torch.device("cuda", 0), start=3)
+    assert out["peak_gib"] * bench.GIB == 450 and out["trace_index"] == 4
+    assert [b["bytes"] for b in out["blocks"]] == [300, 100, 50]
+    assert out["blocks"][0]["frames"] == ["loss.py:7:loss"]  # torch's own frames left out
+    assert bench.peak_blocks(snap, torch.device("cuda", 0), start=0)["peak_gib"] * bench.GIB == 600

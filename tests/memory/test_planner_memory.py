@@ -78,8 +78,9 @@ def test_expert_offload_moves_expert_state_and_copies_off_the_device(predicted):
     assert off["optimizer"] == pytest.approx(8 * (total - expert), rel=1e-5)
     # no autocast bf16 copies of the experts are kept (the seam casts inside its Function): 2 B per expert param
     assert base["activations"] - off["activations"] == pytest.approx(2 * expert, rel=1e-3)
-    # per-layer device buffers for the fetched experts: a few GiB at most
-    assert 0 < off["buffers"] - base["buffers"] < 4 * GIB
+    # per-layer device buffers for the fetched experts: a few GiB at most, and a transient of a MoE layer's
+    # backward (one device: the max with the loss phase, not a sum: cost.py `_one_end_of_backward`)
+    assert 0 <= off["buffers"] - base["buffers"] < 4 * GIB
 
 
 def test_activation_offload_keeps_layers_in_flight_and_weight_copies(predicted):

@@ -67,6 +67,7 @@ class Calibration(StrictModel):
     flash_attn_bwd_eff: float = Field(gt=0, le=1)  # bwd FLOPs = 2.5x fwd (FlashAttention recomputes P)
     sparse_attn_fwd_eff: float = Field(gt=0, le=1)  # DSA top-k attention over the shared MQA latent
     sparse_attn_bwd_eff: float = Field(gt=0, le=1)
+    sparse_attn_heads: int | None = Field(default=None, gt=0)  # heads the two were measured at (None: the model's)
     kda_fwd_eff: float = Field(gt=0, le=1)  # chunked KDA core, FLOPs per MODEL.md (6 dk^2 + 3 C dk + C^2 per head)
     kda_bwd_eff: float = Field(gt=0, le=1)  # bwd FLOPs = 2x fwd
     topk_elems_per_s: float = Field(gt=0)  # torch.topk throughput (scores examined per second)

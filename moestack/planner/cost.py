@@ -20,6 +20,8 @@ backward recompute.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from moestack.config.cluster import GIB, ClusterSpec
@@ -46,6 +48,8 @@ class Gemm:
 
     split: how tensor parallelism divides it: "col" (n / tp), "row" (k / tp), "rep" (every rank does all of it,
     e.g. MLA down-projections on the gathered sequence). Experts split by etp instead of tp.
+    seq_shard: a replicated weight that runs on the rank's sequence shard only (T / tp rows) under TP: the MoE
+    router and latent projections (moestack/parallel/tensor.py runs the MoE token-sharded).
     """
 
     name: str
@@ -57,6 +61,7 @@ class Gemm:
     fp8: bool = True  # runs in FP8 under the fp8 recipe (routers, LM head and attention cores stay bf16/fp32)
     fp32: bool = False  # router: computed in fp32 (tf32 units where the device has them)
     selective: bool = False  # recomputed under the "selective" policy (MLA up-projections)
+    seq_shard: bool = False  # with split "rep": runs on the SP shard (T / tp rows), weight replicated
 
     @property
     def params(self) -> int:
@@ -88,6 +93,7 @@ class PartWork:
     top_k: int = 0
     num_experts: int = 0
     tp_comm: bool = True  # one all-gather in / reduce-scatter out under sequence-parallel TP
+    heads: int = 0  # DSA sparse attention: attention heads (the kernels pay per block of DSA_HEAD_BLOCK heads)
 
     @property
     def dense_params(self) -> int:
@@ -259,6 +265,7 @@ def mla_work(spec: ModelSpec, s: int) -> PartWork:
                   Gemm("dsa.k_idx", n=idx.head_dim, k=h, split="rep", fp8=False),
                   Gemm("dsa.w_idx", n=idx.num_heads, k=h, split="rep", fp8=False)]
         part.sparse_attn_flops = 2.0 * _causal_pairs(s, idx.top_k) * H * ((r + a.qk_rope_head_dim) + r)
+        part.heads = H
         part.indexer_flops = 2.0 * _causal_pairs(s) * idx.num_heads * idx.head_dim
         part.topk_elems = _causal_pairs(s)
     norm_keep, norm_sel = _norm_bytes(h)
@@ -268,8 +275,8 @@ def mla_work(spec: ModelSpec, s: int) -> PartWork:
     # kept: attention output + softmax stats, gate pre-activation; dropped by selective: q, k, v (up-proj outputs)
     part.act_keep = norm_keep + H * dv * BF16 + H * FP32 + (H * dv * BF16 if a.output_gate else 0)
     part.act_selective = norm_sel + H * (dqk + dqk + dv) * BF16 + (H * dv * BF16 if a.output_gate else 0)
-    if idx is not None:
-        part.act_keep += idx.top_k * FP32 + (idx.num_heads * idx.head_dim + idx.head_dim + idx.num_heads) * BF16
+    if idx is not None:  # the indexer runs replicated on every TP rank over the whole sequence (tensor.py)
+        part.act_replicated += idx.top_k * FP32 + (idx.num_heads * idx.head_dim + idx.head_dim + idx.num_heads) * BF16
     part.elem_bytes = 2 * h * BF16 + 2 * (q_lat + r) * BF16 + 4 * H * dv * BF16 + 3 * h * BF16
     part.other_params = h + q_lat + r + (2 * idx.head_dim if idx is not None else 0)
     return part
@@ -312,9 +319,11 @@ def moe_work(spec: ModelSpec) -> PartWork:
     h, E, k, inter = spec.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size
     gated = spec.activation != "relu2"
     lat = moe.latent_size or h
-    gemms = [Gemm("moe.router", n=E, k=h, split="rep", fp8=False, fp32=True)]
+    # router and latent projections: replicated weights on the rank's sequence shard under TP (token-sharded MoE)
+    gemms = [Gemm("moe.router", n=E, k=h, split="rep", fp8=False, fp32=True, seq_shard=True)]
     if moe.latent_size is not None:
-        gemms += [Gemm("moe.down", n=lat, k=h), Gemm("moe.up", n=h, k=lat, split="row")]
+        gemms += [Gemm("moe.down", n=lat, k=h, split="rep", seq_shard=True),
+                  Gemm("moe.up", n=h, k=lat, split="rep", seq_shard=True)]
     gemms += _glu_gemms("expert", h, inter, gated, expert=True, copies=k, width=lat)
     if moe.shared_intermediate_size:
         gemms += _glu_gemms("shared", h, moe.shared_intermediate_size, gated)
@@ -322,7 +331,9 @@ def moe_work(spec: ModelSpec) -> PartWork:
             gemms.append(Gemm("shared.gate", n=1, k=h, split="rep", fp8=False))
     ek, es, eelem = _mlp_act_bytes(lat, inter, gated)
     norm_keep, norm_sel = _norm_bytes(h)
-    part = PartWork("moe", gemms, dispatch_width=lat, top_k=k, num_experts=E)
+    # under SP only the shared experts gather / scatter (the rest runs on the rank's sequence shard)
+    part = PartWork("moe", gemms, dispatch_width=lat, top_k=k, num_experts=E,
+                    tp_comm=bool(moe.shared_intermediate_size))
     part.expert_act = k * (lat * BF16 + ek + lat * BF16)
     part.expert_act_selective = k * es
     part.expert_fp8_saved = k * lat * BF16  # dispatched input (the activation output is in the selective share)
@@ -630,6 +641,61 @@ def _overlapped(comm: float, compute: float, overlap: bool) -> float:
     return max(0.0, comm - compute) + OVERLAP_RESIDUAL * min(comm, compute)
 
 
+# moestack's TP runs its collectives synchronously (tensor.py); plan.tp_comm_overlap is not read by it yet
+TP_COMM_OVERLAP_IMPLEMENTED = False
+# tensor.py keeps each unit's all-gathered input for backward (Megatron keeps the shard and re-gathers). Counting it
+# (1) puts the published Megatron runs of test_validation.py out of memory (Llama 3 405B TP8 PP16: 177 GiB per
+# GPU), so it is off until the implementation re-gathers; on the proxy tp2 it is ~0.4 GiB per micro-batch
+TP_KEEPS_GATHERED_INPUT = False
+
+# DSA sparse MQA attention kernels (moestack/ops/dsa/triton_attn_*.py) put up to 64 heads of one token in one program
+# (forward BLOCK_H <= 64, backward heads padded to DS_HEAD_PAD = 64) over the token's gathered top-k latent rows:
+# the time per token is that of ceil(H / 64) head blocks, however few heads a block holds.
+DSA_HEAD_BLOCK = 64
+
+
+def dsa_head_block_factor(heads: int, tp: int, cal_heads: int | None) -> float:
+    """Time of the DSA sparse attention with heads / tp local heads, relative to `sparse_attn_flops` (all heads)
+    priced at the calibrated efficiency, which was measured at `cal_heads` heads (None: all `heads`, tp = 1).
+    The kernels pay per block of DSA_HEAD_BLOCK heads, so below 64 heads TP does not shorten them."""
+    if heads <= 0:
+        return 1.0 / tp
+    ref = cal_heads or heads
+    local = max(1, heads // tp)
+    blocks = lambda n: math.ceil(n / DSA_HEAD_BLOCK)  # noqa: E731
+    return (ref / heads) * blocks(local) / blocks(ref)
+
+
+def tp_grad_sum_bytes(part: PartWork, plan: Plan) -> float:
+    """Gradient bytes of one part that moestack's TP all-reduces over the TP group in every backward: replicated
+    weights used on part of the work (tensor.py "sum" / "avg": low-rank and MLA down-projections, the DSA indexer,
+    the MoE router and latent projections, and the routed experts unless expert parallelism owns them). Gradients
+    come in the compute dtype (bf16 under FSDP2 mixed precision), the router's in fp32. Norm weights are left out."""
+    if plan.tp <= 1:
+        return 0.0
+    grad_b = FP32 if plan.precision == "fp32" else BF16
+    total = 0.0
+    for g in part.gemms:
+        if g.expert:
+            if _experts_tp_replicated(plan):
+                total += g.params * part.num_experts * grad_b
+        elif g.split == "rep":
+            total += g.params * (FP32 if g.fp32 else grad_b)
+    return total
+
+
+def _experts_tp_replicated(plan: Plan) -> bool:
+    """Routed experts replicated over the TP ranks (no EP / ETP): each rank runs them on its own tokens and the
+    gradients are summed over TP in every backward (moestack/parallel/tensor.py)."""
+    return plan.tp > 1 and plan.ep * plan.etp == 1
+
+
+def tp_grad_sum_time(part: PartWork, ctx: Ctx) -> float:
+    """Exposed seconds of those all-reduces for one micro-batch (moestack/parallel/tensor.py `_LocalView`)."""
+    nbytes = tp_grad_sum_bytes(part, ctx.plan)
+    return ring_time(ctx.cluster, nbytes, ctx.plan.tp, 1, "ar") if nbytes else 0.0
+
+
 def recompute_mode(plan: Plan, part: PartWork) -> str:
     r = plan.recompute
     return {"kda": r.kda, "mamba2": r.kda, "mla": r.attention, "gqa": r.attention, "dense": r.mlp,
@@ -652,8 +718,8 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     for g in part.gemms:
         if g.expert:
             rows, per = expert_rows, rows_per_expert
-        elif g.fp32:
-            rows = per = Tsp  # router runs on the sequence-parallel shard
+        elif g.seq_shard:
+            rows = per = Tsp  # router / MoE latent projections: replicated weight on the sequence-parallel shard
         else:
             rows = per = T
         t = gemm_time(g, rows, per, tp, etp, plan.precision, cluster, cal)
@@ -666,12 +732,14 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
             cast_b += cb
     attn_f = part.attn_flops * T / tp / (peak * cal.flash_attn_fwd_eff)
     attn_b = 2.5 * part.attn_flops * T / tp / (peak * cal.flash_attn_bwd_eff)
-    sparse_f = part.sparse_attn_flops * T / tp / (peak * cal.sparse_attn_fwd_eff)
-    sparse_b = 2.0 * part.sparse_attn_flops * T / tp / (peak * cal.sparse_attn_bwd_eff)
+    head_blocks = dsa_head_block_factor(part.heads, tp, cal.sparse_attn_heads) if part.sparse_attn_flops else 1.0
+    sparse_f = part.sparse_attn_flops * T * head_blocks / (peak * cal.sparse_attn_fwd_eff)
+    sparse_b = 2.0 * part.sparse_attn_flops * T * head_blocks / (peak * cal.sparse_attn_bwd_eff)
     kda_f = part.kda_flops * T / tp / (peak * cal.kda_fwd_eff)
     kda_b = 2.0 * part.kda_flops * T / tp / (peak * cal.kda_bwd_eff)
-    idx_f = part.indexer_flops * Tsp / (peak * cal.flash_attn_fwd_eff) + part.topk_elems * Tsp / cal.topk_elems_per_s
-    idx_b = 2.0 * part.indexer_flops * Tsp / (peak * cal.flash_attn_bwd_eff)
+    # the DSA indexer is replicated: every TP rank scores and selects for the whole sequence (tensor.py)
+    idx_f = part.indexer_flops * T / (peak * cal.flash_attn_fwd_eff) + part.topk_elems * T / cal.topk_elems_per_s
+    idx_b = 2.0 * part.indexer_flops * T / (peak * cal.flash_attn_bwd_eff)
     elem_f = elementwise_time(part.elem_bytes * T / tp + cast_f, cluster, cal)
     elem_b = elementwise_time(2.0 * part.elem_bytes * T / tp + cast_b, cluster, cal)
     # what a whole-part measurement (tune) found beyond the analytic terms, per token; priced as elementwise work
@@ -687,13 +755,19 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     comp_b = 2.0 * g_fwd + core_b + elem_b + over
 
     # tensor parallel (sequence parallel): fwd all-gather in + reduce-scatter out; bwd adds the re-gather of the
-    # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2)
+    # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2; moestack/parallel/tensor.py keeps the gathered
+    # input instead: one collective less, T x h x (1 - 1/tp) more saved bytes per unit, not modelled). moestack's
+    # collectives are DTensor redistributes on the compute stream: exposed whatever plan.tp_comm_overlap says
     tp_f = tp_b = 0.0
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag")
-        tp_f = _overlapped(2 * coll, g_fwd, plan.tp_comm_overlap)
-        tp_b = _overlapped(3 * coll, 2 * g_fwd, plan.tp_comm_overlap)
+        overlap = plan.tp_comm_overlap and TP_COMM_OVERLAP_IMPLEMENTED
+        tp_f = _overlapped(2 * coll, g_fwd, overlap)
+        tp_b = _overlapped(3 * coll, 2 * g_fwd, overlap)
+    # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
+    # (tensor.py `_LocalView`: synchronous, on the critical path)
+    tp_b += tp_grad_sum_time(part, ctx)
     # context parallel (moestack/parallel/context.py): all-gather of the MLA latent (+ indexer keys) overlapped with
     # the attention core; recurrent mixers relay their final state rank to rank, so the ranks run the layer one
     # after another (sequential, exposed), or (KDA, plan.cp_kda = scan) run at once and pay the scan's extra work
@@ -824,7 +898,19 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
-    return scale * _saved_bytes(part, mode, ctx)
+    return scale * (_saved_bytes(part, mode, ctx) + tp_gathered_input_bytes(part, mode, ctx))
+
+
+def tp_gathered_input_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
+    """Saved bytes beyond the 1/tp share of a unit's input: moestack's SP all-gathers the input [B, T, D] in a
+    forward pre-hook and autograd keeps the gathered tensor (as the column-parallel GEMMs' saved input, or as the
+    checkpoint's input under full recompute: the hooks sit outside the recomputed forward), where Megatron keeps
+    the shard and re-gathers in backward. The MoE's own input is its shard; only its shared experts gather (inside
+    a recomputed MoE)."""
+    tp = ctx.plan.tp
+    if not TP_KEEPS_GATHERED_INPUT or tp <= 1 or not part.tp_comm or (mode == "full" and part.kind == "moe"):
+        return 0.0
+    return ctx.tokens * ctx.spec.hidden_size * BF16 * (1.0 - 1.0 / tp)
 
 
 def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
@@ -841,7 +927,10 @@ def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
         fp8_saving = 0.0
         if ctx.plan.precision == "fp8":
             fp8_saving = _analytic_act(part, mode, ctx, False) - _analytic_act(part, mode, ctx, True)
-        return max(0.0, T * measured.act_bytes_per_token / tp * frac - fp8_saving) + copies
+        # the replicated share (MLA latents, DSA indexer) is not split by tp
+        rep = min(part.act_replicated, measured.act_bytes_per_token)
+        per_token = (measured.act_bytes_per_token - rep) / tp + rep
+        return max(0.0, T * per_token * frac - fp8_saving) + copies
     return _analytic_act(part, mode, ctx, ctx.plan.precision == "fp8") + copies
 
 
@@ -1040,7 +1129,7 @@ class CostModel:
 
     def head_cost(self, plan: Plan) -> PartCost:
         """LM head(s) + loss on the last stage (and MTP projections): GEMM T x V/tp x h, fp32 softmax traffic
-        ~16 B per logit fwd+bwd, all-gather of the SP input."""
+        ~16 B per logit fwd+bwd, under TP the all-reduce of the replicated head's gradient."""
         T = plan.micro_batch_size * plan.seq_len / plan.cp
         tp, cluster, cal = plan.tp, self.cluster, self.cal
         out = PartCost()
@@ -1053,11 +1142,16 @@ class CostModel:
         logits = T * self.spec.vocab_size / tp * self.work.num_heads_out
         loss_f = elementwise_time(logits * 6, cluster, cal)
         loss_b = elementwise_time(logits * 10, cluster, cal)
-        coll = ring_time(cluster, T * self.spec.hidden_size * BF16, tp, 1, "ag") if tp > 1 else 0.0
-        out.fwd = g + mtp + loss_f + coll
+        # moestack's TP keeps the head replicated and computes the loss on the rank's sequence shard (no gather of
+        # the input); the [V, h] weight gradient is all-reduced over TP in every backward (tensor.py)
+        coll = 0.0
+        if tp > 1:
+            grad_b = FP32 if plan.precision == "fp32" else BF16
+            coll = ring_time(cluster, self.work.head.params * grad_b, tp, 1, "ar")
+        out.fwd = g + mtp + loss_f
         out.bwd = 2 * (g + mtp) + loss_b + coll
         out.wgrad = g + mtp
-        out.parts = {"gemm": 3 * (g + mtp), "elementwise": loss_f + loss_b, "tp_comm": 2 * coll}
+        out.parts = {"gemm": 3 * (g + mtp), "elementwise": loss_f + loss_b, "tp_comm": coll}
         return out
 
     def embed_cost(self, plan: Plan) -> PartCost:
@@ -1290,6 +1384,8 @@ class CostModel:
         cl = self.cluster
         dp_stride, edp_stride = plan.tp * plan.cp, plan.ep * plan.etp
         edp = plan.edp
+        if _experts_tp_replicated(plan):  # summed over TP per micro-batch (part_cost); FSDP then reduces over dp
+            edp, edp_stride = plan.dp, dp_stride
         z = plan.zero_stage
         g_dense, g_exp = dense * FP32, expert * FP32
         if z == 0:
@@ -1313,6 +1409,8 @@ class CostModel:
         """(dense, expert) ZeRO shard counts: dense over dp_shard, experts over their DP group less replicas."""
         if plan.zero_stage == 0:
             return 1, 1
+        if _experts_tp_replicated(plan):  # experts shard with their block over the dense dp mesh
+            return plan.dp_shard, plan.dp_shard
         return plan.dp_shard, max(1, plan.edp // plan.dp_replicate)
 
     def _optimizer_offload(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
@@ -1399,6 +1497,12 @@ class CostModel:
                     vocab = spec.vocab_size * spec.hidden_size / plan.tp
                     ends = (r == 0) + (r == plan.pp - 1 and not spec.tie_word_embeddings)
                     mem["optimizer"] += ends * vocab * (optimizer_bytes_per_param("adamw") - opt_b) / sd
+            if plan.devices > 1 and plan.zero_stage < 3 and not plan.offload.optimizer:
+                # FSDP2 (moestack/parallel/fsdp.py) computes with a bf16 copy of the parameters gathered in forward
+                # and kept until backward under ZeRO 0-2; with one shard (ZeRO-0, or dp_shard = 1, e.g. pure TP)
+                # that copy comes on top of the whole fp32 parameters
+                fsdp = d * (FP32 / sd + BF16) + e_dev * (FP32 / se + BF16)
+                mem["weights"] = max(mem["weights"], fsdp)
             mem["gradients"] = d * FP32 / g_shard_d + e_dev * FP32 / g_shard_e
             inflight = inflight_microbatches(plan.schedule, plan.pp, plan.vpp, m)
             if r > 0 and plan.schedule in ("1f1b", "interleaved_1f1b"):

@@ -341,7 +341,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
         d_qk = mla.kv_lora_rank + mla.qk_rope_head_dim
         sf, sb, dsa_backend = measure_sparse_attention(max(1, mla.num_heads // tp), d_qk, mla.kv_lora_rank,
                                                        mla.indexer.top_k, tokens, peak_bf16)
-        update.update(sparse_attn_fwd_eff=sf, sparse_attn_bwd_eff=sb)
+        update.update(sparse_attn_fwd_eff=sf, sparse_attn_bwd_eff=sb, sparse_attn_heads=max(1, mla.num_heads // tp))
         update["topk_elems_per_s"] = measure_indexer(mla.indexer.num_heads, mla.indexer.head_dim, mla.indexer.top_k,
                                                      tokens, peak_bf16, attn_f)
         measured.append(f"sparse attention ({dsa_backend}) fwd {sf * peak_bf16 / 1e12:.1f} / bwd "

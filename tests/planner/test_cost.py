@@ -223,3 +223,107 @@ def test_calibration_reproduces_measured_points():
     # KDA: 2.0e11 FLOPs (K3 heads, B2 T8192) in 5.76 ms forward
     flops = 96 * (6 * 128**2 + 3 * 64 * 128 + 64**2) * 2 * 8192
     assert flops / (peak * 1e12 * cal.kda_fwd_eff) == pytest.approx(5.76e-3, rel=0.05)
+
+
+# --- tensor parallelism as moestack/parallel/tensor.py runs it (issue #10: tp2 on the proxy) ---------------------
+
+
+def _part(cm, plan, kind):
+    kc, kinds, _ = cm.kind_costs(plan)
+    ctx = C.Ctx(plan, cm.spec, cm.cluster, cm.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
+    part = next(p for lw in kinds for p in lw.parts if p.kind == kind)
+    return part, C.part_cost(part, ctx)
+
+
+def test_tp_dsa_sparse_attention_pays_per_64_head_block():
+    """The DSA kernels run up to 64 heads of a token in one program: 20 heads / tp2 cost what 20 heads cost, 96 / tp2
+    (48) what 96 (two blocks) cost halved; a calibration measured at 10 heads prices 20 heads at the same time."""
+    assert C.dsa_head_block_factor(20, 2, None) == 1.0
+    assert C.dsa_head_block_factor(20, 1, None) == 1.0
+    assert C.dsa_head_block_factor(96, 2, None) == pytest.approx(0.5)
+    assert C.dsa_head_block_factor(128, 4, None) == pytest.approx(0.5)
+    assert C.dsa_head_block_factor(20, 1, 10) == pytest.approx(0.5)  # flops of 20 heads at 10 heads' efficiency
+    # the proxy (20 MLA heads): the whole attention term (sparse attention + replicated indexer) is the same at tp2
+    cm = _model(devices=2)
+    one = _part(cm, _plan(devices=1, global_batch_size=4, micro_batch_size=2), "mla")[1]
+    two = _part(cm, _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=2), "mla")[1]
+    assert two.parts["attention"] == pytest.approx(one.parts["attention"], rel=1e-12)
+    assert two.parts["gemm"] < one.parts["gemm"]  # the head-split projections still halve
+
+
+def test_tp_dsa_indexer_activations_replicated():
+    """The indexer runs on the whole sequence on every TP rank: its saved bytes are not divided by tp."""
+    work = C.model_work(load_any_model_spec("proxy"), 4096)
+    mla = next(p for lw in work.layers for p in lw.parts if p.kind == "mla")
+    idx = load_any_model_spec("proxy").mla.indexer
+    assert mla.act_replicated >= idx.top_k * 4 + idx.num_heads * idx.head_dim * 2
+
+
+def test_tp_measured_activations_keep_the_replicated_share():
+    """A tuned part's measured bytes per token divide by tp except the replicated share (latents, indexer)."""
+    from moestack.planner.calibration import PartCalibration
+
+    cm = _model(devices=2)
+    cm.cal = cm.cal.model_copy(update={"parts": {"mla": PartCalibration(
+        tokens=4096, fwd_extra_s_per_token=0.0, bwd_extra_s_per_token=0.0, act_bytes_per_token=100_000.0)}})
+    plan = _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=1)
+    part, cost = _part(cm, plan, "mla")
+    rep = part.act_replicated
+    assert 0 < rep < 100_000
+    assert C._saved_bytes(part, "none", C.Ctx(plan, cm.spec, cm.cluster, cm.cal, 4096)) == pytest.approx(
+        4096 * ((100_000 - rep) / 2 + rep))
+
+
+def test_tp_moe_router_and_latent_replicated_on_the_shard():
+    """Token-sharded MoE: router and latent projections are whole on every TP rank (parameters not divided by tp)
+    and run on T / tp rows; only the shared experts split."""
+    cm = _model(devices=2)
+    part = next(p for lw in cm.work.layers for p in lw.parts if p.kind == "moe")
+    g = {x.name: x for x in part.gemms}
+    for name in ("moe.router", "moe.down", "moe.up"):
+        assert g[name].split == "rep" and g[name].seq_shard
+    d1, _ = cm._part_params_local(part, _plan(devices=1, global_batch_size=4))
+    d2, e2 = cm._part_params_local(part, _plan(devices=2, tp=2, global_batch_size=4))
+    shared = sum(x.params for x in part.gemms if x.name.startswith("shared."))
+    assert d1 - d2 == pytest.approx(shared / 2)
+    assert e2 == part.expert_params  # no EP: every TP rank holds all experts
+
+
+def test_tp_gradient_sums_every_micro_batch():
+    """Replicated weights used on part of the work are all-reduced over TP in every backward (tensor.py
+    `_LocalView`): for the MoE the routed experts (without EP; bf16), router (fp32) and latent projections; with
+    EP the experts are not TP's. The LM head's [V, h] gradient likewise; the expert DP reduction then runs over dp."""
+    cm = _model(devices=2)
+    p_ep1 = _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=2)
+    p_ep2 = _plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2)
+    part, c1 = _part(cm, p_ep1, "moe")
+    _, c2 = _part(cm, p_ep2, "moe")
+    g = {x.name: x for x in part.gemms}
+    want = part.expert_params * 2 + g["moe.router"].params * 4 + (g["moe.down"].params + g["moe.up"].params) * 2
+    assert C.tp_grad_sum_bytes(part, p_ep1) == want
+    assert C.tp_grad_sum_bytes(part, p_ep2) == want - part.expert_params * 2
+    ar = C.ring_time(cm.cluster, want, 2, 1, "ar")
+    ar_ep2 = C.ring_time(cm.cluster, want - part.expert_params * 2, 2, 1, "ar")
+    assert c1.parts["tp_comm"] - c2.parts["tp_comm"] == pytest.approx(ar - ar_ep2)
+    assert C.tp_grad_sum_bytes(part, _plan(devices=1, global_batch_size=4)) == 0.0
+    head = cm.head_cost(p_ep1)
+    assert head.parts["tp_comm"] == pytest.approx(C.ring_time(cm.cluster, cm.work.head.params * 2, 2, 1, "ar"))
+    # no second, once-per-step expert reduction over the TP ranks (dp = 1)
+    assert cm.evaluate(p_ep1).time.get("dp_comm", 0.0) == 0.0
+
+
+def test_tp_collectives_exposed_and_fsdp_bf16_copy():
+    """moestack's TP collectives run on the compute stream (plan.tp_comm_overlap is not implemented): the same
+    time with and without the flag. A distributed ZeRO-0 plan (FSDP2 on one shard) holds the bf16 compute copy of
+    its parameters on top of the fp32 ones."""
+    cm = _model(devices=2)
+    on = cm.evaluate(_plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2, tp_comm_overlap=True))
+    off = cm.evaluate(_plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2, tp_comm_overlap=False))
+    assert on.time["tp_comm"] == pytest.approx(off.time["tp_comm"]) and on.time["tp_comm"] > 0
+    plan = _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=2, zero_stage=0)
+    c = cm.evaluate(plan)
+    d = sum(cm._part_params_local(p, plan)[0] for lw in cm.work.layers for p in lw.parts)
+    e = sum(cm._part_params_local(p, plan)[1] for lw in cm.work.layers for p in lw.parts)
+    d += cm.work.embed_params / 2 + (0 if cm.spec.tie_word_embeddings else cm.work.head.params / 2)
+    assert c.memory["weights"] == pytest.approx((d + e) * 6, rel=0.01)
+    assert c.memory["gradients"] == pytest.approx((d + e) * 4, rel=0.01)

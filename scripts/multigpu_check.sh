@@ -46,7 +46,7 @@ elif [ "$NPROC" -ge 4 ]; then
   FIX=([ep4]="dp=4,ep=4,zero=1" [ep2_tp2]="tp=2,dp=2,ep=2,zero=1" [pp2_ep2_1f1b]="pp=2,dp=2,ep=2,zero=1,schedule=1f1b"
        [zero3_ep4]="dp=4,ep=4,zero=3")
 else
-  FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,zero=0" [pp2_1f1b]="pp=2,zero=0,schedule=1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
+  FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,ep=1,zero=0" [pp2_1f1b]="pp=2,ep=1,zero=0,schedule=1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
 fi
 
 CAL=()

@@ -28,7 +28,6 @@ import random
 import torch
 from torch import nn
 from torch.autograd.graph import increment_version
-from torch.distributed.tensor import DTensor
 
 from moestack.config.train_spec import OptimizerSpec
 from moestack.train.optim import param_groups
@@ -123,29 +122,12 @@ class HostOffloadAdamW(CPUOffloadAdamW):
     what is copied is pinned (the masters; the gradient staging): m and v never leave the host, so they are plain
     memory (pinning is slow, and torch's pinned allocator rounds every tensor up to a power of two)."""
 
+    pin_moments = False  # m and v never leave the host
+
     def __init__(self, *args, seed: int = 0, **kwargs):
         super().__init__(*args, seed=seed, **kwargs)
         self._noise = RoundingNoise(seed) if self.state_dtype == torch.bfloat16 else None
         self._scratch = _Scratch()
-
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if state:
-            return state
-        local = _local(p).detach()
-        master_dtype = torch.promote_types(local.dtype, torch.float32)
-        moment_dtype = torch.bfloat16 if self.state_dtype == torch.bfloat16 else master_dtype
-        if not self._in_place(p):
-            state["master"] = self._host_like(p, master_dtype)  # pinned: the source of the weight copies
-            _local(state["master"]).copy_(local)
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        for key in ("exp_avg", "exp_avg_sq"):
-            host = torch.zeros(local.shape, dtype=moment_dtype, device="cpu")
-            if isinstance(p, DTensor):
-                host = DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
-            state[key] = host
-        return state
 
     def _update(self, master: torch.Tensor, host_grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, state: dict,
                 group: dict) -> None:

@@ -318,15 +318,17 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             _local(state["master"]).copy_(local)
         state["step"] = torch.zeros((), dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = self._host_like(p, moment_dtype)
+            state[key] = self._host_like(p, moment_dtype, pin=self.pin_moments)
             _local(state[key]).zero_()
         return state
 
-    def _host_like(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor of p's local shape; a DTensor with p's mesh and placements when p is one (so sharded
-        checkpoints see sharded states)."""
+    pin_moments = True  # m, v in pinned memory (subclasses that never copy them may say no)
+
+    def _host_like(self, p: torch.Tensor, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        """A host tensor of p's local shape (pinned when `pin` and a GPU is present); a DTensor with p's mesh and
+        placements when p is one (so sharded checkpoints see sharded states)."""
         local = _local(p)
-        host = torch.empty(local.shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        host = torch.empty(local.shape, dtype=dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
         if isinstance(p, DTensor):
             return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                       stride=p.stride())

@@ -587,9 +587,9 @@ B3B_EXACT_CONFIG = {"BKC": 32, "num_warps": 8}  # the split forms' exact-path la
 # $MOESTACK_KDA_BWD_X = "saved" (default: K1 also writes X fp32 and Akk, 384 B per token and head at bf16, and
 # B3a reads them and W) or "recompute" (B3a recomputes Akk by channel blocks and inverts again: ~26 of its ~64 dots).
 # $MOESTACK_KDA_BWD_DOTS = "wy" (default: bf16 operands, fp32 accumulate, in B3a's WY dots only; dg as in tf32),
-# "tf32" or "bf16" (B3a's and B3b's score-gradient dots): bf16 is 6% faster than wy but puts the gate gradient dg at
-# 4-5e-2 relative RMS vs fp64 (wy and tf32: 6-7.5e-3; benchmarks/kda_precision.py, H200 session 4). wy / bf16 need BWD_X=saved: on the
-# recompute-X path bf16 gave NaN on the H200 (session 3).
+# "tf32" or "bf16" (B3a's and B3b's score-gradient dots): bf16 is 6% faster than wy but puts the gate gradient dg
+# at 4-5e-2 relative RMS vs fp64 (wy and tf32: 6-7.5e-3; benchmarks/kda_precision.py, H200 session 4). wy / bf16
+# need BWD_X=saved: on the recompute-X path bf16 gave NaN on the H200 (session 3).
 BWD_X_ENV, BWD_X = "MOESTACK_KDA_BWD_X", ("saved", "recompute")
 BWD_DOTS_ENV, BWD_DOTS = "MOESTACK_KDA_BWD_DOTS", ("wy", "tf32", "bf16")
 # $MOESTACK_KDA_B3B_FORM = "masked" (per 16-column stripe, full [BT, BT] x [BT, BKC] dots on masked operands,
@@ -675,7 +675,7 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
     kern, extra = kda_bwd_kernel_wy, {}
     choice = _fixed_config(B3A_ENV, ("BV", "BKS"), (16, 32, 64))
     if choice is None and (lowp or "xinv" in intra):  # the GPU-validated config (bf16 at 32:32:8 went NaN, H200)
-        choice = dict(B3A_DEFAULT)
+        choice = B3A_DEFAULT
     if choice is not None:  # a fixed config: the plain jit function under the autotuner
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
     load_x = "xinv" in intra
@@ -706,12 +706,12 @@ def kda_bwd_scores(q, k, g, A_log, dt_bias, intra: dict, chunk_map, cu_seqlens, 
     form = b3b_form_choice(form)
     choice = _fixed_config(B3B_ENV, ("BKC",), (16, 32, 64))
     if choice is None and (lowp or form == "split"):  # the GPU-validated (and fastest measured) config
-        choice = dict(B3B_DEFAULT)
+        choice = B3B_DEFAULT
     if choice is not None:
         kern, extra = getattr(kern, "fn", kern), {**choice, "num_stages": 1}
-    # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form, with
-    # tf32 dots at the tf32 default config: the bf16 masked form faulted at 4 warps on the H200 in session 3, and
-    # the launch only does work for the rare chunks with gates beyond SPAN_MAX)
+    # masked: one launch, all chunks; split / narrow: the fast chunks, then the exact-path ones (masked form; with
+    # BWD_DOTS=bf16 that launch still takes tf32 dots at B3B_EXACT_CONFIG: the bf16 masked form faulted at 4 warps
+    # on the H200 in session 3, and the launch only does work for the rare chunks with gates beyond SPAN_MAX)
     launches = [(0, False)] if form == "masked" else [(1, form), (2, "masked")]
     for sel, f in launches:
         if sel == 2 and lowp:

@@ -47,8 +47,9 @@ K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, se
 # dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
 K1_ENV = "MOESTACK_KDA_K1"
 K1_BF16_DEFAULT = (32, 4, None)  # K1's (BKS, warps, maxnreg) with bf16 dots when $MOESTACK_KDA_K1 is unset
-# "inline" (default) or "split": K1 in two launches, the exact path compiled only into the second, which runs just
-# the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 -> 60 B).
+# "split" (default) or "inline". split: K1 in two launches, the exact path compiled only into the second, which
+# runs just the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 ->
+# 60 B).
 K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("split", "inline")
 # K1's W / U pass by column blocks of this size (16, 32, 64, 128) instead of BKS: fewer, larger dots (16 -> 4 at
 # 64); ptxas at 16:4 bf16, split, storing X: 56 B spills -> 80 B (32), 156 B (64). Unset = BKS. Read per call.
@@ -440,10 +441,10 @@ def _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K: 
         tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKW, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
-# First (the single config without autotuning): BV = 32 at 8 warps compiles without spills at K = V = 128
-# (ptxas, sm_90); 4 warps spill 0.5-0.7 KB per thread.
+# First (the single config without autotuning): BV = 32 at 4 warps, 0.3 ms less than 32 / 8 at 1x32768x32 on the
+# H200 (session 4) although it spills 0.5-0.7 KB per thread (ptxas, sm_90; 8 warps compile without spills).
 @triton.autotune(configs=_configs([
-    triton.Config({"BV": 32}, num_warps=4, num_stages=2),  # first: 0.3 ms less than 32 / 8 at 1x32768x32 (H200)
+    triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),

@@ -641,12 +641,9 @@ def _overlapped(comm: float, compute: float, overlap: bool) -> float:
     return max(0.0, comm - compute) + OVERLAP_RESIDUAL * min(comm, compute)
 
 
-# moestack's TP runs its collectives synchronously (tensor.py); plan.tp_comm_overlap is not read by it yet
-TP_COMM_OVERLAP_IMPLEMENTED = False
-# tensor.py keeps each unit's all-gathered input for backward (Megatron keeps the shard and re-gathers). Counting it
-# (1) puts the published Megatron runs of test_validation.py out of memory (Llama 3 405B TP8 PP16: 177 GiB per
-# GPU), so it is off until the implementation re-gathers; on the proxy tp2 it is ~0.4 GiB per micro-batch
-TP_KEEPS_GATHERED_INPUT = False
+# Not modelled: tensor.py keeps each unit's all-gathered input for backward where Megatron keeps the shard and
+# re-gathers (~0.4 GiB per micro-batch on the proxy tp2). Counting it would put the published Megatron runs of
+# test_validation.py out of memory (Llama 3 405B TP8 PP16: 177 GiB per GPU); the fix belongs in tensor.py.
 
 # DSA sparse MQA attention kernels (moestack/ops/dsa/triton_attn_*.py) put up to 64 heads of one token in one program
 # (forward BLOCK_H <= 64, backward heads padded to DS_HEAD_PAD = 64) over the token's gathered top-k latent rows:
@@ -762,9 +759,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag")
-        overlap = plan.tp_comm_overlap and TP_COMM_OVERLAP_IMPLEMENTED
-        tp_f = _overlapped(2 * coll, g_fwd, overlap)
-        tp_b = _overlapped(3 * coll, 2 * g_fwd, overlap)
+        tp_f, tp_b = 2 * coll, 3 * coll  # exposed: plan.tp_comm_overlap is not read by tensor.py yet
     # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
     # (tensor.py `_LocalView`: synchronous, on the critical path)
     tp_b += tp_grad_sum_time(part, ctx)
@@ -898,19 +893,7 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
-    return scale * (_saved_bytes(part, mode, ctx) + tp_gathered_input_bytes(part, mode, ctx))
-
-
-def tp_gathered_input_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
-    """Saved bytes beyond the 1/tp share of a unit's input: moestack's SP all-gathers the input [B, T, D] in a
-    forward pre-hook and autograd keeps the gathered tensor (as the column-parallel GEMMs' saved input, or as the
-    checkpoint's input under full recompute: the hooks sit outside the recomputed forward), where Megatron keeps
-    the shard and re-gathers in backward. The MoE's own input is its shard; only its shared experts gather (inside
-    a recomputed MoE)."""
-    tp = ctx.plan.tp
-    if not TP_KEEPS_GATHERED_INPUT or tp <= 1 or not part.tp_comm or (mode == "full" and part.kind == "moe"):
-        return 0.0
-    return ctx.tokens * ctx.spec.hidden_size * BF16 * (1.0 - 1.0 / tp)
+    return scale * _saved_bytes(part, mode, ctx)
 
 
 def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
@@ -96,6 +95,8 @@ def one(use_fla: bool) -> None:
 
 
 def run_all(budget_s: float = 260.0, with_fla: bool = False) -> None:
+    from kda_switch_check import run_isolated
+
     t0 = time.perf_counter()
     print("| case | implementation | " + " | ".join(NAMES) + " |\n|" + "---|" * (2 + len(NAMES)), flush=True)
     jobs = [(s, []) for s in SETS] + ([("", ["--fla"])] if with_fla else [])  # fla last: it autotunes for minutes
@@ -104,18 +105,8 @@ def run_all(budget_s: float = 260.0, with_fla: bool = False) -> None:
         if left < 10:
             print(f"| | {sets or 'default'} {' '.join(extra)} | skipped: time budget |", flush=True)
             continue
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTACK_KDA_")}
-        env.update(kv.split("=") for kv in sets.split())
-        env["MOESTACK_KDA_AUTOTUNE"] = "0"
-        try:
-            r = subprocess.run([sys.executable, __file__, *extra], env=env, capture_output=True, text=True,
-                               timeout=min(left, 150.0 if extra else 40.0), check=False)
-            rows = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
-            tail = (r.stderr.strip().splitlines() or [""])[-1][:150]
-            print("\n".join(rows) if rows else f"| | {sets or 'default'} {' '.join(extra)} | rc={r.returncode} {tail} |",
-                  flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"| | {sets or 'default'} {' '.join(extra)} | timeout |", flush=True)
+        rows, note = run_isolated(__file__, sets, extra, min(left, 150.0 if extra else 40.0))
+        print("\n".join(rows) if rows else f"| | {sets or 'default'} {' '.join(extra)} | {note} |", flush=True)
 
 
 def main() -> None:

@@ -23,17 +23,37 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops")
 
 _PRE_V6 = "INTRA_DOTS=tf32 BWD_DOTS=tf32 BWD_X=recompute B3B_FORM=masked K1_EXACT=inline"  # defaults < session 4
 SETS = [  # (switches without the MOESTACK_KDA_ prefix, extra args), the most telling first
-    ("", ""), ("", "--recompute"),  # the defaults (session 4: bf16 K1 dots, tf32 backward dots, saved X, split forms)
-    ("BWD_DOTS=wy", ""), ("BWD_DOTS=wy", "--recompute"),  # bf16 in B3a only (dg precision: kda_precision.py)
+    ("", ""), ("", "--recompute"),  # the defaults (session 4: bf16 K1 dots, BWD_DOTS=wy, saved X, split forms)
+    ("BWD_DOTS=tf32", ""), ("BWD_DOTS=tf32", "--recompute"),  # no bf16 in the backward (same dg precision)
     ("BWD_DOTS=bf16", ""),  # session 4 call 1's default: 16.06 ms save, but dg 4-5e-2 vs fp64
     (_PRE_V6, ""),  # the previous defaults (session 3's 23.79 ms)
     ("B3A=64:32:8 BWD_DOTS=bf16", "--no-time"),  # NaN in call 1 (with 32:32:8): still?
 ]
 
 
-def run_all(budget_s: float = 190.0) -> None:
-    """Each set in its own process (a faulting kernel poisons only its own CUDA context), within budget_s."""
+def run_isolated(script: str, switches: str, extra: list[str], timeout_s: float) -> tuple[list[str], str]:
+    """Run `script` in a fresh process with only these KDA switches set (space-separated NAME=value, the
+    MOESTACK_KDA_ prefix optional) and MOESTACK_KDA_AUTOTUNE=0: a kernel that faults or returns NaN poisons only
+    its own CUDA context. Returns (its '|' rows, "" or a note on why there are none)."""
     import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTACK_KDA_")}
+    for kv in switches.split():
+        name, value = kv.split("=", 1)
+        env[name if name.startswith("MOESTACK_KDA_") else f"MOESTACK_KDA_{name}"] = value
+    env["MOESTACK_KDA_AUTOTUNE"] = "0"
+    try:
+        r = subprocess.run([sys.executable, script, *extra], env=env, capture_output=True, text=True,
+                           timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return [], "timeout"
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    tail = (r.stderr.strip().splitlines() or [""])[-1][:150]
+    return rows, "" if rows else f"no result, rc={r.returncode}: {tail}"
+
+
+def run_all(budget_s: float = 190.0) -> None:
+    """Each set in its own process (run_isolated), within budget_s."""
     import time
 
     t0 = time.perf_counter()
@@ -44,18 +64,8 @@ def run_all(budget_s: float = 190.0) -> None:
         if left < 8:
             print(f"| {sw or 'default'} | | skipped: time budget | | |", flush=True)
             continue
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOESTACK_KDA_")}
-        env.update({f"MOESTACK_KDA_{kv.split('=')[0]}": kv.split("=")[1] for kv in sw.split()})
-        env["MOESTACK_KDA_AUTOTUNE"] = "0"
-        cmd = [sys.executable, __file__, *extra.split()]
-        try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=min(30.0, left), check=False)
-            rows = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
-            tail = (r.stderr.strip().splitlines() or [""])[-1][:150]
-            print(rows[-1] if rows else f"| {sw or 'default'} | | no result, rc={r.returncode}: {tail} | | |",
-                  flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"| {sw or 'default'} | | timeout | | |", flush=True)
+        rows, note = run_isolated(__file__, sw, extra.split(), min(30.0, left))
+        print(rows[-1] if rows else f"| {sw or 'default'} | | {note} | | |", flush=True)
 
 
 def main() -> None:

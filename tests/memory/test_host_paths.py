@@ -215,30 +215,20 @@ def test_fused_steps_bump_versions_so_shadows_follow(small_spec):
             assert not torch.equal(shadow, before)
 
 
-def test_host_offload_adamw_dtensor_single_rank(tmp_path):
+def test_host_offload_adamw_dtensor_single_rank(cpu_mesh):
     """Sharded (DTensor) parameters: the same result as plain ones, m / v DTensors on the host."""
-    import pytest
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        g = torch.Generator().manual_seed(4)
-        w, grad = torch.randn(12, 20, generator=g), torch.randn(12, 20, generator=g)
-        for dtype in (torch.float32, torch.bfloat16):
-            plain = torch.nn.Parameter(w.clone())
-            sharded = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
-            for p in (plain, sharded):
-                opt = HostOffloadAdamW([p], lr=0.1, state_dtype=dtype)
-                for _ in range(2):
-                    p.grad = grad.clone() if p is plain else distribute_tensor(grad.clone(), mesh, [Shard(0)])
-                    opt.step()
-            assert isinstance(opt.state[sharded]["exp_avg"], DTensor)
-            assert opt.state[sharded]["exp_avg"].to_local().dtype == dtype
-            assert torch.equal(sharded.full_tensor(), plain.detach()), dtype
-    finally:
-        dist.destroy_process_group()
+    g = torch.Generator().manual_seed(4)
+    w, grad = torch.randn(12, 20, generator=g), torch.randn(12, 20, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = torch.nn.Parameter(w.clone())
+        sharded = torch.nn.Parameter(distribute_tensor(w.clone(), cpu_mesh, [Shard(0)]))
+        for p in (plain, sharded):
+            opt = HostOffloadAdamW([p], lr=0.1, state_dtype=dtype)
+            for _ in range(2):
+                p.grad = grad.clone() if p is plain else distribute_tensor(grad.clone(), cpu_mesh, [Shard(0)])
+                opt.step()
+        assert isinstance(opt.state[sharded]["exp_avg"], DTensor)
+        assert opt.state[sharded]["exp_avg"].to_local().dtype == dtype
+        assert torch.equal(sharded.full_tensor(), plain.detach()), dtype

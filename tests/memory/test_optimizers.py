@@ -269,34 +269,25 @@ def test_build_optimizer_from_name():
 # DTensor parameters (FSDP2 shards): one-rank mesh, same results as plain tensors
 
 
-def test_dtensor_parameters_single_rank(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def test_dtensor_parameters_single_rank(cpu_mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        g = torch.Generator().manual_seed(4)
-        cases = [(shape, make) for shape in ((12, 20), (4, 6, 5)) for make in (
-            lambda ps, n: Muon([{"params": ps, "names": [n], "muon": True}], lr=0.1),
-            lambda ps, n: AdamWBF16(ps, lr=0.1, seed=7),
-            lambda ps, n: CPUOffloadAdamW(ps, lr=0.1))]
-        for shape, make in cases:
-            name = "w" if len(shape) == 2 else "experts.w_gate_up"  # 3-D: stacked experts, gate / up halves
-            w, grad = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
-            plain = nn.Parameter(w.clone())
-            sharded = nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
-            for p in (plain, sharded):
-                opt = make([p], name)
-                for _ in range(2):
-                    p.grad = grad.clone() if p is plain else distribute_tensor(grad.clone(), mesh, [Shard(0)])
-                    opt.step()
-            assert torch.equal(sharded.full_tensor(), plain.detach()), type(opt).__name__
-    finally:
-        dist.destroy_process_group()
+    g = torch.Generator().manual_seed(4)
+    cases = [(shape, make) for shape in ((12, 20), (4, 6, 5)) for make in (
+        lambda ps, n: Muon([{"params": ps, "names": [n], "muon": True}], lr=0.1),
+        lambda ps, n: AdamWBF16(ps, lr=0.1, seed=7),
+        lambda ps, n: CPUOffloadAdamW(ps, lr=0.1))]
+    for shape, make in cases:
+        name = "w" if len(shape) == 2 else "experts.w_gate_up"  # 3-D: stacked experts, gate / up halves
+        w, grad = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        plain = nn.Parameter(w.clone())
+        sharded = nn.Parameter(distribute_tensor(w.clone(), cpu_mesh, [Shard(0)]))
+        for p in (plain, sharded):
+            opt = make([p], name)
+            for _ in range(2):
+                p.grad = grad.clone() if p is plain else distribute_tensor(grad.clone(), cpu_mesh, [Shard(0)])
+                opt.step()
+        assert torch.equal(sharded.full_tensor(), plain.detach()), type(opt).__name__
 
 
 # ------------------------------------------------------------------------------------------------------------

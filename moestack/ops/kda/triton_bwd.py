@@ -610,9 +610,16 @@ def b3b_form_choice(form: str | None = None) -> str:
     return _named_choice(form, B3B_FORM_ENV, B3B_FORM, "b3b_form")
 
 
-def bwd_dots_choice(bwd_dots: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "wy" (see BWD_DOTS_ENV above)."""
-    return _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
+def bwd_dots_choice(bwd_dots: str | None = None, bwd_x: str = "saved") -> str:
+    """The argument, else $MOESTACK_KDA_BWD_DOTS, else "wy" ("tf32" with bwd_x = "recompute"; see BWD_DOTS_ENV
+    above). A bf16 choice on the recompute-X path is a ValueError naming the fix."""
+    if bwd_x == "recompute" and not (bwd_dots or os.environ.get(BWD_DOTS_ENV)):
+        return "tf32"  # the default "wy" presumes saved X
+    dots = _named_choice(bwd_dots, BWD_DOTS_ENV, BWD_DOTS, "bwd_dots")
+    if bwd_x == "recompute" and dots != "tf32":
+        raise ValueError(f"MOESTACK_KDA_BWD_DOTS={dots} needs MOESTACK_KDA_BWD_X=saved (bf16 dots on the recompute-X "
+                         "path gave NaN on the H200): unset MOESTACK_KDA_BWD_X or set MOESTACK_KDA_BWD_DOTS=tf32")
+    return dots
 
 
 def _fixed_config(env: str, names: tuple, sizes: tuple) -> dict | None:

@@ -16,17 +16,9 @@ Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, N
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from moestack.ops.kda.triton_bwd import (
-    BWD_DOTS_ENV,
-    bwd_dots_choice,
-    bwd_x_choice,
-    kda_bwd_intra,
-    kda_bwd_recurrence,
-)
+from moestack.ops.kda.triton_bwd import bwd_dots_choice, bwd_x_choice, kda_bwd_intra, kda_bwd_recurrence
 from moestack.ops.kda.triton_fwd import (
     BT,
     GATE_K3,
@@ -188,15 +180,8 @@ def kda_fused(
         intra_dots=intra_dots_choice(),  # $MOESTACK_KDA_INTRA_DOTS, fixed here so a recompute matches the forward
         k1_exact=k1_exact_choice(),  # $MOESTACK_KDA_K1_EXACT: K1 in one launch or two (exact path split out)
         bwd_x=bwd_x_choice(),  # $MOESTACK_KDA_BWD_X: K1 writes X and Akk for backward ("saved") or not
-        bwd_dots=bwd_dots_choice(),  # $MOESTACK_KDA_BWD_DOTS: B3a / B3b dot operands
     )
-    if cfg["bwd_x"] == "recompute" and cfg["bwd_dots"] != "tf32":
-        if not os.environ.get(BWD_DOTS_ENV):  # the default "wy" presumes saved X: tf32 on the recompute-X path
-            cfg["bwd_dots"] = "tf32"
-        else:
-            raise ValueError(f"MOESTACK_KDA_BWD_DOTS={cfg['bwd_dots']} needs MOESTACK_KDA_BWD_X=saved (bf16 dots on "
-                             "the recompute-X path gave NaN on the H200): unset MOESTACK_KDA_BWD_X or set "
-                             "MOESTACK_KDA_BWD_DOTS=tf32")
+    cfg["bwd_dots"] = bwd_dots_choice(bwd_x=cfg["bwd_x"])  # $MOESTACK_KDA_BWD_DOTS: B3a / B3b dot operands
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None
     return _KDATriton.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, output_final_state)

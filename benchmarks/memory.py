@@ -158,7 +158,10 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
     if snapshot is not None and not recording:
         print(f"[{name}] --snapshot needs a CUDA device: not recorded", flush=True)
     if recording:  # from before the build: every block alive at the peak has its allocation in the trace
-        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+        # python frames only ("all" also walks C++ stacks; with it the loss chunk's recompute under checkpoint
+        # failed on the H200: SystemError from cross_entropy_loss); $MOESTACK_SNAPSHOT_STACKS overrides
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES,
+                                                 stacks=os.environ.get("MOESTACK_SNAPSHOT_STACKS", "python"))
     trace_start = 0
     try:
         t_build = time.perf_counter()

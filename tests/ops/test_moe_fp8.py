@@ -114,17 +114,30 @@ def test_expert_major_layout():
     assert torch.equal(blk0[:, :5].t(), s[:5]) and (blk0[:, 5:] == 0).all()
 
 
-def test_quantize_blocks_pair_interpreter():
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_blocks_pair_interpreter(w_dtype):
+    """Both paths: the fused transposed store (16-bit weights) and the torch copy of q (fp32 weights)."""
     if DEV == "cuda":
-        pytest.skip("interpreter case; the GPU runs test_quantize_dual_gpu")
+        pytest.skip("interpreter case; the GPU runs test_quantize_blocks_pair_gpu")
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(2, 260, 140, generator=g).transpose(1, 2)  # [E, K=140, F=260] view of [E, F, K]
+    w = torch.randn(2, 260, 140, generator=g).to(w_dtype).transpose(1, 2)  # [E, K=140, F=260] view of [E, F, K]
     (q, s), (qT, sT) = fq.quantize_blocks_pair(w, torch.float32)
     qr, sr = fq.quantize_blocks_ref(w, torch.float32)
     qTr, sTr = fq.quantize_blocks_ref(w.transpose(1, 2), torch.float32)
     assert rel_err(q, qr) < 1e-6 and rel_err(s, sr) < 1e-6 and q.stride(1) == 1
     assert rel_err(qT, qTr) < 1e-6 and rel_err(sT, sTr) < 1e-6 and qT.stride(1) == 1
     assert sT.is_contiguous() and torch.equal(sT, s.transpose(1, 2))
+
+
+def test_quantize_blocks_fp32_transposing_view_interpreter():
+    """quantize_blocks from an fp32 view whose F is contiguous (v2's dX weights) goes through w^T's own layout."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case; the GPU runs test_quantize_blocks_pair_gpu")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 140, 260, generator=g)  # [E, K, F], F contiguous
+    q, s = fq.quantize_blocks(w, torch.float32)
+    qr, sr = fq.quantize_blocks_ref(w, torch.float32)
+    assert rel_err(q, qr) < 1e-6 and rel_err(s, sr) < 1e-6 and q.stride(1) == 1 and s.is_contiguous()
 
 
 def test_weight_cache_pair_hits_blocks():
@@ -480,6 +493,27 @@ def test_v3_layer_gpu(min_rows, tma, monkeypatch):
                 p.mul_(0.9).add_(0.002 * torch.randn_like(p))
     m.experts.backend = None
     wc.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_blocks_pair_gpu(w_dtype):
+    """Both weight layouts against the torch spec at the proxy's expert shapes, from fp32 weights (the trainer's
+    parameters; the fused transposed store gave a wrong w^T from fp32 on the H200) and from bf16."""
+    g = torch.Generator().manual_seed(5)
+    for E, F, D in ((128, 1280, 768), (128, 768, 640), (56, 1024, 1024)):
+        param = torch.randn(E, F, D, generator=g).mul(0.02).to(DEV, w_dtype)  # Experts' layout
+        w = param.transpose(1, 2)
+        (q, s), (qT, sT) = fq.quantize_blocks_pair(w)
+        for (a, sa), ref in (((q, s), w), ((qT, sT), param)):
+            qr, sr = fq.quantize_blocks_ref(ref)
+            assert rel_err(sa, sr) < 1e-6, (E, F, D, w_dtype)
+            assert (a.float() != qr.float()).float().mean() < 1e-3, (E, F, D, w_dtype)
+            assert rel_err(fq.dequantize_blocks(a, sa), ref.float()) < 0.05, (E, F, D, w_dtype)
+        for ref in (w, param):  # the single-layout quantiser (v2) from both views
+            (a, sa), (qr, sr) = fq.quantize_blocks(ref), fq.quantize_blocks_ref(ref)
+            assert rel_err(sa, sr) < 1e-6 and (a.float() != qr.float()).float().mean() < 1e-3, (E, F, D, w_dtype)
+            assert a.stride(1) == 1
 
 
 @pytest.mark.gpu

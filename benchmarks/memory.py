@@ -118,15 +118,57 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_step(model, opt, tokens, targets, autocast, split: list | None = None) -> float:
-    """One trainer step; with `split`, appends (forward + backward s, clip + optimizer s) (synchronises between)."""
+class PhasePeaks:
+    """Peak allocated device memory per phase of one step: forward, the loss and head backward (until the last
+    block's output gradient exists), each block's backward (from the gradient of its output to that of its input),
+    clip + optimizer. A gradient hook on every block's forward output marks where that block's backward starts;
+    each mark reads the allocator's peak and resets it. Only for a diagnostic step (the resets would hide the
+    timed steps' peak)."""
+
+    def __init__(self, model, device):
+        self.device, self.marks, self.label, self.in_forward = device, [], None, False
+        self.handles = [blk.register_forward_hook(self._hook(name)) for name, blk in model.layers.items()]
+
+    def _hook(self, name):
+        def hook(_mod, _inp, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if self.in_forward and isinstance(t, torch.Tensor) and t.requires_grad:  # not the recomputation
+                t.register_hook(lambda _g: self.mark(f"layer {name} backward"))
+        return hook
+
+    def mark(self, label: str | None) -> None:
+        if self.label is not None:
+            self.marks.append({"phase": self.label, "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
+                               "end_gib": torch.cuda.memory_allocated(self.device) / GIB})
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.label = label
+
+    def close(self) -> list[dict]:
+        self.mark(None)
+        for h in self.handles:
+            h.remove()
+        return self.marks
+
+
+def train_step(model, opt, tokens, targets, autocast, split: list | None = None,
+               peaks: PhasePeaks | None = None) -> float:
+    """One trainer step; with `split`, appends (forward + backward s, clip + optimizer s) (synchronises between);
+    with `peaks`, marks the phases (PhasePeaks)."""
     t0 = time.perf_counter()
+    if peaks is not None:
+        peaks.mark("forward")
+        peaks.in_forward = True
     with autocast():
         loss = model(tokens, targets)
+    if peaks is not None:
+        peaks.in_forward = False
+        peaks.mark("loss + head backward")
     loss.backward()
     if split is not None:
         _sync(loss.device)
         t1 = time.perf_counter()
+    if peaks is not None:
+        peaks.mark("clip + optimizer")
     clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -147,10 +189,11 @@ def host_gib() -> dict:
 
 
 def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: int, report: bool,
-        cal=None, snapshot: str | None = None) -> dict:
+        cal=None, snapshot: str | None = None, phase_peaks: bool = False) -> dict:
     """Build, train, measure one configuration in this process; {"oom": True} when it does not fit. With
     `snapshot` (a folder; CUDA only) the allocator's history is recorded and the live blocks at the timed steps'
-    peak are written there (`peak_snapshot`)."""
+    peak are written there (`peak_snapshot`). With `phase_peaks` (CUDA) one more step reports the peak per phase
+    (PhasePeaks)."""
     out: dict = {"technique": name, "plan": plan.model_dump(exclude={"predicted"}), "experts": spec.moe.num_experts,
                  "seq": plan.seq_len, "status": "ok"}
     model = opt = None
@@ -197,6 +240,13 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
         if device.type == "cuda":
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+            if phase_peaks:  # one more step, after the timed steps' peak is read
+                pp = PhasePeaks(model, device)
+                train_step(model, opt, tokens, targets, autocast, peaks=pp)
+                out["phase_peaks"] = pp.close()
+                top = sorted(out["phase_peaks"], key=lambda m: -m["peak_gib"])[:6]
+                print(f"[{name}] phase peaks (GiB, largest first): "
+                      + "; ".join(f"{m['phase']} {m['peak_gib']:.2f} (end {m['end_gib']:.2f})" for m in top), flush=True)
         if recording:
             try:
                 peak = peak_blocks(torch.cuda.memory._snapshot(), device, trace_start)
@@ -384,7 +434,7 @@ def run_row(row: dict, args, base, cal) -> dict:
     spec = variant_spec(base, row["seq"], row["experts"])
     plan = make_plan(args.model, row["seq"], args.micro_batch, row["fields"], args.cluster)
     return run(row["name"], spec, plan, torch.device(args.device), args.steps, args.warmup, not args.no_report, cal,
-               snapshot=getattr(args, "snapshot", None))
+               snapshot=getattr(args, "snapshot", None), phase_peaks=getattr(args, "phase_peaks", False))
 
 
 def _child_argv(args, row: dict, out_path: str) -> list[str]:
@@ -397,6 +447,8 @@ def _child_argv(args, row: dict, out_path: str) -> list[str]:
         argv += ["--calibration", args.calibration]
     if getattr(args, "snapshot", None):
         argv += ["--snapshot", args.snapshot]
+    if getattr(args, "phase_peaks", False):
+        argv.append("--phase-peaks")
     return argv
 
 
@@ -585,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CUDA: record the allocator history of each row (torch.cuda.memory._record_memory_history) "
                          "and write the live blocks at the timed steps' peak (largest 30, with their allocation "
                          "frames) to DIR/memsnap-<technique>-<experts>e-<seq>.json (default DIR: .); slows the row")
+    ap.add_argument("--phase-peaks", action="store_true",
+                    help="CUDA: one more step after the timed ones, printing the peak allocated memory per phase "
+                         "(forward, loss + head backward, each layer's backward, clip + optimizer)")
     ap.add_argument("--child-row", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     return ap
@@ -645,7 +700,7 @@ def main() -> None:
                  "status": "skipped", "error": skip}
         elif args.no_isolate:
             r = run(row["name"], spec, plan, device, args.steps, args.warmup, not args.no_report, cal,
-                    snapshot=args.snapshot)
+                    snapshot=args.snapshot, phase_peaks=args.phase_peaks)
         else:
             limit = min(x for x in (left, args.row_timeout_s, 24 * 3600.0) if x is not None)
             r = run_isolated(row, args, limit)

@@ -58,6 +58,11 @@ def train(
     memory_report: bool = typer.Option(False, "--memory-report",
                                        help="after training, print where one step's memory goes (allocator on "
                                             "CUDA) next to the planner's prediction (moestack/memory/report.py)"),
+    profile_steps: Optional[str] = typer.Option(None, "--profile-steps", metavar="A:B",
+                                                help="torch.profiler over the 1-based steps A..B-1 (earlier steps "
+                                                     "warm up); every rank writes profile_rank{r}.txt (top ops by "
+                                                     "device / CPU time) and .json.gz (chrome trace) to the run "
+                                                     "directory"),
 ) -> None:
     """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists).
 
@@ -81,6 +86,7 @@ def train(
         "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "optimizer.lr": lr, "device": device, "precision": precision,
         "data.paths": data, "data.source": data_source, "data.tokenizer": tokenizer, "dsa.mode": dsa_mode,
+        "profile_steps": profile_steps,
     }
     overrides.update({k: v for k, v in flag_values.items() if v is not None})
     if data and data_source is None:

@@ -9,7 +9,11 @@
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
 #      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first),
 #      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files),
-#      LAYOUTS (a comma list of the layout names below to run, e.g. "tp2,ep2"; default all).
+#      LAYOUTS (a comma list of the layout names below to run, e.g. "tp2,ep2"; default all),
+#      PROFILE (a comma list of layout names, "single" included, e.g. "single,tp2": those runs get
+#      `--profile-steps 6:9`, i.e. torch.profiler over steps 6..8 after 5 warm-up steps, and every rank writes
+#      run_NAME/profile_rank{r}.txt (top ops by self device / self CPU time) and .json.gz (chrome trace); PACK keeps
+#      them; needs STEPS >= 8).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,13 +68,15 @@ plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's pr
 }
 
 train() {  # train NAME NPROC STEPS
-  local log="$DEST/train_$1.log"
+  local log="$DEST/train_$1.log" prof=()
+  [[ ",${PROFILE:-}," == *",$1,"* ]] && prof=(--profile-steps 6:9)
   rm -rf "$DEST/run_$1"
   if [ "$2" -eq 1 ]; then
-    $PY -m moestack train --plan "$DEST/plan_$1.yaml" --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" > "$log" 2>&1
+    $PY -m moestack train --plan "$DEST/plan_$1.yaml" --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" "${prof[@]}" \
+      > "$log" 2>&1
   else
     $PY -m torch.distributed.run --standalone --nproc-per-node "$2" -m moestack train --plan "$DEST/plan_$1.yaml" \
-      --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" > "$log" 2>&1
+      --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" "${prof[@]}" > "$log" 2>&1
   fi || echo "| $1 | train failed: $(grep -m1 -i error "$log" | cut -c1-160) |"
 }
 

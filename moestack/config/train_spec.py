@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from moestack.config.base import StrictModel, read_yaml, validate
 
@@ -81,10 +82,42 @@ class TrainSpec(StrictModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     logging: LoggingSpec = LoggingSpec()
     dsa: DSATrainSpec = DSATrainSpec()
+    # "A:B": torch.profiler over the 1-based steps A..B-1 (steps before A warm up); per-rank tables and a chrome
+    # trace land in out_dir as profile_rank{r}.txt / .json.gz (moestack/train/step_profile.py). Quote it in YAML.
+    profile_steps: str | None = None
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _check_profile_steps(cls, value, info: ValidationInfo):
+        if value is None:
+            return None
+        first, last = parse_profile_steps(value)
+        steps = info.data.get("steps")  # validated before (declared earlier)
+        if steps is not None and last - 1 > steps:
+            raise ValueError(f"--profile-steps {first}:{last} profiles up to step {last - 1} but the run has {steps} "
+                             "steps; pick B <= steps + 1 or raise --steps")
+        return f"{first}:{last}"
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """(A, B) of profile_steps: steps A..B-1 (1-based) are profiled; None when off."""
+        return parse_profile_steps(self.profile_steps) if self.profile_steps is not None else None
 
     @property
     def tokens_per_step(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps * self.seq_len
+
+
+def parse_profile_steps(value) -> tuple[int, int]:
+    """'A:B' -> (A, B) with 1 <= A < B; anything else is a ValueError naming the option and the fix."""
+    fix = ("--profile-steps: expected A:B, 1-based steps with 1 <= A < B (steps A..B-1 are profiled, earlier ones "
+           "warm up), e.g. --profile-steps 6:9")
+    if isinstance(value, int) and not isinstance(value, bool):  # YAML 1.1 reads an unquoted 6:9 as base 60 (369)
+        raise ValueError(f"{fix}; in YAML or --set quote it (profile_steps: '6:9'), unquoted A:B reads as a number")  # noqa: TRY004 - pydantic reports ValueError
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value) if isinstance(value, str) else None
+    if match is None or not 1 <= int(match[1]) < int(match[2]):
+        raise ValueError(fix)
+    return int(match[1]), int(match[2])
 
 
 def load_train_spec(path: str | Path | None, overrides: dict | None = None) -> TrainSpec:

@@ -44,6 +44,7 @@ from moestack.train.checkpoint import (
 from moestack.train.data import build_data, eval_batches
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from moestack.train.step_profile import StepProfiler
 from moestack.train.tokenizer import build_tokenizer
 
 
@@ -463,9 +464,32 @@ class Trainer:
             dump_yaml(self.model_spec, self.out_dir / "model.yaml")
             if self.plan is not None:
                 dump_yaml(self.plan, self.out_dir / "plan.yaml")
+        profiler = StepProfiler.maybe(spec.profile_window, self.out_dir, self.device,
+                                      self.dist.rank if self.dist is not None else 0)
+        try:
+            history, last_ckpt = self._loop(progress, profiler)
+        except BaseException:
+            if profiler is not None:
+                profiler.abort()
+            raise
+        if profiler is not None:
+            profiler.finish()  # a window reaching past the last step (e.g. after --resume) ends with the run
+        self.metrics.close()
+        plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
+        load = format_expert_load(getattr(self, "_last_counts", {}))
+        return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
+                "expert_load": load}
+
+    def _loop(self, progress, profiler: StepProfiler | None) -> tuple[list[float], Path | None]:
+        spec = self.spec
         bad_steps, last_ckpt, history = 0, latest_checkpoint(self.ckpt_dir), []
         while self.step < spec.steps:
-            stats = self.train_step()
+            if profiler is None:
+                stats = self.train_step()
+            else:  # --profile-steps: the profiler runs around the train_step calls of steps A..B-1
+                with profiler.step(self.step + 1):
+                    stats = self.train_step()
+                profiler.after(self.step + 1 if stats is not None else None)
             if stats is None:
                 bad_steps += 1
                 self.metrics.log(self.step, {"skipped_nonfinite": 1.0})
@@ -497,11 +521,7 @@ class Trainer:
                 self.step == spec.steps and spec.checkpoint.save_final
             ):
                 last_ckpt = self.save()
-        self.metrics.close()
-        plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
-        load = format_expert_load(getattr(self, "_last_counts", {}))
-        return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
-                "expert_load": load}
+        return history, last_ckpt
 
 
 def _train_flops_per_token(spec: ModelSpec, seq_len: int) -> float:

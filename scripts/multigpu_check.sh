@@ -9,11 +9,13 @@
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
 #      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first),
 #      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files),
-#      LAYOUTS (a comma list of the layout names below to run, e.g. "tp2,ep2"; default all),
+#      LAYOUTS (a comma list of the layout names below to run, in that order, e.g. "tp2,ep2"; default all),
 #      PROFILE (a comma list of layout names, "single" included, e.g. "single,tp2": those runs get
 #      `--profile-steps 6:9`, i.e. torch.profiler over steps 6..8 after 5 warm-up steps, and every rank writes
 #      run_NAME/profile_rank{r}.txt (top ops by self device / self CPU time) and .json.gz (chrome trace); PACK keeps
-#      them; needs STEPS >= 8).
+#      them; needs STEPS >= 8),
+#      SINGLE_FROM (a folder holding run_single/ and plan_single.yaml of an earlier call with the same STEPS / SEQ /
+#      GBS: reused as the reference instead of training it again; the device calls are 10 minutes each).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +52,8 @@ elif [ "$NPROC" -ge 4 ]; then
   FIX=([ep4]="dp=4,ep=4,zero=1" [ep2_tp2]="tp=2,dp=2,ep=2,zero=1" [pp2_ep2_1f1b]="pp=2,dp=2,ep=2,zero=1,schedule=1f1b"
        [zero3_ep4]="dp=4,ep=4,zero=3")
 else
-  FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,ep=1,zero=0" [pp2_1f1b]="pp=2,ep=1,zero=0,schedule=1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
+  FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,ep=1,zero=0" [pp2_1f1b]="pp=2,ep=1,zero=0,schedule=1f1b"
+       [pp2_interleaved]="pp=2,vpp=2,ep=1,zero=0,schedule=interleaved_1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
 fi
 
 CAL=()
@@ -82,10 +85,17 @@ train() {  # train NAME NPROC STEPS
 
 if [[ " $PHASES " == *" layouts "* ]]; then
   echo "== layouts ($NPROC ranks, $MODEL, $STEPS steps, global batch $GBS x $SEQ)"
-  plan single 1 "dp=1,zero=0" && train single 1 "$STEPS"
+  if [ -n "${SINGLE_FROM:-}" ] && [ -f "$SINGLE_FROM/run_single/metrics.jsonl" ]; then
+    [ "$(cd "$SINGLE_FROM" && pwd)" = "$(cd "$DEST" && pwd)" ] \
+      || { rm -rf "$DEST/run_single"; cp -r "$SINGLE_FROM/run_single" "$SINGLE_FROM/plan_single.yaml" "$DEST/"; }
+    echo "single: reused from $SINGLE_FROM"
+  else
+    plan single 1 "dp=1,zero=0" && train single 1 "$STEPS"
+  fi
   names=()
-  for name in "${!FIX[@]}"; do
-    [ -z "${LAYOUTS:-}" ] || [[ ",$LAYOUTS," == *",$name,"* ]] || continue
+  if [ -n "${LAYOUTS:-}" ]; then IFS=, read -r -a order <<< "$LAYOUTS"; else order=("${!FIX[@]}"); fi
+  for name in "${order[@]}"; do  # in the order LAYOUTS gives (the ones a cut call loses come last)
+    [ -n "${FIX[$name]:-}" ] || { [ "$name" = none ] || echo "| $name | not a layout on $NPROC devices |"; continue; }
     names+=("$name")
     plan "$name" "$NPROC" "${FIX[$name]}" && train "$name" "$NPROC" "$STEPS"
   done

@@ -565,8 +565,37 @@ def mem_available() -> float:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
-    """Per-row memory reports, offload statistics and measured factors (`ref`: the reference row)."""
+def bwd_ws_line(r: dict, cal) -> str | None:
+    """From --phase-peaks: per layer kind the largest backward transient (peak of a layer's backward minus the
+    allocation at the end of the phase before) and its ratio to the planner's no-recompute activations of the kind
+    (Calibration.bwd_ws_factors; MoE kinds under expert offload include its working set)."""
+    if not r.get("phase_peaks") or not r.get("plan"):
+        return None
+    from moestack.config.cluster import load_cluster_spec
+    from moestack.config.plan import RecomputePolicy
+    from moestack.planner.cost import CostModel
+    from moestack.planner.profile import profile_model
+
+    plan = Plan.model_validate(r["plan"])
+    spec = variant_spec(load_model_spec(plan.model), r["seq"], r["experts"])
+    kinds, seen = spec.layer_kinds(), {}
+    for before, m in zip(r["phase_peaks"], r["phase_peaks"][1:]):
+        i = m["phase"].removeprefix("layer ").removesuffix(" backward")
+        if i.isdigit() and int(i) < len(kinds):
+            key = f"{kinds[int(i)].mixer}/{kinds[int(i)].ffn}"
+            seen[key] = max(seen.get(key, 0.0), m["peak_gib"] - before["end_gib"])
+    prof = profile_model(spec, plan.seq_len)
+    model = CostModel(spec, load_cluster_spec(plan.cluster).with_devices(plan.devices), cal, plan.seq_len,
+                      prof.train_flops_per_token + prof.mtp_train_flops_per_token)
+    costs, layers, _ = model.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
+    act = {f"{x.kind.mixer}/{x.kind.ffn}": c.act / GIB for c, x in zip(costs, layers)}
+    return "  bwd ws x (measured backward transient / planner no-recompute act, GiB): " + ", ".join(
+        f"{k} {v:.2f} / {act[k]:.2f} = {v / act[k]:.4f}" for k, v in seen.items() if act.get(k))
+
+
+def _details(rows: list[dict], ref: dict | None = None, cal=None) -> list[str]:
+    """Per-row memory reports, offload statistics and measured factors (`ref`: the reference row; `cal`: the
+    calibration the backward working-set factors of --phase-peaks rows are computed under)."""
     out = []
     for r in rows:
         label = f"{r['technique']} ({r['experts']} experts, seq {r['seq']})"
@@ -590,6 +619,9 @@ def _details(rows: list[dict], ref: dict | None = None) -> list[str]:
             out.append(f"  act x {ratio:.3f} (measured / planner activations at the end of forward: "
                        f"{r['report']['measured_gib']['activations']:.2f} / "
                        f"{r['predicted']['forward_activations_gib']:.2f} GiB)")
+        ws_line = bwd_ws_line(r, cal) if cal is not None else None
+        if ws_line:
+            out.append(ws_line)
         if r.get("all_step_s"):
             fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)
             out.append(f"  timing: {label}: build {r.get('build_s', 0):.1f} s, steps {fmt(r['all_step_s'])} s "
@@ -719,7 +751,7 @@ def main() -> None:
           f"{ref['technique'] + ' (' + str(ref['experts']) + ' experts, seq ' + str(ref['seq']) + ')' if ref else '-'}; "
           f"planner GiB = cost model peak minus its reserved term; fit x = measured / planner")
     print("\n".join(table(rows, args.reference, hbm_gib)))
-    print("\n".join(_details(rows, ref)), flush=True)
+    print("\n".join(_details(rows, ref, cal)), flush=True)
     factors = suggested_act_factors(rows, cal)
     if factors:
         target = args.calibration or "the calibration JSON"

@@ -53,6 +53,10 @@ class PartCalibration(StrictModel):
     backend: str = ""  # what ran (e.g. "kda=reference")
 
 
+# a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)
+LAYER_KIND_KEY = r"^(kda|mla|gqa|mamba2|none)/(dense|moe|none)$"
+
+
 class Calibration(StrictModel):
     source: str  # where the numbers come from (file, device, date)
     device: str  # device they were measured on
@@ -83,6 +87,11 @@ class Calibration(StrictModel):
     # a suggested act_factors line): multiply the activation term of parts under selective / full recompute, the
     # layers in flight under activation offload, the activations of a plan with FP8 storage; absent = 1
     act_factors: dict[Literal["selective", "full", "activation_offload", "fp8"], Annotated[float, Field(gt=0)]] = {}
+    # measured backward working set of one layer / the modelled no-recompute activations of its kind, per layer kind
+    # "<mixer>/<ffn>" (e.g. "kda/dense", "kda/moe", "mla/moe"): what a layer's backward holds on top of the rest at
+    # its peak, its recomputed activations plus the gradients of them in flight (benchmarks/memory.py --phase-peaks
+    # prints them as "bwd ws x"); absent = 1
+    bwd_ws_factors: dict[Annotated[str, Field(pattern=LAYER_KIND_KEY)], Annotated[float, Field(gt=0)]] = {}
 
     def gemm_efficiency(self, tokens: float, n: int, k: int, dtype: str = "bf16", grouped: bool = False) -> float:
         """Fraction of the dtype's peak reached by [tokens, k] @ [k, n] (tokens per expert when grouped)."""

@@ -1191,8 +1191,13 @@ class CostModel:
             act_dev = 0.0
         else:
             act_dev = act * min(inflight, (inflight + 1) / 2)  # ranks hold between 1 and `inflight` micro-batches
-        # gradients that build up while activations are freed (_grads_build_up): the larger of the two at least
-        hbm += max(grads, act_dev) if self._grads_build_up(plan) else grads + act_dev
+        # gradients that build up while activations are freed (_grads_build_up): the larger of the two at least;
+        # the embedding's is produced after the first layer's backward, the end's peak (_one_end_of_backward)
+        if self._grads_build_up(plan):
+            embedding = 0.0 if self.spec.tie_word_embeddings else self.work.embed_params / plan.tp * FP32
+            hbm += max(grads - embedding, act_dev)
+        else:
+            hbm += grads + act_dev
         return hbm + self.cal.runtime_reserved_gib * GIB, host
 
     # -- parameters per rank ----------------------------------------------------------------------------------
@@ -1319,21 +1324,36 @@ class CostModel:
         backward and the same zero_grad frees them, so it builds up the same way."""
         return plan.devices == 1 and plan.num_microbatches == 1
 
-    def _one_end_of_backward(self, plan: Plan, mem: dict[str, float], expert_ws: float = 0.0) -> None:
+    def _one_end_of_backward(self, plan: Plan, mem: dict[str, float], expert_ws: float = 0.0,
+                             first_stage: bool = True) -> None:
         """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
-        LM head's gradient, then either the loss buffers or one layer's working set) or at its end (all gradients
-        plus one layer's working set). A layer's working set is the gradients of its saved tensors, or its
-        recomputed activations: the no-recompute bytes of the largest layer. The loss backward runs and frees its
-        chunk buffers before the first layer's backward starts, so the two are never alive together (measured on
-        the H200 at seq 16384: the peak over the saved activations was the loss chunk, not chunk + layer).
+        LM head's gradient, then either the loss buffers or the largest layer working set) or at its end (the
+        gradients but the embedding's, plus the first layer's working set: its backward runs last). The loss backward
+        runs and frees its chunk buffers before the first layer's backward starts, so the two are never alive
+        together (measured on the H200 at seq 16384: the loss phase's peak was the loss chunk, not chunk + layer).
+        Layers between the first and the last hold part of the gradients; they are priced by the start (largest
+        working set, the head's gradient only) and the end (all gradients), not layer by layer.
+
+        A layer's backward working set ws_k (kind k) is what its backward holds on top of the rest at its peak: the
+        recomputed activations plus the gradients of them in flight, priced as the kind's no-recompute activations
+        times Calibration.bwd_ws_factors["<mixer>/<ffn>"] (absent = 1). Measured (H200, 2026-11-30,
+        benchmarks/memory.py --phase-peaks, 'recompute full' at seq 16384; the peak of a layer's backward minus the
+        allocation at the end of the phase before): kda/dense 6.96, kda/moe 5.45, mla/moe 5.67 GiB against modelled
+        5.01, 4.94, 5.14 (factors 1.39, 1.10, 1.10). The peak of that row and of 'all combined' (128 experts) was
+        the first layer's backward, at the end of backward, not the loss phase.
 
         `expert_ws`: expert offload's working set (one layer's fetched bf16 weights + the prefetch of the next GEMM
         + the fp32 gradient staged for the host, moestack/memory/offload.py ExpertOffload / _ExpertGEMM). It is a
-        transient of a MoE layer's backward: nothing is fetched before the first layer's backward, so at the loss
-        phase it is not alive; it adds to the layer working set of the start of backward instead (not to the end's,
-        whose layer is the first, dense, one in the presets; measured: the MoE phase stayed below the loss phase).
-        Measured (H200, 2026-11-29, all combined, seq 16384): the peak moved +0.18 GiB from 128 to 384 experts,
-        where a loss-phase sum would have moved +2.6 GiB.
+        transient of a MoE layer's backward, added to the MoE kinds' ws_k only: nothing is fetched before the first
+        layer's backward, so at the loss phase it is not alive, nor at the end of backward when the first layer is
+        dense (the proxy's).
+        Measured (H200, all combined, seq 16384): the peak moved +0.18 GiB from 128 to 384 experts (2026-11-29),
+        where a loss-phase sum would have moved +2.6 GiB; at 128 experts the MoE layers' backward transients were
+        6.29-6.60 GiB (2026-11-30, working set 1.32 GiB included), below the dense first layer's 6.96.
+
+        The embedding's fp32 gradient (V x h / tp x 4 bytes, on the first stage, untied) is produced after the first
+        layer's backward (measured: the end of the 'layer 0 backward' phase rose by it, 0.95 GiB), so it is not
+        alive at that layer's peak and the end leaves it out.
 
         The head term stands for what the loss backward holds of the LM head, V x h / tp x 4 bytes: the chunks share
         one autocast cast of the fp32 weight (one ToCopyBackward node), so their bf16 weight gradients accumulate in
@@ -1342,20 +1362,27 @@ class CostModel:
         `hidden_loss`: the final norm's saved fp32 input and normalised output, its fp32 output kept by the loss
         chunks' checkpoints and the accumulating fp32 gradient of that output: 4 x T x h x 4 bytes on the loss
         stage (the residual stream is fp32: fp32 embedding + residual adds under autocast)."""
-        kind_cost, _, _ = self.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
-        scratch = max(c.act for c in kind_cost)
+        kind_cost, kinds, layer_kind = self.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
+        factors = self.cal.bwd_ws_factors
+        ws = [c.act * factors.get(f"{k.kind.mixer}/{k.kind.ffn}", 1.0) + (expert_ws if k.kind.ffn == "moe" else 0.0)
+              for c, k in zip(kind_cost, kinds)]
         head = (self.work.head.params * self.work.num_heads_out / plan.tp) * FP32
         T = plan.micro_batch_size * plan.seq_len / plan.cp
         hidden_loss = 4 * T * self.spec.hidden_size * FP32 / plan.tp if mem["buffers"] > 0 else 0.0
-        layer = max(mem["buffers"] + hidden_loss, scratch + expert_ws)
+        layer = max(mem["buffers"] + hidden_loss, max(ws))
         start = mem["activations"] + min(head, mem["gradients"]) + layer
-        end = mem["gradients"] + scratch
+        embedding = 0.0
+        if first_stage and not self.spec.tie_word_embeddings:  # tied: the head's gradient, alive since the loss
+            embedding = self.spec.vocab_size * self.spec.hidden_size / plan.tp * FP32
+        first = ws[layer_kind[0]]  # the backward that runs last: the first layer's
+        end = max(0.0, mem["gradients"] - embedding) + first
         if start >= end:
             mem["gradients"] = min(head, mem["gradients"])
             mem["buffers"] = layer
         else:
             mem["activations"] = 0.0
-            mem["buffers"] = scratch
+            mem["gradients"] = max(0.0, mem["gradients"] - embedding)
+            mem["buffers"] = first
 
     def _dp_times(self, plan: Plan, dense: float, expert: float, fwd: float, bwd: float, m: int,
                   layers: int) -> tuple[float, float]:
@@ -1517,7 +1544,7 @@ class CostModel:
             mem["buffers"] = buffers
             fwd_act = mem["activations"]
             if self._grads_build_up(plan):
-                self._one_end_of_backward(plan, mem, expert_ws)  # a transient of a MoE layer's backward
+                self._one_end_of_backward(plan, mem, expert_ws, r == 0)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
             if sum(mem.values()) > sum(best.values()):
                 best, best_fwd_act = mem, fwd_act

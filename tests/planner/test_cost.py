@@ -327,3 +327,26 @@ def test_tp_collectives_exposed_and_fsdp_bf16_copy():
     d += cm.work.embed_params / 2 + (0 if cm.spec.tie_word_embeddings else cm.work.head.params / 2)
     assert c.memory["weights"] == pytest.approx((d + e) * 6, rel=0.01)
     assert c.memory["gradients"] == pytest.approx((d + e) * 4, rel=0.01)
+
+
+def test_bwd_ws_factors_scale_the_end_of_backward_and_are_validated():
+    """Calibration.bwd_ws_factors multiply the first layer's backward working set at the end of a one-device
+    backward (full recompute: the end binds), which leaves out the embedding's gradient; unknown kinds are errors."""
+    from moestack.config.base import ConfigError, validate
+    from moestack.planner.calibration import Calibration
+
+    spec = load_any_model_spec("proxy")
+    base = load_calibration().model_copy(update={"bwd_ws_factors": {}})
+    full = {"kda": "full", "attention": "full", "moe": "full", "mlp": "full"}
+    plan = make_plan(model="proxy", cluster="h200-1gpu", devices=1, seq_len=4096, micro_batch_size=1,
+                     global_batch_size=1, recompute=full)
+    mem = {}
+    for f in (1.0, 2.0):
+        cal = base.model_copy(update={"bwd_ws_factors": {"kda/dense": f}})
+        flops = profile_model(spec, 4096).train_flops_per_token
+        cm = C.CostModel(spec, load_cluster_spec("h200-1gpu"), cal, 4096, flops)
+        mem[f] = cm.evaluate(plan).memory
+    assert mem[2.0]["buffers"] == pytest.approx(2 * mem[1.0]["buffers"])  # the proxy's first layer: kda/dense
+    assert mem[1.0]["gradients"] == pytest.approx(mem[1.0]["weights"] - spec.vocab_size * spec.hidden_size * 4)
+    with pytest.raises(ConfigError):
+        validate(Calibration, {**base.model_dump(), "bwd_ws_factors": {"kda/mamba": 1.1}}, "test")

@@ -96,6 +96,7 @@ def test_single_device_peak_is_one_end_of_backward():
     none, full = _evaluate(base), _evaluate(base, recompute="full")
     weights = none.memory["weights"]
     assert none.memory["gradients"] < 0.2 * weights  # only the LM head's gradient at the start of backward
-    assert full.memory["gradients"] == pytest.approx(weights)  # fp32 grads of fp32 weights at the end
+    embedding = 163840 * 1536 * 4  # the proxy's fp32 embedding gradient: produced after the first layer's backward
+    assert full.memory["gradients"] == pytest.approx(weights - embedding)  # fp32 grads of fp32 weights at the end
     assert full.memory["activations"] == 0.0
     assert _evaluate(base, devices=1).memory_total <= _evaluate(base, mbs=2).memory_total

@@ -49,6 +49,7 @@ from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
 from moestack.memory.host_adamw import build_host_aware_optimizer
+from moestack.memory.phase_peaks import PhasePeaks
 from moestack.memory.report import GIB, format_report, measure_memory, planner_cost, single_device_plan
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
@@ -116,38 +117,6 @@ def autocast_for(device: torch.device):
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class PhasePeaks:
-    """Peak allocated device memory per phase of one step: forward, the loss and head backward (until the last
-    block's output gradient exists), each block's backward (from the gradient of its output to that of its input),
-    clip + optimizer. A gradient hook on every block's forward output marks where that block's backward starts;
-    each mark reads the allocator's peak and resets it. Only for a diagnostic step (the resets would hide the
-    timed steps' peak)."""
-
-    def __init__(self, model, device):
-        self.device, self.marks, self.label, self.in_forward = device, [], None, False
-        self.handles = [blk.register_forward_hook(self._hook(name)) for name, blk in model.layers.items()]
-
-    def _hook(self, name):
-        def hook(_mod, _inp, out):
-            t = out[0] if isinstance(out, tuple) else out
-            if self.in_forward and isinstance(t, torch.Tensor) and t.requires_grad:  # not the recomputation
-                t.register_hook(lambda _g: self.mark(f"layer {name} backward"))
-        return hook
-
-    def mark(self, label: str | None) -> None:
-        if self.label is not None:
-            self.marks.append({"phase": self.label, "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
-                               "end_gib": torch.cuda.memory_allocated(self.device) / GIB})
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.label = label
-
-    def close(self) -> list[dict]:
-        self.mark(None)
-        for h in self.handles:
-            h.remove()
-        return self.marks
 
 
 def train_step(model, opt, tokens, targets, autocast, split: list | None = None,

@@ -85,6 +85,9 @@ class TrainSpec(StrictModel):
     # "A:B": torch.profiler over the 1-based steps A..B-1 (steps before A warm up); per-rank tables and a chrome
     # trace land in out_dir as profile_rank{r}.txt / .json.gz (moestack/train/step_profile.py). Quote it in YAML.
     profile_steps: str | None = None
+    # 1-based step run with moestack.memory.phase_peaks.PhasePeaks: every rank writes phase_peaks_rank{r}.json
+    # (peak allocated GiB per phase: forward, loss + head backward, each layer's backward, clip + optimizer) to out_dir
+    phase_peaks_step: int | None = None
 
     @field_validator("profile_steps", mode="before")
     @classmethod
@@ -97,6 +100,15 @@ class TrainSpec(StrictModel):
             raise ValueError(f"--profile-steps {first}:{last} profiles up to step {last - 1} but the run has {steps} "
                              "steps; pick B <= steps + 1 or raise --steps")
         return f"{first}:{last}"
+
+    @field_validator("phase_peaks_step", mode="after")
+    @classmethod
+    def _check_phase_peaks_step(cls, value: int | None, info: ValidationInfo):
+        steps = info.data.get("steps")  # validated before (declared earlier)
+        if value is not None and (value < 1 or (steps is not None and value > steps)):
+            raise ValueError(f"phase_peaks_step: {value} is not a step of the run (1..{steps}); set "
+                             f"--set phase_peaks_step=N with 1 <= N <= steps")
+        return value
 
     @property
     def profile_window(self) -> tuple[int, int] | None:

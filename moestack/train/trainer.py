@@ -15,6 +15,7 @@ another layout (EP / FSDP / DP degree) as long as the global batch is the same.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -29,6 +30,7 @@ from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import TrainSpec
+from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
@@ -251,6 +253,8 @@ class Trainer:
         self.num_devices = plan.devices if plan is not None else 1
         self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard) if self.is_main \
             else _NullMetrics()
+        self._phase_peaks: PhasePeaks | None = None  # active during spec.phase_peaks_step only
+        self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _configure_dsa(self, model: Transformer | None = None) -> None:
@@ -379,6 +383,8 @@ class Trainer:
         if self.pipeline is not None:  # the schedule runs the plan's micro-batches of the whole local batch
             batches = [self.sampler.next_batch() for _ in range(accum)]
             inputs, targets = (torch.cat(parts) for parts in zip(*batches))
+            if self._phase_peaks is not None:  # forwards and backwards interleave: stage and layer marks only
+                self._phase_peaks.in_forward = True
             with self.autocast():
                 total = self.pipeline.forward_backward(inputs, targets)
             total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
@@ -389,8 +395,15 @@ class Trainer:
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
             inputs, targets = self.sampler.next_batch()
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            peaks, mb = self._phase_peaks, f" (mb {i})" if accum > 1 else ""
+            if peaks is not None:
+                peaks.mark(f"forward{mb}")
+                peaks.in_forward = True
             with self.autocast():
                 loss = self.model(inputs, targets)
+            if peaks is not None:
+                peaks.in_forward = False
+                peaks.mark(f"loss + head backward{mb}")
             (loss / accum).backward()
             total += loss.detach().float().item() / accum
         if self.dist is not None:  # each rank's loss is the mean over its own tokens: average over dp ranks
@@ -414,6 +427,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         loss, finite = self._forward_backward()
+        if self._phase_peaks is not None:
+            self._phase_peaks.in_forward = False
+            self._phase_peaks.mark("clip + optimizer")
         grad_norm = self._clip()
         if not finite or not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -431,6 +447,38 @@ class Trainer:
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices) if self.peak_flops else None
         self._last_counts = counts
         return StepStats(loss, float(grad_norm), self.scheduler.get_last_lr()[0], tokens_per_s, mfu, self._aux())
+
+    # ----------------------------------------------------------------------------------------------- diagnostics
+    def _start_phase_peaks(self) -> None:
+        """Arm PhasePeaks for the coming step (spec.phase_peaks_step): gradient hooks on the blocks this rank holds
+        (under PP the stage view `self.model` shares them with the stage modules) and, under PP, marks around each
+        stage forward. Only hooks and allocator peak resets: the step's numbers are unchanged."""
+        stage_marks, last = None, None
+        if self.pipeline is not None:  # the modules the PipelineStages run (one call per micro-batch forward)
+            stages = getattr(self.pipeline, "_stages", [])
+            stage_marks = {sid: st.submod for sid, st in zip(self.pipeline.stage_ids, stages, strict=False)}
+            last = self.pipeline.num_stages - 1
+        self._phase_peaks = PhasePeaks(self.model, self.device, microbatches=self.spec.grad_accum_steps,
+                                       stage_marks=stage_marks, last_stage=last)
+
+    def _finish_phase_peaks(self) -> None:
+        """Close the marks, write out_dir/phase_peaks_rank{r}.json on every rank, log rank 0's largest phase, and
+        keep the run's peak so far (the resets hid it from torch.cuda.max_memory_allocated) as the reporting floor."""
+        peaks, self._phase_peaks = self._phase_peaks, None
+        if peaks is None:
+            return
+        marks = peaks.close()
+        if self.device.type == "cuda":
+            self._peak_floor = max(self._peak_floor, peaks.run_peak_bytes)
+        rank = self.dist.rank if self.dist is not None else 0
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"phase_peaks_rank{rank}.json").write_text(json.dumps(marks, indent=1))
+        top = peaks.largest()
+        if top is not None:
+            note = "" if self.device.type == "cuda" else " (no CUDA allocator: all phases read 0)"
+            self.log(f"phase peaks, step {self.spec.phase_peaks_step}, rank 0: largest '{top['phase']}' "
+                     f"{top['peak_gib']:.2f} GiB (end {top['end_gib']:.2f}) of {len(marks)} phases{note}; every "
+                     f"rank: {self.out_dir}/phase_peaks_rank{{r}}.json")
 
     def _aux(self) -> dict[str, float]:
         out = {}
@@ -484,12 +532,19 @@ class Trainer:
         spec = self.spec
         bad_steps, last_ckpt, history = 0, latest_checkpoint(self.ckpt_dir), []
         while self.step < spec.steps:
-            if profiler is None:
-                stats = self.train_step()
-            else:  # --profile-steps: the profiler runs around the train_step calls of steps A..B-1
-                with profiler.step(self.step + 1):
+            phase_step = spec.phase_peaks_step is not None and self.step + 1 == spec.phase_peaks_step
+            if phase_step:
+                self._start_phase_peaks()
+            try:
+                if profiler is None:
                     stats = self.train_step()
-                profiler.after(self.step + 1 if stats is not None else None)
+                else:  # --profile-steps: the profiler runs around the train_step calls of steps A..B-1
+                    with profiler.step(self.step + 1):
+                        stats = self.train_step()
+                    profiler.after(self.step + 1 if stats is not None else None)
+            finally:
+                if phase_step:
+                    self._finish_phase_peaks()
             if stats is None:
                 bad_steps += 1
                 self.metrics.log(self.step, {"skipped_nonfinite": 1.0})
@@ -508,8 +563,8 @@ class Trainer:
                       "tokens_per_s": stats.tokens_per_s, **stats.aux}
             if stats.mfu is not None:
                 record["mfu"] = stats.mfu
-            if self.device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda":  # the floor keeps the peak that the phase-peaks step's resets hide
+                record["peak_mem_gib"] = max(self._peak_floor, torch.cuda.max_memory_allocated(self.device)) / GIB
             if self.step % spec.logging.every == 0 or self.step == spec.steps:
                 self.metrics.log(self.step, record)
             if progress is not None and self.is_main:

@@ -1,4 +1,4 @@
-"""`moestack` command line: train | profile | plan | tune.
+"""`moestack` command line: train | profile | plan | tune | tune-comm.
 
 Every user error (bad config, bad flag value, bad checkpoint) is printed as one line starting with "error:" and
 exits with status 2; no tracebacks for mistakes the user can fix.
@@ -180,6 +180,7 @@ def _register_commands() -> None:
     app.command("convert")(adapt_cli.convert)
     app.command("plan")(plan_cli.plan)
     app.command("tune")(plan_cli.tune)
+    app.command("tune-comm")(plan_cli.tune_comm)
 
 
 _register_commands()

@@ -7,7 +7,8 @@
 #
 # Env: MODEL (proxy), STEPS (200), SEQ (4096), GBS (global batch in sequences, 16), NPROC (GPUs found),
 #      SCALE_STEPS (30, weak scaling runs), OUT (a folder; default runs/multigpu), PHASES ("layouts a2a scaling",
-#      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first),
+#      any subset), PYTHON (python3), CALIBRATION (a `moestack tune` JSON to reuse instead of tuning first; the
+#      measured collective bandwidths of `moestack tune-comm` are merged into a copy of it, $OUT/calibration_comm.json),
 #      PACK (a .tgz written on exit with everything but checkpoints / tensorboard: a device call returns <= 8 files),
 #      LAYOUTS (a comma list of the layout names below to run, in that order, e.g. "tp2,ep2"; default all),
 #      PROFILE (a comma list of layout names, "single" included, e.g. "single,tp2": those runs get
@@ -62,6 +63,30 @@ if [ -n "${CALIBRATION:-}" ]; then  # reuse the calibration of an earlier call o
 elif [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors measured on this GPU first
   $PY -m moestack tune "$MODEL" --out "$DEST/calibration.json" > "$DEST/tune.log" 2>&1 \
     && CAL=(--calibration "$DEST/calibration.json") || echo "| tune | failed: $(tail -1 "$DEST/tune.log") |"
+fi
+# collective bus bandwidth / latency measured on these NPROC ranks (NCCL on cuda, gloo at small sizes on cpu), merged
+# as `comm` into a calibration in $DEST (a copy of CALIBRATION when given; the default calibration when none): the
+# planner prices tier-0 collectives with it instead of the datasheet NVLink bandwidth (planner/tune_comm.py)
+COMM_ARGS=(--sizes-mib 1,16,128 --iters 20)
+[ "$DEVICE" = cuda ] || COMM_ARGS=(--sizes-mib 0.0625,0.25,1 --iters 5)
+rm -f "$DEST/tune_comm.json"
+$PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moestack tune-comm \
+  --out "$DEST/tune_comm.json" "${COMM_ARGS[@]}" > "$DEST/tune_comm.log" 2>&1 \
+  || echo "| tune-comm | failed: $(grep -m1 -i error "$DEST/tune_comm.log" | cut -c1-160) |"
+if [ -f "$DEST/tune_comm.json" ]; then
+  COMM_CAL="$DEST/calibration.json"
+  if [ -n "${CALIBRATION:-}" ]; then  # never modify the given file: merge into a copy
+    COMM_CAL="$DEST/calibration_comm.json"
+    cp "$CALIBRATION" "$COMM_CAL"
+  elif [ ${#CAL[@]} -eq 0 ]; then  # no tune ran (cpu) or it failed: the default calibration is the base
+    rm -f "$COMM_CAL"
+  fi
+  if $PY -m moestack tune-comm --from "$DEST/tune_comm.json" --merge-into "$COMM_CAL" >> "$DEST/tune_comm.log" 2>&1; then
+    CAL=(--calibration "$COMM_CAL")
+    grep "^| tune-comm" "$DEST/tune_comm.log"
+  else
+    echo "| tune-comm | merge failed: $(tail -1 "$DEST/tune_comm.log" | cut -c1-160) |"
+  fi
 fi
 
 plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's prediction inside)

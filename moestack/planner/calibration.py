@@ -11,12 +11,19 @@ GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf
   8192^3 -> 0.766 (measured 758/989), K3 expert 3584x3072 at 2048 tok/expert -> 0.67 (666), 2048x1024 experts
   -> 0.48 (471-488), 1024x512 -> 0.34 (328); K3 expert at 128 / 64 tok/expert -> 0.34 / 0.17 (measured 350-430 /
   176-211 TFLOP/s). Measured points in `gemm_points` (written by tune) override the formula near their shape.
+
+Collectives (`comm`, optional): measured bus bandwidth and per-call latency of all-reduce / reduce-scatter /
+all-gather / all-to-all inside one scale-up domain (network tier 0), written by `moestack tune-comm`
+(planner/tune_comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
+planner/cost.py prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
+datasheet bandwidth x tier efficiency; without it the datasheet path is unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -51,6 +58,38 @@ class PartCalibration(StrictModel):
     bwd_fixed_s: float = Field(default=0.0, ge=0)
     act_bytes_per_token: float = Field(ge=0)  # saved by autograd under no recompute, autocast weight copies excluded
     backend: str = ""  # what ran (e.g. "kda=reference")
+
+
+COLLECTIVE_KINDS = ("ar", "rs", "ag", "a2a")
+
+
+class CollectiveCalibration(StrictModel):
+    """One collective kind measured by `moestack tune-comm`: NCCL's bus bandwidth at the largest size measured
+    (ar: 2(n-1)/n * bytes / t; rs, ag: (n-1)/n * total bytes / t; a2a: (n-1)/n * bytes per rank / t) and the
+    fixed per-call latency of the least-squares fit t = latency + bytes / bandwidth over the sizes."""
+
+    busbw_gb_s: float = Field(gt=0)
+    latency_us: float = Field(default=0.0, ge=0)
+
+
+class CommCalibration(StrictModel):
+    """Collective bandwidths measured inside one scale-up domain (network tier 0: e.g. the GPUs of one NVLink
+    node), with `world` ranks, by `moestack tune-comm` (planner/tune_comm.py).
+
+    Why measured beats datasheet: on the lent 2 x H200 machine (a Firecracker VM; nvidia-smi lists NVLink NV18) every
+    NCCL collective ran the RING_LL protocol through host shared memory (no GPU peer-to-peer inside the VM): a
+    ~100 MB fp32 reduce-scatter took 5.4 ms (~20 GB/s effective), far below NVLink x tier efficiency, and 2-GPU runs
+    were 38-43% slower than the datasheet-priced plans. Bus bandwidth is (nearly) independent of the group size for
+    ring algorithms, so the numbers measured at `world` ranks are used for any group inside tier 0."""
+
+    source: str = ""  # where the numbers come from (tune-comm file, date)
+    world: int = Field(ge=2)  # ranks the measurement ran on (all inside one tier-0 domain)
+    tier: Literal[0] = 0  # the network tier measured (only the scale-up domain is supported)
+    backend: str = ""  # nccl | gloo
+    device: str = ""
+    # "ar" all_reduce, "rs" reduce_scatter_tensor, "ag" all_gather_into_tensor, "a2a" all_to_all_single; a kind
+    # not listed keeps the datasheet bandwidth
+    collectives: dict[Literal["ar", "rs", "ag", "a2a"], CollectiveCalibration]
 
 
 # a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)
@@ -92,6 +131,9 @@ class Calibration(StrictModel):
     # its peak, its recomputed activations plus the gradients of them in flight (benchmarks/memory.py --phase-peaks
     # prints them as "bwd ws x"); absent = 1
     bwd_ws_factors: dict[Annotated[str, Field(pattern=LAYER_KIND_KEY)], Annotated[float, Field(gt=0)]] = {}
+    # measured collective bus bandwidths / latencies inside tier 0 (`moestack tune-comm --merge-into`); None: the
+    # cluster's datasheet bandwidth x tier efficiency (CommCalibration says why measured numbers are preferred)
+    comm: CommCalibration | None = None
 
     def gemm_efficiency(self, tokens: float, n: int, k: int, dtype: str = "bf16", grouped: bool = False) -> float:
         """Fraction of the dtype's peak reached by [tokens, k] @ [k, n] (tokens per expert when grouped)."""
@@ -133,4 +175,8 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(cal.model_dump(mode="json"), indent=2) + "\n")
+    """Write atomically (a temporary file beside it, then renamed over it): a reader never sees half a file."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cal.model_dump(mode="json"), indent=2) + "\n")
+    os.replace(tmp, p)

@@ -28,7 +28,7 @@ from moestack.config.cluster import GIB, ClusterSpec
 from moestack.config.model_spec import LayerKind, ModelSpec
 from moestack.config.plan import Plan, RecomputePolicy
 from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS  # the chunked loss, as adapt.py prices it
-from moestack.planner.calibration import Calibration
+from moestack.planner.calibration import Calibration, CommCalibration
 
 BF16 = 2
 FP32 = 4
@@ -462,24 +462,50 @@ def group_tier(cluster: ClusterSpec, size: int, stride: int) -> int:
 
 
 def _tier_bw(cluster: ClusterSpec, tier: int) -> float:
+    """Datasheet bandwidth of a tier's links x its efficiency (bytes/s): the price of a collective when no
+    measured number applies (see `_measured`)."""
     t = cluster.tiers[tier]
     return t.bandwidth_gb_s * 1e9 * t.efficiency
 
 
-def ring_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, kind: str) -> float:
+def _measured(comm: CommCalibration | None, tier: int, kind: str) -> tuple[float, float] | None:
+    """(bus bandwidth in bytes/s, per-call latency in s) of collective `kind` ("ar", "rs", "ag", "a2a") measured by
+    `moestack tune-comm`, when the group runs inside tier 0 (the scale-up domain the measurement ran in) and the
+    calibration has it; else None (datasheet path).
+
+    Measured beats datasheet because the datasheet can be far off: on the lent 2 x H200 VM (NVLink NV18 listed) there
+    is no GPU peer-to-peer, NCCL ran every collective as RING_LL through host shared memory at ~20 GB/s bus
+    bandwidth, and 2-GPU runs were 38-43% slower than the NVLink-priced plans (calibration.CommCalibration)."""
+    if comm is None or tier != comm.tier:
+        return None
+    c = comm.collectives.get(kind)
+    if c is None:
+        return None
+    return c.busbw_gb_s * 1e9, c.latency_us * 1e-6
+
+
+def ring_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, kind: str,
+              comm: CommCalibration | None = None) -> float:
     """Ring collective over `size` ranks: reduce-scatter / all-gather move (n-1)/n of the buffer per rank,
     all-reduce twice that (Patarasuk & Yuan 2009; NCCL's busbw convention), at the bandwidth of the tier the
-    group spans, plus one latency per ring step."""
+    group spans, plus one latency per ring step.
+
+    With a measured `comm` (Calibration.comm) and a group inside tier 0: factor (n-1)/n * nbytes / measured busbw of
+    this kind + the measured per-call latency (busbw is NCCL's convention, so the same factor converts it back)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
     tier = group_tier(cluster, size, stride)
     factor = {"rs": 1.0, "ag": 1.0, "ar": 2.0}[kind]
+    measured = _measured(comm, tier, kind)
+    if measured is not None:
+        bw, lat = measured
+        return factor * (size - 1) / size * nbytes / bw + lat
     steps = (size - 1) * factor
     return factor * (size - 1) / size * nbytes / _tier_bw(cluster, tier) + steps * cluster.tiers[tier].latency_us * 1e-6
 
 
 def a2a_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, hierarchical: bool, top_k: int,
-             max_domains: int | None = None) -> float:
+             max_domains: int | None = None, comm: CommCalibration | None = None) -> float:
     """All-to-all where each rank sends `nbytes` spread uniformly over `size` ranks (expert dispatch or combine).
 
     Flat: the share for peers inside the rank's innermost domain goes over tier 0, the rest over the tier the group
@@ -487,6 +513,9 @@ def a2a_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, hierar
     token crosses to each remote domain once and is fanned out there, so the crossing bytes shrink by
     E[distinct remote domains hit] / E[remote copies] = G (1 - (1 - 1/G)^k) / k (uniform routing over G domains,
     capped by group-limited routing's `max_domains`).
+
+    With a measured `comm` (Calibration.comm, kind "a2a") and a group inside tier 0: (n-1)/n * nbytes / measured
+    busbw + the measured per-call latency. Groups spanning outer tiers keep the datasheet bandwidths.
     """
     if size <= 1 or nbytes <= 0:
         return 0.0
@@ -494,6 +523,10 @@ def a2a_time(cluster: ClusterSpec, nbytes: float, size: int, stride: int, hierar
         return 0.0
     outer = group_tier(cluster, size, stride)
     local = group_members_per_domain(cluster, size, stride, 0)
+    measured = _measured(comm, outer, "a2a")
+    if measured is not None:
+        bw, lat = measured
+        return nbytes * (size - 1) / size / bw + lat
     lat = cluster.tiers[outer].latency_us * 1e-6 * 2
     if outer == 0:
         return nbytes * (size - 1) / size / _tier_bw(cluster, 0) + lat
@@ -690,7 +723,7 @@ def _experts_tp_replicated(plan: Plan) -> bool:
 def tp_grad_sum_time(part: PartWork, ctx: Ctx) -> float:
     """Exposed seconds of those all-reduces for one micro-batch (moestack/parallel/tensor.py `_LocalView`)."""
     nbytes = tp_grad_sum_bytes(part, ctx.plan)
-    return ring_time(ctx.cluster, nbytes, ctx.plan.tp, 1, "ar") if nbytes else 0.0
+    return ring_time(ctx.cluster, nbytes, ctx.plan.tp, 1, "ar", ctx.cal.comm) if nbytes else 0.0
 
 
 def recompute_mode(plan: Plan, part: PartWork) -> str:
@@ -758,7 +791,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     tp_f = tp_b = 0.0
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
-        coll = ring_time(cluster, T * h * BF16, tp, 1, "ag")
+        coll = ring_time(cluster, T * h * BF16, tp, 1, "ag", ctx.cal.comm)
         tp_f, tp_b = 2 * coll, 3 * coll  # exposed: plan.tp_comm_overlap is not read by tensor.py yet
     # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
     # (tensor.py `_LocalView`: synchronous, on the critical path)
@@ -779,11 +812,13 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:
             groups = moe.router.topk_groups
-        disp = a2a_time(cluster, nbytes * wbytes, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups)
-        comb = a2a_time(cluster, nbytes * BF16, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups)
+        disp = a2a_time(cluster, nbytes * wbytes, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups,
+                        ctx.cal.comm)
+        comb = a2a_time(cluster, nbytes * BF16, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups,
+                        ctx.cal.comm)
         a2a_one = disp + comb
         if etp > 1:
-            a2a_one += 2 * ring_time(cluster, expert_rows * part.dispatch_width * BF16, etp, 1, "ag")
+            a2a_one += 2 * ring_time(cluster, expert_rows * part.dispatch_width * BF16, etp, 1, "ag", ctx.cal.comm)
 
     mode = recompute_mode(plan, part)
     out.fwd = comp_f + tp_f + cp_f
@@ -834,7 +869,7 @@ def cp_attention_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -
         kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
         if spec.mla.indexer is not None:
             kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
-    comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag")
+    comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag", ctx.cal.comm)
     return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
 
 
@@ -875,7 +910,7 @@ def cp_kda_scan_times(part: PartWork, ctx: Ctx, rec_f: float, rec_b: float) -> t
     Hv, d, cp = spec.kda.value_heads / plan.tp, spec.kda.head_dim, plan.cp
     extra = kda_scan_widen_factor(d, spec.kda.chunk_size) - 1.0
     seqs = plan.micro_batch_size
-    gather = ring_time(cluster, cp * seqs * 2 * _state_bytes(part, ctx), cp, plan.tp, "ag")
+    gather = ring_time(cluster, cp * seqs * 2 * _state_bytes(part, ctx), cp, plan.tp, "ag", ctx.cal.comm)
     flops = 2 * ctx.tokens * Hv * d * d + seqs * (cp - 1) * Hv * 2 * d * d * d  # correction + composition
     mm = flops / (cluster.device.peak_flops("bf16") * ctx.cal.gemm_peak_eff)
     return extra * rec_f + gather + mm, extra * rec_b + 2 * gather + 2 * mm
@@ -1130,7 +1165,7 @@ class CostModel:
         coll = 0.0
         if tp > 1:
             grad_b = FP32 if plan.precision == "fp32" else BF16
-            coll = ring_time(cluster, self.work.head.params * grad_b, tp, 1, "ar")
+            coll = ring_time(cluster, self.work.head.params * grad_b, tp, 1, "ar", cal.comm)
         out.fwd = g + mtp + loss_f
         out.bwd = 2 * (g + mtp) + loss_b + coll
         out.wgrad = g + mtp
@@ -1143,7 +1178,7 @@ class CostModel:
         h = self.spec.hidden_size
         out = PartCost()
         mem = elementwise_time(T * h * BF16 * 2 / plan.tp, self.cluster, self.cal)
-        coll = ring_time(self.cluster, T * h * BF16, plan.tp, 1, "rs") if plan.tp > 1 else 0.0
+        coll = ring_time(self.cluster, T * h * BF16, plan.tp, 1, "rs", self.cal.comm) if plan.tp > 1 else 0.0
         out.fwd, out.bwd = mem + coll, 2 * mem + coll
         out.parts = {"elementwise": 3 * mem, "tp_comm": 2 * coll}
         return out
@@ -1391,7 +1426,7 @@ class CostModel:
         once per step, overlapped with the last backward / first forward except the last bucket; 2: the
         reduce-scatter per micro-batch; 3 (FSDP2): bf16 all-gather before fwd and bwd and fp32 reduce-scatter,
         every micro-batch, prefetched one layer ahead."""
-        cl = self.cluster
+        cl, cm = self.cluster, self.cal.comm
         dp_stride, edp_stride = plan.tp * plan.cp, plan.ep * plan.etp
         edp = plan.edp
         if _experts_tp_replicated(plan):  # summed over TP per micro-batch (part_cost); FSDP then reduces over dp
@@ -1399,19 +1434,19 @@ class CostModel:
         z = plan.zero_stage
         g_dense, g_exp = dense * FP32, expert * FP32
         if z == 0:
-            rs = ring_time(cl, g_dense, plan.dp, dp_stride, "ar") + ring_time(cl, g_exp, edp, edp_stride, "ar")
+            rs = ring_time(cl, g_dense, plan.dp, dp_stride, "ar", cm) + ring_time(cl, g_exp, edp, edp_stride, "ar", cm)
             return rs, max(rs - 0.9 * bwd, rs / layers)
-        rs = ring_time(cl, g_dense, plan.dp, dp_stride, "rs") + ring_time(cl, g_exp, edp, edp_stride, "rs")
+        rs = ring_time(cl, g_dense, plan.dp, dp_stride, "rs", cm) + ring_time(cl, g_exp, edp, edp_stride, "rs", cm)
         if z == 1:
-            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag") + ring_time(cl, g_exp, edp, edp_stride, "ag")
+            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
             exposed = max(rs - 0.9 * bwd, rs / layers) + max(ag - 0.9 * fwd, ag / layers)
             return rs + ag, exposed
         if z == 2:
-            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag") + ring_time(cl, g_exp, edp, edp_stride, "ag")
+            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
             per_mb = max(0.0, rs - 0.9 * bwd) + OVERLAP_RESIDUAL * min(rs, bwd)
             return m * rs + ag, m * per_mb + max(ag - 0.9 * fwd, ag / layers)
         w_dense, w_exp = dense * BF16, expert * BF16
-        ag = ring_time(cl, w_dense, plan.dp, dp_stride, "ag") + ring_time(cl, w_exp, edp, edp_stride, "ag")
+        ag = ring_time(cl, w_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, w_exp, edp, edp_stride, "ag", cm)
         per_mb = _overlapped(ag, fwd, True) + _overlapped(ag + rs, bwd, True)
         return m * (2 * ag + rs), m * per_mb
 

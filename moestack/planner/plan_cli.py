@@ -3,6 +3,8 @@
 plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
      [--plot DIR] [--out plan.yaml] [--precision bf16|fp8] [--optimizer adamw|adamw_bf16|muon] [--calibration F]
 tune MODEL [--plan plan.yaml] [--out calibration.json]
+tune-comm --out comm.json [--sizes-mib 1,16,128] [--iters N] [--dtype fp32|bf16] [--merge-into calibration.json]
+          (under torchrun, >= 2 ranks); tune-comm --from comm.json --merge-into calibration.json (no torchrun)
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def plan(
     pb = problem
     print(f"{pb.spec.name} on {pb.cluster.num_devices} x {pb.cluster.device.name} ({pb.cluster.name}), seq_len "
           f"{pb.seq_len}, {pb.global_batch_tokens:,} tokens/step target, {pb.precision}, {pb.optimizer}; "
-          f"calibration: {pb.cal.device}")
+          f"calibration: {pb.cal.device}{_comm_note(pb.cal)}")
     if best is None:
         c = result.closest
         print("no plan fits.")
@@ -91,6 +93,15 @@ def plan(
         print(f"wrote {plot / 'memory.png'} and {plot / 'timeline.png'}")
 
 
+def _comm_note(cal) -> str:
+    """How tier-0 collectives are priced: measured (tune-comm) or the cluster's datasheet bandwidth."""
+    c = cal.comm
+    if c is None:
+        return ""
+    bws = ", ".join(f"{k} {v.busbw_gb_s:.3g}" for k, v in c.collectives.items())
+    return f"; tier-0 collectives measured on {c.world} x {c.device} ({c.backend}): busbw GB/s {bws}"
+
+
 def tune(
     model: Annotated[str, typer.Argument(help="preset name, moestack ModelSpec YAML, or HF config.json")],
     plan_path: Annotated[Optional[Path], typer.Option("--plan", help="plan.yaml whose shapes to measure")] = None,
@@ -103,3 +114,28 @@ def tune(
     from moestack.planner.tune import run_tune
 
     run_tune(model, plan_path, out, seq_len)
+
+
+def tune_comm(
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="tune-comm JSON to write (rank 0)")] = None,
+    sizes_mib: Annotated[
+        Optional[str], typer.Option("--sizes-mib", help="buffer sizes in MiB (default 1,16,128 on GPU, "
+                                                         "0.0625,0.25,1 on CPU)")
+    ] = None,
+    iters: Annotated[int, typer.Option("--iters", help="timed calls per size (median)")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed calls per size first")] = 5,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16 (random data)")] = "fp32",
+    merge_into: Annotated[
+        Optional[Path], typer.Option("--merge-into", help="calibration JSON whose `comm` field to set (rewritten "
+                                                          "atomically; missing: the default calibration is the base)")
+    ] = None,
+    from_file: Annotated[
+        Optional[Path], typer.Option("--from", help="merge this earlier tune-comm JSON instead of measuring")
+    ] = None,
+) -> None:
+    """Measure all-reduce / reduce-scatter / all-gather / all-to-all bus bandwidth and latency on the ranks of a
+    torchrun job (NCCL on GPU, gloo on CPU); the planner prices tier-0 collectives with them once merged into the
+    calibration (`--merge-into`)."""
+    from moestack.planner.tune_comm import parse_sizes, run_tune_comm
+
+    run_tune_comm(out, parse_sizes(sizes_mib), iters, warmup, dtype, merge_into, from_file)

@@ -15,6 +15,8 @@
 #      `--profile-steps 6:9`, i.e. torch.profiler over steps 6..8 after 5 warm-up steps, and every rank writes
 #      run_NAME/profile_rank{r}.txt (top ops by self device / self CPU time) and .json.gz (chrome trace); PACK keeps
 #      them; needs STEPS >= 8),
+#      PHASE_PEAKS (a comma list of layout names: step 10 of those runs records the peak allocated memory per phase,
+#      run_NAME/phase_peaks_rank{r}.json, moestack/memory/phase_peaks.py; needs STEPS >= 10),
 #      SINGLE_FROM (a folder holding run_single/ and plan_single.yaml of an earlier call with the same STEPS / SEQ /
 #      GBS: reused as the reference instead of training it again; the device calls are 10 minutes each).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
@@ -98,6 +100,7 @@ plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's pr
 train() {  # train NAME NPROC STEPS
   local log="$DEST/train_$1.log" prof=()
   [[ ",${PROFILE:-}," == *",$1,"* ]] && prof=(--profile-steps 6:9)
+  [[ ",${PHASE_PEAKS:-}," == *",$1,"* ]] && prof+=(--set phase_peaks_step=10)
   rm -rf "$DEST/run_$1"
   if [ "$2" -eq 1 ]; then
     $PY -m moestack train --plan "$DEST/plan_$1.yaml" --out "$DEST/run_$1" --steps "$3" "${COMMON[@]}" "${prof[@]}" \

@@ -8,8 +8,10 @@ import time
 import torch
 
 
-def median_seconds(fn, reps: int = 20, warmup: int = 0, device: torch.device | str = "cuda") -> float:
-    """Run fn() `warmup` times, then `reps` timed times; the median in seconds."""
+def median_seconds(fn, reps: int = 20, warmup: int = 0, device: torch.device | str = "cuda",
+                   before_each=None) -> float:
+    """Run fn() `warmup` times, then `reps` timed times; the median in seconds. `before_each` (untimed) runs before
+    every timed call, followed by a device sync on CUDA (collectives: a barrier, so all ranks start together)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     for _ in range(warmup):
@@ -18,6 +20,10 @@ def median_seconds(fn, reps: int = 20, warmup: int = 0, device: torch.device | s
         torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
+        if before_each is not None:
+            before_each()
+            if cuda:
+                torch.cuda.synchronize(device)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 from moestack.config.base import ConfigError
@@ -134,35 +133,17 @@ def _collective(kind: str, nbytes: int, n: int, dtype, device):
 
 
 def _time_calls(fn, iters: int, warmup: int, device) -> float:
-    """Median seconds of one call of fn, slowest rank's median (every rank returns the same number)."""
-    import statistics
-
+    """Median seconds of one call of fn, slowest rank's median (every rank returns the same number); each timed
+    call starts after a barrier."""
     import torch
     import torch.distributed as dist
 
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med.item())
+    from moestack.planner.timer import median_seconds
+
+    med = median_seconds(fn, reps=iters, warmup=warmup, device=device, before_each=dist.barrier)
+    out = torch.tensor([med], dtype=torch.float64, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item())
 
 
 def measure(sizes_mib: list[float] | None = None, iters: int = 20, warmup: int = 5, dtype: str = "fp32") -> dict:

@@ -72,9 +72,14 @@ fi
 COMM_ARGS=(--sizes-mib 1,16,128 --iters 20)
 [ "$DEVICE" = cuda ] || COMM_ARGS=(--sizes-mib 0.0625,0.25,1 --iters 5)
 rm -f "$DEST/tune_comm.json"
-$PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moestack tune-comm \
+# NCCL's INFO lines say which transport each peer pair got (P2P/CUMEM, P2P/IPC, SHM, NET): on the x2 VM (session 5)
+# every collective ran the LL protocol at ~20 GB/s, suspected to be SHM without GPU peer-to-peer
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
+  $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moestack tune-comm \
   --out "$DEST/tune_comm.json" "${COMM_ARGS[@]}" > "$DEST/tune_comm.log" 2>&1 \
   || echo "| tune-comm | failed: $(grep -m1 -i error "$DEST/tune_comm.log" | cut -c1-160) |"
+[ "$DEVICE" = cuda ] && echo "| nccl transport | $(grep -o -E 'via [A-Za-z/0-9]+' "$DEST/tune_comm.log" | sort | uniq -c \
+  | tr -s ' ' | tr '\n' ';') |"
 if [ -f "$DEST/tune_comm.json" ]; then
   COMM_CAL="$DEST/calibration.json"
   if [ -n "${CALIBRATION:-}" ]; then  # never modify the given file: merge into a copy

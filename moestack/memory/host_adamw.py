@@ -22,7 +22,8 @@ kernels; `build_host_aware_optimizer` picks it for Plan.offload.optimizer, and t
 
 Resume. With bf16 states the rounding noise is part of the trajectory, so `HostOffloadAdamW.state_dict()` carries
 the noise source's state (`RoundingNoise.state()`: the table's seed and the offset RNG's state, one per rank) under
-`param_groups[i]["rounding_rng"]` (i: the first group with parameters). It lives in a param group because
+`param_groups[i]["rounding_rng"]` (i: the first group with parameters), as AdamWBF16 and CPUOffloadAdamW carry
+their generators' (moestack.train.optimizers.RoundingStateMixin, shared). It lives in a param group because
 torch.distributed.checkpoint's get_state_dict / set_state_dict (moestack.train.checkpoint) keep only "state" and
 "param_groups" of an optimizer's state dict. Loading a state dict without it (saved before) keeps the old
 behaviour: the noise restarts from the seed, with one warning.
@@ -31,10 +32,8 @@ behaviour: the noise restarts from the seed, with one warning.
 from __future__ import annotations
 
 import random
-import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import increment_version
 
@@ -149,50 +148,12 @@ class HostOffloadAdamW(CPUOffloadAdamW):
         self._noise = RoundingNoise(seed) if self.state_dtype == torch.bfloat16 else None
         self._scratch = _Scratch()
 
-    # -- resume: the rounding noise (module docstring) ------------------------------------------------------
-    RNG_KEY = "rounding_rng"
+    # -- resume: the rounding noise (module docstring; state_dict / load_state_dict: RoundingStateMixin) -----
+    def _rounding_state(self):
+        return self._noise.state() if self._noise is not None else None
 
-    def state_dict(self) -> dict:
-        """torch's state dict, plus (bf16 states) the rounding noise's state of every rank in the first param
-        group with parameters. With several ranks this gathers (collective, as checkpoint saves are): DCP keeps
-        one copy of a non-tensor entry, so every rank writes the same list and each reads back its own."""
-        sd = super().state_dict()
-        if self._noise is None or not sd["param_groups"]:
-            return sd
-        mine = self._noise.state()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
-        else:
-            per_rank = [mine]
-        groups = sd["param_groups"]
-        target = next((g for g in groups if g["params"]), groups[0])
-        target[self.RNG_KEY] = {"version": 1, "per_rank": per_rank}
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = None
-        for group in state_dict.get("param_groups", []):
-            if self.RNG_KEY in group:
-                saved = saved or group[self.RNG_KEY]
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # torch copied it into the live groups; it is not a hyper-parameter
-            group.pop(self.RNG_KEY, None)
-        if self._noise is None:
-            return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if saved is None:
-            warnings.warn("HostOffloadAdamW: the state dict has no rounding-noise state (saved before it was "
-                          "kept); stochastic-rounding noise restarts from the seed, so the resumed run is not "
-                          "bitwise the uninterrupted one", stacklevel=2)
-            return
-        per_rank = saved["per_rank"]
-        if len(per_rank) != world:
-            warnings.warn(f"HostOffloadAdamW: rounding-noise state saved by {len(per_rank)} ranks, loading on "
-                          f"{world}; stochastic-rounding noise restarts from the seed", stacklevel=2)
-            return
-        self._noise.set_state(tuple(per_rank[rank]))
+    def _set_rounding_state(self, state) -> None:
+        self._noise.set_state(state)
 
     def _update(self, master: torch.Tensor, host_grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, state: dict,
                 group: dict) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -40,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from moestack.train.optimizers import NO_ROUNDING_STATE, ROUNDING_RNG_KEY
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -337,6 +340,24 @@ def _check_matches(path: Path, state: dict[str, Any], partial: bool = False) -> 
                                           f"has it, model does not); {hint}")
 
 
+def _drop_absent_rounding_rng(path: Path, state: dict[str, Any]) -> bool:
+    """A checkpoint saved before the optimizers kept their stochastic-rounding noise state (param_groups[i]
+    [ROUNDING_RNG_KEY], moestack.train.optimizers.RoundingStateMixin) lacks those entries, and dcp.load is strict:
+    drop them from the load template where the checkpoint has none, so the optimizer keeps its fresh noise. Only
+    this entry: any other missing key still fails the load. Returns whether something was dropped."""
+    groups = state.get("optim", {}).get("param_groups", [])
+    if not any(ROUNDING_RNG_KEY in g for g in groups):
+        return False
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    dropped = False
+    for i, group in enumerate(groups):
+        prefix = f"optim.param_groups.{i}.{ROUNDING_RNG_KEY}"
+        if ROUNDING_RNG_KEY in group and not any(k == prefix or k.startswith(prefix + ".") for k in saved):
+            del group[ROUNDING_RNG_KEY]
+            dropped = True
+    return dropped
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     partial: bool = False) -> dict:
     """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
@@ -344,19 +365,38 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     Collective when a process group is initialised. Raises CheckpointError (one line) for a partial or corrupted
     checkpoint or one whose parameter names/shapes differ from the model's. partial: `model` is one pipeline
     stage's part of the saved model (tensors of other stages in the checkpoint are expected, not an error).
+    A checkpoint saved before the optimizer kept its stochastic-rounding noise state loads with one warning (the
+    noise restarts from the seed; `_drop_absent_rounding_rng`).
     """
     path = Path(path)
     meta = verify_checkpoint(path)
     state = _state(model, optimizer)
     _check_matches(path, state, partial)
+    old_rounding = _drop_absent_rounding_rng(path, state)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    except Exception as err:  # DCP wraps per-rank failures; keep the message to one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CheckpointError(f"checkpoint {path}: reading tensors failed ({type(err).__name__}: {first})") from err
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; keep the message to one line
+        # (CheckpointException, DCP's per-rank wrapper, is a BaseException: name it, or it passes through unread)
+        if isinstance(err, CheckpointException) and err.failures:
+            err_type, text = next((type(e).__name__, str(e)) for e, _ in err.failures.values())
+        else:
+            err_type, text = type(err).__name__, str(err)
+        missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", text, re.MULTILINE)
+        if missing:  # a non-tensor entry (tensors were checked above), e.g. an optimizer hyper-parameter
+            raise CheckpointError(f"checkpoint {path}: missing entry '{missing.group(1)}' (the model/optimizer has "
+                                  "it, the checkpoint does not); was it saved with a different optimizer?") from err
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        raise CheckpointError(f"checkpoint {path}: reading tensors failed ({err_type}: {first})") from err
+    if old_rounding:
+        warnings.warn(f"checkpoint {path}: rounding noise restarts: checkpoint predates the optimizer's "
+                      f"rounding-noise state ('{ROUNDING_RNG_KEY}'), so the resumed run is not bitwise the "
+                      "uninterrupted one", stacklevel=2)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with warnings.catch_warnings():
+            if old_rounding:  # warned above, with the path; the optimizer says the same
+                warnings.filterwarnings("ignore", message=f".*{re.escape(NO_ROUNDING_STATE)}")
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _decode(meta["extra"])

@@ -32,12 +32,22 @@ parameter's AdamW update runs on the CPU as soon as its gradient has arrived (wh
 copying), and the updated fp32 master is copied back to the device parameter on another stream while the CPU
 moves on to the next parameter. The math is torch's AdamW (single-tensor path), so on a CPU-only run it matches
 torch.optim.AdamW exactly. A pinned host parameter (an offloaded expert) is its own master and is stepped in place.
+
+Resume. With stochastic rounding the noise is part of the trajectory, so the optimizers that draw it (AdamWBF16,
+CPUOffloadAdamW with bf16 states, moestack.memory.host_adamw.HostOffloadAdamW) carry the noise source's state in
+their state dict (`RoundingStateMixin`): under `param_groups[i]["rounding_rng"]` (i: the first group with
+parameters), one entry per rank. It lives in a param group because torch.distributed.checkpoint's get_state_dict /
+set_state_dict (moestack.train.checkpoint) keep only "state" and "param_groups" of an optimizer's state dict. A
+state dict without it (saved before it was kept) loads with one warning and the noise restarts from the seed.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw as _adamw  # the functional AdamW torch.optim.AdamW runs
@@ -73,11 +83,109 @@ class _Generators:
 
     def __init__(self, seed: int):
         self.seed, self.table = seed, {}
+        self._pending: dict[str, bytes] = {}  # loaded states of generators not created yet (by str(device))
 
     def __call__(self, device: torch.device) -> torch.Generator:
         if device not in self.table:
-            self.table[device] = torch.Generator(device=device).manual_seed(self.seed)
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            saved = self._pending.pop(str(device), None)
+            if saved is not None:
+                gen.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+            self.table[device] = gen
         return self.table[device]
+
+    def state(self) -> tuple:
+        """("generator", seed, {device: generator state bytes}): what decides every later draw."""
+        states = dict(self._pending)
+        states.update({str(d): g.get_state().numpy().tobytes() for d, g in self.table.items()})
+        return ("generator", self.seed, states)
+
+    def set_state(self, state: tuple) -> None:
+        _, seed, states = state
+        self.seed, self.table = seed, {}
+        self._pending = {str(d): bytes(b) for d, b in states.items()}  # applied as each device's generator appears
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resume: the rounding noise's state in the state dict (module docstring)
+
+ROUNDING_RNG_KEY = "rounding_rng"
+NO_ROUNDING_STATE = "rounding noise restarts: the state dict has no rounding-noise state"  # the warning's text
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class RoundingStateMixin:
+    """state_dict / load_state_dict that carry the stochastic-rounding noise source's state of every rank under
+    `param_groups[i][ROUNDING_RNG_KEY]` = {"version": 1, "per_rank": [state of rank r, ...]} (i: the first group
+    with parameters). Subclasses say what the state is: `_rounding_state()` (a picklable value whose first item
+    names the kind of noise source, or None: no stochastic rounding) and `_set_rounding_state(state)`.
+
+    With several ranks state_dict gathers (collective, as checkpoint saves are): DCP keeps one copy of a non-tensor
+    entry, so every rank writes the same list and each reads back its own."""
+
+    RNG_KEY = ROUNDING_RNG_KEY
+
+    def _rounding_state(self):
+        return None
+
+    def _set_rounding_state(self, state) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        mine = self._rounding_state()
+        if mine is None or not sd["param_groups"]:
+            return sd
+        _, world = _world()
+        if world > 1:
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, mine)
+        else:
+            per_rank = [mine]
+        groups = sd["param_groups"]
+        target = next((g for g in groups if g["params"]), groups[0])
+        target[self.RNG_KEY] = {"version": 1, "per_rank": per_rank}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = None
+        for group in state_dict.get("param_groups", []):
+            if self.RNG_KEY in group:
+                saved = saved or group[self.RNG_KEY]
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch copied it into the live groups; it is not a hyper-parameter
+            group.pop(self.RNG_KEY, None)
+        mine = self._rounding_state()
+        if mine is None:
+            return
+        name = type(self).__name__
+        if saved is None:
+            warnings.warn(f"{name}: {NO_ROUNDING_STATE} (saved before it was kept) and restarts from the seed, so "
+                          "the resumed run is not bitwise the uninterrupted one", stacklevel=2)
+            return
+        rank, world = _world()
+        per_rank = saved["per_rank"]
+        if len(per_rank) != world:
+            warnings.warn(f"{name}: rounding-noise state saved by {len(per_rank)} ranks, loading on {world}; "
+                          "stochastic-rounding noise restarts from the seed", stacklevel=2)
+            return
+        state = tuple(per_rank[rank])
+        if _rounding_kind(state) != _rounding_kind(mine):
+            warnings.warn(f"{name}: rounding-noise state of another noise source ({_rounding_kind(state)}, this "
+                          f"optimizer draws from a {_rounding_kind(mine)}); stochastic-rounding noise restarts from "
+                          "the seed", stacklevel=2)
+            return
+        self._set_rounding_state(state)
+
+
+def _rounding_kind(state: tuple) -> str:
+    # HostOffloadAdamW's RoundingNoise.state() (seed, size, chunk, rng state) names no kind: a noise table
+    return state[0] if isinstance(state[0], str) else "table"
 
 
 def _adamw_bf16_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
@@ -93,17 +201,24 @@ def _adamw_bf16_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: tor
     v.copy_(stochastic_round_bf16(v32, gen))
 
 
-class AdamWBF16(torch.optim.Optimizer):
+class AdamWBF16(RoundingStateMixin, torch.optim.Optimizer):
     """AdamW with m and v stored in bf16 (stochastic rounding; see module docstring). fp32 parameters stay.
 
     Args as torch.optim.AdamW (lr, betas, eps, weight_decay; param groups may override), plus `seed` for the
-    rounding noise. State per parameter: step (int), exp_avg and exp_avg_sq (bf16, the parameter's shape).
+    rounding noise. State per parameter: step (int), exp_avg and exp_avg_sq (bf16, the parameter's shape); the
+    generators' states in the state dict (RoundingStateMixin).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._gen = _Generators(seed)
+
+    def _rounding_state(self):
+        return self._gen.state()
+
+    def _set_rounding_state(self, state) -> None:
+        self._gen.set_state(state)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -277,14 +392,14 @@ class Muon(torch.optim.Optimizer):
 # CPU-offloaded AdamW
 
 
-class CPUOffloadAdamW(torch.optim.Optimizer):
+class CPUOffloadAdamW(RoundingStateMixin, torch.optim.Optimizer):
     """AdamW whose fp32 master weights and states live in (pinned) host memory; the update runs on the CPU.
 
     Args as torch.optim.AdamW, plus `state_dtype` (torch.float32, or torch.bfloat16 for bf16 m, v with
     stochastic rounding as AdamWBF16) and `seed` (rounding noise). The device parameters keep their dtype (fp32
     in moestack: the device then holds no optimizer state at all; bf16 device parameters would also halve the
     weights). State per parameter: master (host copy, absent for pinned host parameters), step, exp_avg,
-    exp_avg_sq (host).
+    exp_avg_sq (host); with bf16 states the rounding generator's state in the state dict (RoundingStateMixin).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -298,6 +413,12 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
         self._grad_staging: dict[int, torch.Tensor] = {}
         if torch.cuda.is_available():
             self._d2h, self._h2d = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def _rounding_state(self):
+        return self._gen.state() if self.state_dtype == torch.bfloat16 else None
+
+    def _set_rounding_state(self, state) -> None:
+        self._gen.set_state(state)
 
     # -- host state ------------------------------------------------------------------------------------------
     @staticmethod

@@ -250,10 +250,10 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
 @triton.jit
 def fp8_quant_blocks_pair_kernel(
     w, q, s, qT, sT, K, F, stride_we, stride_wk, stride_wf, stride_qe, stride_qk, stride_qf,
-    stride_te, stride_tk, stride_tf, G: tl.constexpr, STORE_T: tl.constexpr
+    stride_te, stride_tk, stride_tf, G: tl.constexpr
 ):
     """One 128x128 block of w [E, K, F]: q (w's layout, K contiguous), qT (w^T's, F contiguous), s [E, nk, nf],
-    sT [E, nf, nk] (the same numbers transposed); qT and sT only when STORE_T."""
+    sT [E, nf, nk] (the same numbers transposed). 16-bit weights only (quantize_blocks_pair)."""
     i_k, i_f, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     nk, nf = tl.cdiv(K, G), tl.cdiv(F, G)
     o_k = i_k * G + tl.arange(0, G)
@@ -266,10 +266,9 @@ def fp8_quant_blocks_pair_kernel(
     b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)
     b_q = tl.clamp(b_w / b_s, -448.0, 448.0).to(q.dtype.element_ty)
     tl.store(q + e64 * stride_qe + o_k[:, None] * stride_qk + o_f[None, :] * stride_qf, b_q, mask=mask)
+    tl.store(qT + e64 * stride_te + o_k[:, None] * stride_tk + o_f[None, :] * stride_tf, b_q, mask=mask)
     tl.store(s + (e64 * nk + i_k) * nf + i_f, b_s)
-    if STORE_T:
-        tl.store(qT + e64 * stride_te + o_k[:, None] * stride_tk + o_f[None, :] * stride_tf, b_q, mask=mask)
-        tl.store(sT + (e64 * nf + i_f) * nk + i_k, b_s)
+    tl.store(sT + (e64 * nf + i_f) * nk + i_k, b_s)
 
 
 def quantize_dual(
@@ -313,23 +312,24 @@ def quantize_blocks_pair(
     (qT [E, F, K] F contiguous, sT [E, nf, nk])). Same values; sT = s^T."""
     E, K, F = w_EKF.shape
     nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)
-    q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
     qT = torch.empty((E, K, F), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
-    s = torch.empty((E, nk, nf), device=w_EKF.device, dtype=torch.float32)
     sT = torch.empty((E, nf, nk), device=w_EKF.device, dtype=torch.float32)
+    if w_EKF.element_size() != 2:
+        # The fused transposed store is for 16-bit weights only: from fp32 weights it wrote a wrong qT on the H200
+        # (Triton 3.6; dequantised w^T off by 1.66 relative, q and the interpreter exact: issue #7's diverging v3
+        # proxy run, whose parameters are fp32). There quantize_blocks gives w's layout and qT / sT are torch
+        # copies of it (one more read + write of 1 B per weight, once per optimizer step).
+        q, s = quantize_blocks(w_EKF, out_dtype)
+        qT.transpose(1, 2).copy_(q)
+        sT.copy_(s.transpose(1, 2))
+        return (q, s), (qT, sT)
+    q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
+    s = torch.empty((E, nk, nf), device=w_EKF.device, dtype=torch.float32)
     if E and K and F:
-        # The transposed store is fused only for 16-bit weights. From fp32 weights the same kernel wrote a wrong
-        # qT on the H200 (Triton 3.6; relative error 1.66 of the dequantised w^T, q and the interpreter exact;
-        # issue #7's diverging v3 proxy run, whose parameters are fp32): there q comes from the kernel and qT /
-        # sT are torch copies of it (one more read + write of 1 B per weight, once per optimizer step).
-        fused = w_EKF.element_size() == 2
         qTv = qT.transpose(1, 2)  # [E, K, F] view: strides to store a w-indexed block
         fp8_quant_blocks_pair_kernel[(nk, nf, E)](
-            w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP, STORE_T=fused,
+            w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP,
             num_warps=16)  # sm_90a: 120 registers from bf16, no spills (211 at 8 warps)
-        if not fused:
-            qT.transpose(1, 2).copy_(q)
-            sT.copy_(s.transpose(1, 2))
     return (q, s), (qT, sT)
 
 
@@ -351,8 +351,8 @@ def quantize_blocks(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[
     w may be any strided view (pass w^T for the input gradient: same blocks, transposed)."""
     E, K, F = w_EKF.shape
     if w_EKF.element_size() == 4 and w_EKF.stride(1) != 1 and w_EKF.stride(2) == 1 and E and K and F:
-        # a transposing pass from fp32 (F contiguous in, K contiguous out) is the case quantize_blocks_pair's fused
-        # store got wrong on the H200: quantise w^T in its own layout, then copy the blocks across in torch
+        # a transposing store from fp32 (F contiguous in, K contiguous out) is what went wrong on the H200
+        # (quantize_blocks_pair): quantise w^T in its own layout, then copy the blocks across in torch
         qa, sa = quantize_blocks(w_EKF.transpose(1, 2), out_dtype)
         q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
         q.copy_(qa.transpose(1, 2))

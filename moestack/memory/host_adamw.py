@@ -80,11 +80,11 @@ class RoundingNoise:
         self.seed, self.size, self.chunk, self.rng = seed, size, chunk, random.Random(seed)
 
     def state(self) -> tuple:
-        """What decides every later draw: the table (its seed, size) and the offset RNG's state."""
-        return (self.seed, self.size, self.chunk, self.rng.getstate())
+        """("table", seed, size, chunk, offset RNG state): what decides every later draw."""
+        return ("table", self.seed, self.size, self.chunk, self.rng.getstate())
 
     def set_state(self, state: tuple) -> None:
-        seed, size, chunk, rng_state = state
+        _, seed, size, chunk, rng_state = state
         if (seed, size, chunk) != (self.seed, self.size, self.chunk):
             self.__init__(seed, size, chunk)  # the saved run's table
         version, internal, gauss = rng_state  # tuples again, whatever container a checkpoint gave back

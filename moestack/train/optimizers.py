@@ -122,13 +122,12 @@ def _world() -> tuple[int, int]:
 class RoundingStateMixin:
     """state_dict / load_state_dict that carry the stochastic-rounding noise source's state of every rank under
     `param_groups[i][ROUNDING_RNG_KEY]` = {"version": 1, "per_rank": [state of rank r, ...]} (i: the first group
-    with parameters). Subclasses say what the state is: `_rounding_state()` (a picklable value whose first item
-    names the kind of noise source, or None: no stochastic rounding) and `_set_rounding_state(state)`.
+    with parameters). Subclasses say what the state is: `_rounding_state()` (a picklable tuple whose first item
+    names the kind of noise source, "generator" or "table", or None: no stochastic rounding) and
+    `_set_rounding_state(state)`.
 
     With several ranks state_dict gathers (collective, as checkpoint saves are): DCP keeps one copy of a non-tensor
     entry, so every rank writes the same list and each reads back its own."""
-
-    RNG_KEY = ROUNDING_RNG_KEY
 
     def _rounding_state(self):
         return None
@@ -149,17 +148,17 @@ class RoundingStateMixin:
             per_rank = [mine]
         groups = sd["param_groups"]
         target = next((g for g in groups if g["params"]), groups[0])
-        target[self.RNG_KEY] = {"version": 1, "per_rank": per_rank}
+        target[ROUNDING_RNG_KEY] = {"version": 1, "per_rank": per_rank}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = None
         for group in state_dict.get("param_groups", []):
-            if self.RNG_KEY in group:
-                saved = saved or group[self.RNG_KEY]
+            if ROUNDING_RNG_KEY in group:
+                saved = saved or group[ROUNDING_RNG_KEY]
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # torch copied it into the live groups; it is not a hyper-parameter
-            group.pop(self.RNG_KEY, None)
+            group.pop(ROUNDING_RNG_KEY, None)
         mine = self._rounding_state()
         if mine is None:
             return
@@ -175,17 +174,11 @@ class RoundingStateMixin:
                           "stochastic-rounding noise restarts from the seed", stacklevel=2)
             return
         state = tuple(per_rank[rank])
-        if _rounding_kind(state) != _rounding_kind(mine):
-            warnings.warn(f"{name}: rounding-noise state of another noise source ({_rounding_kind(state)}, this "
-                          f"optimizer draws from a {_rounding_kind(mine)}); stochastic-rounding noise restarts from "
-                          "the seed", stacklevel=2)
+        if state[0] != mine[0]:
+            warnings.warn(f"{name}: rounding-noise state of another noise source ({state[0]}, this optimizer draws "
+                          f"from a {mine[0]}); stochastic-rounding noise restarts from the seed", stacklevel=2)
             return
         self._set_rounding_state(state)
-
-
-def _rounding_kind(state: tuple) -> str:
-    # HostOffloadAdamW's RoundingNoise.state() (seed, size, chunk, rng state) names no kind: a noise table
-    return state[0] if isinstance(state[0], str) else "table"
 
 
 def _adamw_bf16_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,

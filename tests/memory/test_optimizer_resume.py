@@ -20,7 +20,7 @@ from moestack.train.checkpoint import CheckpointError, load_checkpoint, save_che
 from moestack.train.optim import param_groups
 from moestack.train.optimizers import AdamWBF16, CPUOffloadAdamW
 
-KEY = "rounding_rng"  # HostOffloadAdamW.RNG_KEY
+KEY = "rounding_rng"  # moestack.train.optimizers.ROUNDING_RNG_KEY
 
 
 def _model() -> nn.Module:

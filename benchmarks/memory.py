@@ -50,7 +50,14 @@ from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
 from moestack.memory.host_adamw import build_host_aware_optimizer
 from moestack.memory.phase_peaks import PhasePeaks
-from moestack.memory.report import GIB, format_report, measure_memory, planner_cost, single_device_plan
+from moestack.memory.report import (
+    GIB,
+    cost_model,
+    format_report,
+    measure_memory,
+    planner_cost,
+    single_device_plan,
+)
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
 
@@ -540,10 +547,7 @@ def bwd_ws_line(r: dict, cal) -> str | None:
     (Calibration.bwd_ws_factors; MoE kinds under expert offload include its working set)."""
     if not r.get("phase_peaks") or not r.get("plan"):
         return None
-    from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import RecomputePolicy
-    from moestack.planner.cost import CostModel
-    from moestack.planner.profile import profile_model
 
     plan = Plan.model_validate(r["plan"])
     spec = variant_spec(load_model_spec(plan.model), r["seq"], r["experts"])
@@ -553,10 +557,7 @@ def bwd_ws_line(r: dict, cal) -> str | None:
         if i.isdigit() and int(i) < len(kinds):
             key = f"{kinds[int(i)].mixer}/{kinds[int(i)].ffn}"
             seen[key] = max(seen.get(key, 0.0), m["peak_gib"] - before["end_gib"])
-    prof = profile_model(spec, plan.seq_len)
-    model = CostModel(spec, load_cluster_spec(plan.cluster).with_devices(plan.devices), cal, plan.seq_len,
-                      prof.train_flops_per_token + prof.mtp_train_flops_per_token)
-    costs, layers, _ = model.kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
+    costs, layers, _ = cost_model(spec, plan, cal).kind_costs(plan.model_copy(update={"recompute": RecomputePolicy()}))
     act = {f"{x.kind.mixer}/{x.kind.ffn}": c.act / GIB for c, x in zip(costs, layers)}
     return "  bwd ws x (measured backward transient / planner no-recompute act, GiB): " + ", ".join(
         f"{k} {v:.2f} / {act[k]:.2f} = {v / act[k]:.4f}" for k, v in seen.items() if act.get(k))

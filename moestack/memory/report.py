@@ -232,8 +232,9 @@ def _measure_saved(model, optimizer, inputs, targets, autocast) -> MemoryReport:
     return MemoryReport(str(inputs.device), measured, by_kind, host, None, None, notes=notes)
 
 
-def planner_cost(spec, plan: Plan, cal=None):
-    """The planner's PlanCost for `plan` (moestack/planner/cost.py) under calibration `cal` (default: built-in)."""
+def cost_model(spec, plan: Plan, cal=None):
+    """The planner's CostModel (moestack/planner/cost.py) for `plan`'s cluster and sequence length under
+    calibration `cal` (default: built-in)."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.planner.calibration import load_calibration
     from moestack.planner.cost import CostModel
@@ -243,7 +244,12 @@ def planner_cost(spec, plan: Plan, cal=None):
     prof = profile_model(spec, plan.seq_len)
     flops = prof.train_flops_per_token + prof.mtp_train_flops_per_token
     cal = cal if cal is not None else load_calibration()
-    return CostModel(spec, cluster, cal, plan.seq_len, flops).evaluate(plan)
+    return CostModel(spec, cluster, cal, plan.seq_len, flops)
+
+
+def planner_cost(spec, plan: Plan, cal=None):
+    """The planner's PlanCost for `plan` under calibration `cal` (default: built-in)."""
+    return cost_model(spec, plan, cal).evaluate(plan)
 
 
 def _attach_prediction(report: MemoryReport, spec, plan: Plan, cal=None) -> None:

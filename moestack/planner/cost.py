@@ -21,7 +21,6 @@ backward recompute.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from moestack.config.cluster import GIB, ClusterSpec
@@ -471,11 +470,7 @@ def _tier_bw(cluster: ClusterSpec, tier: int) -> float:
 def _measured(comm: CommCalibration | None, tier: int, kind: str) -> tuple[float, float] | None:
     """(bus bandwidth in bytes/s, per-call latency in s) of collective `kind` ("ar", "rs", "ag", "a2a") measured by
     `moestack tune-comm`, when the group runs inside tier 0 (the scale-up domain the measurement ran in) and the
-    calibration has it; else None (datasheet path).
-
-    Measured beats datasheet because the datasheet can be far off: on the lent 2 x H200 VM (NVLink NV18 listed) there
-    is no GPU peer-to-peer, NCCL ran every collective as RING_LL through host shared memory at ~20 GB/s bus
-    bandwidth, and 2-GPU runs were 38-43% slower than the NVLink-priced plans (calibration.CommCalibration)."""
+    calibration has it; else None (datasheet path). Why measured numbers win: calibration.CommCalibration."""
     if comm is None or tier != comm.tier:
         return None
     c = comm.collectives.get(kind)
@@ -1229,8 +1224,7 @@ class CostModel:
         # gradients that build up while activations are freed (_grads_build_up): the larger of the two at least;
         # the embedding's is produced after the first layer's backward, the end's peak (_one_end_of_backward)
         if self._grads_build_up(plan):
-            embedding = 0.0 if self.spec.tie_word_embeddings else self.work.embed_params / plan.tp * FP32
-            hbm += max(grads - embedding, act_dev)
+            hbm += max(grads - self._late_embedding_grad(plan), act_dev)
         else:
             hbm += grads + act_dev
         return hbm + self.cal.runtime_reserved_gib * GIB, host
@@ -1359,6 +1353,11 @@ class CostModel:
         backward and the same zero_grad frees them, so it builds up the same way."""
         return plan.devices == 1 and plan.num_microbatches == 1
 
+    def _late_embedding_grad(self, plan: Plan) -> float:
+        """Bytes of the embedding's fp32 gradient, produced after the first layer's backward (so not alive at the
+        end-of-backward peak); 0 when tied to the head, whose gradient is alive since the loss."""
+        return 0.0 if self.spec.tie_word_embeddings else self.work.embed_params / plan.tp * FP32
+
     def _one_end_of_backward(self, plan: Plan, mem: dict[str, float], expert_ws: float = 0.0,
                              first_stage: bool = True) -> None:
         """Peak of a backward whose gradients build up as activations are freed: at its start (all activations, the
@@ -1406,9 +1405,7 @@ class CostModel:
         hidden_loss = 4 * T * self.spec.hidden_size * FP32 / plan.tp if mem["buffers"] > 0 else 0.0
         layer = max(mem["buffers"] + hidden_loss, max(ws))
         start = mem["activations"] + min(head, mem["gradients"]) + layer
-        embedding = 0.0
-        if first_stage and not self.spec.tie_word_embeddings:  # tied: the head's gradient, alive since the loss
-            embedding = self.spec.vocab_size * self.spec.hidden_size / plan.tp * FP32
+        embedding = self._late_embedding_grad(plan) if first_stage else 0.0
         first = ws[layer_kind[0]]  # the backward that runs last: the first layer's
         end = max(0.0, mem["gradients"] - embedding) + first
         if start >= end:

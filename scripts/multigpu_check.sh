@@ -72,29 +72,25 @@ fi
 COMM_ARGS=(--sizes-mib 1,16,128 --iters 20)
 [ "$DEVICE" = cuda ] || COMM_ARGS=(--sizes-mib 0.0625,0.25,1 --iters 5)
 rm -f "$DEST/tune_comm.json"
+COMM_CAL="$DEST/calibration.json"
+if [ -n "${CALIBRATION:-}" ]; then  # never modify the given file: merge into a copy
+  COMM_CAL="$DEST/calibration_comm.json"
+  cp "$CALIBRATION" "$COMM_CAL"
+elif [ ${#CAL[@]} -eq 0 ]; then  # no tune ran (cpu) or it failed: the default calibration is the base
+  rm -f "$COMM_CAL"
+fi
 # NCCL's INFO lines say which transport each peer pair got (P2P/CUMEM, P2P/IPC, SHM, NET): on the x2 VM (session 5)
 # every collective ran the LL protocol at ~20 GB/s, suspected to be SHM without GPU peer-to-peer
-NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
+if NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
   $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moestack tune-comm \
-  --out "$DEST/tune_comm.json" "${COMM_ARGS[@]}" > "$DEST/tune_comm.log" 2>&1 \
-  || echo "| tune-comm | failed: $(grep -m1 -i error "$DEST/tune_comm.log" | cut -c1-160) |"
+  --out "$DEST/tune_comm.json" --merge-into "$COMM_CAL" "${COMM_ARGS[@]}" > "$DEST/tune_comm.log" 2>&1; then
+  CAL=(--calibration "$COMM_CAL")
+  grep "^| tune-comm" "$DEST/tune_comm.log"
+else
+  echo "| tune-comm | failed: $(grep -m1 -i error "$DEST/tune_comm.log" | cut -c1-160) |"
+fi
 [ "$DEVICE" = cuda ] && echo "| nccl transport | $(grep -o -E 'via [A-Za-z/0-9]+' "$DEST/tune_comm.log" | sort | uniq -c \
   | tr -s ' ' | tr '\n' ';') |"
-if [ -f "$DEST/tune_comm.json" ]; then
-  COMM_CAL="$DEST/calibration.json"
-  if [ -n "${CALIBRATION:-}" ]; then  # never modify the given file: merge into a copy
-    COMM_CAL="$DEST/calibration_comm.json"
-    cp "$CALIBRATION" "$COMM_CAL"
-  elif [ ${#CAL[@]} -eq 0 ]; then  # no tune ran (cpu) or it failed: the default calibration is the base
-    rm -f "$COMM_CAL"
-  fi
-  if $PY -m moestack tune-comm --from "$DEST/tune_comm.json" --merge-into "$COMM_CAL" >> "$DEST/tune_comm.log" 2>&1; then
-    CAL=(--calibration "$COMM_CAL")
-    grep "^| tune-comm" "$DEST/tune_comm.log"
-  else
-    echo "| tune-comm | merge failed: $(tail -1 "$DEST/tune_comm.log" | cut -c1-160) |"
-  fi
-fi
 
 plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's prediction inside)
   $PY -m moestack plan "$MODEL" --cluster "$CLUSTER" --devices "$2" --seq-len "$SEQ" "${CAL[@]}" \

@@ -136,11 +136,12 @@ def bench_backward(T: int, H: int, idx: torch.Tensor) -> float:
     """The sparse attention backward alone (default dKV mode, on one forward's o / lse): a row; returns ms."""
     from moestack.ops.dsa import triton_attn_bwd as B
     from moestack.ops.dsa import triton_attn_fwd as F
+    from moestack.ops.dsa.triton_op import dkv_mode_default
 
     q, kv = attention_inputs(T, H)
     o, lse = F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE)
     do = torch.randn_like(o)
-    mode = "kmajor_ds"  # the default outside deterministic mode
+    mode = dkv_mode_default()  # what the op runs (sparse_mqa_attention_triton)
     ms = timed(lambda: B.sparse_mqa_bwd(q, kv, idx, o, lse, do, None, SCALE, mode), reps=2)
     flops = 2 * 2 * H * float((idx >= 0).sum()) * (D_LAT + V_DIM)
     row(f"T={T} H={H}", f"sparse bwd ({mode})", f"{ms:.2f}", f"{flops / ms / 1e9:.1f}", "", "")

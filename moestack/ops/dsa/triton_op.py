@@ -37,6 +37,14 @@ class _SparseMQAttention(torch.autograd.Function):
         return dq, dkv, None, None, None, None
 
 
+def dkv_mode_default() -> str:
+    """The backward's dKV mode when none is passed: $MOESTACK_DSA_DKV, else the two-pass backward (H200, T=32768,
+    H=64: 101 ms vs 270 for "atomic"), or under torch.use_deterministic_algorithms(True) its sorted form (212 ms),
+    the deterministic one without float atomics."""
+    default = "sorted_ds" if torch.are_deterministic_algorithms_enabled() else "kmajor_ds"
+    return os.environ.get(DKV_ENV_VAR, default)
+
+
 def sparse_mqa_attention_triton(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -50,10 +58,7 @@ def sparse_mqa_attention_triton(
     Same contract as reference.sparse_mqa_attention. D - v_dim and v_dim must be powers of two (64 / 512 in MLA).
     Packed documents (B == 1) need nothing extra: idx already keeps each query inside its document.
     """
-    # Two-pass backward (H200, T=32768, H=64: 101 ms vs 270 for "atomic"); under
-    # torch.use_deterministic_algorithms(True) its sorted form (212 ms), the deterministic one without float atomics
-    default = "sorted_ds" if torch.are_deterministic_algorithms_enabled() else "kmajor_ds"
-    mode = dkv_mode or os.environ.get(DKV_ENV_VAR, default)
+    mode = dkv_mode or dkv_mode_default()
     if mode not in DKV_MODES:
         raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES} (argument or {DKV_ENV_VAR})")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -77,9 +77,10 @@ class CommCalibration(StrictModel):
     node), with `world` ranks, by `moestack tune-comm` (planner/tune_comm.py).
 
     Why measured beats datasheet: on the lent 2 x H200 machine (a Firecracker VM; nvidia-smi lists NVLink NV18) every
-    NCCL collective ran the RING_LL protocol through host shared memory (no GPU peer-to-peer inside the VM): a
-    ~100 MB fp32 reduce-scatter took 5.4 ms (~20 GB/s effective), far below NVLink x tier efficiency, and 2-GPU runs
-    were 38-43% slower than the datasheet-priced plans. Bus bandwidth is (nearly) independent of the group size for
+    NCCL collective ran the RING_LL protocol (suspected: through host shared memory, no GPU peer-to-peer inside the
+    VM; not confirmed): the ZeRO-1 fp32 reduce-scatter took 5.4 ms per call (~20 GB/s effective, estimated from
+    ~3.7 GiB of gradients over 32 calls; the call sizes were not recorded), far below NVLink x tier efficiency, and
+    2-GPU runs were 38-43% slower than the datasheet-priced plans. Bus bandwidth is (nearly) independent of the group size for
     ring algorithms, so the numbers measured at `world` ranks are used for any group inside tier 0."""
 
     source: str = ""  # where the numbers come from (tune-comm file, date)

@@ -19,8 +19,8 @@ rs / ag (n-1)/n * total bytes / t, a2a (n-1)/n * bytes / t; a least-squares line
 `--merge-into CAL.json` then sets CAL.json's `comm` field (calibration.CommCalibration; CAL.json is rewritten
 atomically; when it does not exist the default calibration is the base), which the cost model uses for every
 collective whose group stays inside tier 0 (planner/cost.py `_measured`). Why: on the lent 2 x H200 VM NCCL ran
-through host shared memory (no GPU peer-to-peer) at ~20 GB/s, far from the datasheet NVLink bandwidth the planner
-assumed. NVLink multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
+at ~20 GB/s (estimated; suspected: host shared memory, no GPU peer-to-peer), far from the datasheet NVLink bandwidth
+the planner assumed. NVLink multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
 #      them; needs STEPS >= 8),
 #      PHASE_PEAKS (a comma list of layout names: step 10 of those runs records the peak allocated memory per phase,
 #      run_NAME/phase_peaks_rank{r}.json, moestack/memory/phase_peaks.py; needs STEPS >= 10),
+#      TUNE_COMM (1; 0 skips `moestack tune-comm`, e.g. when CALIBRATION already holds its `comm` section),
 #      SINGLE_FROM (a folder holding run_single/ and plan_single.yaml of an earlier call with the same STEPS / SEQ /
 #      GBS: reused as the reference instead of training it again; the device calls are 10 minutes each).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.): the lent machines require it.
@@ -81,7 +82,9 @@ elif [ ${#CAL[@]} -eq 0 ]; then  # no tune ran (cpu) or it failed: the default c
 fi
 # NCCL's INFO lines say which transport each peer pair got (P2P/CUMEM, P2P/IPC, SHM, NET): on the x2 VM (session 5)
 # every collective ran the LL protocol at ~20 GB/s, suspected to be SHM without GPU peer-to-peer
-if NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
+if [ "${TUNE_COMM:-1}" = 0 ]; then
+  echo "| tune-comm | skipped (TUNE_COMM=0) |"
+elif NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
   $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m moestack tune-comm \
   --out "$DEST/tune_comm.json" --merge-into "$COMM_CAL" "${COMM_ARGS[@]}" > "$DEST/tune_comm.log" 2>&1; then
   CAL=(--calibration "$COMM_CAL")
@@ -89,7 +92,7 @@ if NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM \
 else
   echo "| tune-comm | failed: $(grep -m1 -i error "$DEST/tune_comm.log" | cut -c1-160) |"
 fi
-[ "$DEVICE" = cuda ] && echo "| nccl transport | $(grep -o -E 'via [A-Za-z/0-9]+' "$DEST/tune_comm.log" | sort | uniq -c \
+[ "$DEVICE" = cuda ] && [ "${TUNE_COMM:-1}" != 0 ] && echo "| nccl transport | $(grep -o -E 'via [A-Za-z/0-9]+' "$DEST/tune_comm.log" | sort | uniq -c \
   | tr -s ' ' | tr '\n' ';') |"
 
 plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's prediction inside)

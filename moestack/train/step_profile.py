@@ -5,6 +5,8 @@ stops after step B-1 (start()/stop(), no schedule); every rank then writes into 
 
   profile_rank{r}.txt      a header (profiled steps, mean wall time per step, device kernel time per step) and two
                            key_averages tables: by self device time (CUDA runs) and by self CPU time (host overhead)
+                           and a third table of the collectives grouped by input shape (calls, elements per call,
+                           device time per call: the bus bandwidth each call size got)
   profile_rank{r}.json.gz  the chrome trace (chrome://tracing, ui.perfetto.dev); skipped with one line on failure
 
 Each profiled step is one `moestack_step` range: its self CPU time is the host time spent outside any recorded op
@@ -47,7 +49,7 @@ class StepProfiler:
             return nullcontext()
         if self.prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.prof = profile(activities=activities, record_shapes=False, with_stack=False)
+            self.prof = profile(activities=activities, record_shapes=True, with_stack=False)
             self.prof.start()
         return self._timed()
 
@@ -106,7 +108,31 @@ class StepProfiler:
                       events.table(sort_by="self_cpu_time_total", row_limit=40)]
         else:  # the same table as above on CPU; written once more only so both sections always exist
             parts += ["", "## sorted by self_cpu_time_total (same as above: no device activity)"]
+        parts += ["", "## collectives by input shape", self._collective_table()]
         (self.out_dir / f"profile_rank{self.rank}.txt").write_text("\n".join(parts) + "\n")
+
+    def _collective_table(self) -> str:
+        """One row per (collective, input shapes): calls, elements of the first input per call, device / CPU ms per call.
+        The sizes let a bandwidth be read off each call size (the planner's tier-0 prices, tune_comm.py)."""
+        try:
+            groups = self.prof.key_averages(group_by_input_shape=True)
+        except Exception as err:  # noqa: BLE001 - optional section
+            return f"(not available: {type(err).__name__})"
+        rows = ["| op | input shapes | calls | first input, M elements per call | "
+                "device ms/call | cpu ms/call |", "|---|---|---|---|---|---|"]
+        words = ("nccl", "c10d", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "allreduce", "send", "recv")
+        for ev in sorted(groups, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)):
+            if not any(w in ev.key.lower() for w in words) or not ev.count:
+                continue
+            shapes = ev.input_shapes or []
+            numel = 1
+            for d in (shapes[0] if shapes and shapes[0] else [0]):
+                numel *= int(d)
+            dev = (getattr(ev, "self_device_time_total", 0) or 0) / 1e3 / ev.count
+            cpu = ev.cpu_time_total / 1e3 / ev.count
+            rows.append(f"| {ev.key} | {str(shapes)[:120]} | {ev.count} | {numel / 2**20:.3f} | {dev:.3f} | "
+                        f"{cpu:.3f} |")
+        return "\n".join(rows)
 
     def _device_kernel_us(self) -> float | None:
         if not self.cuda:

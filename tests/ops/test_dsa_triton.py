@@ -373,3 +373,42 @@ def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
         torch.use_deterministic_algorithms(was)
     assert seen == ["kmajor_ds", "sorted_ds"]
     assert entry.automatic(cuda_like)
+
+
+def test_gluon_forward_refuses_what_it_does_not_cover():
+    from moestack.ops.dsa.triton_attn_fwd import sparse_mqa_fwd
+
+    q, kv = torch.randn(1, 4, 2, 576), torch.randn(1, 4, 576)
+    idx = torch.zeros(1, 4, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'gluon' needs an sm_90 GPU"):
+        sparse_mqa_fwd(q, kv, idx, 512, 0.1, variant="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("H", "K", "cfg"), [(64, 2048, None), (20, 256, None), (96, 256, None), (128, 200, None),
+                                             (64, 2048, (64, 2, False)), (64, 2048, (32, 2, False)),
+                                             (64, 2000, (16, 4, False)), (64, 2048, (32, 3, True)),
+                                             (64, 2000, (16, 5, True)), (20, 30, (32, 3, True))])
+def test_gluon_forward_gpu_matches_reference(H, K, cfg):
+    """The sm_90 Gluon forward (score tile split over the warpgroups) against the fp32 reference: -1 slots (the
+    first rows see fewer than K keys), a row with no key, K not a multiple of the key block, head counts that are
+    not a multiple of 64, every key-block / stage config."""
+    from moestack.ops.dsa import gluon_attn_fwd
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is sm_90 only")
+    B, T, V, R = 1, 2500, 512, 64
+    g = torch.Generator(device="cuda").manual_seed(H * 7 + K)
+    q = torch.randn(B, T, H, V + R, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(B, T, V + R, generator=g, device="cuda").bfloat16()
+    idx = _random_idx(B, T, K, seed=H + K, device="cuda")
+    scale = (V + R) ** -0.5
+    o_ref, lse_ref = ref.sparse_mqa_attention(q.float(), kv.float(), idx.long(), V, scale)
+    idx[0, 7] = -1  # a query with no key: o = 0, lse = -inf (the reference needs >= 1 key: row 7 checked alone)
+    bk, ns, pipe = cfg or (None, None, None)
+    o, lse = gluon_attn_fwd.sparse_mqa_fwd_gluon(q, kv, idx, V, scale, block_k=bk, num_stages=ns, pipe=pipe)
+    keep = torch.ones(T, dtype=torch.bool, device="cuda")
+    keep[7] = False
+    assert _rel(o[0, keep], o_ref[0, keep]) < GPU_TOL_OUT
+    assert _rel(lse[0, keep], lse_ref[0, keep]) < 1e-3
+    assert float(o[0, 7].abs().max()) == 0.0 and bool(torch.isneginf(lse[0, 7]).all())

@@ -259,7 +259,8 @@ def _sparse_mqa_fwd_kernel_splits(
 
 
 # pf: + L1 prefetch hints for the next block's gather; pf2: L2 hints (kv beyond L2: T = 131072 is 151 MB)
-FWD_VARIANTS = ("default", "splits", "splits_pf", "splits_pf2", "pf")
+# gluon: the sm_90 Gluon kernel with the score tile split over the warpgroups (gluon_attn_fwd.py)
+FWD_VARIANTS = ("default", "splits", "splits_pf", "splits_pf2", "pf", "gluon")
 FWD_ENV_VAR = "MOESTACK_DSA_FWD"
 
 
@@ -291,8 +292,8 @@ def sparse_mqa_fwd(
 
     variant: "default" (autotuned, value dims optionally split over programs), "splits" (score tile split over
     the warpgroups, see _sparse_mqa_fwd_kernel_splits), "splits_pf" / "splits_pf2" (splits + L1 / L2 prefetch hints for
-    the next block's rows) or "pf" (prefetch only, replicated scores); None reads MOESTACK_DSA_FWD
-    (default "default")."""
+    the next block's rows), "pf" (prefetch only, replicated scores) or "gluon" (gluon_attn_fwd: sm_90, bf16 / fp16,
+    512 + 64 latent dims); None reads MOESTACK_DSA_FWD (default "default")."""
     variant = variant or os.environ.get(FWD_ENV_VAR, "default")
     if variant not in FWD_VARIANTS:
         raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS} (argument or {FWD_ENV_VAR})")
@@ -306,6 +307,13 @@ def sparse_mqa_fwd(
 
     VP, RP = padded_dims(v_dim, D - v_dim)
 
+    if variant == "gluon":
+        from moestack.ops.dsa import gluon_attn_fwd
+
+        if not gluon_attn_fwd.supported(q, kv, v_dim):
+            raise ValueError(f"forward variant 'gluon' needs an sm_90 GPU, bf16 / fp16 and a 512 + 64 latent (got "
+                             f"{q.device} {q.dtype}, D={D}, v_dim={v_dim}); unset {FWD_ENV_VAR}")  # fmt: skip
+        return gluon_attn_fwd.sparse_mqa_fwd_gluon(q, kv, idx, v_dim, scale)
     if variant != "default":
         lines = triton.cdiv(D * q.element_size(), 128)  # 128-byte lines per latent row (9 at 576 bf16)
         _sparse_mqa_fwd_kernel_splits[lambda meta: (B * T, triton.cdiv(H, meta["BLOCK_H"]))](

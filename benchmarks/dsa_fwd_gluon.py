@@ -1,0 +1,88 @@
+"""The sm_90 Gluon sparse-attention forward (gluon_attn_fwd.py) against the Triton default, same process, one H200.
+
+    python3 benchmarks/dsa_fwd_gluon.py [--budget-s 150]
+
+Selection: the fused indexer's top-2048 on random bf16 indexer inputs (as benchmarks/dsa_fwd_indexer.py), random
+bf16 q / latent, d_qk 576 / d_v 512. Rows: T = 32768 with H = 64 (every Gluon key-block / stage config, and the
+Triton default at its best config H64 K64 V512 w8 s2), then H = 20, 96, 128 and T = 8192 / 131072 at H = 64 with
+the fastest Gluon config of that sweep; TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference vs Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from dsa import row, timed  # benchmarks/dsa.py: CUDA-event median timing, markdown rows
+from dsa_fwd_indexer import D_LAT, SCALE, TOP_K, V_DIM, attention_inputs, indexer_inputs, rel, restrict
+
+T0 = time.time()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    args = ap.parse_args()
+    import triton
+
+    from moestack.ops.dsa import gluon_attn_fwd as G
+    from moestack.ops.dsa import triton_attn_fwd as F
+    from moestack.ops.dsa import triton_indexer_fused as X
+
+    restrict(F._sparse_mqa_fwd_kernel, lambda c: (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"],
+                                                  c.num_stages) == (64, 64, 512, 2))  # fmt: skip
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    row("shape", "variant", "ms", "TFLOP/s", "vs Triton default", "o / lse rel. diff")
+    row("---", "---", "---", "---", "---", "---")
+    sel = {}
+
+    def selection(T):
+        if T not in sel:
+            sel.clear()
+            torch.cuda.empty_cache()
+            sel[T] = X.indexer_topk_fused(*indexer_inputs(T), TOP_K)
+        return sel[T]
+
+    def bench(T, H, configs) -> tuple | None:
+        """Rows for the Triton default and each Gluon config; returns the fastest Gluon config."""
+        best = (float("inf"), None)
+        if time.time() - T0 > args.budget_s:
+            row(f"T={T} H={H}", "skipped: time cap", "", "", "", "")
+            return None
+        try:
+            idx = selection(T)
+            q, kv = attention_inputs(T, H)
+            flops = 2 * H * float((idx >= 0).sum()) * (D_LAT + V_DIM)
+            base = F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default")
+            ms_t = timed(lambda: F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default"), reps=3)
+            row(f"T={T} H={H}", "triton default", f"{ms_t:.2f}", f"{flops / ms_t / 1e9:.1f}", "1.00", "")
+            for bk, ns, pipe in configs:
+                if time.time() - T0 > args.budget_s:
+                    break
+
+                def fn(bk=bk, ns=ns, pipe=pipe):
+                    return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, block_k=bk, num_stages=ns, pipe=pipe)
+
+                out = fn()
+                diff = f"{rel(out[0], base[0]):.1e} / {rel(out[1], base[1]):.1e}"
+                ms = timed(fn, reps=3)
+                row(f"T={T} H={H}", f"gluon K{bk} s{ns}{' pipe' if pipe else ''}", f"{ms:.2f}",
+                    f"{flops / ms / 1e9:.1f}", f"{ms_t / ms:.2f}x", diff)  # fmt: skip
+                best = min(best, (ms, (bk, ns, pipe)), key=lambda x: x[0])
+            del q, kv, base
+        except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
+            row(f"T={T} H={H}", f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", "", "")
+        torch.cuda.empty_cache()
+        return best[1]
+
+    cfg = bench(32768, 64, G.CONFIGS) or G.DEFAULT_CONFIG  # the rest at the fastest config of this sweep
+    for H in (20, 96, 128):
+        bench(32768, H, (cfg,))
+    bench(8192, 64, (cfg,))
+    bench(131072, 64, (cfg,))
+    print(f"total {time.time() - T0:.0f} s; required: fwd >= 300 TFLOP/s at T=32768 H=64 (target 450)")
+
+
+if __name__ == "__main__":
+    main()

@@ -103,6 +103,9 @@ class Plan(StrictModel):
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
+    # gradient sums over TP of replicated weights used on part of the work (routers, latent projections, norms, ...):
+    # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
+    tp_grad_reduce: Literal["eager", "deferred"] = "eager"
     ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
     predicted: PlanPrediction | None = None
 

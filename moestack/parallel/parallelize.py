@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
     if plan.tp > 1:
-        apply_tp(model, meshes.tp, sequence_parallel=True)
+        apply_tp(model, meshes.tp, sequence_parallel=True, grad_reduce=plan.tp_grad_reduce)
     if plan.cp > 1:
         apply_cp(model, meshes.cp, seq_shard_group=meshes.seq_group if plan.tp > 1 else None, kda_state=plan.cp_kda)
     if plan.shared_expert_overlap:

@@ -53,11 +53,17 @@ DTensors alone); activation recompute and FSDP2 after it (recompute then reruns 
 collectives are module hooks, outside the recomputed region). Initialise weights before apply_tp (the full model
 is sharded by slicing), or build on meta, apply_tp, materialise and call `init_weights_tp`.
 
-Cost: the "sum" / "avg" gradient reductions run in every backward (each micro-batch). That is cheap for norms,
-low-rank projections and the indexer, but not for the token-sharded MoE's replicated weights (router, latent
-down / up projections, routed experts without expert parallelism) nor, with SP, for the [V, D] LM head: at scale
-they belong in the once-per-step data-parallel reduction (whose group then has to include the TP ranks), and the
-head wants a vocab-parallel chunked cross-entropy.
+Cost: with `grad_reduce="eager"` (default) the "sum" / "avg" gradient reductions run in every backward (each
+micro-batch), one synchronous all-reduce per parameter. That is cheap for norms, low-rank projections and the
+indexer, but not for the token-sharded MoE's replicated weights (router, latent down / up projections, routed
+experts without expert parallelism) nor, with SP, for the [V, D] LM head. `grad_reduce="deferred"` keeps the local
+partial gradients through all micro-batches (and FSDP's reduce-scatter: sums over TP and over DP commute, so it
+then reduces the smaller sharded gradient) and sums them over TP once per optimizer step in a few flat buckets:
+`finish_tp_grad_reduce(model)` after the step's last backward, before anything reads the gradients (the optimizer
+refuses to step while sums are pending once `guard_tp_grad_reduce` is installed; the trainer does both). A
+parameter with a partial use gets ONE sum over TP, so its other uses are pre-divided by tp in backward: "avg"
+uses, and complete (rule None) uses of a tied weight, e.g. the embedding tied to an SP LM head. The head still
+wants a vocab-parallel chunked cross-entropy.
 
 Legend: B batch, T tokens (T_l = T / tp with SP), D hidden, H heads, N rows (tokens) of a flattened batch.
 """
@@ -72,6 +78,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
@@ -84,6 +91,7 @@ from moestack.model.moe import MoE
 from moestack.model.transformer import Transformer
 
 Reduce = Literal["sum", "avg"] | None
+GradReduce = Literal["eager", "deferred"]  # when partial gradients are summed over TP: every backward, once a step
 COL, ROW, REP = Shard(0), Shard(1), Replicate()
 SEQ_DIM = 1  # the sequence dim of [B, T, D] activations and [B, T] tokens
 
@@ -127,14 +135,27 @@ def shard_slice(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
 # parameter views
 
 
+class _PendingTPGrads:
+    """The deferred TP gradient sums of one `apply_tp(..., grad_reduce="deferred")`: `pending` is set by every
+    backward through a deferred view and cleared by `finish_tp_grad_reduce`."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.pending = False
+
+
 class _LocalView(torch.autograd.Function):
     """DTensor parameter -> its local tensor; the local gradient comes back as a DTensor with the parameter's
-    placement, summed (or averaged) over the mesh first when `reduce` says the local use was partial."""
+    placement, summed (or averaged) over the mesh first when `reduce` says the local use was partial.
+
+    With `defer` (grad_reduce="deferred", the parameter has a partial use) nothing is communicated: the sum over
+    the mesh happens once per step in `finish_tp_grad_reduce`, so a use that must not be summed ("avg", or a
+    complete use of a tied weight) is divided by the mesh size here (the later sum restores it)."""
 
     @staticmethod
-    def forward(ctx, param: DTensor, reduce: Reduce) -> torch.Tensor:
+    def forward(ctx, param: DTensor, reduce: Reduce, defer: _PendingTPGrads | None) -> torch.Tensor:
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride())
-        ctx.reduce = reduce
+        ctx.reduce, ctx.defer = reduce, defer
         local = param.to_local()
         return local.view_as(local)
 
@@ -142,33 +163,40 @@ class _LocalView(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         mesh, placements, shape, stride = ctx.spec
         grad = grad.contiguous()
-        if ctx.reduce is not None:
+        if ctx.defer is not None:
+            ctx.defer.pending = True
+            if ctx.reduce != "sum":
+                grad = grad / mesh.size()
+        elif ctx.reduce is not None:
             grad = grad.clone()  # all_reduce writes in place
             dist.all_reduce(grad, group=mesh.get_group())  # SUM: gloo has no AVG
             if ctx.reduce == "avg":
                 grad.div_(mesh.size())
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None
+        grad = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return grad, None, None
 
 
-def _local_view(param: DTensor, reduce: Reduce) -> torch.Tensor:
+def _local_view(param: DTensor, reduce: Reduce, defer: _PendingTPGrads | None = None) -> torch.Tensor:
     if torch.is_grad_enabled() and param.requires_grad:
-        return _LocalView.apply(param, reduce)
+        return _LocalView.apply(param, reduce, defer)
     return param.to_local()
 
 
 class _Unit:
-    """The parameters (owner module, attribute, reduce) and head-count attributes swapped while one module runs."""
+    """The parameters (owner module, attribute, reduce, deferred-sum tracker or None) and head-count attributes
+    swapped while one module runs."""
 
-    def __init__(self, params: list[tuple[nn.Module, str, Reduce]], heads: dict[tuple[nn.Module, str], int]):
+    def __init__(self, params: list[tuple[nn.Module, str, Reduce, _PendingTPGrads | None]],
+                 heads: dict[tuple[nn.Module, str], int]):
         self.params, self.heads = params, heads
         self._saved: list[list] = []  # a stack: one frame per active forward
 
     def enter(self) -> None:
         frame = []
-        for owner, name, reduce in self.params:
+        for owner, name, reduce, defer in self.params:
             param = owner._parameters[name]
             frame.append((owner, name, param))
-            owner._parameters[name] = _local_view(param, reduce)  # a plain tensor for the module's forward
+            owner._parameters[name] = _local_view(param, reduce, defer)  # a plain tensor for the module's forward
         for (owner, attr), local in self.heads.items():
             frame.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, local)
@@ -286,7 +314,7 @@ class _Distributor:
                 raise KeyError(f"tensor parallelism: no sharding rule for {type(module).__name__}.{name}")
             placement, reduce = rule
             setattr(owner, leaf, self._distribute(param, placement))
-            params.append((owner, leaf, reduce))
+            params.append((owner, leaf, reduce, None))  # deferral is decided once all units exist
         return _Unit(params, {(module, k): v for k, v in (heads or {}).items()})
 
     def _distribute(self, param: nn.Parameter, placement: Placement) -> nn.Parameter:
@@ -395,17 +423,21 @@ def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
     model.register_forward_hook(post)
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True,
+             grad_reduce: GradReduce = "eager") -> None:
     """Shard `model` (a Transformer or a pipeline-stage Transformer) over the 1-D `tp_mesh` in place.
 
     Every rank must call it with the same model: each rank slices its shards out of its own full copy (no
     communication; works on meta). sequence_parallel: keep the residual stream sequence-sharded [B, T/tp, D]
-    between units (norms, residual adds and the MoE run on 1/tp of the tokens); needs T % tp == 0. See the module
-    docstring for the per-module plans. Parameters that already are DTensors (expert parallelism) are left alone.
-    After it, `model._tp_units` / `_tp_mesh` / `_tp_sequence_parallel` describe the sharding (`local_shards`,
-    `init_weights_tp`, `lm_head_loss_sum` read them).
+    between units (norms, residual adds and the MoE run on 1/tp of the tokens); needs T % tp == 0. grad_reduce:
+    "eager" sums partial gradients over TP in every backward, "deferred" once per optimizer step in
+    `finish_tp_grad_reduce` (module docstring, "Cost"). See the module docstring for the per-module plans.
+    Parameters that already are DTensors (expert parallelism) are left alone. After it, `model._tp_units` /
+    `_tp_mesh` / `_tp_sequence_parallel` describe the sharding (`local_shards`, `init_weights_tp`,
+    `lm_head_loss_sum` read them) and every unit's module carries its unit as `_tp_unit`.
     """
     assert tp_mesh.ndim == 1, f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim}-D"
+    assert grad_reduce in ("eager", "deferred"), f"grad_reduce must be 'eager' or 'deferred', got {grad_reduce!r}"
     sp, tp = sequence_parallel, tp_mesh.size()
     dist_ = _Distributor(tp_mesh)
     units: list[_Unit] = []
@@ -413,6 +445,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
 
     def add(module: nn.Module, unit: _Unit, run_in: nn.Module | None = None) -> None:
         _wrap_forward(run_in or module, unit)
+        module._tp_unit = unit  # found by finish_tp_grad_reduce from any module holding this one (PP stage views)
         units.append(unit)
 
     if model.embed is not None:
@@ -433,9 +466,97 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         add(model.lm_head, dist_.unit(model.lm_head, {}, default=seq_rule), run_in=model)
     if sp:
         _hook_sp_root(model, tp_mesh)
+    if grad_reduce == "deferred":
+        _defer_grad_sums(units, tp_mesh)
     model._tp_units = units
     model._tp_mesh = tp_mesh
     model._tp_sequence_parallel = sp
+
+
+def _defer_grad_sums(units: list[_Unit], mesh: DeviceMesh) -> None:
+    """Defer the TP sum of every parameter with a partial ("sum" / "avg") use, in all of its uses: a weight tied
+    to a partial one (embedding and SP LM head) is found by identity, before FSDP replaces the parameters."""
+    tracker = _PendingTPGrads(mesh)
+    partial = {id(owner._parameters[name]) for unit in units for owner, name, reduce, _ in unit.params if reduce}
+    for unit in units:
+        unit.params = [(owner, name, reduce, tracker if id(owner._parameters[name]) in partial else None)
+                       for owner, name, reduce, _ in unit.params]
+
+
+def _units_in(model: nn.Module) -> list[_Unit]:
+    return [m._tp_unit for m in model.modules() if getattr(m, "_tp_unit", None) is not None]
+
+
+def _trackers_in(model: nn.Module) -> set[_PendingTPGrads]:
+    return {defer for unit in _units_in(model) for *_, defer in unit.params if defer is not None}
+
+
+def tp_grads_pending(model: nn.Module) -> bool:
+    """True while some deferred TP gradient sum of `model` (any module under it) waits for finish_tp_grad_reduce."""
+    return any(tracker.pending for tracker in _trackers_in(model))
+
+
+TP_GRAD_BUCKET_BYTES = 64 << 20  # per all-reduce: large enough to be bandwidth-bound, small enough for one buffer
+
+
+@torch.no_grad()
+def finish_tp_grad_reduce(model: nn.Module, bucket_bytes: int = TP_GRAD_BUCKET_BYTES) -> int:
+    """Sum the deferred gradients (apply_tp grad_reduce="deferred") of `model` over their TP group, in place.
+
+    Call once per optimizer step, after the last micro-batch's backward (and after FSDP's gradient reduction, i.e.
+    with gradient sync on for that backward) and before clipping / the optimizer / anything that reads `.grad`.
+    `model` is any module holding the TP units (a whole model, a pipeline stage, or the trainer's stage view). It
+    reduces whatever tensor holds each gradient now: `owner.<name>.grad` of the parameter registered at that
+    attribute (FSDP's sharded parameter, whose local tensor is the DP shard: TP peers hold the same shard). Tensors
+    are packed per (group, dtype) into flat buckets of at most `bucket_bytes` (a larger tensor goes alone): one
+    all_reduce each, every TP rank in the same order (the same model and graph). Returns the all_reduce count
+    (0 when nothing is pending). No-op for eager or non-TP models.
+    """
+    groups: dict[tuple, tuple[dist.ProcessGroup, dict[int, torch.Tensor]]] = {}  # (group, dtype) -> grads by param
+    trackers = set()
+    for unit in _units_in(model):
+        assert not unit._saved, "finish_tp_grad_reduce inside a forward"
+        for owner, name, _, defer in unit.params:
+            if defer is None or not defer.pending:
+                continue
+            trackers.add(defer)
+            param = owner._parameters[name]
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad  # no_grad: the storage
+            group = defer.mesh.get_group()
+            groups.setdefault((id(group), grad.dtype), (group, {}))[1].setdefault(id(param), grad)  # a tie once
+    calls = 0
+    for group, by_param in groups.values():
+        bucket, size = [], 0
+        for grad in [*by_param.values(), None]:
+            nbytes = 0 if grad is None else grad.numel() * grad.element_size()
+            if bucket and (grad is None or size + nbytes > bucket_bytes):
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(summed)
+                calls, bucket, size = calls + 1, [], 0
+            if grad is not None:
+                bucket.append(grad)
+                size += nbytes
+    for tracker in trackers:
+        tracker.pending = False
+    return calls
+
+
+def guard_tp_grad_reduce(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Make `optimizer.step()` raise while deferred TP gradient sums of `model` are pending (a forgotten
+    finish_tp_grad_reduce would otherwise train silently on per-rank partial gradients). No-op without deferral."""
+    trackers = _trackers_in(model)  # found once: the model's structure is final after parallelize
+
+    def check(opt, args, kwargs) -> None:
+        if any(tracker.pending for tracker in trackers):
+            raise RuntimeError("optimizer step with deferred TP gradient sums pending: call "
+                               "moestack.parallel.tensor.finish_tp_grad_reduce(model) after the step's last backward")
+
+    if trackers:
+        optimizer.register_step_pre_hook(check)
 
 
 def lm_head_loss_sum(model: Transformer, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -450,9 +571,11 @@ def lm_head_loss_sum(model: Transformer, h_BTD: torch.Tensor, targets_BT: torch.
     mesh: DeviceMesh | None = getattr(model, "_tp_mesh", None)
     if mesh is None or not isinstance(weight, DTensor):
         return chunked_cross_entropy(h_BTD, weight, targets_BT)[0]
+    (_, _, reduce, defer), = model.lm_head._tp_unit.params  # the head unit's rule, as model.forward would use it
     if not model._tp_sequence_parallel:  # h is replicated: every rank computes the same loss
-        return chunked_cross_entropy(h_BTD, _local_view(weight, None), targets_BT)[0]
-    local_sum, _ = chunked_cross_entropy(h_BTD, _local_view(weight, "sum"), shard_slice(targets_BT, mesh, SEQ_DIM))
+        return chunked_cross_entropy(h_BTD, _local_view(weight, reduce, defer), targets_BT)[0]
+    local_sum, _ = chunked_cross_entropy(h_BTD, _local_view(weight, reduce, defer),
+                                         shard_slice(targets_BT, mesh, SEQ_DIM))
     return reduce_from_tp(local_sum, mesh)
 
 

@@ -36,6 +36,7 @@ from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
 from moestack.parallel.fsdp import set_gradient_sync
+from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
@@ -241,6 +242,7 @@ class Trainer:
         else:
             self.model = self._build_parallel_model()
             self.optimizer = self._build_parallel_optimizer()
+            guard_tp_grad_reduce(self.optimizer, self.model)  # plan.tp_grad_reduce deferred: no step on partial sums
             torch.manual_seed(spec.seed + 1_000_003 * self.dist.rank)  # runtime randomness differs per rank
         if self.pipeline is not None and self.eval_set:
             self.log("evaluation is skipped under pipeline parallelism (the step runner has no forward-only path)")
@@ -430,6 +432,7 @@ class Trainer:
         if self._phase_peaks is not None:
             self._phase_peaks.in_forward = False
             self._phase_peaks.mark("clip + optimizer")
+        finish_tp_grad_reduce(self.model)  # plan.tp_grad_reduce deferred: the TP gradient sums, before .grad is read
         grad_norm = self._clip()
         if not finite or not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)

@@ -54,7 +54,7 @@ def main() -> None:
             idx = selection(T)
             q, kv = attention_inputs(T, H)
             flops = 2 * H * float((idx >= 0).sum()) * (D_LAT + V_DIM)
-            base = F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default")
+            base = F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default")  # the Triton kernel
             ms_t = timed(lambda: F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default"), reps=3)
             row(f"T={T} H={H}", "triton default", f"{ms_t:.2f}", f"{flops / ms_t / 1e9:.1f}", "1.00", "")
             for bk, ns, pipe in configs:
@@ -65,7 +65,8 @@ def main() -> None:
                     return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, block_k=bk, num_stages=ns, pipe=pipe)
 
                 out = fn()
-                diff = f"{rel(out[0], base[0]):.1e} / {rel(out[1], base[1]):.1e}"
+                n = min(T, 8192)  # rel() masks with nonzero(): the first tokens only at T = 131072
+                diff = f"{rel(out[0][:, :n], base[0][:, :n]):.1e} / {rel(out[1][:, :n], base[1][:, :n]):.1e}"
                 ms = timed(fn, reps=3)
                 row(f"T={T} H={H}", f"gluon K{bk} s{ns}{' pipe' if pipe else ''}", f"{ms:.2f}",
                     f"{flops / ms / 1e9:.1f}", f"{ms_t / ms:.2f}x", diff)  # fmt: skip

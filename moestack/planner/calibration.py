@@ -93,6 +93,37 @@ class CommCalibration(StrictModel):
     collectives: dict[Literal["ar", "rs", "ag", "a2a"], CollectiveCalibration]
 
 
+class HostCalibration(StrictModel):
+    """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
+    backward together; planner/cost.py `host_times` splits them 1 : 2 like the kernels they launch). The device
+    cannot run ahead of the host that launches its kernels, so a rank's forward (backward) of one micro-batch takes at
+    least its host share: cost.py prices max(device, host) per rank and micro-batch pass. On one H200 the proxy at
+    4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
+    every 2-GPU layout, the host sets the step.
+
+    The constants belong to moestack's code (op count per layer, Python autograd Functions, hooks), not to the GPU,
+    and are fitted on whole steps (benchmarks/RESULTS.md, "Multi-GPU (issue #10)", 2026-11-30, 2 x H200, proxy,
+    seq 2048, Triton kernels, planner with the session-3 tune + tune-comm calibration):
+      layer_s     0.0208 s: the 1-GPU weak-scaling run (`--fix dp=1,zero=0,mbs=2`, 2 x 2048 tokens, 20 steps,
+                  no profiler) took 0.387 s/step (median of steps 11-20) where the device model says 0.345 s;
+                  solved so that the planner gives 0.387. Fitted.
+      ep_moe_s    0.0067 s extra per MoE layer per micro-batch when ep > 1: the flat dispatcher's count exchange,
+                  the host sync for the split sizes, the regroup gathers, the FSDP2 hooks, and the slower of the two
+                  ranks' hosts at every all-to-all rendezvous. Fitted on the 2-GPU weak-scaling run (`dp=2,ep=2,
+                  zero=1,mbs=2`, the ep2 plan, 0.449 s/step, steps 11-20), solved with layer_s fixed. Fitted.
+      tp_layer_s  0.0088 s extra per layer per micro-batch when tp > 1 (DTensor dispatch: PythonSubclass,
+                  _FromTorchTensor, Redistribute, _LocalView and its backward, the extra c10d calls): their self CPU
+                  time in the tp2 profile (steps 6-8, rank 0) beyond the single-GPU profile's, 0.14 s per step
+                  / 16 layers. Not fitted on the tp2 step time (an upper-ish estimate: profiled ops run slower).
+    Checks not used in any fit: single-GPU 4 x 2048 (device-bound, unchanged), tp2, zero3_ep2.
+    Megatron-style runs (the published-run validation) have their own host costs; their per-layer device time is
+    far above these floors, so the floor does not bind there."""
+
+    layer_s: float = Field(default=0.0208, ge=0)
+    ep_moe_s: float = Field(default=0.0067, ge=0)
+    tp_layer_s: float = Field(default=0.0088, ge=0)
+
+
 # a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)
 LAYER_KIND_KEY = r"^(kda|mla|gqa|mamba2|none)/(dense|moe|none)$"
 
@@ -121,6 +152,8 @@ class Calibration(StrictModel):
     # fixed costs
     runtime_reserved_gib: float = Field(ge=0)  # CUDA context, NCCL buffers, allocator slack per device
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
+    # host (CPU) time of moestack's eager trainer, a floor under the device time (HostCalibration says why)
+    host: HostCalibration = Field(default_factory=lambda: HostCalibration())
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
     # measured / modelled saved activations per memory technique (benchmarks/memory.py prints them as "act x" and

@@ -923,7 +923,28 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
-    return scale * _saved_bytes(part, mode, ctx)
+    extra = ep_eager_glu_bytes(part, ctx) if mode == "none" else 0.0
+    return scale * _saved_bytes(part, mode, ctx) + extra
+
+
+# Saved bytes per element of a routed row's [I] activation that the eager glu_activation (moestack/model/mlp.py)
+# keeps beyond the fused Triton GLU (which saves only gate_up, 2 x 2 bytes): situ_glu computes in fp32 and autograd
+# keeps tanh(g/b), sigmoid(g), b*tanh(g/b), tanh(u/c), act_g and c*tanh(u/c) (6 x 4 = 24 bytes); swiglu keeps g,
+# silu(g), u in bf16 (6 bytes). Both paths save the bf16 output for the down GEMM.
+EAGER_GLU_EXTRA_BYTES = {"situ_glu": 24.0 - 4.0, "swiglu": 6.0 - 4.0}
+
+
+def ep_eager_glu_bytes(part: PartWork, ctx: Ctx) -> float:
+    """Extra saved bytes of one MoE part under expert parallelism: `ExpertParallelExperts.local_forward`
+    (moestack/parallel/expert.py) runs the eager glu_activation where the one-device `Experts.forward` runs the
+    fused GLU that the tune measurement (Calibration.parts['moe']) saw. Mean load: SP-shard tokens x top-k rows.
+    Measured (2 x H200, ep2, 2026-11-30, phase peaks): activations at the end of forward 29.9 GiB vs 18.4 modelled;
+    this term gives 15 layers x 65536 rows x 640 x 20 B = 11.7 GiB (derived from the code, not fitted)."""
+    plan, spec = ctx.plan, ctx.spec
+    if part.kind != "moe" or plan.ep * plan.etp <= 1 or spec.moe is None:
+        return 0.0
+    per = EAGER_GLU_EXTRA_BYTES.get(spec.activation, 0.0)
+    return ctx.tokens_sp * part.top_k * spec.moe.expert_intermediate_size * per
 
 
 def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
@@ -1301,6 +1322,13 @@ class CostModel:
             fwd.append(rc.fwd + share_f)
             bwd.append(rc.bwd + rc.recompute + exp - share_f)
             wgr.append(rc.wgrad)
+        # the host launches every kernel: a rank's pass over a micro-batch takes at least its host time
+        host_f, host_b = self.host_times(plan, rank_counts, kind_layer)
+        host_bound = [0.0] * p
+        for r in range(p):
+            f_dev, b_dev = fwd[r], bwd[r]
+            fwd[r], bwd[r] = max(f_dev, host_f[r]), max(b_dev, host_b[r])
+            host_bound[r] = fwd[r] + bwd[r] - f_dev - b_dev
         slow = max(range(p), key=lambda r: fwd[r] + bwd[r])
         t_pipe = pipeline_time(plan.schedule, p, v, m, fwd[slow], bwd[slow], wgr[slow])
         p2p = 0.0
@@ -1326,6 +1354,7 @@ class CostModel:
             rc.add(head)
         time = {k: v_ * m for k, v_ in rc.parts.items()}
         time["ep_comm"] = a2a_exposed[slow] * m
+        time["host"] = host_bound[slow] * m  # host time beyond the device's (the floor's share of the step)
         time["pp_bubble"] = max(0.0, t_pipe - m * (fwd[slow] + bwd[slow]))
         time["pp_p2p"] = p2p
         time["dp_comm"] = dp_exposed
@@ -1345,13 +1374,40 @@ class CostModel:
         cost.forward_activations = forward_act
         return cost
 
+    def host_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
+                   ) -> tuple[list[float], list[float]]:
+        """Host seconds per rank of one micro-batch's forward and backward (Calibration.host: per layer per
+        micro-batch, + per MoE layer under EP, + per layer under TP), split 1 : 2 between them as the kernels they
+        launch (backward: data and weight gradients). The head, loss and optimizer are inside layer_s's fit.
+        Recompute launches forward work again inside backward: a part under full recompute adds its share of the
+        layer's forward host time, under selective half of it (an assumption: not measured)."""
+        hc = self.cal.host
+        redo = {"none": 0.0, "selective": 0.5, "full": 1.0}
+        fwd, bwd = [], []
+        for counts in rank_counts:
+            h_f = h_b = 0.0
+            for k_id, count in counts.items():
+                per = hc.layer_s + (hc.tp_layer_s if plan.tp > 1 else 0.0)
+                if kind_layer[k_id].kind.ffn == "moe" and plan.ep * plan.etp > 1:
+                    per += hc.ep_moe_s
+                parts = kind_layer[k_id].parts
+                again = sum(redo[recompute_mode(plan, part)] for part in parts) / max(1, len(parts))
+                h_f += per / 3 * count
+                h_b += per * (2 + again) / 3 * count
+            fwd.append(h_f)
+            bwd.append(h_b)
+        return fwd, bwd
+
     @staticmethod
     def _grads_build_up(plan: Plan) -> bool:
         """True when gradients do not outlive the step: one device (no FSDP / DDP buffers), one micro-batch (no
         accumulation), and the trainer's zero_grad(set_to_none=True). Backward then allocates them layer by layer
         while it frees that layer's activations. The CPU-offloaded optimizer copies the device gradients out after
-        backward and the same zero_grad frees them, so it builds up the same way."""
-        return plan.devices == 1 and plan.num_microbatches == 1
+        backward and the same zero_grad frees them, so it builds up the same way. FSDP2 (moestack/parallel/fsdp.py,
+        every multi-device plan) also produces and reduce-scatters gradients layer by layer in backward and the
+        trainer frees them after the step (measured on 2 x H200, ep2 / zero3_ep2 / tp2, 2026-11-30: the peak is the
+        loss phase, before any layer gradient exists), so the same holds without a pipeline."""
+        return plan.num_microbatches == 1 and plan.pp == 1
 
     def _late_embedding_grad(self, plan: Plan) -> float:
         """Bytes of the embedding's fp32 gradient, produced after the first layer's backward (so not alive at the
@@ -1557,7 +1613,9 @@ class CostModel:
                 mem["activations"] = act * inflight
             buffers = 0.0
             if r == plan.pp - 1 or plan.pp == 1:  # the chunked loss: one chunk's logits at a time
-                buffers = max(buffers, min(T, LOSS_CHUNK_TOKENS) * spec.vocab_size / plan.tp * LOSS_BYTES_PER_LOGIT)
+                # under TP the head is replicated and each rank runs the loss on its sequence shard (head_cost):
+                # chunks of the full vocabulary over T / tp tokens (tp2, 2 x H200: +7.5 GiB in the loss phase)
+                buffers = max(buffers, min(T / plan.tp, LOSS_CHUNK_TOKENS) * spec.vocab_size * LOSS_BYTES_PER_LOGIT)
             if spec.moe is not None:
                 moe_buf = (T / plan.tp * spec.moe.top_k * (spec.moe.latent_size or spec.hidden_size) * BF16
                            * MOE_MEMORY_HEADROOM * 2)
@@ -1594,6 +1652,6 @@ def binding_constraint(cost: PlanCost) -> str:
              "elementwise": "memory-bound kernels", "recompute": "recompute", "tp_comm": "TP communication",
              "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "pp_bubble": "pipeline bubble",
              "pp_p2p": "pipeline p2p", "dp_comm": "DP communication", "optimizer": "optimizer step",
-             "offload": "host offload link"}
+             "offload": "host offload link", "host": "host (CPU) launch time"}
     key = max(cost.time, key=cost.time.get)
     return f"{names.get(key, key)} ({cost.time[key] / cost.step_time_s:.0%} of step)"

@@ -350,3 +350,49 @@ def test_bwd_ws_factors_scale_the_end_of_backward_and_are_validated():
     assert mem[1.0]["gradients"] == pytest.approx(mem[1.0]["weights"] - spec.vocab_size * spec.hidden_size * 4)
     with pytest.raises(ConfigError):
         validate(Calibration, {**base.model_dump(), "bwd_ws_factors": {"kda/mamba": 1.1}}, "test")
+
+
+def _proxy_cost(cal, devices, fix):
+    from moestack.planner.search import evaluate_fixed, load_problem, parse_fix
+    import dataclasses
+    prob = load_problem("proxy", "h200-cluster", devices, 2048, 8192 if devices > 1 or "mbs=2" not in fix else 4096)
+    prob = dataclasses.replace(prob, cal=cal)
+    return evaluate_fixed(prob, parse_fix(fix)).best
+
+
+def test_host_floor_binds_only_when_the_device_is_faster():
+    """Calibration.host: max(device, host) per rank and pass; one GPU at 4 x 2048 tokens stays device-bound, at
+    2 x 2048 the host sets the step; EP adds ep_moe_s per MoE layer (15 of the proxy's 16 layers)."""
+    from moestack.planner.calibration import HostCalibration
+    cal = load_calibration("benchmarks/calibration-proxy-h200.json")  # the proxy's tune on one H200
+    off = cal.model_copy(update={"host": HostCalibration(layer_s=0.0, ep_moe_s=0.0, tp_layer_s=0.0)})
+    four_on, four_off = _proxy_cost(cal, 1, "dp=1,zero=0"), _proxy_cost(off, 1, "dp=1,zero=0")
+    assert four_on.step_time_s == pytest.approx(four_off.step_time_s)
+    two = _proxy_cost(cal, 1, "dp=1,zero=0,mbs=2")
+    assert two.time["host"] > 0 and two.step_time_s > _proxy_cost(off, 1, "dp=1,zero=0,mbs=2").step_time_s
+    big = cal.model_copy(update={"host": HostCalibration(layer_s=1.0, ep_moe_s=0.0, tp_layer_s=0.0)})
+    assert _proxy_cost(big, 1, "dp=1,zero=0,mbs=2").step_time_s == pytest.approx(16 * 1.0 + two.time["optimizer"])
+    ep = cal.model_copy(update={"host": HostCalibration(layer_s=1.0, ep_moe_s=0.5, tp_layer_s=0.0)})
+    ep_cost = _proxy_cost(ep, 2, "dp=2,ep=2,zero=1,mbs=2")
+    assert ep_cost.step_time_s - ep_cost.time["optimizer"] - ep_cost.time.get("dp_comm", 0.0) == pytest.approx(
+        16 * 1.0 + 15 * 0.5)
+
+
+def test_ep_eager_glu_bytes_and_fsdp_grads_build_up():
+    """Under EP the experts' eager situ_glu keeps 20 bytes more per routed [I] element than the fused GLU; FSDP2
+    plans with one micro-batch build gradients up as activations are freed (peak: the loss phase)."""
+    spec = load_any_model_spec("proxy")
+    cal = load_calibration()
+    cluster = load_cluster_spec("h200-cluster").with_devices(2)
+    cm = C.CostModel(spec, cluster, cal, 2048, profile_model(spec, 2048).train_flops_per_token)
+    ep = make_plan(model="proxy", cluster="h200-cluster", devices=2, seq_len=2048, micro_batch_size=2,
+                   global_batch_size=4, dp_shard=2, ep=2, zero_stage=1)
+    no_ep = ep.model_copy(update={"ep": 1})
+    moe = next(p for layer in cm.work.layers for p in layer.parts if p.kind == "moe")
+    ctx = C.Ctx(ep, spec, cluster, cal, 4096)
+    assert C.ep_eager_glu_bytes(moe, ctx) == 4096 * 16 * 640 * 20
+    assert C.ep_eager_glu_bytes(moe, C.Ctx(no_ep, spec, cluster, cal, 4096)) == 0
+    cost = cm.evaluate(ep)
+    assert cost.memory["gradients"] < cost.forward_activations / 10  # only the head's at the loss-phase peak
+    accum = cm.evaluate(ep.model_copy(update={"global_batch_size": 8}))  # 2 micro-batches: gradients persist
+    assert accum.memory["gradients"] > 5 * 2**30

@@ -47,17 +47,20 @@ mkdir -p "$DEST"
 COMMON=(-q --set logging.every=1 --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3)
 
-# name -> --fix of `moestack plan` (the plan file carries the layout to `moestack train --plan`)
+# name -> --fix of `moestack plan` (the plan file carries the layout to `moestack train --plan`); *_deferred layouts
+# also set tp_grad_reduce: deferred
 declare -A FIX
 if [ "$NPROC" -ge 8 ]; then
   FIX=([ep8]="dp=8,ep=8,zero=1" [ep4_tp2]="tp=2,dp=4,ep=4,zero=1" [pp2_ep4_1f1b]="pp=2,dp=4,ep=4,zero=1,schedule=1f1b"
-       [pp2_ep4_interleaved]="pp=2,vpp=2,dp=4,ep=4,zero=1,schedule=interleaved_1f1b" [zero3_ep8]="dp=8,ep=8,zero=3")
+       [pp2_ep4_interleaved]="pp=2,vpp=2,dp=4,ep=4,zero=1,schedule=interleaved_1f1b" [zero3_ep8]="dp=8,ep=8,zero=3"
+       [ep4_tp2_deferred]="tp=2,dp=4,ep=4,zero=1")
 elif [ "$NPROC" -ge 4 ]; then
   FIX=([ep4]="dp=4,ep=4,zero=1" [ep2_tp2]="tp=2,dp=2,ep=2,zero=1" [pp2_ep2_1f1b]="pp=2,dp=2,ep=2,zero=1,schedule=1f1b"
-       [zero3_ep4]="dp=4,ep=4,zero=3")
+       [zero3_ep4]="dp=4,ep=4,zero=3" [ep2_tp2_deferred]="tp=2,dp=2,ep=2,zero=1")
 else
   FIX=([ep2]="dp=2,ep=2,zero=1" [tp2]="tp=2,ep=1,zero=0" [pp2_1f1b]="pp=2,ep=1,zero=0,schedule=1f1b"
-       [pp2_interleaved]="pp=2,vpp=2,ep=1,zero=0,schedule=interleaved_1f1b" [zero3_ep2]="dp=2,ep=2,zero=3")
+       [pp2_interleaved]="pp=2,vpp=2,ep=1,zero=0,schedule=interleaved_1f1b" [zero3_ep2]="dp=2,ep=2,zero=3"
+       [tp2_deferred]="tp=2,ep=1,zero=0")
 fi
 
 CAL=()
@@ -99,6 +102,9 @@ plan() {  # plan NAME DEVICES FIX -> $DEST/plan_NAME.yaml (with the planner's pr
   $PY -m moestack plan "$MODEL" --cluster "$CLUSTER" --devices "$2" --seq-len "$SEQ" "${CAL[@]}" \
     --global-batch-tokens $((GBS * SEQ)) --fix "$3" --out "$DEST/plan_$1.yaml" > "$DEST/plan_$1.log" 2>&1 \
     || { echo "| $1 | plan failed: $(tail -1 "$DEST/plan_$1.log") |"; return 1; }
+  # *_deferred: the same layout with the TP gradient sums once per step (plan.tp_grad_reduce, parallel/README.md)
+  [[ "$1" == *_deferred ]] && echo "tp_grad_reduce: deferred" >> "$DEST/plan_$1.yaml"
+  return 0
 }
 
 train() {  # train NAME NPROC STEPS

@@ -1,6 +1,7 @@
 """The sm_90 Gluon sparse-attention forward (gluon_attn_fwd.py) against the Triton default, same process, one H200.
 
     python3 benchmarks/dsa_fwd_gluon.py [--budget-s 150]
+    python3 benchmarks/dsa_fwd_gluon.py --indexer   # the Gluon indexer scorer instead (see bench_indexer)
 
 Selection: the fused indexer's top-2048 on random bf16 indexer inputs (as benchmarks/dsa_fwd_indexer.py), random
 bf16 q / latent, d_qk 576 / d_v 512. Rows: T = 32768 with H = 64 (every Gluon key-block / stage config, and the
@@ -15,15 +16,65 @@ import time
 
 import torch
 from dsa import row, timed  # benchmarks/dsa.py: CUDA-event median timing, markdown rows
-from dsa_fwd_indexer import D_LAT, SCALE, TOP_K, V_DIM, attention_inputs, indexer_inputs, rel, restrict
+from dsa_fwd_indexer import (D_LAT, SCALE, TOP_K, V_DIM, attention_inputs, bench_backward, indexer_inputs, overlap,
+                             rel, restrict)  # fmt: skip
 
 T0 = time.time()
+
+
+def bench_indexer() -> None:
+    """Fused indexer top-k (32 heads x 128, random bf16 inputs) with the Triton and the Gluon candidate pass at
+    T = 32768 and 131072: ms, keys shared with the Triton scorer's selection, exact-fallback rows; at T = 131072
+    the attention forward (the op's default) and backward on that selection, and indexer / (forward + backward)."""
+    from moestack.ops.dsa import gluon_indexer_select as GI
+    from moestack.ops.dsa import triton_attn_fwd as F
+    from moestack.ops.dsa import triton_indexer_fused as X
+
+    row("shape", "indexer scorer", "ms", "vs triton", "shared keys", "fallback rows")
+    row("---", "---", "---", "---", "---", "---")
+    for T in (32768, 131072):
+        inp = indexer_inputs(T)
+        st = {}
+        base = X.indexer_topk_fused(*inp, TOP_K, scorer="triton", stats=st)
+        ms_t = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="triton"), reps=3)
+        row(f"T={T}", "triton", f"{ms_t:.2f}", "1.00", "1.0000", str(st["fallback_rows"]))
+        best = ms_t
+        for cfg in GI.CONFIGS:
+            GI.DEFAULT_CONFIG = cfg
+            try:
+                st = {}
+                got = X.indexer_topk_fused(*inp, TOP_K, scorer="gluon", stats=st)
+                ms = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="gluon"), reps=3)
+                row(f"T={T}", f"gluon S{cfg[0]} q{cfg[1]}", f"{ms:.2f}", f"{ms_t / ms:.2f}x",
+                    f"{overlap(got, base):.4f}", str(st["fallback_rows"]))  # fmt: skip
+                best = min(best, ms)
+                del got
+            except Exception as e:  # noqa: BLE001 - report and go on
+                row(f"T={T}", f"gluon S{cfg[0]} q{cfg[1]}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                    "", "", "", "")  # fmt: skip
+        del inp
+        torch.cuda.empty_cache()
+        if T == 131072:
+            q, kv = attention_inputs(T, 64)
+            fwd = timed(lambda: F.sparse_mqa_fwd(q, kv, base, V_DIM, SCALE), reps=3)
+            del q, kv
+            torch.cuda.empty_cache()
+            row(f"T={T} H=64", "sparse fwd (op default)", f"{fwd:.2f}", "", "", "")
+            bwd = bench_backward(T, 64, base)
+            row(f"T={T}", "indexer / attention fwd+bwd", f"triton {ms_t / (fwd + bwd):.3f}",
+                f"best {best / (fwd + bwd):.3f}", "required <= 0.333", "")  # fmt: skip
+        del base
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--indexer", action="store_true", help="the Gluon indexer scorer rows instead")
     args = ap.parse_args()
+    if args.indexer:
+        bench_indexer()
+        return
     import triton
 
     from moestack.ops.dsa import gluon_attn_fwd as G

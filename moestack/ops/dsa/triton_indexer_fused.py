@@ -41,6 +41,7 @@ import triton.language as tl
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET, autotune_off
 
+SCORER_ENV_VAR = "MOESTACK_DSA_IDX_SCORER"
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
 MODE_DENSE, MODE_SELECT = 0, 1
 
@@ -221,13 +222,17 @@ def indexer_topk_fused(
     select: str = "triton",
     chunk_bytes: int = CHUNK_BYTES,
     stats: dict | None = None,
+    scorer: str | None = None,
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded: the selected set of
     reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected
     candidates per row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); fp8: e4m3 scoring
     (approximate scores, so near-tie selections may differ from bf16); select: "triton" (topk_select_kernel,
     slots in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference).
-    stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows")."""
+    stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows"). scorer: the candidate
+    pass's kernel, "triton" (indexer_select_kernel) or "gluon" (gluon_indexer_select: sm_90, bf16 / fp16, even head
+    count; the next head's product overlaps this head's epilogue); None reads MOESTACK_DSA_IDX_SCORER (default
+    "triton")."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T = q_idx.shape[:2]
@@ -236,6 +241,9 @@ def indexer_topk_fused(
     cap = cap or 2 * top_k
     if select not in ("triton", "torch"):
         raise ValueError(f"select = '{select}' is not one of triton, torch")
+    scorer = scorer or os.environ.get(SCORER_ENV_VAR, "triton")
+    if scorer not in ("triton", "gluon"):
+        raise ValueError(f"scorer = '{scorer}' is not one of triton, gluon (argument or {SCORER_ENV_VAR})")
     if cap < top_k or stride < 1 or margin <= 0:
         raise ValueError(f"need cap >= top_k, stride >= 1, margin > 0; got cap={cap}, stride={stride}, "
                          f"margin={margin}")  # fmt: skip
@@ -244,6 +252,12 @@ def indexer_topk_fused(
         q, k, wq, kscale = quantize_fp8(q_idx, k_idx, w)
     else:
         q, k, wq, kscale = q_idx.contiguous(), k_idx.to(q_idx.dtype).contiguous(), w.contiguous(), None
+    if scorer == "gluon":
+        from moestack.ops.dsa import gluon_indexer_select
+
+        if not gluon_indexer_select.applies(q, k, kscale):
+            raise ValueError(f"scorer 'gluon' needs an sm_90 GPU, bf16 / fp16 (not fp8) and an even number of heads "
+                             f"of 64 / 128 / 256 dims (got {q.device} {q.dtype}, q {tuple(q.shape)}, fp8={fp8})")  # fmt: skip
     pos_T = torch.arange(T, device=dev)
     if cu_seqlens is None:
         dstart = None
@@ -280,7 +294,10 @@ def indexer_topk_fused(
         else:  # the select kernel reads slots < count only
             cand_s = torch.empty((B, R, cap), device=dev, dtype=torch.float32)
             cand_i = torch.empty((B, R, cap), device=dev, dtype=torch.int32)
-        _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
+        if scorer == "gluon":
+            gluon_indexer_select.launch_select(q, k, wq, dstart, thr, cnt, cand_s, cand_i, t0, t1, cap)
+        else:
+            _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
         if select == "torch":
             vals, slot = cand_s.topk(top_k, dim=-1)  # descending
             idx = cand_i.gather(-1, slot).masked_fill(vals == float("-inf"), -1)

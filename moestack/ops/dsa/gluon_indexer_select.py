@@ -10,7 +10,7 @@ before head j's epilogue, and the q tiles of the next heads stream into a ring o
 while the key tile stays resident. The epilogue after the last head (threshold, per-row counter, slots, stores) is
 the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp for the prefix sum.
 
-Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), up to 128 heads, key stride 1 (the candidate pass;
+Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key stride 1 (the candidate pass;
 the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as indexer_select_kernel's
 MODE_SELECT; packed documents (DSTART) supported.
 """
@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key columns
 # (BLOCK_S, Q_STAGES)
-CONFIGS = ((128, 4), (256, 4))  # sm_90 ptxas: 194 registers no spills; 255 registers, 184 B spills
-DEFAULT_CONFIG = (128, 4)
+CONFIGS = ((256, 4), (128, 4))
+DEFAULT_CONFIG = (256, 4)
 
 
 @gluon.jit
@@ -37,14 +37,14 @@ def _issue_q(q_buf, q_base, head, s_qh, rows_ok, o_q):
 
 
 @gluon.jit
-def _head_ready(q_ring, q_base, j, HI: gl.constexpr, s_qh, rows_ok, o_q, Q_STAGES: gl.constexpr):
+def _head_ready(q_ring, q_base, j, Hi, s_qh, rows_ok, o_q, Q_STAGES: gl.constexpr):
     """Before head j + 1's product: its q has landed (copy groups 0 .. j + 1 done) and is visible to every warp, and
     every warp is past head j - 1's product, whose stage the copy of head j + Q_STAGES - 1 then overwrites."""
     async_copy.wait_group(Q_STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
     nxt = j + Q_STAGES - 1
-    if nxt < HI:
+    if nxt < Hi:
         _issue_q(q_ring.index(nxt % Q_STAGES), q_base, nxt, s_qh, rows_ok, o_q)
     async_copy.commit_group()
 
@@ -52,9 +52,9 @@ def _head_ready(q_ring, q_base, j, HI: gl.constexpr, s_qh, rows_ok, o_q, Q_STAGE
 @gluon.jit
 def _indexer_select_gluon_kernel(
     Q, KI, W, DSTART, THR, CNT, OUT_S, OUT_I,
-    t0, t1,
+    t0, t1, Hi,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_ob, s_or,
-    HI: gl.constexpr, UNROLL: gl.constexpr, Di: gl.constexpr, CAP: gl.constexpr, HAS_DOC: gl.constexpr,
+    Di: gl.constexpr, CAP: gl.constexpr, HAS_DOC: gl.constexpr,
     BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
@@ -88,7 +88,7 @@ def _indexer_select_gluon_kernel(
     q_base = Q + b * s_qb + row0.to(gl.int64) * s_qt
     o_q = (lr * s_qt)[:, None] + offs_d[None, :]
     for i in gl.static_range(Q_STAGES - 1):
-        if i < HI:
+        if i < Hi:
             _issue_q(q_ring.index(i), q_base, i, s_qh, rows_ok, o_q)
         async_copy.commit_group()  # group i: q of head i (group 0 also the key tile)
 
@@ -102,27 +102,31 @@ def _indexer_select_gluon_kernel(
     async_copy.wait_group(Q_STAGES - 2)  # the key tile and head 0
     fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
     gl.thread_barrier()
-    # heads in groups of UNROLL, unrolled at compile time: within a group head j + 1's product is in flight during
-    # head j's epilogue; nothing is in flight across the loop's back-edge (a wgmma pending there made ptxas
-    # serialise every wgmma of the kernel, C7514; a full unroll of all heads spilled)
-    for j0 in range(0, HI, UNROLL):
-        if j0 > 0:
-            _head_ready(q_ring, q_base, j0 - 1, HI, s_qh, rows_ok, o_q, Q_STAGES)
-        s_cur = warpgroup_mma(q_ring.index(j0 % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
-                              is_async=True)  # fmt: skip
-        for u in gl.static_range(UNROLL):
-            j = j0 + u
-            w_j = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
-            if u + 1 < UNROLL:
-                _head_ready(q_ring, q_base, j, HI, s_qh, rows_ok, o_q, Q_STAGES)
-                s_next = warpgroup_mma(q_ring.index((j + 1) % Q_STAGES), k_smem.permute((1, 0)), zero,
-                                       use_acc=False, is_async=True)  # fmt: skip
-                s_j = warpgroup_mma_wait(num_outstanding=1, deps=(s_cur, ))  # head j done, j + 1 in flight
-                acc += gl.maximum(s_j, 0.0) * w_j[:, None]
-                s_cur = s_next
-            else:
-                s_j = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, ))
-                acc += gl.maximum(s_j, 0.0) * w_j[:, None]
+    # two score registers in turn (unrolled by two heads): a register copy of an in-flight product would make
+    # ptxas serialise the wgmmas
+    s_a = warpgroup_mma(q_ring.index(0), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    for j in range(0, Hi - 2, 2):
+        _head_ready(q_ring, q_base, j, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+        s_b = warpgroup_mma(q_ring.index((j + 1) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
+                            is_async=True)  # fmt: skip
+        w_j = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
+        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))  # head j done, head j + 1 in flight
+        acc += gl.maximum(s_a, 0.0) * w_j[:, None]
+        _head_ready(q_ring, q_base, j + 1, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+        s_a = warpgroup_mma(q_ring.index((j + 2) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
+                            is_async=True)  # fmt: skip
+        w_j = gl.load(w_ptrs + (j + 1), mask=mask_t, other=0.0).to(gl.float32)
+        s_b = warpgroup_mma_wait(num_outstanding=1, deps=(s_b, ))
+        acc += gl.maximum(s_b, 0.0) * w_j[:, None]
+    _head_ready(q_ring, q_base, Hi - 2, Hi, s_qh, rows_ok, o_q, Q_STAGES)  # the last two heads
+    s_b = warpgroup_mma(q_ring.index((Hi - 1) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
+                        is_async=True)  # fmt: skip
+    w_j = gl.load(w_ptrs + (Hi - 2), mask=mask_t, other=0.0).to(gl.float32)
+    s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))
+    acc += gl.maximum(s_a, 0.0) * w_j[:, None]
+    w_j = gl.load(w_ptrs + (Hi - 1), mask=mask_t, other=0.0).to(gl.float32)
+    s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, ))
+    acc += gl.maximum(s_b, 0.0) * w_j[:, None]
     async_copy.wait_group(0)
 
     # candidates: the Triton kernel's MODE_SELECT epilogue, rows within one warp for the prefix sum
@@ -154,11 +158,11 @@ def _add(a, b):
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
-    """sm_90, bf16 / fp16 scoring (not the fp8 variant), head dim a power of two in 64..256, <= 128 heads (the head
-    loop is unrolled at compile time)."""
+    """sm_90, bf16 / fp16 scoring (not the fp8 variant), head dim a power of two in 64..256, an even head count
+    (the head loop is unrolled by two)."""
     Hi, Di = q.shape[-2:]
     return (q.is_cuda and kscale is None and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and Di in (64, 128, 256) and Hi <= 128 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
+            and Di in (64, 128, 256) and Hi % 2 == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
 
 
 def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap: int,
@@ -170,9 +174,9 @@ def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap
     grid = (triton.cdiv(t1 - t0, BLOCK_T), triton.cdiv(t1, bs), B)
     _indexer_select_gluon_kernel[grid](
         q, k, w, i32 if dstart is None else dstart, thr, cnt, out_s, out_i,
-        t0, t1,
+        t0, t1, Hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         out_s.stride(0), out_s.stride(1),
-        HI=Hi, UNROLL=next(u for u in (8, 4, 2, 1) if Hi % u == 0), Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages,
+        Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages,
         num_warps=8,
     )  # fmt: skip

@@ -444,3 +444,13 @@ def test_gluon_indexer_scorer_gpu(cu, config, monkeypatch):
         chosen.scatter_(1, other[0].long() % (T + 1), True)
         hits = chosen.gather(1, got[0].long() % (T + 1))[got[0] >= 0]
         assert hits.float().mean() > 0.99, float(hits.float().mean())
+
+
+def test_gluon_indexer_scorer_refuses_what_it_does_not_cover():
+    from moestack.ops.dsa.triton_indexer_fused import indexer_topk_fused
+
+    q, k, w = torch.randn(1, 64, 4, 16), torch.randn(1, 64, 16), torch.randn(1, 64, 4)
+    with pytest.raises(ValueError, match="scorer 'gluon' needs an sm_90 GPU"):
+        indexer_topk_fused(q, k, w, 8, scorer="gluon")
+    with pytest.raises(ValueError, match="not one of auto, triton, gluon"):
+        indexer_topk_fused(q, k, w, 8, scorer="tensor")

@@ -1,17 +1,21 @@
-"""The candidate pass of the fused lightning-indexer top-k (triton_indexer_fused, MODE_SELECT) for sm_90 in Gluon:
-the next head's score product runs on the tensor cores while this head's ReLU and weight are applied.
+"""The candidate pass of the fused lightning-indexer top-k (triton_indexer_fused, MODE_SELECT) for sm_90 in Gluon.
 
     I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]);  keys with I >= THR[t] are appended to row t's candidate list
 
 In the Triton kernel every head is a synchronous dot followed by its epilogue (max, multiply, add over the whole
-[BLOCK_T, BLOCK_S] tile), so the tensor cores idle during the epilogue: at T = 131072 the scoring runs at ~340
-TFLOP/s and is 89% of the indexer's time (H200 profile). Here the wgmma of head j + 1 is issued asynchronously
-before head j's epilogue, and the q tiles of the next heads stream into a ring of shared-memory stages by cp.async
-while the key tile stays resident. The epilogue after the last head (threshold, per-row counter, slots, stores) is
-the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp for the prefix sum.
+[BLOCK_T, BLOCK_S] tile); at T = 131072 the scoring runs at ~340 TFLOP/s and is 89% of the indexer's time (H200
+profile). Here the q tiles of the next heads stream into a ring of shared-memory stages by cp.async while the key
+tile stays resident, and the wgmma of head j + 1 is issued before head j's epilogue. As written, ptxas serialises
+the wgmmas (C7514: the product in flight across the head loop's back-edge), so the gain measured on the H200 (T =
+32768: 15.9 vs 18.2 ms; T = 131072: 198 vs 218 ms, same selection) comes from the load pipeline, not from the
+overlap. A variant without the serialisation (heads unrolled in groups of 8, nothing in flight across the
+back-edge) measured slower (205 / 239 ms at 256 / 128 keys): more registers, one CTA per SM instead of two at 128
+keys, spills at 256 (benchmarks/RESULTS.md, session 6). The epilogue after the last head (threshold, per-row
+counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp
+for the prefix sum.
 
-Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key stride 1 (the candidate pass;
-the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as indexer_select_kernel's
+Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key
+stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as indexer_select_kernel's
 MODE_SELECT; packed documents (DSTART) supported.
 """
 

@@ -76,12 +76,13 @@ class CommCalibration(StrictModel):
     """Collective bandwidths measured inside one scale-up domain (network tier 0: e.g. the GPUs of one NVLink
     node), with `world` ranks, by `moestack tune-comm` (planner/tune_comm.py).
 
-    Why measured beats datasheet: on the lent 2 x H200 machine (a Firecracker VM; nvidia-smi lists NVLink NV18) every
-    NCCL collective ran the RING_LL protocol (suspected: through host shared memory, no GPU peer-to-peer inside the
-    VM; not confirmed): the ZeRO-1 fp32 reduce-scatter took 5.4 ms per call (~20 GB/s effective, estimated from
-    ~3.7 GiB of gradients over 32 calls; the call sizes were not recorded), far below NVLink x tier efficiency, and
-    2-GPU runs were 38-43% slower than the datasheet-priced plans. Bus bandwidth is (nearly) independent of the group size for
-    ring algorithms, so the numbers measured at `world` ranks are used for any group inside tier 0."""
+    Why measured beats datasheet: the datasheet bandwidth times an efficiency is a guess per machine. On the lent
+    2 x H200 machine (session 6, NCCL over P2P/CUMEM) tune-comm measured 234 / 210 / 215 / 240 GB/s bus bandwidth
+    for all-reduce / reduce-scatter / all-gather / all-to-all at 128 MiB. (Session 5 read the `..._RING_LL` in
+    NCCL's kernel names as the protocol and estimated ~20 GB/s: wrong. Those names are NCCL's kernel entry points
+    for every protocol, and the long kernel times were waits for the other rank.) Bus bandwidth is (nearly)
+    independent of the group size for ring algorithms, so the numbers measured at `world` ranks are used for any
+    group inside tier 0."""
 
     source: str = ""  # where the numbers come from (tune-comm file, date)
     world: int = Field(ge=2)  # ranks the measurement ran on (all inside one tier-0 domain)
@@ -115,9 +116,11 @@ class HostCalibration(StrictModel):
                   _FromTorchTensor, Redistribute, _LocalView and its backward, the extra c10d calls): their self CPU
                   time in the tp2 profile (steps 6-8, rank 0) beyond the single-GPU profile's, 0.14 s per step
                   / 16 layers. Not fitted on the tp2 step time (an upper-ish estimate: profiled ops run slower).
-    Checks not used in any fit: single-GPU 4 x 2048 (device-bound, unchanged), tp2, zero3_ep2.
-    Megatron-style runs (the published-run validation) have their own host costs; their per-layer device time is
-    far above these floors, so the floor does not bind there."""
+    Checks not used in any fit: single-GPU 4 x 2048 (device-bound, unchanged), tp2, zero3_ep2. A second set of
+    clean 2-GPU runs on another machine of the same kind (session 6, call 4) measured ep2 at 0.50-0.53 s/step
+    (this fit: 0.449), tp2 at 0.62 (planner 0.506), zero3_ep2 at 0.61 (0.451): the host share varies between
+    machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
+    runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0."""
 
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)

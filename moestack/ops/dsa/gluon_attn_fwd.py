@@ -29,6 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+# written against Triton 3.6's Gluon API (experimental: it changes between releases)
+TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 BLOCK_H = 64  # one wgmma M tile: 4 warps x 16 rows
@@ -299,8 +301,8 @@ def _sparse_mqa_fwd_gluon_pipe_kernel(
 
 def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
     """The shapes and device this kernel covers: sm_90, bf16 / fp16, latent = 512 value + 64 rope dims."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype and v_dim == 512
-            and q.shape[-1] == 576 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
+    return (TRITON_OK and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
+            and v_dim == 512 and q.shape[-1] == 576 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
 
 
 def sparse_mqa_fwd_gluon(q, kv, idx, v_dim: int, scale: float, block_k: int | None = None,

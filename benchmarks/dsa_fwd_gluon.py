@@ -108,20 +108,20 @@ def main() -> None:
             base = F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default")  # the Triton kernel
             ms_t = timed(lambda: F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant="default"), reps=3)
             row(f"T={T} H={H}", "triton default", f"{ms_t:.2f}", f"{flops / ms_t / 1e9:.1f}", "1.00", "")
-            for bk, ns, pipe in configs:
+            for bk, ns in configs:
                 if time.time() - T0 > args.budget_s:
                     break
 
-                def fn(bk=bk, ns=ns, pipe=pipe):
-                    return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, block_k=bk, num_stages=ns, pipe=pipe)
+                def fn(bk=bk, ns=ns):
+                    return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, block_k=bk, num_stages=ns)
 
                 out = fn()
                 n = min(T, 8192)  # rel() masks with nonzero(): the first tokens only at T = 131072
                 diff = f"{rel(out[0][:, :n], base[0][:, :n]):.1e} / {rel(out[1][:, :n], base[1][:, :n]):.1e}"
                 ms = timed(fn, reps=3)
-                row(f"T={T} H={H}", f"gluon K{bk} s{ns}{' pipe' if pipe else ''}", f"{ms:.2f}",
+                row(f"T={T} H={H}", f"gluon K{bk} s{ns}", f"{ms:.2f}",
                     f"{flops / ms / 1e9:.1f}", f"{ms_t / ms:.2f}x", diff)  # fmt: skip
-                best = min(best, (ms, (bk, ns, pipe)), key=lambda x: x[0])
+                best = min(best, (ms, (bk, ns)), key=lambda x: x[0])
             del q, kv, base
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
             row(f"T={T} H={H}", f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", "", "")

@@ -34,11 +34,11 @@ TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 BLOCK_H = 64  # one wgmma M tile: 4 warps x 16 rows
-# (BLOCK_K, NUM_STAGES, pipelined): shared memory = Q 72 KB + NUM_STAGES x BLOCK_K x 1152 B + P (x2 pipelined);
-# sm_90 allows 227 KB (ptxas on sm_90, no spills: 223-243 registers)
-CONFIGS = ((32, 3, False), (64, 2, False), (32, 2, False), (16, 4, False), (32, 3, True), (16, 4, True),
-           (16, 5, True))
-DEFAULT_CONFIG = (64, 2, False)  # H200, T=32768, H=64: 29.1 ms; (32, 3) 40.0, (32, 3) pipelined 36.7
+# (BLOCK_K, NUM_STAGES): shared memory = Q 72 KB + NUM_STAGES x BLOCK_K x 1152 B + P; sm_90 allows 227 KB (ptxas on
+# sm_90, no spills: 223-243 registers). A variant that kept block i - 1's P V in flight during block i's softmax (P
+# double-buffered, NUM_STAGES >= 3) measured 36.7 ms at (32, 3): removed (benchmarks/RESULTS.md, DSA run 7)
+CONFIGS = ((64, 2), (32, 3), (32, 2), (16, 4))
+DEFAULT_CONFIG = (64, 2)  # H200, T=32768, H=64: 29.1 ms; (32, 3) 40.0, (32, 2) 40.2, (16, 4) 64.5
 
 
 @gluon.jit
@@ -141,13 +141,7 @@ def _sparse_mqa_fwd_gluon_kernel(
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
         ids = gl.load(idx_base + i * BLOCK_K + offs_ks, mask=i * BLOCK_K + offs_ks < K, other=-1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        s = gl.where((ids >= 0)[None, :], s * scale_log2, float("-inf"))  # log2 domain
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
+        p, alpha, m_i, l_part = _online_softmax(s, ids, m_i, l_part, scale_log2)
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -181,124 +175,6 @@ def _online_softmax(s, ids, m_i, l_part, scale_log2):
     return p, alpha, m_new, l_part * alpha[:, None] + p
 
 
-@gluon.jit
-def _sparse_mqa_fwd_gluon_pipe_kernel(
-    Q, KV, IDX, O, LSE,
-    T, H, K, scale_log2,
-    s_qb, s_qt, s_qh,
-    s_kb, s_ks,
-    s_ib, s_it,
-    s_ob, s_ot, s_oh,
-    V: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-):  # fmt: skip
-    """As _sparse_mqa_fwd_gluon_kernel with the value product of block i - 1 in flight on the tensor cores while
-    block i's scores go through the softmax (P double-buffered). Block i - 1's stage is still being read then, so
-    NUM_STAGES - 2 gathers are ahead of the block in use (NUM_STAGES >= 3). One barrier per block."""
-    gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
-    gl.static_assert(NUM_STAGES >= 3, "one stage in use by the value product, one by the scores, >= 1 loading")
-    LOOKAHEAD: gl.constexpr = NUM_STAGES - 2
-    dtype: gl.constexpr = Q.dtype.element_ty
-    pid_t = gl.program_id(0)
-    pid_h = gl.program_id(1)
-    b = pid_t // T
-    t = pid_t % T
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_K // 2, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, V // 2, 16])  # fmt: skip
-    gather_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, V], dtype)
-    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype)
-    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, V], dtype)
-    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, R], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], dtype)
-    qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, V], qc_sl)
-    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R], qr_sl)
-    kc_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, V], kc_sl)
-    kr_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, R], kr_sl)
-    p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_K], p_sl)
-
-    kv_base = KV + b.to(gl.int64) * s_kb
-    idx_base = IDX + b.to(gl.int64) * s_ib + t.to(gl.int64) * s_it
-    n_blocks = gl.cdiv(K, BLOCK_K)
-    for i in gl.static_range(LOOKAHEAD):
-        if i < n_blocks:
-            _issue_gather(kc_ring.index(i), kr_ring.index(i), kv_base, idx_base, i * BLOCK_K, K, s_ks,
-                          V, R, BLOCK_K, gather_c, gather_r)  # fmt: skip
-        async_copy.commit_group()
-
-    offs_hq = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, gather_c))
-    q_rows = Q + b.to(gl.int64) * s_qb + t.to(gl.int64) * s_qt + offs_hq.to(gl.int64) * s_qh
-    offs_c = gl.arange(0, V, layout=gl.SliceLayout(0, gather_c))
-    qc_smem.store(gl.load(q_rows[:, None] + offs_c[None, :], mask=(offs_hq < H)[:, None], other=0.0))
-    offs_hr = gl.convert_layout(offs_hq, gl.SliceLayout(1, gather_r))
-    q_rows_r = gl.convert_layout(q_rows, gl.SliceLayout(1, gather_r))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, gather_r))
-    qr_smem.store(gl.load(q_rows_r[:, None] + V + offs_r[None, :], mask=(offs_hr < H)[:, None], other=0.0))
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_part = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
-    acc = gl.zeros([BLOCK_H, V], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
-    offs_ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
-
-    # block 0: scores and softmax only (its value product is issued with block 1's scores)
-    async_copy.wait_group(LOOKAHEAD - 1)
-    fence_async_shared()
-    gl.thread_barrier()
-    if LOOKAHEAD < n_blocks:
-        _issue_gather(kc_ring.index(LOOKAHEAD % NUM_STAGES), kr_ring.index(LOOKAHEAD % NUM_STAGES), kv_base,
-                      idx_base, LOOKAHEAD * BLOCK_K, K, s_ks, V, R, BLOCK_K, gather_c, gather_r)  # fmt: skip
-    async_copy.commit_group()
-    s = warpgroup_mma(qc_smem, kc_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(qr_smem, kr_ring.index(0).permute((1, 0)), s, is_async=True)
-    ids = gl.load(idx_base + offs_ks, mask=offs_ks < K, other=-1)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, alpha, m_i, l_part = _online_softmax(s, ids, m_i, l_part, scale_log2)
-    p_ring.index(0).store(p.to(dtype))
-    async_copy.wait_group(LOOKAHEAD - 1)  # block 1
-    fence_async_shared()
-    gl.thread_barrier()  # P of block 0 complete (both halves); block 1 visible to everyone
-
-    for i in range(1, n_blocks):
-        nxt = i + LOOKAHEAD
-        if nxt < n_blocks:  # into the stage of block i - 2, whose value product finished last iteration
-            _issue_gather(kc_ring.index(nxt % NUM_STAGES), kr_ring.index(nxt % NUM_STAGES), kv_base, idx_base,
-                          nxt * BLOCK_K, K, s_ks, V, R, BLOCK_K, gather_c, gather_r)  # fmt: skip
-        async_copy.commit_group()
-        kc = kc_ring.index(i % NUM_STAGES)
-        s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_smem, kr_ring.index(i % NUM_STAGES).permute((1, 0)), s, is_async=True)
-        acc = warpgroup_mma(p_ring.index((i - 1) % 2), kc_ring.index((i - 1) % NUM_STAGES), acc, is_async=True)
-        ids = gl.load(idx_base + i * BLOCK_K + offs_ks, mask=i * BLOCK_K + offs_ks < K, other=-1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # the scores; block i - 1's P V may still run
-        p, alpha, m_i, l_part = _online_softmax(s, ids, m_i, l_part, scale_log2)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_ring.index(i % 2).store(p.to(dtype))
-        async_copy.wait_group(LOOKAHEAD - 1)  # block i + 1
-        fence_async_shared()
-        gl.thread_barrier()
-    last = n_blocks - 1
-    acc = warpgroup_mma(p_ring.index(last % 2), kc_ring.index(last % NUM_STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    async_copy.wait_group(0)
-
-    l_i = gl.sum(l_part, axis=1)
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    offs_ho = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    offs_v = gl.arange(0, V, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (O + b.to(gl.int64) * s_ob + t.to(gl.int64) * s_ot + offs_ho.to(gl.int64)[:, None] * s_oh
-              + offs_v[None, :])  # fmt: skip
-    gl.store(o_ptrs, o.to(dtype), mask=(offs_ho < H)[:, None])
-    offs_hl = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(LSE + pid_t.to(gl.int64) * H + offs_hl, lse, mask=offs_hl < H)
-
-
 def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
     """The shapes and device this kernel covers: sm_90, bf16 / fp16, latent = 512 value + 64 rope dims."""
     return (TRITON_OK and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
@@ -306,17 +182,15 @@ def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
 
 
 def sparse_mqa_fwd_gluon(q, kv, idx, v_dim: int, scale: float, block_k: int | None = None,
-                         num_stages: int | None = None, pipe: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """q [B,T,H,576], kv [B,S,576], idx [B,T,K] int32 -> (o [B,T,H,512], lse [B,T,H] fp32); see the module doc.
-    pipe: the kernel that overlaps block i - 1's value product with block i's softmax (needs num_stages >= 3)."""
+                         num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q [B,T,H,576], kv [B,S,576], idx [B,T,K] int32 -> (o [B,T,H,512], lse [B,T,H] fp32); see the module doc."""
     B, T, H, D = q.shape
     K = idx.shape[-1]
-    bk, ns, pp = (block_k, num_stages, bool(pipe)) if block_k else DEFAULT_CONFIG
-    kernel = _sparse_mqa_fwd_gluon_pipe_kernel if pp else _sparse_mqa_fwd_gluon_kernel
+    bk, ns = (block_k, num_stages) if block_k else DEFAULT_CONFIG
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     o = torch.empty((B, T, H, v_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, H), device=q.device, dtype=torch.float32)
-    kernel[(B * T, triton.cdiv(H, BLOCK_H))](
+    _sparse_mqa_fwd_gluon_kernel[(B * T, triton.cdiv(H, BLOCK_H))](
         q, kv, idx, o, lse,
         T, H, K, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),

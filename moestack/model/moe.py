@@ -122,15 +122,18 @@ class Experts(nn.Module):
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
         gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
+        return self.grouped_mm(self.glu(gate_up_N2I), self.w_down.transpose(1, 2), offs_E)
+
+    def glu(self, gate_up_N2I: torch.Tensor) -> torch.Tensor:
+        """[N, 2I] (gate | up) -> [N, I]: the fused kernel (saves only gate_up) with the "triton" routing backend,
+        else the eager glu_activation (which saves its fp32 intermediates). Expert parallelism calls it too."""
         fused = gate_up_N2I.dtype in (torch.float32, torch.bfloat16, torch.float16)
         if fused and routing.resolve_backend(self.routing_backend, gate_up_N2I.device) == "triton":
             from moestack.ops.moe.triton_activation import fused_glu
 
-            a_NI = fused_glu(gate_up_N2I, self.activation, self.situ_beta, self.situ_linear_beta)
-        else:
-            gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-            a_NI = glu_activation(gate_NI, up_NI, self.activation, self.situ_beta, self.situ_linear_beta)
-        return self.grouped_mm(a_NI, self.w_down.transpose(1, 2), offs_E)
+            return fused_glu(gate_up_N2I, self.activation, self.situ_beta, self.situ_linear_beta)
+        gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+        return glu_activation(gate_NI, up_NI, self.activation, self.situ_beta, self.situ_linear_beta)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:

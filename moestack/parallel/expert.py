@@ -38,7 +38,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
-from moestack.model.mlp import glu_activation
 from moestack.model.moe import Experts, MoE
 from moestack.parallel.comm import SendOrder, all_to_all, exchange_counts
 
@@ -157,9 +156,8 @@ class ExpertParallelExperts(Experts):
         """The local experts on rows sorted by local expert (Experts.forward on this rank's weight shard)."""
         w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
         gate_up = self.grouped_mm(x_RL, w_gate_up.transpose(1, 2), offs_X)
-        gate, up = gate_up.chunk(2, dim=-1)
-        a = glu_activation(gate, up, self.activation, self.situ_beta, self.situ_linear_beta)
-        return self.grouped_mm(a, w_down.transpose(1, 2), offs_X)
+        # the same activation as one device (fused on CUDA): the eager one kept ~11.7 GiB more per H200 in ep2
+        return self.grouped_mm(self.glu(gate_up), w_down.transpose(1, 2), offs_X)
 
     def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         offs = offs_E.long()

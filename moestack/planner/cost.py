@@ -923,28 +923,9 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
-    extra = ep_eager_glu_bytes(part, ctx) if mode == "none" else 0.0
-    return scale * _saved_bytes(part, mode, ctx) + extra
-
-
-# Saved bytes per element of a routed row's [I] activation that the eager glu_activation (moestack/model/mlp.py)
-# keeps beyond the fused Triton GLU (which saves only gate_up, 2 x 2 bytes): situ_glu computes in fp32 and autograd
-# keeps tanh(g/b), sigmoid(g), b*tanh(g/b), tanh(u/c), act_g and c*tanh(u/c) (6 x 4 = 24 bytes); swiglu keeps g,
-# silu(g), u in bf16 (6 bytes). Both paths save the bf16 output for the down GEMM.
-EAGER_GLU_EXTRA_BYTES = {"situ_glu": 24.0 - 4.0, "swiglu": 6.0 - 4.0}
-
-
-def ep_eager_glu_bytes(part: PartWork, ctx: Ctx) -> float:
-    """Extra saved bytes of one MoE part under expert parallelism: `ExpertParallelExperts.local_forward`
-    (moestack/parallel/expert.py) runs the eager glu_activation where the one-device `Experts.forward` runs the
-    fused GLU that the tune measurement (Calibration.parts['moe']) saw. Mean load: SP-shard tokens x top-k rows.
-    Measured (2 x H200, ep2, 2026-11-30, phase peaks): activations at the end of forward 29.9 GiB vs 18.4 modelled;
-    this term gives 15 layers x 65536 rows x 640 x 20 B = 11.7 GiB (derived from the code, not fitted)."""
-    plan, spec = ctx.plan, ctx.spec
-    if part.kind != "moe" or plan.ep * plan.etp <= 1 or spec.moe is None:
-        return 0.0
-    per = EAGER_GLU_EXTRA_BYTES.get(spec.activation, 0.0)
-    return ctx.tokens_sp * part.top_k * spec.moe.expert_intermediate_size * per
+    # expert parallelism runs the same fused GLU as one device (Experts.glu; until 2026-11-30 it ran the eager one,
+    # which kept ~11.7 GiB more per H200 in the 2-GPU ep2 run: benchmarks/RESULTS.md, multi-GPU session 6)
+    return scale * _saved_bytes(part, mode, ctx)
 
 
 def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:

@@ -789,8 +789,10 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag", ctx.cal.comm)
         tp_f, tp_b = 2 * coll, 3 * coll  # exposed: plan.tp_comm_overlap is not read by tensor.py yet
     # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
-    # (tensor.py `_LocalView`: synchronous, on the critical path)
-    tp_b += tp_grad_sum_time(part, ctx)
+    # (tensor.py `_LocalView`: synchronous, on the critical path); plan.tp_grad_reduce = deferred sums them once per
+    # step instead (CostModel.evaluate, "tp_grad_sum")
+    if plan.tp_grad_reduce != "deferred":
+        tp_b += tp_grad_sum_time(part, ctx)
     # context parallel (moestack/parallel/context.py): all-gather of the MLA latent (+ indexer keys) overlapped with
     # the attention core; recurrent mixers relay their final state rank to rank, so the ranks run the layer one
     # after another (sequential, exposed), or (KDA, plan.cp_kda = scan) run at once and pay the scan's extra work
@@ -1117,7 +1119,7 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda)
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda, plan.tp_grad_reduce)
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
@@ -1160,7 +1162,7 @@ class CostModel:
         # moestack's TP keeps the head replicated and computes the loss on the rank's sequence shard (no gather of
         # the input); the [V, h] weight gradient is all-reduced over TP in every backward (tensor.py)
         coll = 0.0
-        if tp > 1:
+        if tp > 1 and plan.tp_grad_reduce != "deferred":  # deferred: once per step (evaluate, "tp_grad_sum")
             grad_b = FP32 if plan.precision == "fp32" else BF16
             coll = ring_time(cluster, self.work.head.params * grad_b, tp, 1, "ar", cal.comm)
         out.fwd = g + mtp + loss_f
@@ -1323,7 +1325,8 @@ class CostModel:
                                                         if ranks[c] == slow)))
         opt_time, off_time, host_bytes = self._optimizer_offload(plan, rank_dense, rank_expert, rank_cost,
                                                                  fwd, bwd, m)
-        step = t_pipe + p2p + dp_exposed + opt_time + off_time
+        tp_sum = self._deferred_tp_sum_time(plan, rank_counts[slow], kind_layer, slow == ranks[-1])
+        step = t_pipe + p2p + dp_exposed + tp_sum + opt_time + off_time
 
         # breakdown (critical rank, per step)
         rc = PartCost()
@@ -1339,6 +1342,7 @@ class CostModel:
         time["pp_bubble"] = max(0.0, t_pipe - m * (fwd[slow] + bwd[slow]))
         time["pp_p2p"] = p2p
         time["dp_comm"] = dp_exposed
+        time["tp_grad_sum"] = tp_sum
         time["optimizer"] = opt_time
         time["offload"] = off_time
         time = {k: val for k, val in time.items() if val > 0}
@@ -1452,6 +1456,20 @@ class CostModel:
             mem["activations"] = 0.0
             mem["gradients"] = max(0.0, mem["gradients"] - embedding)
             mem["buffers"] = first
+
+    def _deferred_tp_sum_time(self, plan: Plan, counts: dict[int, int], kind_layer: dict, has_head: bool) -> float:
+        """plan.tp_grad_reduce = deferred (moestack/parallel/tensor.py `finish_tp_grad_reduce`): the partial TP
+        gradients of one rank summed once per step, after the last backward, exposed; on FSDP's fp32 gradients,
+        sharded over the dense dp_shard (the reduce-scatter ran first); bucketed, so one ring all-reduce's time."""
+        if plan.tp <= 1 or plan.tp_grad_reduce != "deferred":
+            return 0.0
+        nbytes = sum(tp_grad_sum_bytes(part, plan) * count for k_id, count in counts.items()
+                     for part in kind_layer[k_id].parts)  # fmt: skip
+        grad_b = FP32 if plan.precision == "fp32" else BF16
+        if has_head:
+            nbytes += self.work.head.params * grad_b
+        nbytes *= FP32 / grad_b / self._shards(plan)[0]
+        return ring_time(self.cluster, nbytes, plan.tp, 1, "ar", self.cal.comm) if nbytes else 0.0
 
     def _dp_times(self, plan: Plan, dense: float, expert: float, fwd: float, bwd: float, m: int,
                   layers: int) -> tuple[float, float]:
@@ -1632,7 +1650,8 @@ def binding_constraint(cost: PlanCost) -> str:
     names = {"gemm": "GEMM compute", "attention": "attention kernels", "kda": "KDA kernels",
              "elementwise": "memory-bound kernels", "recompute": "recompute", "tp_comm": "TP communication",
              "cp_comm": "CP communication", "ep_comm": "EP all-to-all", "pp_bubble": "pipeline bubble",
-             "pp_p2p": "pipeline p2p", "dp_comm": "DP communication", "optimizer": "optimizer step",
+             "pp_p2p": "pipeline p2p", "dp_comm": "DP communication", "tp_grad_sum": "deferred TP gradient sums",
+             "optimizer": "optimizer step",
              "offload": "host offload link", "host": "host (CPU) launch time"}
     key = max(cost.time, key=cost.time.get)
     return f"{names.get(key, key)} ({cost.time[key] / cost.step_time_s:.0%} of step)"

@@ -312,6 +312,27 @@ def test_tp_gradient_sums_every_micro_batch():
     assert cm.evaluate(p_ep1).time.get("dp_comm", 0.0) == 0.0
 
 
+def test_deferred_tp_gradient_sums_once_per_step():
+    """plan.tp_grad_reduce = deferred: no TP gradient all-reduce in the micro-batches' backward (parts or head), one
+    per step over the rank's partial gradients in fp32 (FSDP's reduce dtype), whatever the micro-batch count."""
+    cm = _model(devices=2)
+    eager = _plan(devices=2, tp=2, global_batch_size=8, micro_batch_size=2)
+    deferred = eager.model_copy(update={"tp_grad_reduce": "deferred"})
+    part, c_e = _part(cm, eager, "moe")
+    _, c_d = _part(cm, deferred, "moe")
+    assert c_e.parts["tp_comm"] - c_d.parts["tp_comm"] == pytest.approx(C.tp_grad_sum_time(part, C.Ctx(
+        eager, cm.spec, cm.cluster, cm.cal, 2 * 2048)))  # fmt: skip
+    assert cm.head_cost(deferred).parts["tp_comm"] == 0.0 < cm.head_cost(eager).parts["tp_comm"]
+    t_e, t_d = cm.evaluate(eager), cm.evaluate(deferred)
+    assert "tp_grad_sum" not in t_e.time and t_d.time["tp_grad_sum"] > 0
+    nbytes = sum(C.tp_grad_sum_bytes(p, eager) for layer in cm.work.layers for p in layer.parts)
+    nbytes += cm.work.head.params * 2
+    assert t_d.time["tp_grad_sum"] == pytest.approx(C.ring_time(cm.cluster, nbytes * 2, 2, 1, "ar", cm.cal.comm),
+                                                    rel=1e-6)  # fmt: skip
+    more_mb = cm.evaluate(deferred.model_copy(update={"global_batch_size": 16}))
+    assert more_mb.time["tp_grad_sum"] == pytest.approx(t_d.time["tp_grad_sum"])
+
+
 def test_tp_collectives_exposed_and_fsdp_bf16_copy():
     """moestack's TP collectives run on the compute stream (plan.tp_comm_overlap is not implemented): the same
     time with and without the flag. A distributed ZeRO-0 plan (FSDP2 on one shard) holds the bf16 compute copy of

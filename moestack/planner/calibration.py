@@ -120,11 +120,18 @@ class HostCalibration(StrictModel):
     clean 2-GPU runs on another machine of the same kind (session 6, call 4) measured ep2 at 0.50-0.53 s/step
     (this fit: 0.449), tp2 at 0.62 (planner 0.506), zero3_ep2 at 0.61 (0.451): the host share varies between
     machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
-    runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0."""
+    runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
+
+    The defaults above are that 2 x H200 fit. `moestack tune` replaces layer_s with the local machine's measurement
+    (planner/measure_host.py): the wall time of the whole model's forward + backward of one 256-token micro-batch
+    (host-bound: the device idles), divided by the layers cost.py charges, and says how in `source`. It covers the
+    embedding, blocks, head and loss, not the optimizer step (priced on its own), which the fitted default absorbed.
+    ep_moe_s and tp_layer_s keep their defaults (they need several GPUs)."""
 
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
+    source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune writes device, date, numbers)
 
 
 # a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)

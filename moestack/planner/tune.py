@@ -9,6 +9,8 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   KDA core        moestack.ops.kda.chunk_kda with the backend the dispatcher picks, at the model's heads and length
   sparse attn     moestack.ops.dsa.sparse_mqa_attention (the selected backend), k = the indexer's top-k
   indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
+  host floor      the whole model's forward + backward of one 256-token micro-batch, wall clock, over its layers
+                  -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep their defaults)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
@@ -23,10 +25,13 @@ from pathlib import Path
 from moestack.planner.calibration import (
     Calibration,
     GemmPoint,
+    HostCalibration,
     PartCalibration,
     load_calibration,
     save_calibration,
 )
+
+HOST_BOUND_GROWTH = 0.10  # wall-time growth at 2x tokens above which the host measurement is only an upper bound
 
 
 def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
@@ -222,6 +227,36 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
     return out
 
 
+def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda") -> tuple[HostCalibration, str]:
+    """`base` with layer_s measured on this machine (planner/measure_host.py) and its provenance in `source`, and
+    one line for tune's output. On CPU, or when the measurement fails, `base` unchanged and a line that says so.
+    ep_moe_s and tp_layer_s stay: they need several GPUs."""
+    import datetime
+
+    import torch
+
+    from moestack.planner.measure_host import measure_host
+
+    keep = f"keeping the default layer_s {base.layer_s * 1e3:.1f} ms"
+    if torch.device(device).type != "cuda":
+        return base, f"host floor: not measured on {device} (a CPU time says nothing about a GPU run); {keep}"
+    try:
+        t = measure_host(spec, ep=ep, device=device)
+    except Exception as err:  # noqa: BLE001 - tune's other measurements stand; the default is a valid calibration
+        return base, f"host floor: measurement failed ({type(err).__name__}: {err}); {keep}"
+    name = torch.cuda.get_device_name(torch.device(device))
+    sampled = (f", {t.layers_built} of {t.layers_trained} blocks built (memory)"
+               if t.layers_built < t.layers_trained else "")
+    bound = (f"; device time leaks in (+{t.growth_2x:.0%} at 2x tokens): an upper bound"
+             if t.growth_2x > HOST_BOUND_GROWTH else f"; host-bound (+{t.growth_2x:.0%} at 2x tokens)")
+    source = (f"moestack tune {datetime.date.today().isoformat()} {name}: median of {t.reps} fwd+bwd at {t.tokens} "
+              f"tokens = {t.wall_s:.4f} s over {t.layers:g} layers{sampled}{bound}")
+    host = base.model_copy(update={"layer_s": t.layer_s, "source": source})
+    line = (f"host floor: {t.layer_s * 1e3:.2f} ms per layer per micro-batch (default {base.layer_s * 1e3:.2f}): "
+            f"{t.wall_s * 1e3:.1f} ms fwd+bwd at {t.tokens} tokens over {t.layers:g} layers{sampled}{bound}")
+    return host, line
+
+
 def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit extra = fixed + per_token * tokens through the points (two, or one), both terms >= 0."""
     (n1, e1) = points[0]
@@ -367,7 +402,9 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                         f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
                         f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
                         f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
-    cal = cal.model_copy(update={"parts": parts})
+    host, host_line = calibrate_host(spec, base.host, ep)
+    measured.append(host_line)
+    cal = cal.model_copy(update={"parts": parts, "host": host})
     path = out or Path(f"calibration-{name.replace(' ', '_').lower()}.json")
     save_calibration(cal, path)
     print(f"8192^3 bf16 GEMM: {big * peak_bf16 / 1e12:.0f} TFLOP/s; SDPA fwd {attn_f * peak_bf16 / 1e12:.0f} / "

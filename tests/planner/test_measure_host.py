@@ -1,0 +1,109 @@
+"""Host-floor measurement (planner/measure_host.py) and its path into the calibration (`moestack tune`)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from moestack.config.cluster import load_cluster_spec
+from moestack.config.model_spec import load_model_spec
+from moestack.config.plan import make_plan
+from moestack.planner import measure_host as mh
+from moestack.planner.calibration import HostCalibration, load_calibration, save_calibration
+from moestack.planner.cost import CostModel
+from moestack.planner.measure_host import HostTiming, measure_host, sampled_spec
+from moestack.planner.profile import profile_model
+from moestack.planner.tune import calibrate_host
+
+
+def _with_mtp(name: str):
+    # one MTP block: cost.py charges layer_s for it, the trainer does not run it (priced != trained layers)
+    return load_model_spec(name).model_copy(update={"mtp_layers": 1})
+
+
+def _host_seconds_per_micro_batch(spec, cal, seq=2048) -> float:
+    """What cost.py's host floor charges one micro-batch's forward + backward on one device (pp = tp = ep = 1)."""
+    plan = make_plan(model=spec.name, cluster="h200-1gpu", devices=1, seq_len=seq, micro_batch_size=1,
+                     global_batch_size=1)
+    cm = CostModel(spec, load_cluster_spec("h200-1gpu").with_devices(1), cal, seq,
+                   profile_model(spec, seq).train_flops_per_token)
+    _, kind_layer, i_kind = cm.kind_costs(plan)
+    host_f, host_b = cm.host_times(plan, [dict(Counter(i_kind))], kind_layer)
+    return host_f[0] + host_b[0]
+
+
+def test_measure_host_runs_the_whole_model_on_cpu():
+    spec = _with_mtp("tiny")
+    t = measure_host(spec, seq_len=16, device="cpu", warmup=0, reps=1)
+    assert t.wall_s > 0 and t.wall_2x_s > 0 and t.tail_s >= 0
+    assert (t.tokens, t.reps) == (16, 1)
+    assert (t.layers_built, t.layers_trained, t.layers_priced) == (4, 4, 5)
+    assert t.layer_s == pytest.approx(t.wall_s / 5)
+
+
+@pytest.mark.parametrize("built", [16, 5])
+def test_measured_layer_s_reproduces_the_measured_pass_in_the_cost_model(built):
+    # the quantity divided must be what cost.py multiplies by: with layer_s from a measurement, the planner's host
+    # time of one micro-batch is the measured wall time (scaled to the whole model when only `built` blocks ran)
+    spec = _with_mtp("proxy")
+    wall = 0.2
+    t = HostTiming(wall_s=wall, wall_2x_s=wall, tail_s=0.0, tokens=256, reps=7, layers_built=built,
+                   layers_trained=spec.num_layers, layers_priced=spec.num_layers + 1)
+    cal = load_calibration()
+    cal = cal.model_copy(update={"host": cal.host.model_copy(update={"layer_s": t.layer_s})})
+    assert _host_seconds_per_micro_batch(spec, cal) == pytest.approx(wall * spec.num_layers / built, rel=1e-9)
+
+
+def test_sampled_spec_keeps_the_layer_kinds():
+    spec = load_model_spec("proxy")  # 16 layers: kda/dense x1, kda/moe x11, mla/moe x4
+    small = sampled_spec(spec, 5)
+    kinds = Counter((k.mixer, k.ffn) for k in small.layer_kinds())
+    assert kinds == {("kda", "dense"): 1, ("kda", "moe"): 3, ("mla", "moe"): 1}
+    assert sampled_spec(spec, 16) is spec
+
+
+def test_calibrate_host_keeps_the_default_on_cpu_and_on_failure(monkeypatch):
+    base = HostCalibration()
+    host, line = calibrate_host(load_model_spec("tiny"), base, device="cpu")
+    assert host == base and "not measured" in line and "default" in line
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(mh, "measure_host", fail)
+    host, line = calibrate_host(load_model_spec("tiny"), base, device="cuda")
+    assert host == base and "failed" in line and "OutOfMemoryError" in line
+
+
+def test_calibrate_host_writes_layer_s_and_source_into_the_calibration(monkeypatch, tmp_path):
+    t = HostTiming(wall_s=0.24, wall_2x_s=0.25, tail_s=0.001, tokens=256, reps=7, layers_built=4,
+                   layers_trained=4, layers_priced=4)
+    monkeypatch.setattr(mh, "measure_host", lambda spec, ep=1, device="cuda": t)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    base = load_calibration()
+    host, line = calibrate_host(load_model_spec("tiny"), base.host, device="cuda")
+    assert host.layer_s == pytest.approx(0.06)
+    assert (host.ep_moe_s, host.tp_layer_s) == (base.host.ep_moe_s, base.host.tp_layer_s)
+    assert "Fake GPU" in host.source and "median of 7 fwd+bwd at 256 tokens" in host.source
+    assert "host-bound" in host.source and "60.00 ms" in line
+    path = tmp_path / "cal.json"
+    save_calibration(base.model_copy(update={"host": host}), path)
+    assert load_calibration(path).host == host
+    # a wall time that grows with the tokens is flagged as an upper bound
+    t.wall_2x_s = 0.36
+    host, line = calibrate_host(load_model_spec("tiny"), base.host, device="cuda")
+    assert "upper bound" in host.source and "upper bound" in line
+
+
+def test_calibration_files_without_host_source_still_load(tmp_path):
+    data = load_calibration().model_dump(mode="json")
+    del data["host"]["source"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert load_calibration(path).host.source == ""
+    del data["host"]
+    path.write_text(json.dumps(data))
+    assert load_calibration(path).host == HostCalibration()

@@ -122,7 +122,8 @@ class HostCalibration(StrictModel):
     machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
     runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
 
-    The defaults above are that 2 x H200 fit. `moestack tune` replaces layer_s with the local machine's measurement
+    The defaults above are that 2 x H200 fit. `moestack tune --measure-host` (opt-in: not yet run on a GPU) replaces
+    layer_s with the local machine's measurement
     (planner/measure_host.py): the wall time of the whole model's forward + backward of one 256-token micro-batch
     (host-bound: the device idles), divided by the layers cost.py charges, and says how in `source`. It covers the
     embedding, blocks, head and loss, not the optimizer step (priced on its own), which the fitted default absorbed.
@@ -131,7 +132,7 @@ class HostCalibration(StrictModel):
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
-    source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune writes device, date, numbers)
+    source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 
 
 # a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)

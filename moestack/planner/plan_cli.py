@@ -109,11 +109,15 @@ def tune(
         Optional[Path], typer.Option("--out", "-o", help="calibration JSON to write (default: per-GPU name)")
     ] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
+    measure_host: Annotated[
+        bool, typer.Option("--measure-host", help="also measure the host floor (host.layer_s) on this machine "
+                           "(opt-in until checked on a GPU; default: the 2 x H200 fit)")
+    ] = False,
 ) -> None:
     """Measure GEMM / grouped GEMM / attention efficiencies at the model's shapes and write a calibration file."""
     from moestack.planner.tune import run_tune
 
-    run_tune(model, plan_path, out, seq_len)
+    run_tune(model, plan_path, out, seq_len, measure_host=measure_host)
 
 
 def tune_comm(

@@ -9,8 +9,9 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   KDA core        moestack.ops.kda.chunk_kda with the backend the dispatcher picks, at the model's heads and length
   sparse attn     moestack.ops.dsa.sparse_mqa_attention (the selected backend), k = the indexer's top-k
   indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
-  host floor      the whole model's forward + backward of one 256-token micro-batch, wall clock, over its layers
-                  -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep their defaults)
+  host floor      with --measure-host: the whole model's forward + backward of one 256-token micro-batch, wall
+                  clock, over its layers -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep
+                  their defaults; opt-in until checked on a GPU)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
@@ -299,7 +300,8 @@ def _backend_names() -> dict[str, str]:
     return names
 
 
-def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int | None) -> Calibration | None:
+def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int | None,
+             measure_host: bool = False) -> Calibration | None:
     """Measure and write the calibration; returns it (None without a GPU)."""
     import torch
 
@@ -402,7 +404,11 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                         f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
                         f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
                         f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
-    host, host_line = calibrate_host(spec, base.host, ep)
+    # opt-in (--measure-host): the measurement has not run on a GPU yet, and it leaves out the optimizer step and the
+    # FSDP / DTensor hooks that the fitted default includes
+    host, host_line = (calibrate_host(spec, base.host, ep) if measure_host else
+                       (base.host, f"host floor: default layer_s {base.host.layer_s * 1e3:.1f} ms (--measure-host "
+                                   f"measures it on this machine)"))
     measured.append(host_line)
     cal = cal.model_copy(update={"parts": parts, "host": host})
     path = out or Path(f"calibration-{name.replace(' ', '_').lower()}.json")

@@ -17,6 +17,7 @@
 #      them; needs STEPS >= 8),
 #      PHASE_PEAKS (a comma list of layout names: step 10 of those runs records the peak allocated memory per phase,
 #      run_NAME/phase_peaks_rank{r}.json, moestack/memory/phase_peaks.py; needs STEPS >= 10),
+#      MEASURE_HOST (set: `moestack tune --measure-host`, the host floor measured on this machine; when tune runs),
 #      TUNE_COMM (1; 0 skips `moestack tune-comm`, e.g. when CALIBRATION already holds its `comm` section),
 #      SINGLE_FROM (a folder holding run_single/ and plan_single.yaml of an earlier call with the same STEPS / SEQ /
 #      GBS: reused as the reference instead of training it again; the device calls are 10 minutes each).
@@ -67,7 +68,7 @@ CAL=()
 if [ -n "${CALIBRATION:-}" ]; then  # reuse the calibration of an earlier call on the same kind of GPU
   CAL=(--calibration "$CALIBRATION")
 elif [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors measured on this GPU first
-  $PY -m moestack tune "$MODEL" --out "$DEST/calibration.json" > "$DEST/tune.log" 2>&1 \
+  $PY -m moestack tune "$MODEL" --out "$DEST/calibration.json" ${MEASURE_HOST:+--measure-host} > "$DEST/tune.log" 2>&1 \
     && CAL=(--calibration "$DEST/calibration.json") || echo "| tune | failed: $(tail -1 "$DEST/tune.log") |"
 fi
 # collective bus bandwidth / latency measured on these NPROC ranks (NCCL on cuda, gloo at small sizes on cpu), merged

@@ -6,7 +6,8 @@
 Selection: the fused indexer's top-2048 on random bf16 indexer inputs (as benchmarks/dsa_fwd_indexer.py), random
 bf16 q / latent, d_qk 576 / d_v 512. Rows: T = 32768 with H = 64 (every Gluon key-block / stage config, and the
 Triton default at its best config H64 K64 V512 w8 s2), then H = 20, 96, 128 and T = 8192 / 131072 at H = 64 with
-the fastest Gluon config of that sweep; TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference vs Triton.
+the fastest Gluon config of that sweep; TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference
+vs Triton.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def main() -> None:
                 if time.time() - T0 > args.budget_s:
                     break
 
-                def fn(bk=bk, ns=ns):
-                    return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, block_k=bk, num_stages=ns)
+                def fn(cfg=(bk, ns)):
+                    return G.sparse_mqa_fwd_gluon(q, kv, idx, V_DIM, SCALE, config=cfg)
 
                 out = fn()
                 n = min(T, 8192)  # rel() masks with nonzero(): the first tokens only at T = 131072

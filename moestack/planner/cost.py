@@ -925,8 +925,7 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     if mode == "full":
         return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
-    # expert parallelism runs the same fused GLU as one device (Experts.glu; until 2026-11-30 it ran the eager one,
-    # which kept ~11.7 GiB more per H200 in the 2-GPU ep2 run: benchmarks/RESULTS.md, multi-GPU session 6)
+    # no extra term under expert parallelism: its local experts run the same activation as one device (Experts.glu)
     return scale * _saved_bytes(part, mode, ctx)
 
 
@@ -1119,7 +1118,8 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda, plan.tp_grad_reduce)
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
+               plan.tp_grad_reduce)
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
@@ -1458,7 +1458,8 @@ class CostModel:
             mem["gradients"] = max(0.0, mem["gradients"] - embedding)
             mem["buffers"] = first
 
-    def _deferred_tp_sum_time(self, plan: Plan, counts: dict[int, int], kind_layer: dict, has_head: bool) -> float:
+    def _deferred_tp_sum_time(self, plan: Plan, counts: dict[int, int], kind_layer: list[LayerWork],
+                              has_head: bool) -> float:
         """plan.tp_grad_reduce = deferred (moestack/parallel/tensor.py `finish_tp_grad_reduce`): the partial TP
         gradients of one rank summed once per step, after the last backward, exposed; on FSDP's fp32 gradients,
         sharded over the dense dp_shard (the reduce-scatter ran first); bucketed, so one ring all-reduce's time."""

@@ -432,7 +432,8 @@ class Trainer:
         if self._phase_peaks is not None:
             self._phase_peaks.in_forward = False
             self._phase_peaks.mark("clip + optimizer")
-        finish_tp_grad_reduce(self.model)  # plan.tp_grad_reduce deferred: the TP gradient sums, before .grad is read
+        if self.plan is not None and self.plan.tp_grad_reduce == "deferred":
+            finish_tp_grad_reduce(self.model)  # the TP gradient sums, before .grad is read
         grad_norm = self._clip()
         if not finite or not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)

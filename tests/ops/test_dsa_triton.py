@@ -404,8 +404,7 @@ def test_gluon_forward_gpu_matches_reference(H, K, cfg):
     scale = (V + R) ** -0.5
     o_ref, lse_ref = ref.sparse_mqa_attention(q.float(), kv.float(), idx.long(), V, scale)
     idx[0, 7] = -1  # a query with no key: o = 0, lse = -inf (the reference needs >= 1 key: row 7 checked alone)
-    bk, ns = cfg or (None, None)
-    o, lse = gluon_attn_fwd.sparse_mqa_fwd_gluon(q, kv, idx, V, scale, block_k=bk, num_stages=ns)
+    o, lse = gluon_attn_fwd.sparse_mqa_fwd_gluon(q, kv, idx, V, scale, config=cfg)
     keep = torch.ones(T, dtype=torch.bool, device="cuda")
     keep[7] = False
     assert _rel(o[0, keep], o_ref[0, keep]) < GPU_TOL_OUT

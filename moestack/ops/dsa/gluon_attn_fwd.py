@@ -29,9 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from moestack.ops.dsa.triton_attn_fwd import LOG2E
+
 # written against Triton 3.6's Gluon API (experimental: it changes between releases)
 TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
-LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 BLOCK_H = 64  # one wgmma M tile: 4 warps x 16 rows
 # (BLOCK_K, NUM_STAGES): shared memory = Q 72 KB + NUM_STAGES x BLOCK_K x 1152 B + P; sm_90 allows 227 KB (ptxas on
@@ -181,12 +182,13 @@ def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
             and v_dim == 512 and q.shape[-1] == 576 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
 
 
-def sparse_mqa_fwd_gluon(q, kv, idx, v_dim: int, scale: float, block_k: int | None = None,
-                         num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """q [B,T,H,576], kv [B,S,576], idx [B,T,K] int32 -> (o [B,T,H,512], lse [B,T,H] fp32); see the module doc."""
+def sparse_mqa_fwd_gluon(q, kv, idx, v_dim: int, scale: float,
+                         config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q [B,T,H,576], kv [B,S,576], idx [B,T,K] int32 -> (o [B,T,H,512], lse [B,T,H] fp32); see the module doc.
+    config: (BLOCK_K, NUM_STAGES), one of CONFIGS (default DEFAULT_CONFIG)."""
     B, T, H, D = q.shape
     K = idx.shape[-1]
-    bk, ns = (block_k, num_stages) if block_k else DEFAULT_CONFIG
+    bk, ns = config or DEFAULT_CONFIG
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     o = torch.empty((B, T, H, v_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, H), device=q.device, dtype=torch.float32)

@@ -15,8 +15,8 @@ counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a l
 for the prefix sum.
 
 Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key
-stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as indexer_select_kernel's
-MODE_SELECT; packed documents (DSTART) supported.
+stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as
+indexer_select_kernel's MODE_SELECT; packed documents (DSTART) supported.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ DEFAULT_CONFIG = (256, 4)
 @gluon.jit
 def _issue_q(q_buf, q_base, head, s_qh, rows_ok, o_q):
     """cp.async of head `head`'s q rows [BLOCK_T, Di] into q_buf (rows past t1 zero-filled)."""
-    async_copy.async_copy_global_to_shared(q_buf, q_base + head * s_qh + o_q, mask=rows_ok[:, None])  # head * s_qh < 2^31
+    # head * s_qh is int32: < 2^31 for any indexer (heads x head dim)
+    async_copy.async_copy_global_to_shared(q_buf, q_base + head * s_qh + o_q, mask=rows_ok[:, None])
 
 
 @gluon.jit
@@ -108,15 +109,15 @@ def _indexer_select_gluon_kernel(
     async_copy.wait_group(Q_STAGES - 2)  # the key tile and head 0
     fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
     gl.thread_barrier()
-    # two score registers in turn (unrolled by two heads): a register copy of an in-flight product would make
-    # ptxas serialise the wgmmas
+    # two score registers in turn (unrolled by two heads), head j + 1's product issued before head j's epilogue;
+    # ptxas still serialises the wgmmas here (C7514, see the module doc), so the two do not overlap in practice
     s_a = warpgroup_mma(q_ring.index(0), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     for j in range(0, Hi - 2, 2):
         _head_ready(q_ring, q_base, j, Hi, s_qh, rows_ok, o_q, Q_STAGES)
         s_b = warpgroup_mma(q_ring.index((j + 1) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
                             is_async=True)  # fmt: skip
         w_j = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
-        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))  # head j done, head j + 1 in flight
+        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))  # head j done
         acc += gl.maximum(s_a, 0.0) * w_j[:, None]
         _head_ready(q_ring, q_base, j + 1, Hi, s_qh, rows_ok, o_q, Q_STAGES)
         s_a = warpgroup_mma(q_ring.index((j + 2) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,

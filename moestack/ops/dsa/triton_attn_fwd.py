@@ -13,6 +13,7 @@ Shape legend: B batch, T queries, S keys, H heads, D = V + R latent dims, K sele
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -286,12 +287,15 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: in
         raise ValueError(f"kv dtype {kv.dtype} must equal q dtype {q.dtype}")
 
 
-def _gluon_applies(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
+def gluon_module(name: str):
+    """moestack.ops.dsa.<name> (a Gluon kernel module), or None where it cannot run: under the interpreter, or on a
+    Triton without Gluon (an experimental API; the modules also check the version in their applicability test)."""
+    if INTERPRET:
+        return None
     try:
-        from moestack.ops.dsa import gluon_attn_fwd
-    except ImportError:  # a Triton without Gluon
-        return False
-    return gluon_attn_fwd.supported(q, kv, v_dim)
+        return importlib.import_module(f"moestack.ops.dsa.{name}")
+    except ImportError:
+        return None
 
 
 def sparse_mqa_fwd(
@@ -309,6 +313,15 @@ def sparse_mqa_fwd(
         raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS} (argument or {FWD_ENV_VAR})")
     check_inputs(q, kv, idx, v_dim)
     B, T, H, D = q.shape
+    if variant in ("auto", "gluon"):  # before the Triton kernels' NaN-poisoned outputs: the Gluon path has its own
+        gluon = gluon_module("gluon_attn_fwd")
+        if gluon is not None and gluon.supported(q, kv, v_dim):
+            return gluon.sparse_mqa_fwd_gluon(q, kv, idx, v_dim, scale)
+        if variant == "gluon":
+            raise ValueError(f"forward variant 'gluon' needs an sm_90 GPU, bf16 / fp16 and a 512 + 64 latent (got "
+                             f"{q.device} {q.dtype}, D={D}, v_dim={v_dim}); use 'auto' (or unset "
+                             f"{FWD_ENV_VAR})")  # fmt: skip
+        variant = "default"
     K = idx.shape[-1]
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
@@ -316,16 +329,6 @@ def sparse_mqa_fwd(
     lse = torch.full((B, T, H), float("nan"), device=q.device, dtype=torch.float32)
 
     VP, RP = padded_dims(v_dim, D - v_dim)
-
-    if variant == "auto":
-        variant = "gluon" if not INTERPRET and _gluon_applies(q, kv, v_dim) else "default"
-    if variant == "gluon":
-        from moestack.ops.dsa import gluon_attn_fwd
-
-        if not gluon_attn_fwd.supported(q, kv, v_dim):
-            raise ValueError(f"forward variant 'gluon' needs an sm_90 GPU, bf16 / fp16 and a 512 + 64 latent (got "
-                             f"{q.device} {q.dtype}, D={D}, v_dim={v_dim}); unset {FWD_ENV_VAR}")  # fmt: skip
-        return gluon_attn_fwd.sparse_mqa_fwd_gluon(q, kv, idx, v_dim, scale)
     if variant != "default":
         lines = triton.cdiv(D * q.element_size(), 128)  # 128-byte lines per latent row (9 at 576 bf16)
         _sparse_mqa_fwd_kernel_splits[lambda meta: (B * T, triton.cdiv(H, meta["BLOCK_H"]))](

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET, autotune_off
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, autotune_off, gluon_module
 
 SCORER_ENV_VAR = "MOESTACK_DSA_IDX_SCORER"
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
@@ -208,14 +208,6 @@ def quantize_fp8(q_idx, k_idx, w):
     return q8, k8, (w.float() * sq).contiguous(), sk.contiguous()
 
 
-def _gluon_scorer_applies(q, k, kscale) -> bool:
-    try:
-        from moestack.ops.dsa import gluon_indexer_select
-    except ImportError:  # a Triton without Gluon
-        return False
-    return gluon_indexer_select.applies(q, k, kscale)
-
-
 @torch.no_grad()
 def indexer_topk_fused(
     q_idx: torch.Tensor,
@@ -260,14 +252,15 @@ def indexer_topk_fused(
         q, k, wq, kscale = quantize_fp8(q_idx, k_idx, w)
     else:
         q, k, wq, kscale = q_idx.contiguous(), k_idx.to(q_idx.dtype).contiguous(), w.contiguous(), None
-    if scorer == "auto":
-        scorer = "gluon" if not INTERPRET and _gluon_scorer_applies(q, k, kscale) else "triton"
-    if scorer == "gluon":
-        from moestack.ops.dsa import gluon_indexer_select
-
-        if not gluon_indexer_select.applies(q, k, kscale):
+    gluon_select = None  # the Gluon candidate pass (gluon_indexer_select), where it applies and is asked for
+    if scorer in ("auto", "gluon"):
+        gluon_select = gluon_module("gluon_indexer_select")
+        if gluon_select is not None and not gluon_select.applies(q, k, kscale):
+            gluon_select = None
+        if scorer == "gluon" and gluon_select is None:
             raise ValueError(f"scorer 'gluon' needs an sm_90 GPU, bf16 / fp16 (not fp8) and an even number of heads "
-                             f"of 64 / 128 / 256 dims (got {q.device} {q.dtype}, q {tuple(q.shape)}, fp8={fp8})")  # fmt: skip
+                             f"of 64 / 128 / 256 dims (got {q.device} {q.dtype}, q {tuple(q.shape)}, fp8={fp8}); "
+                             f"use scorer='auto' (or unset {SCORER_ENV_VAR})")  # fmt: skip
     pos_T = torch.arange(T, device=dev)
     if cu_seqlens is None:
         dstart = None
@@ -304,8 +297,8 @@ def indexer_topk_fused(
         else:  # the select kernel reads slots < count only
             cand_s = torch.empty((B, R, cap), device=dev, dtype=torch.float32)
             cand_i = torch.empty((B, R, cap), device=dev, dtype=torch.int32)
-        if scorer == "gluon":
-            gluon_indexer_select.launch_select(q, k, wq, dstart, thr, cnt, cand_s, cand_i, t0, t1, cap)
+        if gluon_select is not None:
+            gluon_select.launch_select(q, k, wq, dstart, thr, cnt, cand_s, cand_i, t0, t1, cap)
         else:
             _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
         if select == "torch":

@@ -31,6 +31,7 @@ def bench_indexer() -> None:
     from moestack.ops.dsa import triton_attn_fwd as F
     from moestack.ops.dsa import triton_indexer_fused as X
 
+    default_cfg = GI.DEFAULT_CONFIG
     row("shape", "indexer scorer", "ms", "vs triton", "shared keys", "fallback rows")
     row("---", "---", "---", "---", "---", "---")
     for T in (32768, 131072):
@@ -46,15 +47,28 @@ def bench_indexer() -> None:
                 st = {}
                 got = X.indexer_topk_fused(*inp, TOP_K, scorer="gluon", stats=st)
                 ms = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="gluon"), reps=3)
-                row(f"T={T}", f"gluon S{cfg[0]} q{cfg[1]}", f"{ms:.2f}", f"{ms_t / ms:.2f}x",
-                    f"{overlap(got, base):.4f}", str(st["fallback_rows"]))  # fmt: skip
+                name = f"gluon S{cfg[0]} q{cfg[1]}{' paired' if cfg[2] else ''}"
+                row(f"T={T}", name, f"{ms:.2f}", f"{ms_t / ms:.2f}x", f"{overlap(got, base):.4f}",
+                    str(st["fallback_rows"]))  # fmt: skip
                 best = min(best, ms)
                 del got
             except Exception as e:  # noqa: BLE001 - report and go on
-                row(f"T={T}", f"gluon S{cfg[0]} q{cfg[1]}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                row(f"T={T}", f"gluon {cfg}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}",
                     "", "", "", "")  # fmt: skip
+        GI.DEFAULT_CONFIG = default_cfg
         del inp
         torch.cuda.empty_cache()
+        # the sampled threshold: kth_largest_kernel against the torch.topk + gather it replaced, on one row chunk's
+        # samples of this T (stride 16, r ~ 1.5 k / 16)
+        rows = min(T, 16384)
+        samp = torch.randn(1, rows, T // 16, device="cuda")
+        kth = torch.full((rows,), 193, device="cuda", dtype=torch.int32)
+        ms_k = timed(lambda: X.kth_largest(samp, kth), reps=5)
+        ms_s = timed(lambda: samp.topk(195, dim=-1).values.gather(-1, (kth.long() - 1)[None, :, None]), reps=5)
+        same = bool(torch.equal(X.kth_largest(samp, kth), samp.topk(195, dim=-1).values[..., 192]))
+        row(f"T={T}", f"threshold of {rows} rows x {T // 16} samples", f"kernel {ms_k:.2f}", f"torch.topk {ms_s:.2f}",
+            f"equal {same}", f"x {T / rows:.0f} chunks")  # fmt: skip
+        del samp
         if T == 131072:
             q, kv = attention_inputs(T, 64)
             fwd = timed(lambda: F.sparse_mqa_fwd(q, kv, base, V_DIM, SCALE), reps=3)

@@ -137,6 +137,21 @@ def test_topk_select_kernel_ties_and_short_rows():
             assert sorted(float(cs[b, r, pos[i]]) for i in got) == sorted(want.tolist())
 
 
+@pytest.mark.parametrize("n", [11, 40])  # one block of samples in registers / several blocks re-read per count
+def test_kth_largest_kernel(n):
+    """The sampled threshold's k-th largest per row (kth_largest_kernel) equals torch.topk's, with ties, -inf
+    (invisible samples), negative values and k = 1 and k = n."""
+    g = torch.Generator().manual_seed(n)
+    B, R = 2, 5
+    s = torch.randint(-4, 5, (B, R, n), generator=g).float() * 0.25
+    s[0, 1, n // 2 :] = float("-inf")
+    s[1, 2] = torch.randn(n, generator=g)
+    kth = torch.tensor([1, n // 2 + 1, 3, n, 2], dtype=torch.int32)
+    got = fused.kth_largest(s, kth)
+    want = s.sort(-1, descending=True).values.gather(-1, (kth.long() - 1).expand(B, R)[..., None])[..., 0]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("cu", [[0, 10, 25, 45], [0, 30, 45]])
 def test_indexer_fused_documents(cu):
     q, k, w = _indexer_inputs(1, 45, 2, 16, seed=len(cu))

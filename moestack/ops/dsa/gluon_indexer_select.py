@@ -31,9 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 # written against Triton 3.6's Gluon API (experimental: it changes between releases)
 TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key columns
-# (BLOCK_S, Q_STAGES)
-CONFIGS = ((256, 4), (128, 4))
-DEFAULT_CONFIG = (256, 4)
+# (BLOCK_S, Q_STAGES, PAIRED)
+CONFIGS = ((256, 4, False), (128, 4, False), (256, 6, True), (256, 4, True), (128, 6, True), (128, 4, True))
+DEFAULT_CONFIG = (256, 4, False)
 
 
 @gluon.jit
@@ -62,10 +62,11 @@ def _indexer_select_gluon_kernel(
     t0, t1, Hi,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_ob, s_or,
     Di: gl.constexpr, CAP: gl.constexpr, HAS_DOC: gl.constexpr,
-    BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr,
+    BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr, PAIRED: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     gl.static_assert(Q_STAGES >= 3, "q of head j + 1 in use by the tensor cores, >= 1 stage loading")
+    gl.static_assert(not PAIRED or Q_STAGES % 2 == 0, "PAIRED: the ring holds whole pairs of heads")
     dtype: gl.constexpr = Q.dtype.element_ty
     row0 = t0 + gl.program_id(0) * BLOCK_T
     col0 = gl.program_id(1) * BLOCK_S
@@ -79,7 +80,6 @@ def _indexer_select_gluon_kernel(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_S // 2, 16])  # fmt: skip
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # 16-byte vectors along a row
-    rows_in_warp: gl.constexpr = gl.BlockedLayout([1, BLOCK_S // 32], [1, 32], [8, 1], [1, 0])  # prefix sums
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, Di], dtype)
     k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, Di], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_S, Di], k_sl)
@@ -94,10 +94,17 @@ def _indexer_select_gluon_kernel(
     rows_ok = row0 + lr < t1
     q_base = Q + b * s_qb + row0.to(gl.int64) * s_qt
     o_q = (lr * s_qt)[:, None] + offs_d[None, :]
-    for i in gl.static_range(Q_STAGES - 1):
-        if i < Hi:
-            _issue_q(q_ring.index(i), q_base, i, s_qh, rows_ok, o_q)
-        async_copy.commit_group()  # group i: q of head i (group 0 also the key tile)
+    if PAIRED:
+        for i in gl.static_range(Q_STAGES // 2 - 1):
+            if 2 * i < Hi:
+                _issue_q(q_ring.index(2 * i), q_base, 2 * i, s_qh, rows_ok, o_q)
+                _issue_q(q_ring.index(2 * i + 1), q_base, 2 * i + 1, s_qh, rows_ok, o_q)
+            async_copy.commit_group()  # group i: q of heads 2i, 2i + 1 (group 0 also the key tile)
+    else:
+        for i in gl.static_range(Q_STAGES - 1):
+            if i < Hi:
+                _issue_q(q_ring.index(i), q_base, i, s_qh, rows_ok, o_q)
+            async_copy.commit_group()  # group i: q of head i (group 0 also the key tile)
 
     b_lr = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, s_layout))
     b_rows = row0 + b_lr
@@ -106,6 +113,52 @@ def _indexer_select_gluon_kernel(
     acc = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
     zero = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
 
+    if PAIRED:
+        acc = _paired_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+    else:
+        acc = _chained_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+    async_copy.wait_group(0)
+
+    _append_candidates(acc, row0, col0, b, t0, t1, DSTART, THR, CNT, OUT_S, OUT_I, s_ob, s_or, CAP, HAS_DOC,
+                       BLOCK_T, BLOCK_S)
+
+
+@gluon.jit
+def _paired_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q,
+                  Q_STAGES: gl.constexpr):  # fmt: skip
+    """acc += sum_j w_j ReLU(q_j k^T), heads in pairs: both products issued together, head j's epilogue runs while
+    head j + 1's product does, and nothing is in flight across the loop's back-edge (what makes ptxas serialise
+    the chained version). One barrier per pair; the ring holds Q_STAGES // 2 pairs, loading ones ahead."""
+    NP: gl.constexpr = Q_STAGES // 2
+    for j in range(0, Hi, 2):
+        # pair j // 2 landed (the NP - 2 newer groups may still load) and every warp is past pair j // 2 - 1,
+        # whose stage the copy of the pair NP - 1 ahead then overwrites
+        async_copy.wait_group(NP - 2)
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
+        gl.thread_barrier()
+        nxt = j + 2 * (NP - 1)
+        if nxt < Hi:
+            st_n = (nxt // 2) % NP
+            _issue_q(q_ring.index(2 * st_n), q_base, nxt, s_qh, rows_ok, o_q)
+            _issue_q(q_ring.index(2 * st_n + 1), q_base, nxt + 1, s_qh, rows_ok, o_q)
+        async_copy.commit_group()
+        st = (j // 2) % NP
+        s_a = warpgroup_mma(q_ring.index(2 * st), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_b = warpgroup_mma(q_ring.index(2 * st + 1), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        w_a = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
+        w_b = gl.load(w_ptrs + (j + 1), mask=mask_t, other=0.0).to(gl.float32)
+        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))
+        acc += gl.maximum(s_a, 0.0) * w_a[:, None]
+        # acc passes through the second wait: without it LLVM sinks head j's epilogue below the wait (no overlap)
+        s_b, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, acc))
+        acc += gl.maximum(s_b, 0.0) * w_b[:, None]
+    return acc
+
+
+@gluon.jit
+def _chained_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q,
+                   Q_STAGES: gl.constexpr):  # fmt: skip
+    """acc += sum_j w_j ReLU(q_j k^T), head j + 1's product issued before head j's epilogue across the loop."""
     async_copy.wait_group(Q_STAGES - 2)  # the key tile and head 0
     fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
     gl.thread_barrier()
@@ -134,9 +187,15 @@ def _indexer_select_gluon_kernel(
     w_j = gl.load(w_ptrs + (Hi - 1), mask=mask_t, other=0.0).to(gl.float32)
     s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, ))
     acc += gl.maximum(s_b, 0.0) * w_j[:, None]
-    async_copy.wait_group(0)
+    return acc
 
-    # candidates: the Triton kernel's MODE_SELECT epilogue, rows within one warp for the prefix sum
+
+@gluon.jit
+def _append_candidates(acc, row0, col0, b, t0, t1, DSTART, THR, CNT, OUT_S, OUT_I, s_ob, s_or,
+                       CAP: gl.constexpr, HAS_DOC: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr):  # fmt: skip
+    """The Triton kernel's MODE_SELECT epilogue: visible keys with I >= THR appended to their row's list, rows
+    within one warp for the prefix sum."""
+    rows_in_warp: gl.constexpr = gl.BlockedLayout([1, BLOCK_S // 32], [1, 32], [8, 1], [1, 0])
     acc = gl.convert_layout(acc, rows_in_warp)
     e_lr = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, rows_in_warp))
     e_rows = row0 + e_lr
@@ -159,6 +218,8 @@ def _indexer_select_gluon_kernel(
              mask=keep)  # fmt: skip
 
 
+
+
 @gluon.jit
 def _add(a, b):
     return a + b
@@ -174,10 +235,10 @@ def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
 
 
 def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap: int,
-                  config: tuple[int, int] | None = None) -> None:  # fmt: skip
+                  config: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
     """indexer_select_kernel's MODE_SELECT (key stride 1) with this kernel; same tensors (triton_indexer_fused)."""
     B, _, Hi, Di = q.shape
-    bs, stages = config or DEFAULT_CONFIG
+    bs, stages, paired = config or DEFAULT_CONFIG
     i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(t1 - t0, BLOCK_T), triton.cdiv(t1, bs), B)
     _indexer_select_gluon_kernel[grid](
@@ -185,6 +246,6 @@ def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap
         t0, t1, Hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         out_s.stride(0), out_s.stride(1),
-        Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages,
+        Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages, PAIRED=paired,
         num_warps=8,
     )  # fmt: skip

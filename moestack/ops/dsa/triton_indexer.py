@@ -1,11 +1,12 @@
-"""Lightning-indexer top-k (phase A: Triton block scoring + torch.topk over chunks of query rows) and the
-sparse-stage KL target (head-summed attention probabilities over the selected keys) in Triton.
+"""Lightning-indexer top-k (the "chunked" path: Triton block scoring + torch.topk over chunks of query rows; on a
+GPU the default is triton_indexer_fused, see indexer_topk_triton) and the sparse-stage KL target (head-summed
+attention probabilities over the selected keys) in Triton.
 
 For a chunk of query rows [t0, t1) a Triton kernel writes the scores I[t, s] = sum_j w[t,j] ReLU(q[t,j] . k[s])
 for keys s < t1 only (causal; -inf outside the document with cu_seqlens), tiles above the diagonal are skipped
 and stay -inf; torch.topk then selects per row (reference.indexer_topk: order by descending score, -1 padded).
-Only one chunk's [B, R, t1] fp32 block is ever held (CHUNK_BYTES), never T x T. A fused running top-k in the
-kernel (no score block in memory at all) is the next step; this version is the correct blockwise baseline.
+Only one chunk's [B, R, t1] fp32 block is ever held (CHUNK_BYTES), never T x T. The fused path holds no score
+block at all; this one stays as the simple blockwise baseline and the CPU / interpreter default.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET
 
 CHUNK_BYTES = 1 << 30  # fp32 score block of one chunk of query rows
-TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "chunked" (default) | "fused" | "fused_fp8"
+TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "auto" (default: fused on a GPU) | "chunked" | "fused" | "fused_fp8"
 
 
 def _configs():
@@ -81,12 +82,16 @@ def indexer_topk_triton(
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded (as the reference).
 
-    MOESTACK_DSA_TOPK = "chunked" (default: this function), "fused" or "fused_fp8" (triton_indexer_fused:
-    sampled threshold + fused scoring with candidate compaction, no score block in memory; opt-in)."""
-    mode = os.environ.get(TOPK_ENV_VAR, "chunked")
+    MOESTACK_DSA_TOPK = "auto" (default: "fused" on a GPU, "chunked" elsewhere: in the Triton interpreter the
+    fused path's two scoring passes cost more than they save), "chunked" (this function's block + torch.topk),
+    "fused" or "fused_fp8" (triton_indexer_fused: sampled threshold + fused scoring with candidate compaction, no
+    score block in memory; the same selected sets, H200 T = 32768: 15.9 vs 20.3 ms; benchmarks/RESULTS.md)."""
+    mode = os.environ.get(TOPK_ENV_VAR, "auto")
+    if mode not in ("auto", "chunked", "fused", "fused_fp8"):
+        raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of auto, chunked, fused, fused_fp8")
+    if mode == "auto":
+        mode = "fused" if q_idx.is_cuda else "chunked"
     if mode != "chunked":
-        if mode not in ("fused", "fused_fp8"):
-            raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of chunked, fused, fused_fp8")
         from moestack.ops.dsa.triton_indexer_fused import indexer_topk_fused
 
         return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, fp8=mode == "fused_fp8")

@@ -175,6 +175,57 @@ def topk_select_kernel(
     tl.store(o_row + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= n_sel) & (offs < K))
 
 
+@triton.jit(do_not_specialize=["n_cols"])
+def kth_largest_kernel(
+    S, RK, OUT, n_cols, s_sb, s_sr,
+    BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """OUT[b, r] = the RK[r]-th largest of S[b, r, :n_cols] (fp32, -inf counts as a value; 1 <= RK[r] <= n_cols):
+    the sampled threshold without sorting the samples. Bisection on order-preserving int32 keys (32 counts over
+    the row); a row of <= BLOCK samples stays in registers (ONE_BLOCK), a longer one is re-read per count."""
+    r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    R = tl.num_programs(0)
+    kth = tl.load(RK + r)
+    row = S + b * s_sb + r.to(tl.int64) * s_sr
+    offs = tl.arange(0, BLOCK)
+    if ONE_BLOCK:
+        bits = tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order (no NaN)
+    lo = tl.full([], -2147483648, tl.int64)  # invariant: count(key >= lo) >= kth
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        if ONE_BLOCK:
+            c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
+        else:
+            c = tl.zeros([], tl.int32)
+            for c0 in range(0, n_cols, BLOCK):
+                bits = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf")).to(tl.int32,
+                                                                                                   bitcast=True)
+                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                c += tl.sum(((key >= mid.to(tl.int32)) & (c0 + offs < n_cols)).to(tl.int32), 0)
+        lo = tl.where(c >= kth, mid, lo)
+        hi = tl.where(c >= kth, hi, mid - 1)
+    tau = lo.to(tl.int32)
+    tl.store(OUT + b * R + r, tl.where(tau >= 0, tau, tau ^ 0x7FFFFFFF).to(tl.float32, bitcast=True))
+
+
+def kth_largest(samp: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """samp [B, R, n] fp32, kth [R] int (1..n) -> [B, R] fp32: the kth[r]-th largest of each row (kth_largest_kernel
+    on CUDA and in the interpreter; torch.topk elsewhere)."""
+    B, R, n = samp.shape
+    if not (samp.is_cuda or INTERPRET):
+        top = samp.topk(int(kth.max()), dim=-1).values
+        return top.gather(-1, (kth.long() - 1).expand(B, R)[..., None])[..., 0]
+    samp = samp.contiguous()
+    out = torch.empty((B, R), device=samp.device, dtype=torch.float32)
+    block = min(triton.next_power_of_2(n), 16 if INTERPRET else 8192)
+    kth_largest_kernel[(R, B)](samp, kth.to(torch.int32).contiguous(), out, n, samp.stride(0), samp.stride(1),
+                               BLOCK=block, ONE_BLOCK=n <= block, num_warps=8)  # fmt: skip
+    return out
+
+
 def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride, mode, cap):
     B, _, Hi, Di = q.shape
     DP = max(16, triton.next_power_of_2(Di))
@@ -286,10 +337,9 @@ def indexer_topk_fused(
             n_samp = n_samp_T[t0:t1]
             r = torch.ceil(margin * top_k * n_samp.double() / n_vis.double()).long().clamp(1, r_bound)
             r = torch.minimum(r, n_samp.clamp_min(1))
-            top = samp.topk(min(r_bound, n_cols), dim=-1).values  # [B, R, r_bound]
-            est = top.gather(-1, (r - 1).clamp_max(top.shape[-1] - 1).expand(B, R)[..., None])[..., 0]
+            est = kth_largest(samp, r.clamp_max(n_cols))  # [B, R]
             thr = torch.where((n_vis > cap).expand(B, R), est, thr)
-            del samp, top
+            del samp
         cnt = torch.zeros((B, R), device=dev, dtype=torch.int32)
         if select == "torch":
             cand_s = torch.full((B, R, cap), float("-inf"), device=dev, dtype=torch.float32)

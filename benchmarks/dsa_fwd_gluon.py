@@ -47,7 +47,7 @@ def bench_indexer() -> None:
                 st = {}
                 got = X.indexer_topk_fused(*inp, TOP_K, scorer="gluon", stats=st)
                 ms = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="gluon"), reps=3)
-                name = f"gluon S{cfg[0]} q{cfg[1]}{' paired' if cfg[2] else ''}"
+                name = f"gluon S{cfg[0]} q{cfg[1]} heads per step {cfg[2]}"
                 row(f"T={T}", name, f"{ms:.2f}", f"{ms_t / ms:.2f}x", f"{overlap(got, base):.4f}",
                     str(st["fallback_rows"]))  # fmt: skip
                 best = min(best, ms)

@@ -31,9 +31,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 # written against Triton 3.6's Gluon API (experimental: it changes between releases)
 TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key columns
-# (BLOCK_S, Q_STAGES, PAIRED)
-CONFIGS = ((256, 4, False), (128, 4, False), (256, 6, True), (256, 4, True), (128, 6, True), (128, 4, True))
-DEFAULT_CONFIG = (256, 4, False)
+# (BLOCK_S, Q_STAGES, GROUP: heads per barrier step, 1 = the chained loop)
+CONFIGS = ((256, 4, 2), (256, 6, 2), (256, 8, 2), (256, 8, 4), (256, 4, 1), (128, 4, 1))
+DEFAULT_CONFIG = (256, 4, 2)
 
 
 @gluon.jit
@@ -62,11 +62,12 @@ def _indexer_select_gluon_kernel(
     t0, t1, Hi,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_ob, s_or,
     Di: gl.constexpr, CAP: gl.constexpr, HAS_DOC: gl.constexpr,
-    BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr, PAIRED: gl.constexpr,
+    BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr, GROUP: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
     gl.static_assert(Q_STAGES >= 3, "q of head j + 1 in use by the tensor cores, >= 1 stage loading")
-    gl.static_assert(not PAIRED or Q_STAGES % 2 == 0, "PAIRED: the ring holds whole pairs of heads")
+    gl.static_assert(GROUP == 1 or (GROUP % 2 == 0 and Q_STAGES % GROUP == 0 and Q_STAGES // GROUP >= 2),
+                     "GROUP > 1: an even head count per step and a ring of >= 2 whole groups")
     dtype: gl.constexpr = Q.dtype.element_ty
     row0 = t0 + gl.program_id(0) * BLOCK_T
     col0 = gl.program_id(1) * BLOCK_S
@@ -94,12 +95,12 @@ def _indexer_select_gluon_kernel(
     rows_ok = row0 + lr < t1
     q_base = Q + b * s_qb + row0.to(gl.int64) * s_qt
     o_q = (lr * s_qt)[:, None] + offs_d[None, :]
-    if PAIRED:
-        for i in gl.static_range(Q_STAGES // 2 - 1):
-            if 2 * i < Hi:
-                _issue_q(q_ring.index(2 * i), q_base, 2 * i, s_qh, rows_ok, o_q)
-                _issue_q(q_ring.index(2 * i + 1), q_base, 2 * i + 1, s_qh, rows_ok, o_q)
-            async_copy.commit_group()  # group i: q of heads 2i, 2i + 1 (group 0 also the key tile)
+    if GROUP > 1:
+        for i in gl.static_range(Q_STAGES // GROUP - 1):
+            if GROUP * i < Hi:
+                for h in gl.static_range(GROUP):
+                    _issue_q(q_ring.index(GROUP * i + h), q_base, GROUP * i + h, s_qh, rows_ok, o_q)
+            async_copy.commit_group()  # group i: q of heads GROUP i .. GROUP i + GROUP - 1 (group 0 also the keys)
     else:
         for i in gl.static_range(Q_STAGES - 1):
             if i < Hi:
@@ -113,8 +114,9 @@ def _indexer_select_gluon_kernel(
     acc = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
     zero = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
 
-    if PAIRED:
-        acc = _paired_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+    if GROUP > 1:
+        acc = _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES,
+                             GROUP)
     else:
         acc = _chained_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES)
     async_copy.wait_group(0)
@@ -124,34 +126,43 @@ def _indexer_select_gluon_kernel(
 
 
 @gluon.jit
-def _paired_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q,
-                  Q_STAGES: gl.constexpr):  # fmt: skip
-    """acc += sum_j w_j ReLU(q_j k^T), heads in pairs: both products issued together, head j's epilogue runs while
-    head j + 1's product does, and nothing is in flight across the loop's back-edge (what makes ptxas serialise
-    the chained version). One barrier per pair; the ring holds Q_STAGES // 2 pairs, loading ones ahead."""
-    NP: gl.constexpr = Q_STAGES // 2
-    for j in range(0, Hi, 2):
-        # pair j // 2 landed (the NP - 2 newer groups may still load) and every warp is past pair j // 2 - 1,
-        # whose stage the copy of the pair NP - 1 ahead then overwrites
-        async_copy.wait_group(NP - 2)
+def _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q,
+                   Q_STAGES: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+    """acc += sum_j w_j ReLU(q_j k^T), GROUP heads per step: two products in flight, head h's epilogue runs while
+    head h + 1's product does, head h + 2's product is issued after it; nothing is in flight across the loop's
+    back-edge (what makes ptxas serialise the chained version). One barrier per GROUP heads; the ring holds
+    Q_STAGES // GROUP groups, the next ones loading."""
+    NG: gl.constexpr = Q_STAGES // GROUP
+    for j in range(0, Hi, GROUP):
+        # group j / GROUP landed (the NG - 2 newer ones may still load) and every warp is past the previous group,
+        # whose stages the copy of the group NG - 1 ahead then overwrites
+        async_copy.wait_group(NG - 2)
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
         gl.thread_barrier()
-        nxt = j + 2 * (NP - 1)
+        nxt = j + GROUP * (NG - 1)
         if nxt < Hi:
-            st_n = (nxt // 2) % NP
-            _issue_q(q_ring.index(2 * st_n), q_base, nxt, s_qh, rows_ok, o_q)
-            _issue_q(q_ring.index(2 * st_n + 1), q_base, nxt + 1, s_qh, rows_ok, o_q)
+            st_n = (nxt // GROUP) % NG
+            for h in gl.static_range(GROUP):
+                _issue_q(q_ring.index(GROUP * st_n + h), q_base, nxt + h, s_qh, rows_ok, o_q)
         async_copy.commit_group()
-        st = (j // 2) % NP
-        s_a = warpgroup_mma(q_ring.index(2 * st), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_b = warpgroup_mma(q_ring.index(2 * st + 1), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        w_a = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
-        w_b = gl.load(w_ptrs + (j + 1), mask=mask_t, other=0.0).to(gl.float32)
-        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))
-        acc += gl.maximum(s_a, 0.0) * w_a[:, None]
-        # acc passes through the second wait: without it LLVM sinks head j's epilogue below the wait (no overlap)
-        s_b, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, acc))
-        acc += gl.maximum(s_b, 0.0) * w_b[:, None]
+        st = GROUP * ((j // GROUP) % NG)
+        s_a = warpgroup_mma(q_ring.index(st), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_b = warpgroup_mma(q_ring.index(st + 1), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        for h in gl.static_range(GROUP):
+            w_h = gl.load(w_ptrs + (j + h), mask=mask_t, other=0.0).to(gl.float32)
+            # acc passes through each wait: otherwise LLVM sinks the epilogues below the later waits (no overlap)
+            if h % 2 == 0:
+                s_a, acc = warpgroup_mma_wait(num_outstanding=1 if h + 1 < GROUP else 0, deps=(s_a, acc))
+                acc += gl.maximum(s_a, 0.0) * w_h[:, None]
+                if h + 2 < GROUP:
+                    s_a = warpgroup_mma(q_ring.index(st + h + 2), k_smem.permute((1, 0)), zero, use_acc=False,
+                                        is_async=True)  # fmt: skip
+            else:
+                s_b, acc = warpgroup_mma_wait(num_outstanding=1 if h + 1 < GROUP else 0, deps=(s_b, acc))
+                acc += gl.maximum(s_b, 0.0) * w_h[:, None]
+                if h + 2 < GROUP:
+                    s_b = warpgroup_mma(q_ring.index(st + h + 2), k_smem.permute((1, 0)), zero, use_acc=False,
+                                        is_async=True)  # fmt: skip
     return acc
 
 
@@ -235,10 +246,12 @@ def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
 
 
 def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap: int,
-                  config: tuple[int, int, bool] | None = None) -> None:  # fmt: skip
+                  config: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """indexer_select_kernel's MODE_SELECT (key stride 1) with this kernel; same tensors (triton_indexer_fused)."""
     B, _, Hi, Di = q.shape
-    bs, stages, paired = config or DEFAULT_CONFIG
+    bs, stages, group = config or DEFAULT_CONFIG
+    if Hi % group:  # a head count that is not a multiple of the group: pairs (applies() asked for an even one)
+        bs, stages, group = bs, 4, 2
     i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(t1 - t0, BLOCK_T), triton.cdiv(t1, bs), B)
     _indexer_select_gluon_kernel[grid](
@@ -246,6 +259,6 @@ def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap
         t0, t1, Hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
         out_s.stride(0), out_s.stride(1),
-        Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages, PAIRED=paired,
+        Di=Di, CAP=cap, HAS_DOC=dstart is not None, BLOCK_T=BLOCK_T, BLOCK_S=bs, Q_STAGES=stages, GROUP=group,
         num_warps=8,
     )  # fmt: skip

@@ -23,6 +23,10 @@ from torch.distributed.tensor import DTensor
 
 Group = dist.ProcessGroup | None
 
+# Set on the pipeline's second copy of a tied weight (the last stage's LM head, see moestack.parallel.pipeline):
+# its gradient equals the first copy's, so the global norm leaves it out (clipping still scales it).
+TIED_COPY_ATTR = "_moestack_tied_copy"
+
 
 # Send orders of an all-to-all (see `send_schedule`): "backend" = one all_to_all_single (the library orders the
 # transfers), "largest_first" = point-to-point, biggest chunks posted first, "rotate" = point-to-point in P-1 rounds,
@@ -135,9 +139,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: Group = None) -> 
     (a sharded dim sums squares, a replicated dim does not), so dense (FSDP), expert (EP x FSDP) and TP-sharded
     gradients on different meshes each count exactly once. Plain tensors count as they are (replicated or
     single-process). With pipeline stages, pass `pp_group`: stages hold disjoint parameters, so their squared
-    norms add up.
+    norms add up; the head copy of a tied embedding (marked TIED_COPY_ATTR) is left out.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and not getattr(p, TIED_COPY_ATTR, False)]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else ("plain", g.device)

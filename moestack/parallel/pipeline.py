@@ -23,10 +23,18 @@ exactly as `model(inputs, targets)` on one device: the last stage computes each 
 cross-entropy (chunked, with the LM-head weight) divided by the number of counted targets in the whole batch, and
 the schedule does not rescale (scale_grads=False). Aux losses ride on the activations (moestack.model.aux_loss),
 so each stage's backward reaches its own; the runner sets their scale to loss_scale / n_microbatches because
-each micro-batch's aux loss is a mean over that micro-batch's sequences.
+each micro-batch's aux loss is a mean over that micro-batch's sequences (the scale is a process-wide setting:
+the runner restores the caller's value when the step ends).
 
-Not supported under PP: packed documents (cu_seqlens), tied embeddings unless the first and last stage share a
-rank (V-shape schedules).
+Tied embeddings (model.tie_word_embeddings), Megatron's way: the first stage's embedding and the last stage's LM
+head are two copies of one weight. `build_stage_modules` gives the head its own copy (the per-part TP and FSDP
+conversions replace parameters, so sharing one object across parts would not survive them anyway); the runner
+makes the copies equal on its first step and, after every step's backward, sets both gradients to the sum of the
+two (locally when one rank holds both stages, V-shapes; else a send / receive between pipeline ranks 0 and pp-1,
+after the deferred TP sums of those parts). Both copies then take the same optimizer step. The head copy is
+marked (`TIED_COPY_ATTR`) so that `comm.global_grad_norm` counts the tied gradient once.
+
+Not supported under PP: packed documents (cu_seqlens).
 
 Legend: L layers, S = pp * vpp stages, B batch (sequences), T tokens, D hidden.
 """
@@ -46,13 +54,16 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan
+from moestack.model import aux_loss
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.loss import IGNORE_INDEX
 from moestack.model.transformer import Transformer
-from moestack.parallel.tensor import lm_head_loss_sum
+from moestack.parallel.comm import TIED_COPY_ATTR
+from moestack.parallel.tensor import _trackers_in, finish_tp_grad_reduce, lm_head_loss_sum
 from moestack.planner.profile import profile_model
 
 SCHEDULES: dict[str, type] = {
@@ -151,7 +162,11 @@ def build_stage_modules(model: Transformer, stage_layer_ids: list[int], is_first
     is_first, the final norm and LM head only if is_last. It shares its submodules with `model` (nothing is copied:
     works on meta, and several stages of one rank can be cut from one model); drop `model` afterwards.
     Apply tensor parallelism (`apply_tp`) to each stage module, after this: its hooks sit on the stage's root.
+    A tied model (lm_head.weight is embed.weight) is untied in place by the first call for a partial stage: the
+    head gets its own copy of the weight, whose gradient `PipelineStepRunner` sums with the embedding's.
     """
+    if not (is_first and is_last):
+        _untie_head(model)
     stage = Transformer.__new__(Transformer)  # an empty container: __init__ would allocate a whole model
     nn.Module.__init__(stage)
     stage.spec = model.spec
@@ -160,6 +175,21 @@ def build_stage_modules(model: Transformer, stage_layer_ids: list[int], is_first
     stage.norm = model.norm if is_last else None
     stage.lm_head = model.lm_head if is_last else None
     return stage
+
+
+def _untie_head(model: Transformer) -> None:
+    """Give a tied LM head its own copy of the embedding weight (same values, requires_grad and tags)."""
+    if model.embed is None or model.lm_head is None or model.lm_head.weight is not model.embed.weight:
+        return
+    weight = model.embed.weight
+    copy = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    if getattr(weight, "_no_weight_decay", False):
+        copy._no_weight_decay = True
+    model.lm_head.weight = copy
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,7 +228,8 @@ class PipelineStepRunner:
     Stage inputs / outputs have static shapes: [plan.micro_batch_size, plan.seq_len] token ids into stage 0,
     hidden states [micro_batch_size, seq_len / seq_shards, D] of `hidden_dtype` between stages (seq_shards = tp
     with sequence parallelism; the residual stream stays fp32 under bf16 autocast because the parameters are fp32).
-    `model_parts` is what the optimizer, gradient clipping and checkpointing see.
+    `model_parts` is what the optimizer, gradient clipping and checkpointing see. Construct it after parallelising
+    the parts (TP, FSDP): it keeps the final parameters of a tied embedding / head pair (module docstring).
     """
 
     def __init__(
@@ -238,7 +269,66 @@ class PipelineStepRunner:
         self.schedule = build_schedule(self._stages, plan, self._loss_fn, self.n_microbatches)
         # the rank holding the last stage broadcasts the loss (rank 0 for V-shapes, pp-1 otherwise)
         last_pp_rank = 0 if plan.schedule in V_SHAPE else plan.pp - 1
-        self._loss_src = dist.get_global_rank(pp_group, last_pp_rank) if pp_group is not None else last_pp_rank
+        self._loss_src = self._global_rank(last_pp_rank)
+        self._init_tie(last_pp_rank)
+
+    def _global_rank(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
+
+    def _init_tie(self, last_pp_rank: int) -> None:
+        """Find this rank's copies of a tied embedding / head (first stage: embed.weight, last: lm_head.weight)."""
+        embed = next((p.embed.weight for p, s in zip(self.model_parts, self.stage_ids) if s == 0), None)
+        head = self._last.lm_head.weight if self._last is not None else None
+        self._tie: list[nn.Parameter] = []  # this rank's copies: [embed], [head] or [embed, head]
+        self._tie_parts = [p for p, s in zip(self.model_parts, self.stage_ids) if s in (0, self.num_stages - 1)]
+        self._tie_peer: int | None = None  # global rank of the pipeline rank holding the other copy
+        self._tie_synced = False
+        if not self.model_parts[0].spec.tie_word_embeddings or embed is head:  # untied, or still one object
+            return
+        self._tie = [w for w in (embed, head) if w is not None]
+        if head is not None:
+            setattr(head, TIED_COPY_ATTR, True)  # the norm counts the tied gradient once, through the embedding
+        if len(self._tie) == 1:
+            self._tie_peer = self._global_rank(last_pp_rank if embed is not None else 0)
+
+    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
+        """The peer copy holder's tensor of the same shape (both pipeline ranks send and receive)."""
+        theirs = torch.empty_like(mine)
+        ops = [dist.P2POp(dist.isend, mine.contiguous(), self._tie_peer, self.group),
+               dist.P2POp(dist.irecv, theirs, self._tie_peer, self.group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return theirs
+
+    @torch.no_grad()
+    def _sync_tied_weights(self) -> None:
+        """Make the head copy equal to the embedding (once: covers meta initialisation, which skips a tied head)."""
+        if len(self._tie) == 2:
+            _local(self._tie[1]).copy_(_local(self._tie[0]))
+        elif self._last is not None:  # the head holder receives the embedding
+            head = _local(self._tie[0])
+            theirs = torch.empty_like(head)
+            dist.recv(theirs, src=self._tie_peer, group=self.group)
+            head.copy_(theirs)
+        else:
+            dist.send(_local(self._tie[0]).contiguous(), dst=self._tie_peer, group=self.group)
+        self._tie_synced = True
+
+    @torch.no_grad()
+    def _sum_tied_grads(self, before: list[torch.Tensor | None]) -> None:
+        """Both copies' gradients := what they held before this step + the sum of both copies' increments."""
+        for part in self._tie_parts:
+            finish_tp_grad_reduce(part)  # a deferred TP sum of the head must come first (no-op when eager)
+        deltas = []
+        for w, b in zip(self._tie, before):
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            g = _local(w.grad)
+            deltas.append(g if b is None else g - b)  # `total` below is a new tensor: no clone needed
+        # a + b == b + a bitwise: both copies end up with identical gradients, hence identical optimizer steps
+        total = deltas[0] + (deltas[1] if len(deltas) == 2 else self._exchange(deltas[0]))
+        for w, b in zip(self._tie, before):
+            _local(w.grad).copy_(total if b is None else b + total)
 
     def _loss_fn(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the batch mean: summed token losses / counted targets of the whole batch."""
@@ -248,7 +338,10 @@ class PipelineStepRunner:
         """inputs, targets [B, T] (the local batch, B = n_microbatches * plan.micro_batch_size; every pipeline rank
         passes the same tensors, only the first / last stage read them). Backpropagates loss_scale * mean token loss
         into the stage parameters' .grad (accumulating) and returns the unscaled mean loss, the same on every pipeline
-        rank. Leaves the aux-loss scale at loss_scale / n_microbatches (callers set it again before other backwards).
+        rank. The aux-loss scale is loss_scale / n_microbatches during the step and the caller's value again after.
+        With tied embeddings the call ends with the tied gradient sum, so it also runs the deferred TP sums
+        (tp_grad_reduce "deferred") of the parts holding the copies: accumulating over several calls before one
+        optimizer step stays exact for eager TP sums, and raises under deferred ones (call once per step there).
         """
         assert loss_scale > 0, f"loss_scale must be > 0, got {loss_scale}"
         mbs = self.plan.micro_batch_size
@@ -256,11 +349,26 @@ class PipelineStepRunner:
             f"batch of {inputs.shape[0]} is not {self.n_microbatches} micro-batches of {mbs} sequences")
         self._count = (targets != IGNORE_INDEX).sum().to(self.device)
         self._scale = loss_scale
-        set_aux_loss_scale(loss_scale / self.n_microbatches)  # each micro-batch's aux loss is a mean over it
+        if self._tie and not self._tie_synced:
+            self._sync_tied_weights()
+        before = [None if w.grad is None else _local(w.grad).clone() for w in self._tie]  # accumulation
+        if any(b is not None for b in before) and any(_trackers_in(p) for p in self._tie_parts):
+            # the previous call finished those parts' deferred TP sums; a second finish would sum them again
+            raise RuntimeError("PipelineStepRunner: with tied embeddings and plan.tp_grad_reduce 'deferred', call "
+                               "forward_backward once per optimizer step (zero_grad(set_to_none=True) in between)")
         losses: list[torch.Tensor] = []
         args = (inputs.to(self.device),) if self._first else ()
         target = targets.to(self.device) if self._last is not None else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        # The aux-loss scale is process-wide: restore the caller's, or later backwards in this process (another
+        # model, the next test in a reused rank process) would silently scale their aux losses by ours.
+        previous = aux_loss._SCALE[0]
+        set_aux_loss_scale(loss_scale / self.n_microbatches)  # each micro-batch's aux loss is a mean over it
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            set_aux_loss_scale(previous)
+        if self._tie and self._tie[0].requires_grad:  # frozen (DSA dense warm-up) on both sides alike: no sum
+            self._sum_tied_grads(before)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._last is not None:
             total += sum(float(loss.detach()) for loss in losses) / loss_scale

@@ -129,6 +129,18 @@ def make_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, targets
 
 
+def _forward_backward_keeps_aux_scale(runner, tokens, targets) -> float:
+    """runner.forward_backward, checking that it restores the process-wide aux-loss scale: a leaked scale made a
+    later job in the reused rank processes (test_fsdp.py's TP layouts) scale its aux losses differently per rank."""
+    from moestack.model import aux_loss
+
+    aux_loss.set_aux_loss_scale(0.5)
+    loss = runner.forward_backward(tokens, targets)
+    assert aux_loss._SCALE[0] == 0.5, f"forward_backward left the aux-loss scale at {aux_loss._SCALE[0]}"
+    aux_loss.set_aux_loss_scale(1.0)
+    return loss
+
+
 def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
     import torch.distributed as dist
 
@@ -155,7 +167,7 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
     out = {"loss": [], "ref_loss": [], "layers": layers, "ids": ids}
     for step in range(STEPS):
         tokens, targets = make_batch(spec.vocab_size, step)
-        out["loss"].append(runner.forward_backward(tokens, targets))
+        out["loss"].append(_forward_backward_keeps_aux_scale(runner, tokens, targets))
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
             out["params"] = sorted(params)
@@ -215,7 +227,8 @@ def test_pp2_matches_single_process(pp2_results, schedule):
 # PP2 x TP2 (sequence parallel) on 4 ranks vs one process
 
 
-def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
+def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool = False, steps: int = STEPS
+                   ) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -223,11 +236,13 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
     from moestack.config.model_spec import ModelSpec
     from moestack.config.plan import make_plan
     from moestack.model.aux_loss import set_aux_loss_scale
+    from moestack.parallel.comm import global_grad_norm
     from moestack.parallel.pipeline import PipelineStepRunner
     from moestack.parallel.tensor import apply_tp
 
     data = load_model_spec("tiny").model_dump()
     data["moe"]["router"]["seq_aux_loss_coef"] = 0.0  # token-sharded MoE: see test_tensor.py
+    data["tie_word_embeddings"] = tie
     spec = ModelSpec.model_validate(data)
     plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
                      pp=2, tp=2, vpp=vpp, schedule=schedule)
@@ -248,12 +263,13 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
     opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1) if ref is not None else None
     out = {"loss": [], "ref_loss": []}
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, targets = make_batch(spec.vocab_size, step)
-        out["loss"].append(runner.forward_backward(tokens, targets))
+        out["loss"].append(_forward_backward_keeps_aux_scale(runner, tokens, targets))
         if step == 0:
             out["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                             for n, p in params.items() if p.grad is not None}
+            out["norm"] = float(global_grad_norm(list(params.values()), mesh["pp"].get_group()))
         opt.step()
         opt.zero_grad(set_to_none=True)
         for part in parts:
@@ -268,6 +284,7 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
             out["ref_loss"].append(loss.item())
             if step == 0:
                 out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+                out["ref_norm"] = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
             for moe in ref.moe_layers().values():
@@ -288,3 +305,39 @@ def test_pp2_tp2_interleaved_matches_single_process():
     assert grads.keys() == ref.keys()
     bad = {n: e for n, g in grads.items() if (e := float((g - ref[n]).norm() / ref[n].norm())) > 2e-5}
     assert not bad, f"gradients differ from the single-process run: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tied embeddings under PP2 x TP2: the first stage's embedding and the last stage's head are copies of one weight
+# whose gradients the runner sums (on one rank for V-shapes, between pipeline ranks otherwise)
+
+TIED = {"1f1b": 1, "zbv": 2}  # first and last stage on different ranks / on one rank
+
+
+def _tied_worker(rank: int, world_size: int) -> dict:
+    return {name: _pp_tp_worker(rank, world_size, name, vpp, tie=True, steps=2) for name, vpp in TIED.items()}
+
+
+@pytest.mark.slow
+def test_pp2_tp2_tied_embeddings_match_single_process():
+    results = run_ranks(__file__, "_tied_worker", world_size=4, timeout=300)
+    for name in TIED:
+        per_rank = [r[name] for r in results]
+        r0 = per_rank[0]
+        # the losses of step 2 see the updated weights: the tie held through the optimizer step
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(r0["loss"], r0["ref_loss"]))
+        assert loss_err < 1e-5, f"{name}: loss rel err {loss_err:.2e} ({r0['loss']} vs {r0['ref_loss']})"
+        assert all(r["loss"] == r0["loss"] for r in per_rank)
+        assert all(abs(r["norm"] - r0["ref_norm"]) < 1e-5 * r0["ref_norm"] for r in per_rank), (
+            name, [r["norm"] for r in per_rank], r0["ref_norm"])  # the tied gradient counts once in the norm
+        ref = r0["ref_grads"]  # named_parameters() lists the tied weight once, as embed.weight
+        assert "lm_head.weight" not in ref
+        grads = {}
+        for r in per_rank:
+            grads.update(r["grads"])
+        assert "embed.weight" in grads and "lm_head.weight" in grads
+        ref = {**ref, "lm_head.weight": ref["embed.weight"]}  # both copies carry the whole tied gradient
+        assert grads.keys() == ref.keys()
+        bad = {n: e for n, g in grads.items() if (e := float((g - ref[n]).norm() / ref[n].norm())) > 2e-5}
+        assert not bad, f"{name}: gradients differ from the single-process run: {bad}"
+

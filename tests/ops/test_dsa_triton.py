@@ -414,7 +414,7 @@ def test_gluon_forward_gpu_matches_reference(H, K, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cu", [None, [0, 3000, 3001, 8192]])
-@pytest.mark.parametrize("config", [None, (256, 4, 1), (128, 4, 1), (256, 8, 4)])
+@pytest.mark.parametrize("config", [None, (256, 4, 1), (128, 4, 1), (256, 4, 2)])
 def test_gluon_indexer_scorer_gpu(cu, config, monkeypatch):
     """The sm_90 Gluon candidate pass: the fused top-k with it selects what the Triton scorer selects (bf16; the
     products accumulate in another order, so near-ties may flip) and what the reference selects."""
@@ -442,6 +442,29 @@ def test_gluon_indexer_scorer_gpu(cu, config, monkeypatch):
         chosen.scatter_(1, other[0].long() % (T + 1), True)
         hits = chosen.gather(1, got[0].long() % (T + 1))[got[0] >= 0]
         assert hits.float().mean() > 0.99, float(hits.float().mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("Hi", "Di"), [(6, 64), (4, 256)])
+def test_gluon_indexer_scorer_head_dims_gpu(Hi, Di):
+    """Head dims 64 / 256 (256: the launcher's smaller key tile and ring, shared memory) and a head count that is not
+    a multiple of the default group of 4 (pairs): the same selection as the Triton scorer."""
+    from moestack.ops.dsa.triton_indexer_fused import indexer_topk_fused
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon scorer is sm_90 only")
+    g = torch.Generator(device="cuda").manual_seed(Di)
+    T = 4096
+    q = torch.randn(1, T, Hi, Di, generator=g, device="cuda").bfloat16()
+    k = torch.randn(1, T, Di, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(1, T, Hi, generator=g, device="cuda") * Hi**-0.5).bfloat16()
+    got = indexer_topk_fused(q, k, w, 512, scorer="gluon")
+    tri = indexer_topk_fused(q, k, w, 512, scorer="triton")
+    assert torch.equal((got < 0).sum(-1), (tri < 0).sum(-1))
+    chosen = torch.zeros(T, T + 1, dtype=torch.bool, device="cuda")
+    chosen.scatter_(1, tri[0].long() % (T + 1), True)
+    hits = chosen.gather(1, got[0].long() % (T + 1))[got[0] >= 0]
+    assert hits.float().mean() > 0.99, float(hits.float().mean())
 
 
 def test_gluon_indexer_scorer_refuses_what_it_does_not_cover():

@@ -5,17 +5,19 @@
 In the Triton kernel every head is a synchronous dot followed by its epilogue (max, multiply, add over the whole
 [BLOCK_T, BLOCK_S] tile); at T = 131072 the scoring runs at ~340 TFLOP/s and is 89% of the indexer's time (H200
 profile). Here the q tiles of the next heads stream into a ring of shared-memory stages by cp.async while the key
-tile stays resident, and the wgmma of head j + 1 is issued before head j's epilogue. As written, ptxas serialises
-the wgmmas (C7514: the product in flight across the head loop's back-edge), so the gain measured on the H200 (T =
-32768: 15.9 vs 18.2 ms; T = 131072: 198 vs 218 ms, same selection) comes from the load pipeline, not from the
-overlap. A variant without the serialisation (heads unrolled in groups of 8, nothing in flight across the
-back-edge) measured slower (205 / 239 ms at 256 / 128 keys): more registers, one CTA per SM instead of two at 128
-keys, spills at 256 (benchmarks/RESULTS.md, session 6). The epilogue after the last head (threshold, per-row
-counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp
-for the prefix sum.
+tile stays resident. Heads go in steps of GROUP (default 4) behind one CTA barrier: two products in flight, head
+h's epilogue runs under head h + 1's product, head h + 2's product is issued once h's registers are free, and
+nothing is in flight across the loop's back-edge. Two details make the overlap real: the accumulator passes
+through every wgmma wait (otherwise LLVM sinks the epilogues below the later waits), and no product crosses the
+back-edge (otherwise ptxas serialises all wgmmas, C7514 - what the GROUP = 1 "chained" loop gets). H200, T =
+131072, same selection as the Triton scorer: chained 191-194 ms, pairs 170-180, groups of 4 168 (Triton 202-207);
+ncu on the chained / paired loops: ~46% of the stall cycles at the CTA barrier, hence fewer barriers per head
+(benchmarks/RESULTS.md, session 7). The epilogue after the last head (threshold, per-row counter, slots, stores)
+is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp for the prefix sum.
 
 Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key
-stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90. Same arguments and outputs as
+stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90; a head count that is not a
+multiple of GROUP runs in pairs. Same arguments and outputs as
 indexer_select_kernel's MODE_SELECT; packed documents (DSTART) supported.
 """
 
@@ -33,7 +35,8 @@ TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key columns
 # (BLOCK_S, Q_STAGES, GROUP: heads per barrier step, 1 = the chained loop)
 CONFIGS = ((256, 4, 2), (256, 6, 2), (256, 8, 2), (256, 8, 4), (256, 4, 1), (128, 4, 1))
-DEFAULT_CONFIG = (256, 4, 2)
+DEFAULT_CONFIG = (256, 8, 4)
+SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block: key tile + q ring must fit
 
 
 @gluon.jit
@@ -238,7 +241,7 @@ def _add(a, b):
 
 def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
     """sm_90, bf16 / fp16 scoring (not the fp8 variant), head dim a power of two in 64..256, an even head count
-    (the head loop is unrolled by two)."""
+    (the heads go at least in pairs)."""
     Hi, Di = q.shape[-2:]
     return (TRITON_OK and q.is_cuda and kscale is None and q.dtype in (torch.bfloat16, torch.float16)
             and k.dtype == q.dtype and Di in (64, 128, 256) and Hi % 2 == 0
@@ -251,7 +254,9 @@ def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap
     B, _, Hi, Di = q.shape
     bs, stages, group = config or DEFAULT_CONFIG
     if Hi % group:  # a head count that is not a multiple of the group: pairs (applies() asked for an even one)
-        bs, stages, group = bs, 4, 2
+        stages, group = 4, 2
+    if (bs + stages * BLOCK_T) * Di * q.element_size() > SMEM_BYTES:  # Di = 256: a smaller key tile and ring
+        bs, stages, group = 128, 4, 2
     i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(t1 - t0, BLOCK_T), triton.cdiv(t1, bs), B)
     _indexer_select_gluon_kernel[grid](

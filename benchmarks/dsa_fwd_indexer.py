@@ -5,20 +5,17 @@
     python3 benchmarks/dsa_fwd_indexer.py --only-131k  # T = 131072 only: indexer vs attention fwd and fwd+bwd
 
 Rows ('|'-prefixed markdown), in this order (the time cap cuts the last ones first):
-* forward, T = 32768, H = 64, top-2048, d_qk 576 / d_v 512, bf16: the default kernel at its best run-4 config
-  (H64 K64 V512 8 warps 2 stages, forced: no autotuning of the other six) and "splits" (score tile split over
-  the two warpgroups; MOESTACK_DSA_FWD=splits) autotuned over H64 K32 w8 s3 and H64 K64 w8 s2 (per-config
-  do_bench rows follow); TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference vs default.
+* forward, T = 32768, H = 64, top-2048, d_qk 576 / d_v 512, bf16: the Triton kernel ("default") at its best run-4
+  config (H64 K64 V512 8 warps 2 stages, forced: no autotuning of the other six) and "auto" (what the op runs: the
+  Gluon kernel on sm_90); TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference vs default.
 * indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs) at T = 32768: "chunked" (the default: score
-  blocks of rows in HBM + torch.topk), "fused" (sampled threshold + fused scoring with candidate compaction + exact
+  blocks of rows in HBM + torch.topk; the CPU default), "fused" (the GPU default: sampled threshold + fused scoring with candidate compaction + exact
   top-k of <= 4096 candidates by a bisection select kernel; MOESTACK_DSA_TOPK=fused), "fused_torchsel" (fused with
   torch.topk for the last step), "fused_fp8" (e4m3 scoring). Columns: ms, scoring TFLOP/s (T^2/2 x Hi x Di x 2,
   the causal half), fraction of selected keys shared with "chunked", rows recomputed exactly (threshold missed),
   indexer / attention forward time.
 * T = 131072: fused and fused_fp8 indexer (shared keys vs fused), the forward the op runs ("auto") on the fused
   selection, and the indexer / attention-forward ratio (the issue asks <= 1/3 at T = 131072).
-* T = 32768 forward prefetch variants, same two tiles: "pf" (L1 prefetch hints for the next block's gathered
-  rows, replicated scores as the default), "splits_pf" / "splits_pf2" (splits + L1 / L2 hints).
 Every variant runs under a guard: an error or the time cap prints a row and the run goes on.
 """
 
@@ -98,7 +95,7 @@ def attention_inputs(T: int, H: int):
     return q, kv
 
 
-def bench_forward(T: int, H: int, idx: torch.Tensor, sweep: bool, variants=("default", "splits")) -> dict:
+def bench_forward(T: int, H: int, idx: torch.Tensor, variants=("default", "auto")) -> dict:
     """Rows for the default forward and the given variants; returns {variant: ms}."""
     from moestack.ops.dsa import triton_attn_fwd as F
 
@@ -113,7 +110,7 @@ def bench_forward(T: int, H: int, idx: torch.Tensor, sweep: bool, variants=("def
             fn = lambda: F.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE, variant=variant)
             ms = timed(fn, reps)
             outs[variant] = fn()
-            kern = F._sparse_mqa_fwd_kernel if variant == "default" else F._sparse_mqa_fwd_kernel_splits
+            kern = F._sparse_mqa_fwd_kernel
             gluon = variant in ("gluon", "auto")  # no autotuner (gluon_attn_fwd.DEFAULT_CONFIG)
             diff = ""
             if variant != "default" and "default" in outs:
@@ -122,11 +119,6 @@ def bench_forward(T: int, H: int, idx: torch.Tensor, sweep: bool, variants=("def
             row(f"T={T} H={H}", f"sparse fwd {variant}", f"{ms:.2f}", f"{flops / ms / 1e9:.1f}",
                 "gluon" if gluon else f"cfg {cfg_str(kern.best_config)}", diff)  # fmt: skip
             res[variant] = ms
-            if sweep and variant != "default" and not gluon:
-                for cfg, t in sorted((getattr(kern, "configs_timings", None) or {}).items(), key=lambda kv: kv[1]):
-                    ms_c = t[0] if isinstance(t, (list, tuple)) else t
-                    row(f"T={T} H={H}", f"{variant} autotune (do_bench)", f"{ms_c:.2f}", f"{flops / ms_c / 1e9:.1f}",
-                        f"cfg {cfg_str(cfg)}", "")  # fmt: skip
 
         guarded(f"T={T} H={H} fwd {variant}", run)
     outs.clear()
@@ -199,9 +191,6 @@ def main() -> None:
     # compile budget: the default forward at its run-4 best config only; fused indexer scoring: two tiles
     restrict(F._sparse_mqa_fwd_kernel, lambda c: (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.kwargs["BLOCK_V"],
                                                   c.num_stages) == (64, 64, 512, 2))  # fmt: skip
-    # splits-kernel variants: the K32 s3 tile (cached from the GPU tests) and K64 s2 (the default's best shape: the
-    # row gathers are synchronous loads, so fewer, larger key steps pay one L2 round trip per 64 keys, not 32)
-    restrict(F._sparse_mqa_fwd_kernel_splits, lambda c: (c.kwargs["BLOCK_K"], c.num_stages) in ((32, 3), (64, 2)))
     restrict(X.indexer_select_kernel, lambda c: (c.kwargs["BLOCK_T"], c.kwargs["BLOCK_S"]) in ((64, 256), (128, 128)))
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
@@ -211,7 +200,7 @@ def main() -> None:
     sel32 = None
     if not args.only_131k:
         sel32 = guarded("T=32768 selection", lambda: X.indexer_topk_fused(*indexer_inputs(32768), TOP_K))
-        fwd32 = bench_forward(32768, 64, sel32, sweep=True) if sel32 is not None else {}
+        fwd32 = bench_forward(32768, 64, sel32) if sel32 is not None else {}
         bench_indexer(32768, ("chunked", "fused", "fused_torchsel", "fused_fp8"), fwd32, "chunked", {})
     if not args.no_131k:
         variants = ("fused",) + (() if args.only_131k else ("fused_fp8",)) + (("chunked",) if args.chunked_131k else ())
@@ -221,7 +210,7 @@ def main() -> None:
             idx = sel.pop("fused")
             sel.clear()
             torch.cuda.empty_cache()
-            fwd131 = bench_forward(131072, 64, idx, sweep=False, variants=("auto",))  # what the op runs
+            fwd131 = bench_forward(131072, 64, idx, variants=("auto",))  # what the op runs
             bwd131 = guarded("T=131072 H=64 bwd", lambda: bench_backward(131072, 64, idx))
             del idx
             if fwd131:
@@ -232,9 +221,6 @@ def main() -> None:
                     ratios = ", ".join(f"{v} {ms / (attn + bwd131):.2f}" for v, ms in times.items())
                     row("T=131072", "indexer / attention fwd+bwd", f"{attn + bwd131:.2f}", "", ratios,
                         "required <= 0.33")
-    # last (the time cap cuts these first): prefetch-hint variants at T = 32768, same two tiles
-    if sel32 is not None:
-        bench_forward(32768, 64, sel32, sweep=True, variants=("pf", "splits_pf", "splits_pf2"))
     print(
         f"total {time.time() - T0:.0f} s; required: fwd >= 300 TFLOP/s at T=32768 H=64; "
         "indexer+topk <= 1/3 of sparse attention at T=131072"

@@ -1,6 +1,5 @@
-"""Opt-in DSA kernel variants against the reference: the "splits" sparse attention forward (score tile split over
-warpgroups, MOESTACK_DSA_FWD=splits) and the fused indexer top-k (sampled threshold + scoring with candidate
-compaction, MOESTACK_DSA_TOPK=fused / fused_fp8).
+"""DSA kernel variants against the reference: the forward switch (MOESTACK_DSA_FWD) and the fused indexer top-k
+(sampled threshold + scoring with candidate compaction; MOESTACK_DSA_TOPK=fused / fused_fp8, fused the GPU default).
 
 CPU: TRITON_INTERPRET=1, fp32 at tiny shapes (exact dots: tight bounds). GPU (`-m gpu`): bf16 at full size.
 Selections are compared as score multisets (index order may differ on exact ties: ReLU makes exact zeros).
@@ -19,7 +18,7 @@ pytest.importorskip("triton")
 
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa import triton_indexer_fused as fused
-from moestack.ops.dsa.triton_attn_fwd import FWD_ENV_VAR, sparse_mqa_fwd
+from moestack.ops.dsa.triton_attn_fwd import FWD_ENV_VAR
 from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
 
 CPU_TOL = 2e-5
@@ -41,24 +40,7 @@ def _random_idx(B, T, K, g, device="cpu"):
     return idx.to(device)
 
 
-# ------------------------------------------------------------------------------------------- forward "splits"
-
-
-@pytest.mark.parametrize(
-    ("H", "V", "R", "variant"), [(20, 32, 16, "splits"), (33, 16, 16, "splits"), (20, 32, 16, "pf")]
-)
-def test_fwd_splits_matches_reference(H, V, R, variant):
-    """The chain-broken (splits) and the plain (pf) score paths; prefetch hints are GPU-only (inline PTX)."""
-    g = torch.Generator().manual_seed(H)
-    B, T, K = 3 - H // 20, 17, 18  # T, K not multiples of the 16-wide blocks; H padded to the head block
-    q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
-    idx = _random_idx(B, T, K, g)
-    o, lse = sparse_mqa_fwd(q, kv, idx, V, 0.3, variant=variant)
-    ro, rlse = ref.sparse_mqa_attention(q.double(), kv.double(), idx, V, 0.3)
-    assert _rel(o, ro) < CPU_TOL
-    assert torch.all(lse[:, 3] == float("-inf")) and torch.all(o[:, 3] == 0)  # the empty query
-    fin = torch.isfinite(rlse)
-    assert torch.equal(fin, torch.isfinite(lse)) and _rel(lse[fin], rlse[fin]) < CPU_TOL
+# ------------------------------------------------------------------------------------------- forward switch
 
 
 def test_fwd_variant_env_switch(monkeypatch):
@@ -67,9 +49,12 @@ def test_fwd_variant_env_switch(monkeypatch):
     q, kv = torch.randn(1, 9, 4, 48, generator=g), torch.randn(1, 9, 48, generator=g)
     idx = _random_idx(1, 9, 5, g)
     want, _ = ref.sparse_mqa_attention(q.double(), kv.double(), idx, 32, 0.2)
-    monkeypatch.setenv(FWD_ENV_VAR, "splits")
+    monkeypatch.setenv(FWD_ENV_VAR, "default")
     o, _ = sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
     assert _rel(o, want) < CPU_TOL
+    monkeypatch.setenv(FWD_ENV_VAR, "gluon")  # read inside the op: the Gluon kernel refuses fp32 / this latent
+    with pytest.raises(ValueError, match="forward variant 'gluon' needs an sm_90 GPU"):
+        sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
     monkeypatch.setenv(FWD_ENV_VAR, "nope")
     with pytest.raises(ValueError, match="forward variant"):
         sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
@@ -200,26 +185,6 @@ fused_topk = fused.indexer_topk_fused
 
 
 # ------------------------------------------------------------------------------------------------ GPU (full size)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("H", "variant"), [
-    pytest.param(20, "splits", marks=pytest.mark.xfail(reason="known since session 3: NaN in the LSE comparison of a "
-                                                              "row with no key at H = 20 (opt-in, slower variant)")),
-    (64, "splits"), (96, "splits_pf"), (64, "splits_pf2"), (64, "pf")])  # fmt: skip
-def test_fwd_splits_gpu(H, variant):
-    """bf16, 576 = 512 + 64 latent, top-2048 at T = 4096: each variant vs the fp64 reference and vs the default."""
-    g = torch.Generator(device="cuda").manual_seed(H)
-    T, K = 4096, 2048
-    q = torch.randn(1, T, H, 576, generator=g, device="cuda").bfloat16()
-    kv = torch.randn(1, T, 576, generator=g, device="cuda").bfloat16()
-    idx = torch.stack([torch.randperm(T, generator=g, device="cuda")[:K] for _ in range(T)])[None].int()
-    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)  # causal, -1 padded
-    o, lse = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant=variant)
-    o0, _ = sparse_mqa_fwd(q, kv, idx, 512, 192**-0.5, variant="default")
-    ro, rlse = ref.sparse_mqa_attention_blockwise(q.double(), kv.double(), idx, 512, 192**-0.5)
-    assert _rel(o, ro) < 2e-2 and _rel(lse, rlse) < 2e-2, (_rel(o, ro), _rel(lse, rlse))
-    assert _rel(o, o0) < 1e-2, _rel(o, o0)
 
 
 def _gpu_indexer_inputs(T, cu):

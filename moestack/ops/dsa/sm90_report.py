@@ -1,10 +1,10 @@
 """Compile the DSA forward / indexer kernel variants for sm_90 without a GPU; print ptxas's register / spill report,
 shared memory and the warp layout of every wgmma (warpsPerCTA) per kernel config.
 
-    python -m moestack.ops.dsa.sm90_report [fwd] [fwd_splits] [idx_fused]     # DUMP=dir also writes the TTGIR
+    python -m moestack.ops.dsa.sm90_report [fwd] [idx_fused]     # DUMP=dir also writes the TTGIR
 
-Used to check, before a GPU run, that a variant compiles, does not spill, fits in shared memory and that the
-score tile of the "splits" forward is really split over the warpgroups (warpsPerCTA = [4, 2], not [8, 1]).
+Used to check, before a GPU run, that a variant compiles, does not spill, fits in shared memory and how Triton lays
+the score tile over the warpgroups (warpsPerCTA). (The Gluon kernels set their layouts themselves.)
 """
 
 from __future__ import annotations
@@ -55,34 +55,23 @@ def compile_one(label, kern, ptr_types, consts, scalars, num_warps, num_stages) 
     print(f"| {label} w{num_warps} s{num_stages} | {info} | shared {ck.metadata.shared} | mma {mma} | dots {wgmma}")
 
 
-def fwd(split: bool) -> None:
+def fwd() -> None:
     from moestack.ops.dsa import triton_attn_fwd as F
 
-    scal = {"T": "i32", "H": "i32", "K": "i32", "scale_log2": "fp32", "ONE": "i32"}
+    scal = {"T": "i32", "H": "i32", "K": "i32", "scale_log2": "fp32"}
     for n in ("s_qb", "s_qt", "s_qh", "s_kb", "s_ks", "s_ib", "s_it", "s_ob", "s_ot", "s_oh"):
         scal[n] = "i32"
     ptr = {"IDX": "*i32", "LSE": "*fp32"}
     base = {"V": 512, "R": 64, "VP": 512, "RP": 64}
-    split_, pf = os.environ.get("SPLIT", "1") == "1", int(os.environ.get("PREFETCH", "0"))
-    if split:
-        cfgs = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1)]
-        if os.environ.get("CFG"):
-            cfgs = [tuple(int(x) for x in os.environ["CFG"].split(","))]
-        for bh, bk, w, s in cfgs:
-            compile_one(f"fwd splits H{bh} K{bk}", F._sparse_mqa_fwd_kernel_splits, ptr,
-                        {**base, "BLOCK_H": bh, "BLOCK_K": bk, "SPLIT": split_, "PREFETCH": pf, "PF_LINES": 9, "PF_P2": 16}, scal, w, s)  # fmt: skip
-    else:
-        for bh, bk, bv, w, s in [(64, 64, 512, 8, 2), (64, 32, 512, 8, 3)]:
-            compile_one(f"fwd default H{bh} K{bk} V{bv}", F._sparse_mqa_fwd_kernel, ptr,
-                        {**base, "BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_V": bv}, scal, w, s)  # fmt: skip
+    for bh, bk, bv, w, s in [(64, 64, 512, 8, 2), (64, 32, 512, 8, 3)]:
+        compile_one(f"fwd default H{bh} K{bk} V{bv}", F._sparse_mqa_fwd_kernel, ptr,
+                    {**base, "BLOCK_H": bh, "BLOCK_K": bk, "BLOCK_V": bv}, scal, w, s)  # fmt: skip
 
 
 def main() -> None:
-    only = sys.argv[1:] or ["fwd", "fwd_splits"]
+    only = sys.argv[1:] or ["fwd"]
     if "fwd" in only:
-        fwd(False)
-    if "fwd_splits" in only:
-        fwd(True)
+        fwd()
     if "idx_fused" in only:
         from moestack.ops.dsa import triton_indexer_fused as X
 

@@ -121,6 +121,7 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
         "dX tma": lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt),
         "dW tma": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False),
         "dW tma-store": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True),
+        "dW resident": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False, resident=True),
     }
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
@@ -131,6 +132,11 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
             cells.append(f"{name} {ms:.3f} ms {nbytes / (ms * 1e9):.2f} TB/s ({roof / ms:.0%})")
         except Exception as e:
             cells.append(f"{name} failed {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    try:  # the resident dW kernel against the chunked one (same fp32 accumulation of bf16 products)
+        a, b = parts["dW resident"]().float(), parts["dW tma"]().float()
+        cells.append(f"dW resident vs tma rel. diff {float((a - b).norm() / b.norm()):.1e}")
+    except Exception as e:
+        cells.append(f"dW resident check failed {type(e).__name__}")
     print(f"| part | {shape} | {tokens} | {gemm} | roofline {roof:.3f} ms | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -321,8 +327,8 @@ def main() -> int:
     if args.small:
         from moestack.ops.moe import gg_tma
 
-        for kern in (gg_tma.gg_fwd_kernel_tma, gg_tma.gg_wgrad_kernel_tma):  # what the autotuner picked, per key
-            for key, cfg in kern.cache.items():
+        for kern in (gg_tma.gg_fwd_kernel_tma, gg_tma.gg_wgrad_kernel_tma, gg_tma.gg_wgrad_kernel_resident):
+            for key, cfg in kern.cache.items():  # what the autotuner picked, per key
                 print(f"| tuned | {kern.base_fn.__name__} | {key} | {cfg} |")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0

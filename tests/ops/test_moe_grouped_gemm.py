@@ -93,7 +93,7 @@ def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
     assert dw.stride() == w.stride(), "the weight gradient is written in w's layout"
 
 
-@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("tma_store", [False, True, "resident"])
 def test_tma_kernels_interpreter(tma_store):
     """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts (TMA store or plain), against
     the fp64 loop; hot expert with several token tiles, empty experts, tail rows; the kernels are the ones taken
@@ -114,7 +114,8 @@ def test_tma_kernels_interpreter(tma_store):
     assert rel_err(y[:used], loop_fp64(x, w, offs)[:used]) < 2e-6 and (y[used:] == 0).all()
     assert rel_err(dx[:used], loop_fp64(dy, wt, offs)[:used]) < 2e-6 and (dx[used:] == 0).all()
     for like in (w, w.contiguous()):  # the parameter's transposed view, and a contiguous [E, D, F]
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store)
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store is True,
+                                     resident=tma_store == "resident")  # rows 37 > 16: the chunked fallback too
         dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
                               zip([0, *offs[:-1].tolist()], offs.tolist())])
         assert dw.stride() == like.stride() and rel_err(dw, dw_ref) < 2e-6

@@ -205,6 +205,63 @@ def gg_wgrad_kernel_tma(
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
 
 
+WGRAD_RESIDENT = os.environ.get("MOESTACK_MOE_GG_WGRAD_RESIDENT", "0") == "1"  # opt-in until measured faster
+
+
+def _wgrad_resident_configs() -> list[triton.Config]:
+    """_wgrad_configs' tiles without the TMA-store pre-hook (this kernel stores plainly)."""
+    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in _wgrad_configs()]
+
+
+@triton.autotune(configs=_wgrad_resident_configs(), key=["A", "B", "E", "RMAX"], do_bench=quick_bench)
+@triton.jit(do_not_specialize=["E"])
+def gg_wgrad_kernel_resident(
+    p, q, out, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
+    PRECISION: tl.constexpr, RMAX: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, GB: tl.constexpr,
+):
+    """As gg_wgrad_kernel_tma (same grid and output), for experts of at most RMAX rows: the expert's whole
+    P[rows, a-tile] is loaded once and reused for the GB b-tiles (one dot of depth RMAX each), so per output tile
+    only Q's [RMAX, BB] block is read (the chunked loop re-reads P for every b-tile). A larger expert falls back
+    to chunks of RMAX rows per b-tile (P re-read)."""
+    i_t, e = tl.program_id(0), tl.program_id(1)
+    n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
+    i_a, i_g = i_t // n_groups, i_t % n_groups
+    start = tl.load(offs + e - 1, mask=e > 0, other=0)
+    end = tl.load(offs + e)
+    o_a = i_a * BA + tl.arange(0, BA)
+    m_a = o_a < A
+    p_oe = out + e.to(tl.int64) * stride_oe
+    o_r = tl.arange(0, RMAX)
+    if end - start <= RMAX:
+        rows64 = (start + o_r).to(tl.int64)
+        m_r = start + o_r < end
+        b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
+                                mask=m_r[:, None] & m_a[None, :], other=0.0))  # [BA, RMAX]
+        for j in range(GB):
+            o_b = (i_g * GB + j) * BB + tl.arange(0, BB)
+            m_b = o_b < B
+            b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
+                          mask=m_r[:, None] & m_b[None, :], other=0.0)  # [RMAX, BB]
+            b_acc = tl.dot(b_pt, b_q, input_precision=PRECISION)
+            tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                     mask=m_a[:, None] & m_b[None, :])
+    else:
+        for j in range(GB):
+            o_b = (i_g * GB + j) * BB + tl.arange(0, BB)
+            m_b = o_b < B
+            b_acc = tl.zeros((BA, BB), dtype=tl.float32)
+            for r0 in range(start, end, RMAX):
+                rows64 = (r0 + o_r).to(tl.int64)
+                m_r = r0 + o_r < end
+                b_p = tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
+                              mask=m_r[:, None] & m_a[None, :], other=0.0)  # [RMAX, BA]
+                b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
+                              mask=m_r[:, None] & m_b[None, :], other=0.0)  # [RMAX, BB]
+                b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
+            tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                     mask=m_a[:, None] & m_b[None, :])
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """A tensor a TMA descriptor can cover: unit last stride, 16-byte base, positive 16-byte outer strides (an
     expanded gradient, stride 0, goes to the pointer-based swap kernel)."""
@@ -254,10 +311,11 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
 
 
 def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor,
-                     BT_MAX: int, tma_store: bool | None = None) -> torch.Tensor:
+                     BT_MAX: int, tma_store: bool | None = None, resident: bool | None = None) -> torch.Tensor:
     """dW [E, D, F], dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype and layout
     (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). Rows are reduced in chunks
-    of min(BT_MAX, 64)."""
+    of min(BT_MAX, 64); resident (None: $MOESTACK_MOE_GG_WGRAD_RESIDENT): gg_wgrad_kernel_resident with
+    RMAX = 2 BT_MAX rows (<= 128)."""
     D = x_ND.shape[1]
     F = dy_NF.shape[1]
     E = like.shape[0]
@@ -267,6 +325,17 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     else:
         out, P, Q = dw, x_ND, dy_NF
     A, B = out.shape[1], out.shape[2]
+    if WGRAD_RESIDENT if resident is None else resident:
+        rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))
+
+        def grid_r(meta):
+            return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)
+
+        gg_wgrad_kernel_resident[grid_r](
+            P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), PRECISION=_precision(x_ND.dtype), RMAX=rmax,
+        )  # fmt: skip
+        return dw
     tma_store = TMA_STORE if tma_store is None else tma_store
     tma_store = tma_store and _tma_ok(out)
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 16, 16]) if tma_store else None

@@ -315,6 +315,33 @@ class PipelineStepRunner:
         self._tie_synced = True
 
     @torch.no_grad()
+    def loaded_tie_mismatch(self, optimizer: torch.optim.Optimizer | None) -> list[str]:
+        """After a checkpoint load: what differs between this rank's tied copy and the other copy (weight, then the
+        optimizer's state tensors by name); [] when equal, or untied, or this rank holds no copy. Equal copies are
+        marked synced, so the first step no longer copies the embedding into the head: that copy would mend an
+        unequal weight but not the head's optimizer state, a silent divergence (callers refuse a non-empty list).
+        Collective between the copies' holders (pipeline ranks 0 and pp-1 of one data-parallel coordinate)."""
+        if not self._tie:
+            return []
+
+        def tensors(w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+            state = optimizer.state.get(w, {}) if optimizer is not None else {}
+            return [("weight", _local(w))] + [(k, _local(v).to(self.device)) for k, v in sorted(state.items())
+                                              if isinstance(v, torch.Tensor)]
+
+        mine = tensors(self._tie[0])
+        if len(self._tie) == 2:
+            theirs = tensors(self._tie[1])
+        else:  # names first (a different count would misalign the tensor exchanges), then each tensor
+            count = self._exchange(torch.tensor([len(mine)], device=self.device))
+            if int(count) != len(mine):
+                return [f"optimizer state ({len(mine) - 1} vs {int(count) - 1} tensors)"]
+            theirs = [(k, self._exchange(t)) for k, t in mine]
+        bad = [k for (k, a), (_, b) in zip(mine, theirs, strict=True) if a.shape != b.shape or not torch.equal(a, b)]
+        self._tie_synced = not bad
+        return bad
+
+    @torch.no_grad()
     def _sum_tied_grads(self, before: list[torch.Tensor | None]) -> None:
         """Both copies' gradients := what they held before this step + the sum of both copies' increments."""
         for part in self._tie_parts:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from moestack.train.optimizers import NO_ROUNDING_STATE, ROUNDING_RNG_KEY
 
@@ -358,6 +359,78 @@ def _drop_absent_rounding_rng(path: Path, state: dict[str, Any]) -> bool:
     return dropped
 
 
+# Tied embeddings (spec.tie_word_embeddings). One process, or any layout without pipeline parallelism, has one
+# parameter under two names: the model section stores it twice (embed.weight and lm_head.weight), the optimizer
+# section once, as embed.weight (torch's get_state_dict names a shared parameter's state once). Under PP the last
+# stage's head is its own copy (moestack.parallel.pipeline), stored with its own optimizer entry.
+TIED_EMBED, TIED_HEAD = "embed.weight", "lm_head.weight"
+
+
+def _tied_weights(model: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """(embedding, head) weights this module holds (None where it has not that part) if the model ties them, else
+    None. Under PP a stage holds one of them or both as separate copies; otherwise both are one parameter."""
+    if not getattr(getattr(model, "spec", None), "tie_word_embeddings", False):
+        return None
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    return (embed.weight if embed is not None else None), (head.weight if head is not None else None)
+
+
+def _borrow_embedding_state(path: Path, model: nn.Module, state: dict[str, Any]) -> tuple[dict, bool] | None:
+    """A pipeline stage's own head copy loading a checkpoint that stores the tied weight's optimizer state once
+    (under embed.weight, see above): read the head copy's state from the embedding's entries. Both copies take
+    identical steps, so those are the head copy's values. Changes the load template in place; returns what
+    `_return_embedding_state` needs to undo it after dcp.load, or None when there is nothing to borrow."""
+    tied = _tied_weights(model)
+    states = state.get("optim", {}).get("state", {})
+    if tied is None or tied[0] is tied[1] or TIED_HEAD not in states:
+        return None
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if any(k.startswith(f"optim.state.{TIED_HEAD}.") for k in saved):  # saved under PP: the copy has its own
+        return None
+    head_state = states.pop(TIED_HEAD)
+    if TIED_EMBED in states:  # both copies on this rank (V-shape schedules): copy the embedding's once loaded
+        return head_state, False
+    states[TIED_EMBED] = head_state  # DCP fills the head copy's tensors from the embedding's entries
+    return head_state, True
+
+
+def _return_embedding_state(state: dict[str, Any], borrowed: tuple[dict, bool]) -> None:
+    head_state, renamed = borrowed
+    states = state["optim"]["state"]
+    if renamed:
+        head_state = states.pop(TIED_EMBED)  # (DCP may have replaced non-tensor values in this dict)
+    else:
+        for k, v in states[TIED_EMBED].items():
+            if isinstance(v, torch.Tensor) and isinstance(head_state.get(k), torch.Tensor):
+                head_state[k].copy_(v)
+            else:
+                head_state[k] = v
+    states[TIED_HEAD] = head_state
+
+
+def _read_head_apart(model: nn.Module, state: dict[str, Any]) -> torch.Tensor | None:
+    """A model whose embedding and head are one parameter reads the checkpoint's two entries of it into one tensor:
+    the later read would silently win. Read lm_head.weight into a tensor of its own (compared by
+    `_check_head_read`); None when the model does not hold the tied weight as one parameter."""
+    tied, sd = _tied_weights(model), state["model"]
+    if tied is None or tied[0] is None or tied[0] is not tied[1] or TIED_HEAD not in sd or TIED_EMBED not in sd:
+        return None
+    sd[TIED_HEAD] = torch.empty_like(sd[TIED_HEAD])
+    return sd[TIED_HEAD]
+
+
+def _check_head_read(path: Path, state: dict[str, Any], head: torch.Tensor) -> None:
+    sd = state["model"]
+    embed, head = (t.to_local() if isinstance(t, DTensor) else t for t in (sd[TIED_EMBED], head))
+    differs = torch.tensor(float(not torch.equal(embed, head)), device=embed.device)
+    if not _no_dist():  # every rank holds its shard of both: refuse on all ranks alike
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    sd[TIED_HEAD] = sd[TIED_EMBED]
+    if differs.item():
+        raise CheckpointError(f"checkpoint {path}: tensors '{TIED_EMBED}' and '{TIED_HEAD}' differ, but the model "
+                              "ties them (tie_word_embeddings): one parameter cannot take both")
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     partial: bool = False) -> dict:
     """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
@@ -371,8 +444,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     meta = verify_checkpoint(path)
     state = _state(model, optimizer)
+    borrowed = _borrow_embedding_state(path, model, state)  # tied model, PP stage <- checkpoint without PP
+    head_apart = _read_head_apart(model, state)  # tied model without PP <- any checkpoint (PP: two copies)
     _check_matches(path, state, partial)
     old_rounding = _drop_absent_rounding_rng(path, state)
+    # The saved param groups' name lists are one rank's (DCP keeps one copy of a non-tensor entry), and under PP
+    # each rank names other parameters: set_state_dict maps each group by those names (and picks the names of a
+    # parameter held under two, a tied embedding's), so a PP rank missing from the saved lists lost its groups'
+    # hyper-parameters (KeyError at the first step). DCP matches the groups by index; give each its own names back.
+    own_names = [group.get("params") for group in state.get("optim", {}).get("param_groups", [])]
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
@@ -388,6 +468,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                                   "it, the checkpoint does not); was it saved with a different optimizer?") from err
         first = text.strip().splitlines()[0] if text.strip() else ""
         raise CheckpointError(f"checkpoint {path}: reading tensors failed ({err_type}: {first})") from err
+    if borrowed is not None:
+        _return_embedding_state(state, borrowed)
+    for group, names in zip(state.get("optim", {}).get("param_groups", []), own_names, strict=True):
+        group["params"] = names
+    if head_apart is not None:
+        _check_head_read(path, state, head_apart)
     if old_rounding:
         warnings.warn(f"checkpoint {path}: rounding noise restarts: checkpoint predates the optimizer's "
                       f"rounding-noise state ('{ROUNDING_RNG_KEY}'), so the resumed run is not bitwise the "

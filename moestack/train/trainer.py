@@ -38,6 +38,7 @@ from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_n
 from moestack.parallel.fsdp import set_gradient_sync
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
+    CheckpointError,
     capture_rng_state,
     latest_checkpoint,
     load_checkpoint,
@@ -352,6 +353,12 @@ class Trainer:
         if path is None:
             return False
         extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None)
+        if self.pipeline is not None:  # tied embeddings: the two copies (first / last stage) must have loaded equal
+            differ = self.pipeline.loaded_tie_mismatch(self.optimizer)
+            if differ:
+                raise CheckpointError(f"checkpoint {path}: the tied weight's copies 'embed.weight' and "
+                                      f"'lm_head.weight' differ after loading ({', '.join(differ)}); the model "
+                                      "ties them (tie_word_embeddings), so one of them is wrong")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.sampler.load_state_dict(
             adapt_sampler_state(extra["sampler"], self.sampler.batch_size, self.sampler.world_size))

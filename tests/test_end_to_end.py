@@ -31,9 +31,9 @@ def make_trainer(tmp_path, **overrides) -> Trainer:
 
 
 def test_loss_falls_on_tiny(tmp_path):
-    trainer = make_trainer(tmp_path, steps=40, **{"optimizer.lr": 3e-3, "checkpoint.every": 0})
-    losses = trainer.fit()["losses"]
-    assert len(losses) == 40 and all(math.isfinite(x) for x in losses)
+    trainer = make_trainer(tmp_path, steps=20, **{"optimizer.lr": 3e-3, "checkpoint.every": 0})
+    losses = trainer.fit()["losses"]  # the first / last 5 steps' means fall by ~1.9 in 20 steps (~2.6 in 40)
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
     # the router bias moved (aux-loss-free balancing ran) and stayed finite

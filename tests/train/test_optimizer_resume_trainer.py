@@ -1,5 +1,5 @@
 """The trainer resumes bitwise with the optimizers whose stochastic rounding draws noise (bf16 m, v): a run stopped
-after its step-3 checkpoint and resumed gives the uninterrupted run's losses exactly (CPU, one-rank plan on gloo),
+after its step-2 checkpoint and resumed gives the uninterrupted run's losses exactly (CPU, one-rank plan on gloo),
 with the rounding noise's state carried by the checkpoint (moestack.train.optimizers.RoundingStateMixin)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moestack.train.trainer import Trainer
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
 from _dist import small_model_spec
 
-SEQ, BATCH, STEPS, SAVED_AT = 16, 4, 6, 3
+SEQ, BATCH, STEPS, SAVED_AT = 16, 4, 4, 2  # 2 steps before the checkpoint, 2 resumed
 OPTIONS = {"seq_len": SEQ, "micro_batch_size": BATCH, "logging.every": 1, "logging.tensorboard": False,
            "logging.progress": False, "eval_every": 0, "data.eval_fraction": 0.0, "schedule.warmup_steps": 1,
            "optimizer.lr": 3e-3}
@@ -55,6 +55,6 @@ def test_resume_with_bf16_optimizer_states_is_bitwise(tmp_path, restore_environ,
     expected = "HostOffloadAdamW" if offload else "AdamWBF16"
     assert type(trainer.optimizer).__name__ == expected
 
-    _run(tmp_path / "b", plan, every=SAVED_AT, stop=SAVED_AT)  # stops after step 3, as a crash would
+    _run(tmp_path / "b", plan, every=SAVED_AT, stop=SAVED_AT)  # stops after step 2, as a crash would
     rest, _ = _run(tmp_path / "b", plan, every=SAVED_AT, resume=True)
     assert rest == full[SAVED_AT:], (rest, full[SAVED_AT:])  # bit-identical on CPU

@@ -211,16 +211,17 @@ def kth_largest_kernel(
     tl.store(OUT + b * R + r, tl.where(tau >= 0, tau, tau ^ 0x7FFFFFFF).to(tl.float32, bitcast=True))
 
 
-def kth_largest(samp: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
-    """samp [B, R, n] fp32, kth [R] int (1..n) -> [B, R] fp32: the kth[r]-th largest of each row (kth_largest_kernel
-    on CUDA and in the interpreter; torch.topk elsewhere)."""
+def kth_largest(samp: torch.Tensor, kth: torch.Tensor, kernel: bool | None = None, block: int = 8192) -> torch.Tensor:
+    """samp [B, R, n] fp32, kth [R] int (1..n) -> [B, R] fp32: the kth[r]-th largest of each row. kernel: run
+    kth_largest_kernel (default: on CUDA; off it torch.topk, which also keeps the interpreter's fused-path tests
+    fast - tests call the kernel directly); block: samples held per program (a longer row is re-read per count)."""
     B, R, n = samp.shape
-    if not (samp.is_cuda or INTERPRET):
+    if not (samp.is_cuda if kernel is None else kernel):
         top = samp.topk(int(kth.max()), dim=-1).values
         return top.gather(-1, (kth.long() - 1).expand(B, R)[..., None])[..., 0]
     samp = samp.contiguous()
     out = torch.empty((B, R), device=samp.device, dtype=torch.float32)
-    block = min(triton.next_power_of_2(n), 16 if INTERPRET else 8192)
+    block = min(triton.next_power_of_2(n), block)
     kth_largest_kernel[(R, B)](samp, kth.to(torch.int32).contiguous(), out, n, samp.stride(0), samp.stride(1),
                                BLOCK=block, ONE_BLOCK=n <= block, num_warps=8)  # fmt: skip
     return out

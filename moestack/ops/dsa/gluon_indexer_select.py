@@ -5,20 +5,21 @@
 In the Triton kernel every head is a synchronous dot followed by its epilogue (max, multiply, add over the whole
 [BLOCK_T, BLOCK_S] tile); at T = 131072 the scoring runs at ~340 TFLOP/s and is 89% of the indexer's time (H200
 profile). Here the q tiles of the next heads stream into a ring of shared-memory stages by cp.async while the key
-tile stays resident. Heads go in steps of GROUP (default 4) behind one CTA barrier: two products in flight, head
-h's epilogue runs under head h + 1's product, head h + 2's product is issued once h's registers are free, and
-nothing is in flight across the loop's back-edge. Two details make the overlap real: the accumulator passes
-through every wgmma wait (otherwise LLVM sinks the epilogues below the later waits), and no product crosses the
-back-edge (otherwise ptxas serialises all wgmmas, C7514 - what the GROUP = 1 "chained" loop gets). H200, T =
-131072, same selection as the Triton scorer: chained 191-194 ms, pairs 170-180, groups of 4 168 (Triton 202-207);
-ncu on the chained / paired loops: ~46% of the stall cycles at the CTA barrier, hence fewer barriers per head
-(benchmarks/RESULTS.md, session 7). The epilogue after the last head (threshold, per-row counter, slots, stores)
-is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp for the prefix sum.
+tile stays resident. Heads go in steps of GROUP (default 4) behind one CTA barrier: two products in flight, head h's
+epilogue runs under head h + 1's product, head h + 2's product is issued once h's registers are free, and nothing is
+in flight across the loop's back-edge. Two details make the overlap real: the accumulator passes through every wgmma
+wait (otherwise LLVM sinks the epilogues below the later waits), and no product crosses the back-edge (otherwise
+ptxas serialises all wgmmas, C7514: session 6's loop, one head per barrier with a product carried across iterations,
+measured here and removed). H200, T = 131072, same selection as the Triton scorer: that loop 191-194 ms, pairs
+170-180, groups of 4 168 (Triton 202-207); ncu on the first two: ~46% of the stall cycles at the CTA barrier, hence
+fewer barriers per head (benchmarks/RESULTS.md, session 7). The epilogue after the last head (threshold, per-row
+counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp
+for the prefix sum.
 
 Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key
 stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90; a head count that is not a
-multiple of GROUP runs in pairs. Same arguments and outputs as
-indexer_select_kernel's MODE_SELECT; packed documents (DSTART) supported.
+multiple of GROUP runs in pairs. Same arguments and outputs as indexer_select_kernel's MODE_SELECT; packed
+documents (DSTART) supported.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 # written against Triton 3.6's Gluon API (experimental: it changes between releases)
 TRITON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key columns
-# (BLOCK_S, Q_STAGES, GROUP: heads per barrier step, 1 = the chained loop)
-CONFIGS = ((256, 4, 2), (256, 6, 2), (256, 8, 2), (256, 8, 4), (256, 4, 1), (128, 4, 1))
+# (BLOCK_S, Q_STAGES, GROUP: heads per barrier step, even)
+CONFIGS = ((256, 8, 4), (256, 4, 2), (256, 6, 2), (256, 8, 2))
 DEFAULT_CONFIG = (256, 8, 4)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block: key tile + q ring must fit
 
@@ -47,19 +48,6 @@ def _issue_q(q_buf, q_base, head, s_qh, rows_ok, o_q):
 
 
 @gluon.jit
-def _head_ready(q_ring, q_base, j, Hi, s_qh, rows_ok, o_q, Q_STAGES: gl.constexpr):
-    """Before head j + 1's product: its q has landed (copy groups 0 .. j + 1 done) and is visible to every warp, and
-    every warp is past head j - 1's product, whose stage the copy of head j + Q_STAGES - 1 then overwrites."""
-    async_copy.wait_group(Q_STAGES - 3)
-    fence_async_shared()
-    gl.thread_barrier()
-    nxt = j + Q_STAGES - 1
-    if nxt < Hi:
-        _issue_q(q_ring.index(nxt % Q_STAGES), q_base, nxt, s_qh, rows_ok, o_q)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _indexer_select_gluon_kernel(
     Q, KI, W, DSTART, THR, CNT, OUT_S, OUT_I,
     t0, t1, Hi,
@@ -68,9 +56,8 @@ def _indexer_select_gluon_kernel(
     BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr, Q_STAGES: gl.constexpr, GROUP: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(gl.num_warps() == 8, "two warpgroups: launch with num_warps=8")
-    gl.static_assert(Q_STAGES >= 3, "q of head j + 1 in use by the tensor cores, >= 1 stage loading")
-    gl.static_assert(GROUP == 1 or (GROUP % 2 == 0 and Q_STAGES % GROUP == 0 and Q_STAGES // GROUP >= 2),
-                     "GROUP > 1: an even head count per step and a ring of >= 2 whole groups")
+    gl.static_assert(GROUP % 2 == 0 and Q_STAGES % GROUP == 0 and Q_STAGES // GROUP >= 2,
+                     "an even head count per step (GROUP) and a ring of >= 2 whole groups (Q_STAGES)")
     dtype: gl.constexpr = Q.dtype.element_ty
     row0 = t0 + gl.program_id(0) * BLOCK_T
     col0 = gl.program_id(1) * BLOCK_S
@@ -98,17 +85,11 @@ def _indexer_select_gluon_kernel(
     rows_ok = row0 + lr < t1
     q_base = Q + b * s_qb + row0.to(gl.int64) * s_qt
     o_q = (lr * s_qt)[:, None] + offs_d[None, :]
-    if GROUP > 1:
-        for i in gl.static_range(Q_STAGES // GROUP - 1):
-            if GROUP * i < Hi:
-                for h in gl.static_range(GROUP):
-                    _issue_q(q_ring.index(GROUP * i + h), q_base, GROUP * i + h, s_qh, rows_ok, o_q)
-            async_copy.commit_group()  # group i: q of heads GROUP i .. GROUP i + GROUP - 1 (group 0 also the keys)
-    else:
-        for i in gl.static_range(Q_STAGES - 1):
-            if i < Hi:
-                _issue_q(q_ring.index(i), q_base, i, s_qh, rows_ok, o_q)
-            async_copy.commit_group()  # group i: q of head i (group 0 also the key tile)
+    for i in gl.static_range(Q_STAGES // GROUP - 1):
+        if GROUP * i < Hi:
+            for h in gl.static_range(GROUP):
+                _issue_q(q_ring.index(GROUP * i + h), q_base, GROUP * i + h, s_qh, rows_ok, o_q)
+        async_copy.commit_group()  # group i: q of heads GROUP i .. GROUP i + GROUP - 1 (group 0 also the keys)
 
     b_lr = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, s_layout))
     b_rows = row0 + b_lr
@@ -117,11 +98,7 @@ def _indexer_select_gluon_kernel(
     acc = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
     zero = gl.zeros([BLOCK_T, BLOCK_S], gl.float32, layout=s_layout)
 
-    if GROUP > 1:
-        acc = _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES,
-                             GROUP)
-    else:
-        acc = _chained_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES)
+    acc = _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q, Q_STAGES, GROUP)
     async_copy.wait_group(0)
 
     _append_candidates(acc, row0, col0, b, t0, t1, DSTART, THR, CNT, OUT_S, OUT_I, s_ob, s_or, CAP, HAS_DOC,
@@ -133,7 +110,7 @@ def _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, 
                    Q_STAGES: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
     """acc += sum_j w_j ReLU(q_j k^T), GROUP heads per step: two products in flight, head h's epilogue runs while
     head h + 1's product does, head h + 2's product is issued after it; nothing is in flight across the loop's
-    back-edge (what makes ptxas serialise the chained version). One barrier per GROUP heads; the ring holds
+    back-edge (what made ptxas serialise session 6's chained loop). One barrier per GROUP heads; the ring holds
     Q_STAGES // GROUP groups, the next ones loading."""
     NG: gl.constexpr = Q_STAGES // GROUP
     for j in range(0, Hi, GROUP):
@@ -170,43 +147,9 @@ def _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, 
 
 
 @gluon.jit
-def _chained_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, rows_ok, o_q,
-                   Q_STAGES: gl.constexpr):  # fmt: skip
-    """acc += sum_j w_j ReLU(q_j k^T), head j + 1's product issued before head j's epilogue across the loop."""
-    async_copy.wait_group(Q_STAGES - 2)  # the key tile and head 0
-    fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
-    gl.thread_barrier()
-    # two score registers in turn (unrolled by two heads), head j + 1's product issued before head j's epilogue;
-    # ptxas still serialises the wgmmas here (C7514, see the module doc), so the two do not overlap in practice
-    s_a = warpgroup_mma(q_ring.index(0), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-    for j in range(0, Hi - 2, 2):
-        _head_ready(q_ring, q_base, j, Hi, s_qh, rows_ok, o_q, Q_STAGES)
-        s_b = warpgroup_mma(q_ring.index((j + 1) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
-                            is_async=True)  # fmt: skip
-        w_j = gl.load(w_ptrs + j, mask=mask_t, other=0.0).to(gl.float32)
-        s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))  # head j done
-        acc += gl.maximum(s_a, 0.0) * w_j[:, None]
-        _head_ready(q_ring, q_base, j + 1, Hi, s_qh, rows_ok, o_q, Q_STAGES)
-        s_a = warpgroup_mma(q_ring.index((j + 2) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
-                            is_async=True)  # fmt: skip
-        w_j = gl.load(w_ptrs + (j + 1), mask=mask_t, other=0.0).to(gl.float32)
-        s_b = warpgroup_mma_wait(num_outstanding=1, deps=(s_b, ))
-        acc += gl.maximum(s_b, 0.0) * w_j[:, None]
-    _head_ready(q_ring, q_base, Hi - 2, Hi, s_qh, rows_ok, o_q, Q_STAGES)  # the last two heads
-    s_b = warpgroup_mma(q_ring.index((Hi - 1) % Q_STAGES), k_smem.permute((1, 0)), zero, use_acc=False,
-                        is_async=True)  # fmt: skip
-    w_j = gl.load(w_ptrs + (Hi - 2), mask=mask_t, other=0.0).to(gl.float32)
-    s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a, ))
-    acc += gl.maximum(s_a, 0.0) * w_j[:, None]
-    w_j = gl.load(w_ptrs + (Hi - 1), mask=mask_t, other=0.0).to(gl.float32)
-    s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, ))
-    acc += gl.maximum(s_b, 0.0) * w_j[:, None]
-    return acc
-
-
-@gluon.jit
 def _append_candidates(acc, row0, col0, b, t0, t1, DSTART, THR, CNT, OUT_S, OUT_I, s_ob, s_or,
-                       CAP: gl.constexpr, HAS_DOC: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_S: gl.constexpr):  # fmt: skip
+                       CAP: gl.constexpr, HAS_DOC: gl.constexpr, BLOCK_T: gl.constexpr,
+                       BLOCK_S: gl.constexpr):  # fmt: skip
     """The Triton kernel's MODE_SELECT epilogue: visible keys with I >= THR appended to their row's list, rows
     within one warp for the prefix sum."""
     rows_in_warp: gl.constexpr = gl.BlockedLayout([1, BLOCK_S // 32], [1, 32], [8, 1], [1, 0])
@@ -230,8 +173,6 @@ def _append_candidates(acc, row0, col0, b, t0, t1, DSTART, THR, CNT, OUT_S, OUT_
     gl.store(OUT_S + o_base + off, acc, mask=keep)
     gl.store(OUT_I + o_base + off, e_pos[None, :] + gl.zeros([BLOCK_T, BLOCK_S], gl.int32, layout=rows_in_warp),
              mask=keep)  # fmt: skip
-
-
 
 
 @gluon.jit

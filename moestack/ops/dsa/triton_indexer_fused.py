@@ -137,6 +137,13 @@ def indexer_select_kernel(
         tl.store(OUT_I + o_base + off, b_pos[None, :] + tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.int32), mask=keep)
 
 
+@triton.jit
+def _order_key(bits):
+    """fp32 bits (int32) -> an int32 key in the floats' order (no NaN): negative floats flip their magnitude bits.
+    Its own inverse (key -> fp32 bits)."""
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
 @triton.jit(do_not_specialize=["R", "K"])
 def topk_select_kernel(
     CS, CI, CNT, OUT, R, K, s_cb, s_cr, s_ob, s_or,
@@ -152,8 +159,7 @@ def topk_select_kernel(
     valid = offs < n
     row = b * s_cb + r.to(tl.int64) * s_cr
     b_x = tl.load(CS + row + offs, mask=valid, other=0.0)  # [BLOCK] fp32
-    bits = b_x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order (no NaN)
+    key = _order_key(b_x.to(tl.int32, bitcast=True))
     lo = tl.full([], -2147483648, tl.int64)  # invariant: count(key >= lo) >= K (when n >= K)
     hi = tl.full([], 2147483647, tl.int64)
     for _ in tl.static_range(32):
@@ -190,8 +196,7 @@ def kth_largest_kernel(
     row = S + b * s_sb + r.to(tl.int64) * s_sr
     offs = tl.arange(0, BLOCK)
     if ONE_BLOCK:
-        bits = tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order (no NaN)
+        key = _order_key(tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.int32, bitcast=True))
     lo = tl.full([], -2147483648, tl.int64)  # invariant: count(key >= lo) >= kth
     hi = tl.full([], 2147483647, tl.int64)
     for _ in tl.static_range(32):
@@ -201,14 +206,13 @@ def kth_largest_kernel(
         else:
             c = tl.zeros([], tl.int32)
             for c0 in range(0, n_cols, BLOCK):
-                bits = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf")).to(tl.int32,
-                                                                                                   bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                x = tl.load(row + c0 + offs, mask=c0 + offs < n_cols, other=float("-inf"))
+                key = _order_key(x.to(tl.int32, bitcast=True))
                 c += tl.sum(((key >= mid.to(tl.int32)) & (c0 + offs < n_cols)).to(tl.int32), 0)
         lo = tl.where(c >= kth, mid, lo)
         hi = tl.where(c >= kth, hi, mid - 1)
     tau = lo.to(tl.int32)
-    tl.store(OUT + b * R + r, tl.where(tau >= 0, tau, tau ^ 0x7FFFFFFF).to(tl.float32, bitcast=True))
+    tl.store(OUT + b * R + r, _order_key(tau).to(tl.float32, bitcast=True))
 
 
 def kth_largest(samp: torch.Tensor, kth: torch.Tensor, kernel: bool | None = None, block: int = 8192) -> torch.Tensor:

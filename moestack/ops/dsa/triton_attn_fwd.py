@@ -159,10 +159,14 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: in
         raise ValueError(f"kv dtype {kv.dtype} must equal q dtype {q.dtype}")
 
 
+# the Gluon kernels are written against Triton 3.6's Gluon API (experimental: it changes between releases)
+GLUON_TRITON = (3, 6)
+
+
 def gluon_module(name: str):
     """moestack.ops.dsa.<name> (a Gluon kernel module), or None where it cannot run: under the interpreter, or on a
-    Triton without Gluon (an experimental API; the modules also check the version in their applicability test)."""
-    if INTERPRET:
+    Triton other than the one its API was written for (GLUON_TRITON) or without Gluon."""
+    if INTERPRET or tuple(int(x) for x in triton.__version__.split(".")[:2]) < GLUON_TRITON:
         return None
     try:
         return importlib.import_module(f"moestack.ops.dsa.{name}")

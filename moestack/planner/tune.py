@@ -253,9 +253,11 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
     source = (f"moestack tune {datetime.date.today().isoformat()} {name}: median of {t.reps} fwd+bwd at {t.tokens} "
               f"tokens = {t.wall_s:.4f} s over {t.layers:g} layers{sampled}{bound}")
     host = base.model_copy(update={"layer_s": t.layer_s, "source": source})
+    pace = ("large: the kernels, not the host, set the pace" if t.tail_s > 0.1 * t.wall_s  # a tenth of the pass
+            else "small: the host sets the pace")
     line = (f"host floor: {t.layer_s * 1e3:.2f} ms per layer per micro-batch (default {base.layer_s * 1e3:.2f}): "
             f"{t.wall_s * 1e3:.1f} ms fwd+bwd at {t.tokens} tokens over {t.layers:g} layers{sampled}{bound}; the "
-            f"device finished {t.tail_s * 1e3:.1f} ms after the host (large: the kernels, not the host, set the pace)")
+            f"device finished {t.tail_s * 1e3:.1f} ms after the host ({pace})")
     return host, line
 
 

@@ -428,7 +428,8 @@ def _check_head_read(path: Path, state: dict[str, Any], head: torch.Tensor) -> N
     sd[TIED_HEAD] = sd[TIED_EMBED]
     if differs.item():
         raise CheckpointError(f"checkpoint {path}: tensors '{TIED_EMBED}' and '{TIED_HEAD}' differ, but the model "
-                              "ties them (tie_word_embeddings): one parameter cannot take both")
+                              "ties them (tie_word_embeddings): one parameter cannot take both; load a checkpoint "
+                              "of a tied model, or set tie_word_embeddings: false if it was trained untied")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

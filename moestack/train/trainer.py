@@ -358,7 +358,8 @@ class Trainer:
             if differ:
                 raise CheckpointError(f"checkpoint {path}: the tied weight's copies 'embed.weight' and "
                                       f"'lm_head.weight' differ after loading ({', '.join(differ)}); the model "
-                                      "ties them (tie_word_embeddings), so one of them is wrong")
+                                      "ties them (tie_word_embeddings), so the checkpoint is damaged: move it out "
+                                      f"of {Path(path).parent} to resume from the one before")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.sampler.load_state_dict(
             adapt_sampler_state(extra["sampler"], self.sampler.batch_size, self.sampler.world_size))

@@ -122,11 +122,12 @@ class HostCalibration(StrictModel):
     machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
     runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
 
-    The defaults above are that 2 x H200 fit. `moestack tune --measure-host` (opt-in: not yet run on a GPU) replaces
-    layer_s with the local machine's measurement
-    (planner/measure_host.py): the wall time of the whole model's forward + backward of one 256-token micro-batch
-    (host-bound: the device idles), divided by the layers cost.py charges, and says how in `source`. It covers the
-    embedding, blocks, head and loss, not the optimizer step (priced on its own), which the fitted default absorbed.
+    The defaults above are that 2 x H200 fit. `moestack tune --measure-host` (opt-in) replaces layer_s with the
+    local machine's measurement (planner/measure_host.py): the wall time of the whole model's forward + backward of
+    one 256-token micro-batch (host-bound: the device idles), divided by the layers cost.py charges, and says how
+    in `source`. It covers the embedding, blocks, head and loss, not the optimizer step (priced on its own), FSDP2's
+    hooks or DTensor dispatch, which the fitted default absorbed: on 2 x H200 (session 7) it measured 13.6 ms, and
+    with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their measured step times (the fit: +6 / -20 / -25%).
     ep_moe_s and tp_layer_s keep their defaults (they need several GPUs)."""
 
     layer_s: float = Field(default=0.0208, ge=0)

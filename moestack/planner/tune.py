@@ -407,8 +407,8 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                         f"analytic terms at {pc.tokens} tokens (fixed {pc.fwd_fixed_s * 1e3:.2f} / "
                         f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
                         f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
-    # opt-in (--measure-host): the measurement has not run on a GPU yet, and it leaves out the optimizer step and the
-    # FSDP / DTensor hooks that the fitted default includes
+    # opt-in (--measure-host): it leaves out the optimizer step and the FSDP / DTensor hooks that the fitted default
+    # includes (2 x H200: 13.6 ms measured vs the 20.8 fit, step times predicted 19-41% low; benchmarks/RESULTS.md)
     host, host_line = (calibrate_host(spec, base.host, ep) if measure_host else
                        (base.host, f"host floor: default layer_s {base.host.layer_s * 1e3:.1f} ms (--measure-host "
                                    f"measures it on this machine)"))

@@ -85,7 +85,8 @@ def indexer_topk_triton(
     MOESTACK_DSA_TOPK = "auto" (default: "fused" on a GPU, "chunked" elsewhere: in the Triton interpreter the
     fused path's two scoring passes cost more than they save), "chunked" (this function's block + torch.topk),
     "fused" or "fused_fp8" (triton_indexer_fused: sampled threshold + fused scoring with candidate compaction, no
-    score block in memory; the same selected sets, H200 T = 32768: 15.9 vs 20.3 ms; benchmarks/RESULTS.md)."""
+    score block in memory; the same selected sets; H200, T = 32768, one run: 17.9 vs 20.3 ms for the chunked path,
+    12.9 ms since with the Gluon candidate pass; benchmarks/RESULTS.md DSA runs 5 and 9)."""
     mode = os.environ.get(TOPK_ENV_VAR, "auto")
     if mode not in ("auto", "chunked", "fused", "fused_fp8"):
         raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of auto, chunked, fused, fused_fp8")

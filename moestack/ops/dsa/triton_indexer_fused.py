@@ -287,7 +287,7 @@ def indexer_topk_fused(
     slots in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference).
     stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows"). scorer: the candidate
     pass's kernel, "triton" (indexer_select_kernel), "gluon" (gluon_indexer_select: sm_90, bf16 / fp16, even head
-    count; H200: 198 vs 218 ms at T = 131072, the same selection) or "auto" (gluon where it applies); None reads
+    count; H200: 168 vs 207 ms at T = 131072, the same selection) or "auto" (gluon where it applies); None reads
     MOESTACK_DSA_IDX_SCORER (default "auto")."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")

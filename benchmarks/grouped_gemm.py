@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -68,8 +69,6 @@ PEAK_TBS, PEAK_TFS = 4.8, 989.0  # H200: HBM3e bandwidth, dense bf16 tensor-core
 
 def backends(fp8: bool = True) -> dict:
     """name -> grouped_mm; fp8=False leaves the FP8 module unimported (--small, --no-fp8)."""
-    from functools import partial
-
     from moestack.ops.moe import triton_grouped_gemm as tg
 
     fns = {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
@@ -121,8 +120,14 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
         "dX tma": lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt),
         "dW tma": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False),
         "dW tma-store": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True),
-        "dW resident": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False, resident=True),
+        "dW resident": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False, kernel="resident"),
     }
+    if gg_tma._gluon_wgrad_ok(dy, x, w.transpose(1, 2)):  # the kernel's (P, Q, out) in w's [E, F, D] layout
+        from moestack.ops.moe import gluon_wgrad
+
+        rmax = gluon_wgrad.rmax_for(bt)
+        for cfg in gluon_wgrad.CONFIGS[rmax]:
+            parts[f"dW gluon {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, rmax, cfg)
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
     cells = []
@@ -132,12 +137,20 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
             cells.append(f"{name} {ms:.3f} ms {nbytes / (ms * 1e9):.2f} TB/s ({roof / ms:.0%})")
         except Exception as e:
             cells.append(f"{name} failed {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    try:  # the resident dW kernel against the chunked one (same fp32 accumulation of bf16 products)
-        a, b = parts["dW resident"]().float(), parts["dW tma"]().float()
-        cells.append(f"dW resident vs tma rel. diff {float((a - b).norm() / b.norm()):.1e}")
-    except Exception as e:
-        cells.append(f"dW resident check failed {type(e).__name__}")
+    for name in [n for n in parts if n.startswith(("dW resident", "dW gluon"))]:  # vs the chunked kernel
+        try:  # (same fp32 accumulation of bf16 products: equal up to the summation order)
+            a, b = parts[name]().float(), parts["dW tma"]().float()
+            cells.append(f"{name} vs tma rel. diff {float((a - b).norm() / b.norm()):.1e}")
+        except Exception as e:
+            cells.append(f"{name} check failed {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
     print(f"| part | {shape} | {tokens} | {gemm} | roofline {roof:.3f} ms | " + " | ".join(cells) + " |", flush=True)
+
+
+def _gluon_dw(gluon_wgrad, x, dy, offs, w, rmax: int, cfg: tuple[int, int]) -> torch.Tensor:
+    """dW by gluon_wgrad alone at one config (every expert here has <= rmax rows), in w's [E, F, D] layout."""
+    dw = torch.empty_like(w.transpose(1, 2))  # out[e, f, d] = sum_r dy[r, f] x[r, d]
+    gluon_wgrad.wgrad_gluon(dy, x, dw, offs, rmax, config=cfg)
+    return dw.transpose(1, 2)
 
 
 BACK_TO_BACK = False  # --small: time calls queued back to back (host launch cost hidden, as in a training step)
@@ -231,6 +244,7 @@ def main() -> int:
     ap.add_argument("--kernel", default=None, help="Triton variant the crossover is measured for (persistent, swap, "
                     "tma, tma-p; default $MOESTACK_MOE_GG_KERNEL's, tma with --small)")
     args = ap.parse_args()
+    args.tokens_given = any(a.startswith("--tokens") for a in sys.argv[1:])  # --small: that list, not SMALL_PLAN's
     budget_s = BUDGET_S
     if args.quick:
         args.shapes, args.tokens = "k3_ep16", ",".join(map(str, QUICK_TOKENS))
@@ -263,7 +277,7 @@ def main() -> int:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     points: dict[str, list[tuple[int, float, float]]] = {}
-    plan = SMALL_PLAN if args.small else [(shape, list(map(int, args.tokens.split(","))))
+    plan = SMALL_PLAN if args.small and not args.tokens_given else [(shape, list(map(int, args.tokens.split(","))))
                                           for shape in args.shapes.split(",")]
     for shape, token_list in plan:
         E, D, I = SHAPES[shape]

@@ -114,8 +114,8 @@ def test_tma_kernels_interpreter(tma_store):
     assert rel_err(y[:used], loop_fp64(x, w, offs)[:used]) < 2e-6 and (y[used:] == 0).all()
     assert rel_err(dx[:used], loop_fp64(dy, wt, offs)[:used]) < 2e-6 and (dx[used:] == 0).all()
     for like in (w, w.contiguous()):  # the parameter's transposed view, and a contiguous [E, D, F]
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store is True,
-                                     resident=tma_store == "resident")  # rows 37 > 16: the chunked fallback too
+        kernel = "resident" if tma_store == "resident" else "chunked"  # resident: rows 37 > 16, its fallback too
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store is True, kernel=kernel)
         dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
                               zip([0, *offs[:-1].tolist()], offs.tolist())])
         assert dw.stride() == like.stride() and rel_err(dw, dw_ref) < 2e-6
@@ -259,6 +259,37 @@ def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
         y2 = tgg.grouped_mm(x, w, offs, variant=variant)
         again = torch.autograd.grad(y2, (x, w), dy)
         assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bt_max", [16, 64, 128])  # RMAX 64, 128, 256: every reduction-depth path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the gradient's dtype (like's)
+def test_gluon_wgrad_gpu(bt_max, dtype):
+    """gluon_wgrad through gg_tma.grouped_mm_wgrad(kernel="gluon") against the fp64 loop: empty experts, 1 row,
+    depths just below / above each KS multiple, experts above RMAX (the resident kernel's chunked path), NaN in the
+    rows past offs[-1] (must never be read), both gradient layouts; bitwise equal on a second run."""
+    from moestack.ops.moe import gg_tma
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("sm_90 kernel")
+    counts = [0, 1, 63, 64, 65, 128, 129, 200, 256, 300, 0, 17]
+    x, w, offs = make_case(counts, 256, 384, torch.bfloat16, seed=bt_max, tail=7)
+    used = sum(counts)
+    dy = torch.randn(x.shape[0], 384, device=DEV, dtype=torch.bfloat16)
+    x[used:], dy[used:] = float("nan"), float("nan")
+    starts = [0, *offs[:-1].tolist()]
+    dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(starts, offs.tolist())])
+    for like in (w.to(dtype), w.to(dtype).contiguous()):
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        kmajor = like.transpose(1, 2).is_contiguous()  # the kernel computes out = P^T Q with b contiguous
+        assert gg_tma._gluon_wgrad_ok(*((dy, x, dw.transpose(1, 2)) if kmajor else (x, dy, dw)))  # taken
+        err = rel_err(dw, dw_ref)
+        per_expert = [rel_err(dw[i], dw_ref[i]) if counts[i] else float(dw[i].abs().max()) for i in range(len(counts))]
+        assert dw.stride() == like.stride() and err < 1e-2, (err, per_expert)
+        assert all(v < 1e-2 for v in per_expert), per_expert
+        assert (dw[torch.tensor(counts) == 0] == 0).all()
+        again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        assert torch.equal(dw, again)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16:
   8 warps: two programs per SM), or a TMA store through a 3D descriptor [E, A, B] (clipped per expert) with
   $MOESTACK_MOE_GG_TMA_STORE=1 (ptxas then serialises the MMA before the store: C7517, 150+ registers).
 
-- Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD_RESIDENT=1): the chunked loop above re-reads
+- Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD=resident): the chunked loop above re-reads
   P for every b-tile; gg_wgrad_kernel_resident loads an expert's whole P[rows, a-tile] once (experts of <= RMAX
   rows) and runs one dot of depth RMAX per b-tile. H200, 128 rows per expert: 1.15 vs 1.42 ms (ncu 2.24 vs 1.82
   TB/s), 1.21-1.35x torch's dW; at 32 rows slower (RMAX = 2x the mean rows doubles the MMA depth).
@@ -210,7 +210,10 @@ def gg_wgrad_kernel_tma(
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
 
 
-WGRAD_RESIDENT = os.environ.get("MOESTACK_MOE_GG_WGRAD_RESIDENT", "0") == "1"  # opt-in until measured faster
+# dW kernel: "chunked" (gg_wgrad_kernel_tma), "resident" (gg_wgrad_kernel_resident) or "gluon" (gluon_wgrad.py, sm_90;
+# experts above its RMAX rows go to the resident kernel's chunked path)
+WGRAD_KERNEL = os.environ.get("MOESTACK_MOE_GG_WGRAD", "chunked")
+WGRAD_KERNELS = ("chunked", "resident", "gluon")
 
 
 def _wgrad_resident_configs() -> list[triton.Config]:
@@ -223,11 +226,13 @@ def _wgrad_resident_configs() -> list[triton.Config]:
 def gg_wgrad_kernel_resident(
     p, q, out, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
     PRECISION: tl.constexpr, RMAX: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, GB: tl.constexpr,
+    LARGE_ONLY: tl.constexpr = False,
 ):
     """As gg_wgrad_kernel_tma (same grid and output), for experts of at most RMAX rows: the expert's whole
     P[rows, a-tile] is loaded once and reused for the GB b-tiles (one dot of depth RMAX each), so per output tile
     only Q's [RMAX, BB] block is read (the chunked loop re-reads P for every b-tile). A larger expert falls back
-    to chunks of RMAX rows per b-tile (P re-read)."""
+    to chunks of RMAX rows per b-tile (P re-read). LARGE_ONLY: only the larger experts (gluon_wgrad writes the
+    others)."""
     i_t, e = tl.program_id(0), tl.program_id(1)
     n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
     i_a, i_g = i_t // n_groups, i_t % n_groups
@@ -238,6 +243,8 @@ def gg_wgrad_kernel_resident(
     p_oe = out + e.to(tl.int64) * stride_oe
     o_r = tl.arange(0, RMAX)
     if end - start <= RMAX:
+        if LARGE_ONLY:
+            return
         rows64 = (start + o_r).to(tl.int64)
         m_r = start + o_r < end
         b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
@@ -315,12 +322,28 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
     return y
 
 
+def _gluon_wgrad_ok(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor) -> bool:
+    """gluon_wgrad covers these operands (sm_90, Triton with Gluon; else the Triton kernels run)."""
+    global gluon_wgrad
+    if gluon_wgrad is None:
+        try:
+            from moestack.ops.moe import gluon_wgrad as module
+        except ImportError:  # a Triton without Gluon's Hopper API
+            return False
+        gluon_wgrad = module
+    return gluon_wgrad.supported(P, Q, out)
+
+
+gluon_wgrad = None  # imported on first use (Gluon needs a recent Triton)
+
+
 def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor,
-                     BT_MAX: int, tma_store: bool | None = None, resident: bool | None = None) -> torch.Tensor:
+                     BT_MAX: int, tma_store: bool | None = None, kernel: str | None = None) -> torch.Tensor:
     """dW [E, D, F], dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype and layout
     (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). Rows are reduced in chunks
-    of min(BT_MAX, 64); resident (None: $MOESTACK_MOE_GG_WGRAD_RESIDENT): gg_wgrad_kernel_resident with
-    RMAX = 2 BT_MAX rows (<= 128)."""
+    of min(BT_MAX, 64); kernel (None: $MOESTACK_MOE_GG_WGRAD, default "chunked"): "resident" =
+    gg_wgrad_kernel_resident with RMAX = 2 BT_MAX rows (<= 128); "gluon" = gluon_wgrad where it applies (experts of
+    <= 2 BT_MAX rows, <= 256; the larger ones by the resident kernel's chunked path), else "chunked"."""
     D = x_ND.shape[1]
     F = dy_NF.shape[1]
     E = like.shape[0]
@@ -330,8 +353,15 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     else:
         out, P, Q = dw, x_ND, dy_NF
     A, B = out.shape[1], out.shape[2]
-    if WGRAD_RESIDENT if resident is None else resident:
+    kernel = kernel or WGRAD_KERNEL
+    if kernel not in WGRAD_KERNELS:
+        raise ValueError(f"MOESTACK_MOE_GG_WGRAD / kernel={kernel!r}: use one of {', '.join(WGRAD_KERNELS)}")
+    gluon = kernel == "gluon" and not INTERPRET and _gluon_wgrad_ok(P, Q, out)
+    if kernel == "resident" or gluon:
         rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))
+        if gluon:
+            rmax = gluon_wgrad.rmax_for(BT_MAX)
+            gluon_wgrad.wgrad_gluon(P, Q, out, offs_E, rmax)
 
         def grid_r(meta):
             return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)
@@ -339,6 +369,7 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
         gg_wgrad_kernel_resident[grid_r](
             P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
             out.stride(0), out.stride(1), out.stride(2), PRECISION=_precision(x_ND.dtype), RMAX=rmax,
+            LARGE_ONLY=gluon,
         )  # fmt: skip
         return dw
     tma_store = TMA_STORE if tma_store is None else tma_store

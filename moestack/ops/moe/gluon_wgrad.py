@@ -1,0 +1,188 @@
+"""Grouped weight gradient for few rows per expert on sm_90, in Gluon: store-bound, so the stores run under the MMAs.
+
+    out[e, a, b] = sum over the expert's rows r of P[r, a] Q[r, b]      (dW in the parameter's layout, b contiguous)
+
+At <= a few hundred rows per expert dW is a write stream: each output tile is written once after a reduction of
+depth = the expert's rows (K3 EP16, 128 rows: 3.7 GB written per layer for 0.47 TFLOP). The Triton kernels in
+gg_tma.py reach 1.8-2.2 TB/s there (ncu): Triton waits for each tile's MMA and then stores it from registers while
+the tensor cores idle, and its one program per SM (resident variant, 252 registers) has nothing else to run.
+This kernel says the overlap itself:
+
+- One program per (a-tile of BA = 64 columns, expert); one warpgroup. The expert's P[rows, a-tile] is copied to
+  shared memory once (cp.async, rows past the expert zero-filled) and is the MMA's A operand (transposed view) for
+  every b-tile; Q[rows, b-tile] tiles stream through a ring of NUM_STAGES tiles (cp.async, zero-filled rows).
+- b-tiles go in pairs (nothing in flight across the loop's back-edge: ptxas serialises wgmma otherwise, C7514):
+  both MMAs are issued async; the first tile's epilogue (fp32 -> out dtype -> shared memory) runs under the
+  second MMA; the pair's TMA stores are issued at the top of the next iteration, after the one CTA barrier, so
+  they drain while that iteration's MMAs run. Two output buffers per pair, two pairs.
+- The reduction depth is the expert's rows rounded up to KS, 2 KS or RMAX (a constexpr path each, picked at run
+  time; shared-memory views need power-of-two shapes), not always RMAX: the MMA work follows the rows present.
+- Experts with more than RMAX rows are left to gg_tma.gg_wgrad_kernel_resident's chunked path (a second launch in
+  which the small experts exit at once); empty experts store zeros.
+
+No atomics; each output element is written once in a fixed order (bitwise reproducible). Requirements (checked by
+`supported`): sm_90, bf16 / fp16 operands, out [E, A, B] with unit last stride and stride(0) = A * stride(1),
+A % 64 == 0, B % (2 BB) == 0. Legend as gg_tma.py; BA/BB dW tile, KS reduction slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+TILE_A = 64  # BA: one warpgroup's wgmma M
+SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
+BA = gl.constexpr(TILE_A)
+KS = gl.constexpr(SLICE)
+# (BB, NUM_STAGES) per RMAX; shared memory = RMAX * BA * 2 (P) + NUM_STAGES * RMAX * BB * 2 (Q ring)
+# + 4 * BA * BB * out bytes (two pairs of output tiles); two programs per SM need <= ~113 KB each
+CONFIGS = {
+    64: ((128, 4), (64, 4), (128, 6)),
+    128: ((64, 4), (128, 4), (64, 6)),
+    256: ((64, 4), (32, 4), (32, 6)),
+}
+
+
+@gluon.jit
+def _issue_rows(buf, base, stride_n, col0, start, end, R: gl.constexpr, C: gl.constexpr, layout: gl.constexpr):
+    """cp.async of base[start : start + R, col0 : col0 + C] into buf [R, C]; rows at or past end zero-filled."""
+    rows = start + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows.to(gl.int64)[:, None] * stride_n + cols[None, :]
+    async_copy.async_copy_global_to_shared(buf, ptrs, mask=(rows < end)[:, None])
+
+
+@gluon.jit
+def _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
+           DEPTH: gl.constexpr, RMAX: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
+           acc_layout: gl.constexpr, q_load: gl.constexpr):  # fmt: skip
+    """The b-tile loop for one program at reduction depth DEPTH (rows used: DEPTH; the rest are zeros or absent)."""
+    HALF: gl.constexpr = NUM_STAGES // 2  # ring slots in pairs
+    zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
+    p_t = p_smem.slice(0, DEPTH, dim=0).permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
+    for i in range(n_pairs):
+        # pair i has landed (this thread's copies, then everyone's); the barrier also retires iteration i - 1
+        # (its MMAs were waited, its epilogue wrote the output buffers) and, with store_wait, pair i - 2's stores
+        async_copy.wait_group(HALF - 2)
+        tma.store_wait(0)
+        fence_async_shared()  # cp.async and the epilogue wrote through the generic proxy; wgmma / TMA read async
+        gl.thread_barrier()
+        if i > 0:
+            slot_o = ((i - 1) % 2) * 2
+            b_prev = (2 * i - 2) * BB
+            tma.async_copy_shared_to_global(out_desc, [row0, b_prev], o_ring.index(slot_o))
+            tma.async_copy_shared_to_global(out_desc, [row0, b_prev + BB], o_ring.index(slot_o + 1))
+        nxt = i + HALF - 1  # into the slots pair i - 1 used
+        if nxt < n_pairs:
+            slot_n = (nxt % HALF) * 2
+            _issue_rows(q_ring.index(slot_n), Q, stride_qn, 2 * nxt * BB, start, end, RMAX, BB, q_load)
+            _issue_rows(q_ring.index(slot_n + 1), Q, stride_qn, (2 * nxt + 1) * BB, start, end, RMAX, BB, q_load)
+        async_copy.commit_group()
+
+        slot = (i % HALF) * 2
+        acc0 = warpgroup_mma(p_t, q_ring.index(slot).slice(0, DEPTH, dim=0), zero, use_acc=False, is_async=True)
+        acc1 = warpgroup_mma(p_t, q_ring.index(slot + 1).slice(0, DEPTH, dim=0), zero, use_acc=False,
+                             is_async=True)  # fmt: skip
+        slot_o = (i % 2) * 2
+        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+        o_ring.index(slot_o).store(acc0.to(out_desc.dtype))
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        o_ring.index(slot_o + 1).store(acc1.to(out_desc.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    slot_o = ((n_pairs - 1) % 2) * 2
+    b_last = (2 * n_pairs - 2) * BB
+    tma.async_copy_shared_to_global(out_desc, [row0, b_last], o_ring.index(slot_o))
+    tma.async_copy_shared_to_global(out_desc, [row0, b_last + BB], o_ring.index(slot_o + 1))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
+                        RMAX: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup: launch with num_warps=4")
+    gl.static_assert(NUM_STAGES % 2 == 0 and NUM_STAGES >= 4, "the Q ring holds pairs of tiles, >= 2 pairs")
+    gl.static_assert(RMAX % KS == 0, "RMAX must be a multiple of KS")
+    dtype: gl.constexpr = P.dtype.element_ty
+    i_a = gl.program_id(0)
+    e = gl.program_id(1)
+    end = gl.load(offs + e)
+    start = gl.load(offs + gl.maximum(e - 1, 0))
+    start = gl.where(e > 0, start, 0)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BB, 16])  # fmt: skip
+    p_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BA // 8), BA // 8], [4, 1], [1, 0])
+    TPC: gl.constexpr = BB // 8 if BB // 8 < 32 else 32  # noqa: FURB136 (constexpr arithmetic in Gluon)
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BA], dtype)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BB], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
+    q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, RMAX, BB], q_sl)
+    o_ring = gl.allocate_shared_memory(out_desc.dtype, [4, BA, BB], out_desc.layout)
+    if end - start <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
+        a0 = i_a * BA
+        n_pairs = B // (2 * BB)
+        # P and the first pairs of Q tiles: one commit group per pair (P rides with pair 0)
+        _issue_rows(p_smem, P, stride_pn, a0, start, end, RMAX, BA, p_load)
+        for j in gl.static_range(NUM_STAGES // 2 - 1):
+            if j < n_pairs:
+                _issue_rows(q_ring.index(2 * j), Q, stride_qn, 2 * j * BB, start, end, RMAX, BB, q_load)
+                _issue_rows(q_ring.index(2 * j + 1), Q, stride_qn, (2 * j + 1) * BB, start, end, RMAX, BB, q_load)
+            async_copy.commit_group()
+        row0 = e * A + a0
+        depth = gl.maximum(gl.cdiv(end - start, KS), 1)  # KS-row slices the MMA needs
+        D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
+        if RMAX == KS:
+            _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
+                   RMAX, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+        else:
+            if depth == 1:
+                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
+                       KS, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+            elif depth == 2:
+                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
+                       D2, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+            else:
+                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
+                       RMAX, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+        async_copy.wait_group(0)
+
+
+def rmax_for(bt_max: int) -> int:
+    """Rows an expert may have for this kernel: twice the mean (bucketed as BT_MAX), at least 64, at most 256."""
+    return min(256, max(64, 2 * bt_max))
+
+
+def supported(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether _wgrad_gluon_kernel takes these operands (see the module doc); else the Triton kernels run."""
+    A, B = out.shape[1], out.shape[2]
+    ok_dtype = P.dtype in (torch.bfloat16, torch.float16) and Q.dtype == P.dtype
+    return (P.is_cuda and ok_dtype and torch.cuda.get_device_capability(P.device)[0] == 9
+            and P.stride(1) == 1 and Q.stride(1) == 1 and out.stride(2) == 1 and out.stride(0) == A * out.stride(1)
+            and A % TILE_A == 0 and B % 128 == 0 and out.data_ptr() % 16 == 0
+            and (out.stride(1) * out.element_size()) % 16 == 0 and out.dtype in (torch.bfloat16, torch.float16,
+                                                                                   torch.float32))  # fmt: skip
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
+                config: tuple[int, int] | None = None) -> None:
+    """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
+    chunked kernel writes them). Requires supported(P, Q, out); config (BB, NUM_STAGES) from CONFIGS[rmax]."""
+    E, A, B = out.shape
+    bb, ns = config or CONFIGS[rmax][0]
+    while B % (2 * bb):
+        bb //= 2
+    layout = gl.NVMMASharedLayout.get_default_for([TILE_A, bb], _gl_dtype(out.dtype))
+    out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))
+    out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [TILE_A, bb], layout)
+    _wgrad_gluon_kernel[(A // TILE_A, E)](
+        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=ns, num_warps=4,
+    )  # fmt: skip

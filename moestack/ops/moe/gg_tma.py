@@ -226,13 +226,13 @@ def _wgrad_resident_configs() -> list[triton.Config]:
 def gg_wgrad_kernel_resident(
     p, q, out, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
     PRECISION: tl.constexpr, RMAX: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, GB: tl.constexpr,
-    LARGE_ONLY: tl.constexpr = False,
+    SKIP_ROWS: tl.constexpr = 0,
 ):
     """As gg_wgrad_kernel_tma (same grid and output), for experts of at most RMAX rows: the expert's whole
     P[rows, a-tile] is loaded once and reused for the GB b-tiles (one dot of depth RMAX each), so per output tile
     only Q's [RMAX, BB] block is read (the chunked loop re-reads P for every b-tile). A larger expert falls back
-    to chunks of RMAX rows per b-tile (P re-read). LARGE_ONLY: only the larger experts (gluon_wgrad writes the
-    others)."""
+    to chunks of RMAX rows per b-tile (P re-read). SKIP_ROWS > 0: experts of at most that many rows are left
+    alone (gluon_wgrad writes them)."""
     i_t, e = tl.program_id(0), tl.program_id(1)
     n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
     i_a, i_g = i_t // n_groups, i_t % n_groups
@@ -241,10 +241,11 @@ def gg_wgrad_kernel_resident(
     o_a = i_a * BA + tl.arange(0, BA)
     m_a = o_a < A
     p_oe = out + e.to(tl.int64) * stride_oe
+    if SKIP_ROWS > 0:
+        if end - start <= SKIP_ROWS:
+            return
     o_r = tl.arange(0, RMAX)
     if end - start <= RMAX:
-        if LARGE_ONLY:
-            return
         rows64 = (start + o_r).to(tl.int64)
         m_r = start + o_r < end
         b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
@@ -359,9 +360,9 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     gluon = kernel == "gluon" and not INTERPRET and _gluon_wgrad_ok(P, Q, out)
     if kernel == "resident" or gluon:
         rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))
+        skip = gluon_wgrad.rmax_for(BT_MAX) if gluon else 0
         if gluon:
-            rmax = gluon_wgrad.rmax_for(BT_MAX)
-            gluon_wgrad.wgrad_gluon(P, Q, out, offs_E, rmax)
+            gluon_wgrad.wgrad_gluon(P, Q, out, offs_E, skip)
 
         def grid_r(meta):
             return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)
@@ -369,7 +370,7 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
         gg_wgrad_kernel_resident[grid_r](
             P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
             out.stride(0), out.stride(1), out.stride(2), PRECISION=_precision(x_ND.dtype), RMAX=rmax,
-            LARGE_ONLY=gluon,
+            SKIP_ROWS=skip,
         )  # fmt: skip
         return dw
     tma_store = TMA_STORE if tma_store is None else tma_store

@@ -41,9 +41,9 @@ KS = gl.constexpr(SLICE)
 # (BB, NUM_STAGES) per RMAX; shared memory = RMAX * BA * 2 (P) + NUM_STAGES * RMAX * BB * 2 (Q ring)
 # + 4 * BA * BB * out bytes (two pairs of output tiles); two programs per SM need <= ~113 KB each
 CONFIGS = {
-    64: ((128, 4), (64, 4), (128, 6)),
-    128: ((64, 4), (128, 4), (64, 6)),
-    256: ((64, 4), (32, 4), (32, 6)),
+    64: ((128, 4), (64, 4), (64, 8)),
+    128: ((64, 4), (32, 8), (32, 4)),
+    256: ((32, 4), (64, 4), (16, 8)),
 }
 
 
@@ -57,13 +57,24 @@ def _issue_rows(buf, base, stride_n, col0, start, end, R: gl.constexpr, C: gl.co
 
 
 @gluon.jit
-def _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
-           DEPTH: gl.constexpr, RMAX: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
-           acc_layout: gl.constexpr, q_load: gl.constexpr):  # fmt: skip
-    """The b-tile loop for one program at reduction depth DEPTH (rows used: DEPTH; the rest are zeros or absent)."""
+def _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
+           DEPTH: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
+           acc_layout: gl.constexpr, p_load: gl.constexpr, q_load: gl.constexpr):  # fmt: skip
+    """The b-tile loop for one program at reduction depth DEPTH: only the first DEPTH rows of P and of each Q tile
+    are copied (rows past the expert zero-filled) and multiplied."""
     HALF: gl.constexpr = NUM_STAGES // 2  # ring slots in pairs
+    p_rows = p_smem.slice(0, DEPTH, dim=0)
+    # P and the first pairs of Q tiles: one commit group per pair (P rides with pair 0)
+    _issue_rows(p_rows, P, stride_pn, a0, start, end, DEPTH, BA, p_load)
+    for j in gl.static_range(HALF - 1):
+        if j < n_pairs:
+            _issue_rows(q_ring.index(2 * j).slice(0, DEPTH, dim=0), Q, stride_qn, 2 * j * BB, start, end, DEPTH, BB,
+                        q_load)  # fmt: skip
+            _issue_rows(q_ring.index(2 * j + 1).slice(0, DEPTH, dim=0), Q, stride_qn, (2 * j + 1) * BB, start, end,
+                        DEPTH, BB, q_load)  # fmt: skip
+        async_copy.commit_group()
     zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
-    p_t = p_smem.slice(0, DEPTH, dim=0).permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
+    p_t = p_rows.permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
     for i in range(n_pairs):
         # pair i has landed (this thread's copies, then everyone's); the barrier also retires iteration i - 1
         # (its MMAs were waited, its epilogue wrote the output buffers) and, with store_wait, pair i - 2's stores
@@ -79,8 +90,10 @@ def _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_p
         nxt = i + HALF - 1  # into the slots pair i - 1 used
         if nxt < n_pairs:
             slot_n = (nxt % HALF) * 2
-            _issue_rows(q_ring.index(slot_n), Q, stride_qn, 2 * nxt * BB, start, end, RMAX, BB, q_load)
-            _issue_rows(q_ring.index(slot_n + 1), Q, stride_qn, (2 * nxt + 1) * BB, start, end, RMAX, BB, q_load)
+            _issue_rows(q_ring.index(slot_n).slice(0, DEPTH, dim=0), Q, stride_qn, 2 * nxt * BB, start, end, DEPTH, BB,
+                        q_load)  # fmt: skip
+            _issue_rows(q_ring.index(slot_n + 1).slice(0, DEPTH, dim=0), Q, stride_qn, (2 * nxt + 1) * BB, start,
+                        end, DEPTH, BB, q_load)  # fmt: skip
         async_copy.commit_group()
 
         slot = (i % HALF) * 2
@@ -99,6 +112,7 @@ def _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_p
     tma.async_copy_shared_to_global(out_desc, [row0, b_last], o_ring.index(slot_o))
     tma.async_copy_shared_to_global(out_desc, [row0, b_last + BB], o_ring.index(slot_o + 1))
     tma.store_wait(0)
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -126,30 +140,22 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
     if end - start <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
         a0 = i_a * BA
         n_pairs = B // (2 * BB)
-        # P and the first pairs of Q tiles: one commit group per pair (P rides with pair 0)
-        _issue_rows(p_smem, P, stride_pn, a0, start, end, RMAX, BA, p_load)
-        for j in gl.static_range(NUM_STAGES // 2 - 1):
-            if j < n_pairs:
-                _issue_rows(q_ring.index(2 * j), Q, stride_qn, 2 * j * BB, start, end, RMAX, BB, q_load)
-                _issue_rows(q_ring.index(2 * j + 1), Q, stride_qn, (2 * j + 1) * BB, start, end, RMAX, BB, q_load)
-            async_copy.commit_group()
         row0 = e * A + a0
         depth = gl.maximum(gl.cdiv(end - start, KS), 1)  # KS-row slices the MMA needs
         D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
         if RMAX == KS:
-            _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
-                   RMAX, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+            _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
+                   RMAX, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
         else:
             if depth == 1:
-                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
-                       KS, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
+                       KS, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
             elif depth == 2:
-                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
-                       D2, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
+                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
+                       D2, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
             else:
-                _pairs(Q, out_desc, p_smem, q_ring, o_ring, start, end, row0, stride_qn, n_pairs,
-                       RMAX, RMAX, BB, NUM_STAGES, acc_layout, q_load)  # fmt: skip
-        async_copy.wait_group(0)
+                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
+                       RMAX, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
 
 
 def rmax_for(bt_max: int) -> int:

@@ -290,6 +290,15 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
         assert (dw[torch.tensor(counts) == 0] == 0).all()
         again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
         assert torch.equal(dw, again)
+    from moestack.ops.moe import gluon_wgrad
+
+    rmax = gluon_wgrad.rmax_for(bt_max)
+    small = [i for i, c in enumerate(counts) if c <= rmax]
+    for cfg in gluon_wgrad.CONFIGS[rmax]:  # every tuned config (4 and 8 warps) on the experts it writes
+        out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
+        gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax, config=cfg)
+        errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]
+        assert all(v < 1e-2 for v in errs), (cfg, errs)
 
 
 @pytest.mark.gpu

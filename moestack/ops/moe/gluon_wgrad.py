@@ -34,16 +34,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-TILE_A = 64  # BA: one warpgroup's wgmma M
+TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
-BA = gl.constexpr(TILE_A)
 KS = gl.constexpr(SLICE)
 # (BB, NUM_STAGES) per RMAX; shared memory = RMAX * BA * 2 (P) + NUM_STAGES * RMAX * BB * 2 (Q ring)
 # + 4 * BA * BB * out bytes (two pairs of output tiles); two programs per SM need <= ~113 KB each
 CONFIGS = {
-    64: ((128, 4), (64, 4), (64, 8)),
-    128: ((64, 4), (32, 8), (32, 4)),
-    256: ((32, 4), (64, 4), (16, 8)),
+    64: ((64, 4, 4), (32, 4, 8), (64, 4, 8)),
+    128: ((64, 4, 4), (32, 4, 8), (64, 4, 8)),
+    256: ((32, 4, 4), (32, 4, 8), (16, 4, 8)),
 }
 
 
@@ -58,7 +57,7 @@ def _issue_rows(buf, base, stride_n, col0, start, end, R: gl.constexpr, C: gl.co
 
 @gluon.jit
 def _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-           DEPTH: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
+           DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
            acc_layout: gl.constexpr, p_load: gl.constexpr, q_load: gl.constexpr):  # fmt: skip
     """The b-tile loop for one program at reduction depth DEPTH: only the first DEPTH rows of P and of each Q tile
     are copied (rows past the expert zero-filled) and multiplied."""
@@ -118,7 +117,9 @@ def _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_
 @gluon.jit
 def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
                         RMAX: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
-    gl.static_assert(gl.num_warps() == 4, "one warpgroup: launch with num_warps=4")
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4 or NW == 8, "one or two warpgroups: num_warps 4 or 8")
+    BA: gl.constexpr = 16 * NW
     gl.static_assert(NUM_STAGES % 2 == 0 and NUM_STAGES >= 4, "the Q ring holds pairs of tiles, >= 2 pairs")
     gl.static_assert(RMAX % KS == 0, "RMAX must be a multiple of KS")
     dtype: gl.constexpr = P.dtype.element_ty
@@ -127,11 +128,11 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
     end = gl.load(offs + e)
     start = gl.load(offs + gl.maximum(e - 1, 0))
     start = gl.where(e > 0, start, 0)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BB, 16])  # fmt: skip
-    p_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BA // 8), BA // 8], [4, 1], [1, 0])
+    p_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BA // 8), BA // 8], [NW, 1], [1, 0])
     TPC: gl.constexpr = BB // 8 if BB // 8 < 32 else 32  # noqa: FURB136 (constexpr arithmetic in Gluon)
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [NW, 1], [1, 0])
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BA], dtype)
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BB], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
@@ -145,17 +146,17 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
         D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
         if RMAX == KS:
             _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                   RMAX, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
+                   RMAX, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
         else:
             if depth == 1:
                 _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       KS, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
+                       KS, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
             elif depth == 2:
                 _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       D2, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
+                       D2, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
             else:
                 _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       RMAX, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
+                       RMAX, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
 
 
 def rmax_for(bt_max: int) -> int:
@@ -179,16 +180,20 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
-                config: tuple[int, int] | None = None) -> None:
+                config: tuple[int, int, int] | None = None) -> None:
     """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
-    chunked kernel writes them). Requires supported(P, Q, out); config (BB, NUM_STAGES) from CONFIGS[rmax]."""
+    chunked kernel writes them). Requires supported(P, Q, out); config (BB, NUM_STAGES, num_warps) from
+    CONFIGS[rmax] (8 warps: BA = 128, where A allows)."""
     E, A, B = out.shape
-    bb, ns = config or CONFIGS[rmax][0]
+    bb, ns, nw = config or CONFIGS[rmax][0]
     while B % (2 * bb):
         bb //= 2
-    layout = gl.NVMMASharedLayout.get_default_for([TILE_A, bb], _gl_dtype(out.dtype))
+    if A % (TILE_A * nw // 4):
+        nw = 4
+    ba = TILE_A * nw // 4
+    layout = gl.NVMMASharedLayout.get_default_for([ba, bb], _gl_dtype(out.dtype))
     out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))
-    out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [TILE_A, bb], layout)
-    _wgrad_gluon_kernel[(A // TILE_A, E)](
-        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=ns, num_warps=4,
+    out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [ba, bb], layout)
+    _wgrad_gluon_kernel[(A // ba, E)](
+        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=ns, num_warps=nw,
     )  # fmt: skip

@@ -126,10 +126,10 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
         from moestack.ops.moe import gluon_wgrad
 
         rmax = gluon_wgrad.rmax_for(bt)
-        for cfg in gluon_wgrad.CONFIGS[rmax]:
+        for cfg in gluon_wgrad.CONFIGS[rmax] + gluon_wgrad.TMA_CONFIGS[rmax]:
             parts[f"dW gluon {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, rmax, cfg)
         if rmax > 128 and tokens <= 128:  # the smaller RMAX (less shared memory) where every expert fits it
-            for cfg in gluon_wgrad.CONFIGS[128]:
+            for cfg in gluon_wgrad.CONFIGS[128] + gluon_wgrad.TMA_CONFIGS[128]:
                 parts[f"dW gluon rmax128 {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, 128, cfg)
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
@@ -149,7 +149,7 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
     print(f"| part | {shape} | {tokens} | {gemm} | roofline {roof:.3f} ms | " + " | ".join(cells) + " |", flush=True)
 
 
-def _gluon_dw(gluon_wgrad, x, dy, offs, w, rmax: int, cfg: tuple[int, int]) -> torch.Tensor:
+def _gluon_dw(gluon_wgrad, x, dy, offs, w, rmax: int, cfg: tuple) -> torch.Tensor:
     """dW by gluon_wgrad alone at one config (every expert here has <= rmax rows), in w's [E, F, D] layout."""
     dw = torch.empty_like(w.transpose(1, 2))  # out[e, f, d] = sum_r dy[r, f] x[r, d]
     gluon_wgrad.wgrad_gluon(dy, x, dw, offs, rmax, config=cfg)

@@ -28,10 +28,17 @@ A % 64 == 0, B % (2 BB) == 0. Legend as gg_tma.py; BA/BB dW tile, KS reduction s
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
@@ -159,6 +166,120 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
                        RMAX, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
 
 
+@gluon.jit
+def _load_tile(q_desc, q_tiles, bars, slot, start, b0, DEPTH: gl.constexpr, BB: gl.constexpr):
+    """TMA of Q[start : start + DEPTH, b0 : b0 + BB] into ring slot `slot` (DEPTH / KS boxes, one barrier)."""
+    bar = bars.index(slot)
+    buf = q_tiles.index(slot)
+    mbarrier.expect(bar, DEPTH * BB * q_desc.dtype.primitive_bitwidth // 8)
+    for k in gl.static_range(DEPTH // KS):
+        tma.async_copy_global_to_shared(q_desc, [start + k * KS, b0], bar, buf.slice(k * KS, KS))
+
+
+@gluon.jit
+def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+               DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr,
+               acc_layout: gl.constexpr):  # fmt: skip
+    """The b-tile loop at reduction depth DEPTH with TMA loads: the ring holds Q_ROWS / DEPTH tiles (so the
+    shallower the depth, the further ahead the loads run); one CTA barrier per pair of tiles."""
+    NSLOT: gl.constexpr = Q_ROWS // DEPTH
+    HALF: gl.constexpr = NSLOT // 2  # pairs in flight
+    q_tiles = q_ring._reinterpret(q_ring.dtype, [NSLOT, DEPTH, BB], q_ring.layout)  # the bytes as NSLOT tiles
+    for j in gl.static_range(HALF):
+        if j < n_pairs:
+            _load_tile(q_desc, q_tiles, bars, 2 * j, start, 2 * j * BB, DEPTH, BB)
+            _load_tile(q_desc, q_tiles, bars, 2 * j + 1, start, (2 * j + 1) * BB, DEPTH, BB)
+    zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
+    p_t = p_smem.slice(0, DEPTH, dim=0).permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
+    for i in range(n_pairs):
+        s0 = (2 * i) % NSLOT
+        phase = (i // HALF) & 1
+        mbarrier.wait(bars.index(s0), phase)
+        mbarrier.wait(bars.index(s0 + 1), phase)
+        acc0 = warpgroup_mma(p_t, q_tiles.index(s0), zero, use_acc=False, is_async=True)
+        acc1 = warpgroup_mma(p_t, q_tiles.index(s0 + 1), zero, use_acc=False, is_async=True)
+        ob = (i % 3) * 2  # three pairs of output buffers: pair i - 3's stores were confirmed read last iteration
+        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+        o_ring.index(ob).store(acc0.to(out_desc.dtype))
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        o_ring.index(ob + 1).store(acc1.to(out_desc.dtype))
+        tma.store_wait(2)  # pair i - 2's stores have read their buffers (pair i + 1 writes them next)
+        fence_async_shared()  # the epilogue wrote through the generic proxy; the TMA store reads through the async
+        gl.thread_barrier()  # everyone's epilogue is in place and pair i's MMAs are done in every warp
+        tma.async_copy_shared_to_global(out_desc, [row0, 2 * i * BB], o_ring.index(ob))
+        tma.async_copy_shared_to_global(out_desc, [row0, (2 * i + 1) * BB], o_ring.index(ob + 1))
+        nxt = i + HALF
+        if nxt < n_pairs:  # into the slots pair i just released
+            _load_tile(q_desc, q_tiles, bars, s0, start, 2 * nxt * BB, DEPTH, BB)
+            _load_tile(q_desc, q_tiles, bars, s0 + 1, start, (2 * nxt + 1) * BB, DEPTH, BB)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_tma_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
+                      RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr):  # fmt: skip
+    """As _wgrad_gluon_kernel, with Q streamed by TMA through a per-expert device-side descriptor of shape
+    [end, B] (rows past the expert are zero-filled by the copy engine, not read): no per-thread copy
+    instructions, and the ring runs Q_ROWS / depth tiles ahead. Output buffers: three pairs."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4 or NW == 8, "one or two warpgroups: num_warps 4 or 8")
+    gl.static_assert(Q_ROWS >= 2 * RMAX, "the ring must hold a pair of tiles at the deepest depth")
+    BA: gl.constexpr = 16 * NW
+    dtype: gl.constexpr = P.dtype.element_ty
+    i_a = gl.program_id(0)
+    e = gl.program_id(1)
+    end = gl.load(offs + e)
+    start = gl.load(offs + gl.maximum(e - 1, 0))
+    start = gl.where(e > 0, start, 0)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BB, 16])  # fmt: skip
+    p_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BA // 8), BA // 8], [NW, 1], [1, 0])
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BA], dtype)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KS, BB], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
+    q_ring = gl.allocate_shared_memory(dtype, [Q_ROWS, BB], q_sl)
+    o_ring = gl.allocate_shared_memory(out_desc.dtype, [6, BA, BB], out_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [Q_ROWS // KS, 1], mbarrier.MBarrierLayout())
+    rows = end - start
+    if rows <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
+        a0 = i_a * BA
+        row0 = e * A + a0
+        n_pairs = B // (2 * BB)
+        if rows == 0:  # an empty expert: zero tiles (no descriptor over zero rows)
+            o_ring.index(0).store(gl.zeros([BA, BB], out_desc.dtype, layout=acc_layout))
+            fence_async_shared()
+            gl.thread_barrier()
+            for j in range(2 * n_pairs):
+                tma.async_copy_shared_to_global(out_desc, [row0, j * BB], o_ring.index(0))
+            tma.store_wait(0)
+        else:
+            for k in gl.static_range(Q_ROWS // KS):
+                mbarrier.init(bars.index(k), count=1)
+            q_desc = tma.make_tensor_descriptor(Q, [end, B], [stride_qn, 1], [KS, BB], q_sl)
+            depth = gl.cdiv(rows, KS)  # KS-row slices the MMA needs
+            _issue_rows(p_smem.slice(0, RMAX, dim=0), P, stride_pn, a0, start, end, RMAX, BA, p_load)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()  # P (cp.async, generic proxy) and the barrier inits, before wgmma / TMA use them
+            gl.thread_barrier()
+            D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
+            if RMAX == KS:
+                _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                           RMAX, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+            else:
+                if depth == 1:
+                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               KS, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                elif depth == 2:
+                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               D2, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                else:
+                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               RMAX, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+            for k in gl.static_range(Q_ROWS // KS):
+                mbarrier.invalidate(bars.index(k))
+
+
 def rmax_for(bt_max: int) -> int:
     """Rows an expert may have for this kernel: twice the mean (bucketed as BT_MAX), at least 64, at most 256."""
     return min(256, max(64, 2 * bt_max))
@@ -179,13 +300,28 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
+TMA_CONFIGS = {  # ("tma", BB, Q_ROWS, num_warps) for _wgrad_tma_kernel
+    64: (("tma", 64, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 8)),
+    128: (("tma", 64, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 8)),
+    256: (("tma", 32, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 4)),
+}
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for the device-side TMA descriptors (128 bytes per program)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
 def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
-                config: tuple[int, int, int] | None = None) -> None:
+                config: tuple | None = None) -> None:
     """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
-    chunked kernel writes them). Requires supported(P, Q, out); config (BB, NUM_STAGES, num_warps) from
-    CONFIGS[rmax] (8 warps: BA = 128, where A allows)."""
+    chunked kernel writes them). Requires supported(P, Q, out). config: (BB, NUM_STAGES, num_warps) from
+    CONFIGS[rmax] (cp.async kernel) or ("tma", BB, Q_ROWS, num_warps) from TMA_CONFIGS[rmax] (8 warps: BA = 128,
+    where A allows)."""
     E, A, B = out.shape
-    bb, ns, nw = config or CONFIGS[rmax][0]
+    config = config or CONFIGS[rmax][0]
+    tma_loads = config[0] == "tma"
+    bb, depth_arg, nw = config[1:] if tma_loads else config
     while B % (2 * bb):
         bb //= 2
     if A % (TILE_A * nw // 4):
@@ -194,6 +330,13 @@ def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: tor
     layout = gl.NVMMASharedLayout.get_default_for([ba, bb], _gl_dtype(out.dtype))
     out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))
     out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [ba, bb], layout)
+    if tma_loads:
+        triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
+        _wgrad_tma_kernel[(A // ba, E)](
+            P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, Q_ROWS=depth_arg, num_warps=nw,
+        )  # fmt: skip
+        return
     _wgrad_gluon_kernel[(A // ba, E)](
-        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=ns, num_warps=nw,
+        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=depth_arg,
+        num_warps=nw,
     )  # fmt: skip

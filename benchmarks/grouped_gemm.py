@@ -126,10 +126,10 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
         from moestack.ops.moe import gluon_wgrad
 
         rmax = gluon_wgrad.rmax_for(bt)
-        for cfg in gluon_wgrad.CONFIGS[rmax] + gluon_wgrad.TMA_CONFIGS[rmax]:
+        for cfg in gluon_wgrad.CONFIGS[rmax]:
             parts[f"dW gluon {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, rmax, cfg)
         if rmax > 128 and tokens <= 128:  # the smaller RMAX (less shared memory) where every expert fits it
-            for cfg in gluon_wgrad.CONFIGS[128] + gluon_wgrad.TMA_CONFIGS[128]:
+            for cfg in gluon_wgrad.CONFIGS[128]:
                 parts[f"dW gluon rmax128 {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, 128, cfg)
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))

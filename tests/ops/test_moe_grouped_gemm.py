@@ -294,7 +294,7 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
 
     rmax = gluon_wgrad.rmax_for(bt_max)
     small = [i for i, c in enumerate(counts) if c <= rmax]
-    for cfg in gluon_wgrad.CONFIGS[rmax] + gluon_wgrad.TMA_CONFIGS[rmax]:  # every config, on the experts it writes
+    for cfg in gluon_wgrad.CONFIGS[rmax]:  # every config, on the experts it writes
         out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
         gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax, config=cfg)
         errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]

@@ -31,7 +31,8 @@ At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16:
   8 warps: two programs per SM), or a TMA store through a 3D descriptor [E, A, B] (clipped per expert) with
   $MOESTACK_MOE_GG_TMA_STORE=1 (ptxas then serialises the MMA before the store: C7517, 150+ registers).
 
-- Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD=resident): the chunked loop above re-reads
+- Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD=resident; gluon_wgrad.py replaces both at
+  64+ rows on sm_90): the chunked loop above re-reads
   P for every b-tile; gg_wgrad_kernel_resident loads an expert's whole P[rows, a-tile] once (experts of <= RMAX
   rows) and runs one dot of depth RMAX per b-tile. H200, 128 rows per expert: 1.15 vs 1.42 ms (ncu 2.24 vs 1.82
   TB/s), 1.21-1.35x torch's dW; at 32 rows slower (RMAX = 2x the mean rows doubles the MMA depth).
@@ -210,10 +211,12 @@ def gg_wgrad_kernel_tma(
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
 
 
-# dW kernel: "chunked" (gg_wgrad_kernel_tma), "resident" (gg_wgrad_kernel_resident) or "gluon" (gluon_wgrad.py, sm_90;
-# experts above its RMAX rows go to the resident kernel's chunked path)
-WGRAD_KERNEL = os.environ.get("MOESTACK_MOE_GG_WGRAD", "chunked")
-WGRAD_KERNELS = ("chunked", "resident", "gluon")
+# dW kernel: "chunked" (gg_wgrad_kernel_tma), "resident" (gg_wgrad_kernel_resident), "gluon" (gluon_wgrad.py, sm_90;
+# experts above its RMAX rows go to the resident kernel's chunked path) or "auto": gluon from GLUON_MIN_ROWS mean
+# rows per expert (H200, K3 EP16: faster than chunked and torch at 64 rows, slower than chunked at 32), else chunked
+WGRAD_KERNEL = os.environ.get("MOESTACK_MOE_GG_WGRAD", "auto")
+WGRAD_KERNELS = ("auto", "chunked", "resident", "gluon")
+GLUON_MIN_ROWS = 64
 
 
 def _wgrad_resident_configs() -> list[triton.Config]:
@@ -342,7 +345,7 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
                      BT_MAX: int, tma_store: bool | None = None, kernel: str | None = None) -> torch.Tensor:
     """dW [E, D, F], dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype and layout
     (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). Rows are reduced in chunks
-    of min(BT_MAX, 64); kernel (None: $MOESTACK_MOE_GG_WGRAD, default "chunked"): "resident" =
+    of min(BT_MAX, 64); kernel (None: $MOESTACK_MOE_GG_WGRAD, default "auto", see WGRAD_KERNEL): "resident" =
     gg_wgrad_kernel_resident with RMAX = 2 BT_MAX rows (<= 128); "gluon" = gluon_wgrad where it applies (experts of
     <= 2 BT_MAX rows, <= 256; the larger ones by the resident kernel's chunked path), else "chunked"."""
     D = x_ND.shape[1]
@@ -357,6 +360,8 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     kernel = kernel or WGRAD_KERNEL
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"MOESTACK_MOE_GG_WGRAD / kernel={kernel!r}: use one of {', '.join(WGRAD_KERNELS)}")
+    if kernel == "auto":
+        kernel = "gluon" if BT_MAX >= GLUON_MIN_ROWS else "chunked"
     gluon = kernel == "gluon" and not INTERPRET and _gluon_wgrad_ok(P, Q, out)
     if kernel == "resident" or gluon:
         rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))

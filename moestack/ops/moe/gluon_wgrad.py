@@ -1,28 +1,35 @@
-"""Grouped weight gradient for few rows per expert on sm_90, in Gluon: store-bound, so the stores run under the MMAs.
+"""Grouped weight gradient for few rows per expert on sm_90, in Gluon: the stores and loads run under the MMAs.
 
     out[e, a, b] = sum over the expert's rows r of P[r, a] Q[r, b]      (dW in the parameter's layout, b contiguous)
 
 At <= a few hundred rows per expert dW is a write stream: each output tile is written once after a reduction of
-depth = the expert's rows (K3 EP16, 128 rows: 3.7 GB written per layer for 0.47 TFLOP). The Triton kernels in
-gg_tma.py reach 1.8-2.2 TB/s there (ncu): Triton waits for each tile's MMA and then stores it from registers while
-the tensor cores idle, and its one program per SM (resident variant, 252 registers) has nothing else to run.
-This kernel says the overlap itself:
+depth = the expert's rows (K3 EP16, 64 rows per expert: 3.7 GB written per layer for 0.24 TFLOP). The Triton kernels
+in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (ncu): Triton waits for each tile's MMA, then stores it from
+registers while the tensor cores idle. Here the overlap is explicit:
 
-- One program per (a-tile of BA = 64 columns, expert); one warpgroup. The expert's P[rows, a-tile] is copied to
-  shared memory once (cp.async, rows past the expert zero-filled) and is the MMA's A operand (transposed view) for
-  every b-tile; Q[rows, b-tile] tiles stream through a ring of NUM_STAGES tiles (cp.async, zero-filled rows).
+- One program per (a-tile of BA = 16 x warps columns, expert). The expert's P[rows, a-tile] is copied to shared
+  memory once (cp.async, rows past the expert zero-filled) and is the MMA's A operand (transposed view) for every
+  b-tile.
+- Q[rows, b-tile] tiles stream in by TMA through a per-expert device-side descriptor of shape [end, B]: rows past
+  the expert are zero-filled by the copy engine, never read (the tensor's tail rows may hold anything). The ring
+  holds Q_ROWS rows, i.e. Q_ROWS / depth tiles, so the shallower the reduction the further ahead the loads run;
+  one mbarrier per slot.
 - b-tiles go in pairs (nothing in flight across the loop's back-edge: ptxas serialises wgmma otherwise, C7514):
   both MMAs are issued async; the first tile's epilogue (fp32 -> out dtype -> shared memory) runs under the
-  second MMA; the pair's TMA stores are issued at the top of the next iteration, after the one CTA barrier, so
-  they drain while that iteration's MMAs run. Two output buffers per pair, two pairs.
+  second MMA; after one CTA barrier the pair's TMA stores go out and the freed slots are refilled. O_PAIRS pairs of
+  output buffers (2 or 3) decide how long a store may take to read its buffer.
 - The reduction depth is the expert's rows rounded up to KS, 2 KS or RMAX (a constexpr path each, picked at run
-  time; shared-memory views need power-of-two shapes), not always RMAX: the MMA work follows the rows present.
+  time; shared-memory views need power-of-two shapes): the MMA work follows the rows present.
 - Experts with more than RMAX rows are left to gg_tma.gg_wgrad_kernel_resident's chunked path (a second launch in
-  which the small experts exit at once); empty experts store zeros.
+  which the small experts exit at once); empty experts store zero tiles.
 
-No atomics; each output element is written once in a fixed order (bitwise reproducible). Requirements (checked by
-`supported`): sm_90, bf16 / fp16 operands, out [E, A, B] with unit last stride and stride(0) = A * stride(1),
-A % 64 == 0, B % (2 BB) == 0. Legend as gg_tma.py; BA/BB dW tile, KS reduction slice.
+H200, K3 EP16 expert GEMMs (56 experts), dW alone: at 64 rows 0.80 ms gate/up and 0.40 ms down, against 0.95 / 0.49
+for torch's and 1.12 / 0.50 for the chunked Triton kernel (benchmarks/RESULTS.md, session 8).
+
+No atomics; each output element is written once in a fixed order (bitwise reproducible; equal to the chunked
+kernel's result in every measured case). Requirements (checked by `supported`): sm_90, bf16 / fp16 operands,
+out [E, A, B] with unit last stride and stride(0) = A * stride(1), A % 64 == 0, B % 128 == 0. Legend as
+gg_tma.py; BA/BB dW tile, KS reduction slice.
 """
 
 from __future__ import annotations
@@ -44,12 +51,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
 KS = gl.constexpr(SLICE)
-# (BB, NUM_STAGES) per RMAX; shared memory = RMAX * BA * 2 (P) + NUM_STAGES * RMAX * BB * 2 (Q ring)
-# + 4 * BA * BB * out bytes (two pairs of output tiles); two programs per SM need <= ~113 KB each
+SMEM_BYTES = 232448  # sm_90's shared memory per block
+# (BB, Q_ROWS, num_warps, O_PAIRS) per RMAX, first = default; shared memory = RMAX * BA * 2 (P) + Q_ROWS * BB * 2
+# (Q ring) + 2 * O_PAIRS * BA * BB * out bytes (output buffers); wgrad_gluon shrinks BB, then O_PAIRS, to fit
 CONFIGS = {
-    64: ((64, 4, 4), (32, 4, 8), (64, 4, 8)),
-    128: ((64, 4, 4), (32, 4, 8), (64, 4, 8)),
-    256: ((32, 4, 4), (32, 4, 8), (16, 4, 8)),
+    64: ((64, 512, 8, 3), (32, 512, 8, 3), (64, 512, 4, 3), (64, 512, 8, 2)),
+    128: ((64, 512, 8, 3), (32, 512, 8, 3), (64, 512, 4, 3), (64, 512, 8, 2)),
+    256: ((64, 512, 8, 2), (32, 512, 8, 3), (64, 512, 4, 3), (32, 1024, 8, 2)),
 }
 
 
@@ -60,110 +68,6 @@ def _issue_rows(buf, base, stride_n, col0, start, end, R: gl.constexpr, C: gl.co
     cols = col0 + gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     ptrs = base + rows.to(gl.int64)[:, None] * stride_n + cols[None, :]
     async_copy.async_copy_global_to_shared(buf, ptrs, mask=(rows < end)[:, None])
-
-
-@gluon.jit
-def _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-           DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr,
-           acc_layout: gl.constexpr, p_load: gl.constexpr, q_load: gl.constexpr):  # fmt: skip
-    """The b-tile loop for one program at reduction depth DEPTH: only the first DEPTH rows of P and of each Q tile
-    are copied (rows past the expert zero-filled) and multiplied."""
-    HALF: gl.constexpr = NUM_STAGES // 2  # ring slots in pairs
-    p_rows = p_smem.slice(0, DEPTH, dim=0)
-    # P and the first pairs of Q tiles: one commit group per pair (P rides with pair 0)
-    _issue_rows(p_rows, P, stride_pn, a0, start, end, DEPTH, BA, p_load)
-    for j in gl.static_range(HALF - 1):
-        if j < n_pairs:
-            _issue_rows(q_ring.index(2 * j).slice(0, DEPTH, dim=0), Q, stride_qn, 2 * j * BB, start, end, DEPTH, BB,
-                        q_load)  # fmt: skip
-            _issue_rows(q_ring.index(2 * j + 1).slice(0, DEPTH, dim=0), Q, stride_qn, (2 * j + 1) * BB, start, end,
-                        DEPTH, BB, q_load)  # fmt: skip
-        async_copy.commit_group()
-    zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
-    p_t = p_rows.permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
-    for i in range(n_pairs):
-        # pair i has landed (this thread's copies, then everyone's); the barrier also retires iteration i - 1
-        # (its MMAs were waited, its epilogue wrote the output buffers) and, with store_wait, pair i - 2's stores
-        async_copy.wait_group(HALF - 2)
-        tma.store_wait(0)
-        fence_async_shared()  # cp.async and the epilogue wrote through the generic proxy; wgmma / TMA read async
-        gl.thread_barrier()
-        if i > 0:
-            slot_o = ((i - 1) % 2) * 2
-            b_prev = (2 * i - 2) * BB
-            tma.async_copy_shared_to_global(out_desc, [row0, b_prev], o_ring.index(slot_o))
-            tma.async_copy_shared_to_global(out_desc, [row0, b_prev + BB], o_ring.index(slot_o + 1))
-        nxt = i + HALF - 1  # into the slots pair i - 1 used
-        if nxt < n_pairs:
-            slot_n = (nxt % HALF) * 2
-            _issue_rows(q_ring.index(slot_n).slice(0, DEPTH, dim=0), Q, stride_qn, 2 * nxt * BB, start, end, DEPTH, BB,
-                        q_load)  # fmt: skip
-            _issue_rows(q_ring.index(slot_n + 1).slice(0, DEPTH, dim=0), Q, stride_qn, (2 * nxt + 1) * BB, start,
-                        end, DEPTH, BB, q_load)  # fmt: skip
-        async_copy.commit_group()
-
-        slot = (i % HALF) * 2
-        acc0 = warpgroup_mma(p_t, q_ring.index(slot).slice(0, DEPTH, dim=0), zero, use_acc=False, is_async=True)
-        acc1 = warpgroup_mma(p_t, q_ring.index(slot + 1).slice(0, DEPTH, dim=0), zero, use_acc=False,
-                             is_async=True)  # fmt: skip
-        slot_o = (i % 2) * 2
-        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-        o_ring.index(slot_o).store(acc0.to(out_desc.dtype))
-        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-        o_ring.index(slot_o + 1).store(acc1.to(out_desc.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    slot_o = ((n_pairs - 1) % 2) * 2
-    b_last = (2 * n_pairs - 2) * BB
-    tma.async_copy_shared_to_global(out_desc, [row0, b_last], o_ring.index(slot_o))
-    tma.async_copy_shared_to_global(out_desc, [row0, b_last + BB], o_ring.index(slot_o + 1))
-    tma.store_wait(0)
-    async_copy.wait_group(0)
-
-
-@gluon.jit
-def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
-                        RMAX: gl.constexpr, BB: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
-    NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(NW == 4 or NW == 8, "one or two warpgroups: num_warps 4 or 8")
-    BA: gl.constexpr = 16 * NW
-    gl.static_assert(NUM_STAGES % 2 == 0 and NUM_STAGES >= 4, "the Q ring holds pairs of tiles, >= 2 pairs")
-    gl.static_assert(RMAX % KS == 0, "RMAX must be a multiple of KS")
-    dtype: gl.constexpr = P.dtype.element_ty
-    i_a = gl.program_id(0)
-    e = gl.program_id(1)
-    end = gl.load(offs + e)
-    start = gl.load(offs + gl.maximum(e - 1, 0))
-    start = gl.where(e > 0, start, 0)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, BB, 16])  # fmt: skip
-    p_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BA // 8), BA // 8], [NW, 1], [1, 0])
-    TPC: gl.constexpr = BB // 8 if BB // 8 < 32 else 32  # noqa: FURB136 (constexpr arithmetic in Gluon)
-    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [NW, 1], [1, 0])
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BA], dtype)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RMAX, BB], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
-    q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, RMAX, BB], q_sl)
-    o_ring = gl.allocate_shared_memory(out_desc.dtype, [4, BA, BB], out_desc.layout)
-    if end - start <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
-        a0 = i_a * BA
-        n_pairs = B // (2 * BB)
-        row0 = e * A + a0
-        depth = gl.maximum(gl.cdiv(end - start, KS), 1)  # KS-row slices the MMA needs
-        D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
-        if RMAX == KS:
-            _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                   RMAX, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
-        else:
-            if depth == 1:
-                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       KS, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
-            elif depth == 2:
-                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       D2, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
-            else:
-                _pairs(P, Q, out_desc, p_smem, q_ring, o_ring, start, end, a0, row0, stride_pn, stride_qn, n_pairs,
-                       RMAX, BA, BB, NUM_STAGES, acc_layout, p_load, q_load)  # fmt: skip
 
 
 @gluon.jit
@@ -178,7 +82,7 @@ def _load_tile(q_desc, q_tiles, bars, slot, start, b0, DEPTH: gl.constexpr, BB: 
 
 @gluon.jit
 def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-               DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr,
+               DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr,
                acc_layout: gl.constexpr):  # fmt: skip
     """The b-tile loop at reduction depth DEPTH with TMA loads: the ring holds Q_ROWS / DEPTH tiles (so the
     shallower the depth, the further ahead the loads run); one CTA barrier per pair of tiles."""
@@ -198,12 +102,12 @@ def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pa
         mbarrier.wait(bars.index(s0 + 1), phase)
         acc0 = warpgroup_mma(p_t, q_tiles.index(s0), zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(p_t, q_tiles.index(s0 + 1), zero, use_acc=False, is_async=True)
-        ob = (i % 3) * 2  # three pairs of output buffers: pair i - 3's stores were confirmed read last iteration
+        ob = (i % O_PAIRS) * 2  # pair i - O_PAIRS's buffers: its stores were confirmed read last iteration
         acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
         o_ring.index(ob).store(acc0.to(out_desc.dtype))
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         o_ring.index(ob + 1).store(acc1.to(out_desc.dtype))
-        tma.store_wait(2)  # pair i - 2's stores have read their buffers (pair i + 1 writes them next)
+        tma.store_wait(2 * (O_PAIRS - 2))  # pair i + 1 - O_PAIRS has read its buffers (pair i + 1 writes them)
         fence_async_shared()  # the epilogue wrote through the generic proxy; the TMA store reads through the async
         gl.thread_barrier()  # everyone's epilogue is in place and pair i's MMAs are done in every warp
         tma.async_copy_shared_to_global(out_desc, [row0, 2 * i * BB], o_ring.index(ob))
@@ -216,11 +120,9 @@ def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pa
 
 
 @gluon.jit
-def _wgrad_tma_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
-                      RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr):  # fmt: skip
-    """As _wgrad_gluon_kernel, with Q streamed by TMA through a per-expert device-side descriptor of shape
-    [end, B] (rows past the expert are zero-filled by the copy engine, not read): no per-thread copy
-    instructions, and the ring runs Q_ROWS / depth tiles ahead. Output buffers: three pairs."""
+def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
+                        RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr):  # fmt: skip
+    """See the module doc; grid (A // BA, E)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4 or NW == 8, "one or two warpgroups: num_warps 4 or 8")
     gl.static_assert(Q_ROWS >= 2 * RMAX, "the ring must hold a pair of tiles at the deepest depth")
@@ -238,7 +140,7 @@ def _wgrad_tma_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KS, BB], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
     q_ring = gl.allocate_shared_memory(dtype, [Q_ROWS, BB], q_sl)
-    o_ring = gl.allocate_shared_memory(out_desc.dtype, [6, BA, BB], out_desc.layout)
+    o_ring = gl.allocate_shared_memory(out_desc.dtype, [2 * O_PAIRS, BA, BB], out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [Q_ROWS // KS, 1], mbarrier.MBarrierLayout())
     rows = end - start
     if rows <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
@@ -265,17 +167,17 @@ def _wgrad_tma_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
             D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
             if RMAX == KS:
                 _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                           RMAX, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                           RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
             else:
                 if depth == 1:
                     _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               KS, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                               KS, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
                 elif depth == 2:
                     _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               D2, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                               D2, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
                 else:
                     _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               RMAX, BA, BB, Q_ROWS, acc_layout)  # fmt: skip
+                               RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
             for k in gl.static_range(Q_ROWS // KS):
                 mbarrier.invalidate(bars.index(k))
 
@@ -300,43 +202,48 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
-TMA_CONFIGS = {  # ("tma", BB, Q_ROWS, num_warps) for _wgrad_tma_kernel
-    64: (("tma", 64, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 8)),
-    128: (("tma", 64, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 8)),
-    256: (("tma", 32, 512, 4), ("tma", 32, 512, 8), ("tma", 64, 512, 4)),
-}
-
-
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for the device-side TMA descriptors (128 bytes per program)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
-                config: tuple | None = None) -> None:
-    """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
-    chunked kernel writes them). Requires supported(P, Q, out). config: (BB, NUM_STAGES, num_warps) from
-    CONFIGS[rmax] (cp.async kernel) or ("tma", BB, Q_ROWS, num_warps) from TMA_CONFIGS[rmax] (8 warps: BA = 128,
-    where A allows)."""
-    E, A, B = out.shape
-    config = config or CONFIGS[rmax][0]
-    tma_loads = config[0] == "tma"
-    bb, depth_arg, nw = config[1:] if tma_loads else config
+def smem_bytes(rmax: int, bb: int, q_rows: int, num_warps: int, o_pairs: int, out_bytes: int) -> int:
+    """Shared memory of one program (P, Q ring, output buffers, barriers)."""
+    ba = TILE_A * num_warps // 4
+    return 2 * rmax * ba + 2 * q_rows * bb + 2 * o_pairs * ba * bb * out_bytes + 8 * (q_rows // SLICE)
+
+
+def fit_config(config: tuple[int, int, int, int], rmax: int, A: int, B: int, out_bytes: int) -> tuple:
+    """config adjusted to the operands: BB divides B in pairs, 4 warps where A is not a multiple of 128, and BB
+    halved (then two output pairs) until the program fits shared memory (fp32 gradients double the buffers)."""
+    bb, q_rows, nw, o_pairs = config
     while B % (2 * bb):
         bb //= 2
     if A % (TILE_A * nw // 4):
         nw = 4
+    while smem_bytes(rmax, bb, q_rows, nw, o_pairs, out_bytes) > SMEM_BYTES - 1024:
+        if bb > 16:
+            bb //= 2
+        elif o_pairs > 2:
+            o_pairs = 2
+        else:
+            q_rows //= 2
+    return bb, max(q_rows, 2 * rmax), nw, o_pairs
+
+
+def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
+                config: tuple[int, int, int, int] | None = None) -> None:
+    """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
+    chunked kernel writes them). Requires supported(P, Q, out). config: (BB, Q_ROWS, num_warps, O_PAIRS), default
+    CONFIGS[rmax][0], fitted to the operands by fit_config."""
+    E, A, B = out.shape
+    bb, q_rows, nw, o_pairs = fit_config(config or CONFIGS[rmax][0], rmax, A, B, out.element_size())
     ba = TILE_A * nw // 4
     layout = gl.NVMMASharedLayout.get_default_for([ba, bb], _gl_dtype(out.dtype))
     out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))
     out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [ba, bb], layout)
-    if tma_loads:
-        triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
-        _wgrad_tma_kernel[(A // ba, E)](
-            P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, Q_ROWS=depth_arg, num_warps=nw,
-        )  # fmt: skip
-        return
+    triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
     _wgrad_gluon_kernel[(A // ba, E)](
-        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, NUM_STAGES=depth_arg,
+        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, Q_ROWS=q_rows, O_PAIRS=o_pairs,
         num_warps=nw,
     )  # fmt: skip

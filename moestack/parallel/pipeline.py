@@ -4,7 +4,7 @@
     layers = split_stages(model, pp, vpp, costs, embed, head)      # pp * vpp contiguous layer ranges
     ids = stage_ids_for_rank(plan.schedule, pp, vpp, pp_rank)      # the stages (chunks) this rank runs
     parts = [build_stage_modules(model, layers[s], s == 0, s == pp * vpp - 1) for s in ids]
-    # then per part: apply_tp(part, tp_mesh, sp), expert parallelism, FSDP
+    # then per part: apply_tp(part, tp_mesh, sp), expert parallelism, FSDP (moestack.parallel.parallelize)
     runner = PipelineStepRunner(parts, ids, plan, pp_group, device, seq_shards=tp if sp else 1)
     loss = runner.forward_backward(inputs, targets)               # instead of model(inputs, targets).backward()
 
@@ -34,6 +34,10 @@ two (locally when one rank holds both stages, V-shapes; else a send / receive be
 after the deferred TP sums of those parts). Both copies then take the same optimizer step. The head copy is
 marked (`TIED_COPY_ATTR`) so that `comm.global_grad_norm` counts the tied gradient once.
 
+FSDP under the split-backward schedules (zbv, dualpipev): the stage module is made the FSDP root, so that torch's
+schedule runs the backwards without gradient reduction and reduces once per step, and ZeRO-3 does not reshard
+after forward during the step (`stage_module`; without both the weight passes fail or silently drop gradients).
+
 Not supported under PP: packed documents (cu_seqlens).
 
 Legend: L layers, S = pp * vpp stages, B batch (sequences), T tokens, D hidden.
@@ -46,6 +50,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -208,6 +213,46 @@ class _StageForward(nn.Module):
         return self.part.hidden_states(x)
 
 
+def _fsdp_mesh(part: nn.Module):
+    """The mesh of some FSDP parameter group under `part`; None when `part` holds no FSDP module."""
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            for group in fully_shard.state(module)._fsdp_param_groups:
+                return group.mesh_info.mesh
+    return None
+
+
+def stage_module(part: Transformer, split_backward: bool) -> nn.Module:
+    """The module a PipelineStage runs for `part` (a stage Transformer, parallelised): `_StageForward(part)`.
+
+    split_backward (zbv, dualpipev: torch runs each micro-batch's backward as an input pass, then a weight pass)
+    with an FSDP-sharded part (the trainer always applies FSDP, on a data-parallel mesh of one rank too): the
+    wrapper is made the FSDP root (it holds no parameters of its own), because torch.distributed.pipelining drives
+    FSDP only when the stage's module IS an FSDPModule. Behind a plain wrapper FSDP resharded the part after the
+    input pass (its post-backward hook fires on the input gradients), and the weight pass (`stage_backward_weight`)
+    then looked up the AccumulateGrad nodes the input pass had recorded (those of the gathered parameters) among
+    `submod.parameters()`, by then the sharded ones: `KeyError: <AccumulateGrad ...>`. As the root, the stage runs
+    every backward without gradient reduction or resharding and reduces once per step (REDUCE_GRAD), and its UNSHARD
+    / RESHARD actions gather the parameters. ZeRO-3's reshard after forward is switched off for the part as well:
+    `stage_backward_input` takes `submod.parameters()` BEFORE its autograd call (whose pre-backward hooks would
+    regather), so a block resharded by its forward showed its sharded parameters, matched nothing in the graph, and
+    silently got no gradient at all (seen: the last stage's blocks, whose input pass follows their forward). So
+    under zbv / dualpipev a stage's parameters stay gathered, and its gradients unsharded (one reduce-scatter per
+    step instead of one per micro-batch), from its first forward to the end of the step: ZeRO-3 holds parameters
+    as ZeRO-2 does and ZeRO-2 gradients as ZeRO-1 does, during the step.
+    Other schedules keep the plain wrapper: FSDP reduces (and reshards) after every micro-batch's full backward.
+    """
+    module = _StageForward(part)
+    mesh = _fsdp_mesh(part) if split_backward else None
+    if mesh is None:
+        return module
+    if "hidden_states" not in vars(part):  # not registered yet (an instance attribute once it is)
+        register_fsdp_forward_method(part, "hidden_states")  # the stage runs hidden_states, not forward
+    part.set_reshard_after_forward(False)  # every FSDP module under the part (ZeRO-3: see above)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    return module
+
+
 def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable, n_microbatches: int):
     """The torch.distributed.pipelining schedule for plan.schedule over this rank's `stages` (ordered as
     `stage_ids_for_rank`). Gradients are not rescaled (scale_grads=False): `loss_fn` carries the scaling."""
@@ -257,8 +302,9 @@ class PipelineStepRunner:
         T_local = plan.seq_len // seq_shards
         hidden = torch.empty(mb, T_local, D, dtype=hidden_dtype, device="meta", requires_grad=True)
         tokens = torch.empty(mb, plan.seq_len, dtype=torch.long, device="meta")
+        split_backward = plan.schedule in V_SHAPE  # separate input and weight passes (zero bubble)
         self._stages = [
-            PipelineStage(_StageForward(part), sid, self.num_stages, device, group=pp_group,
+            PipelineStage(stage_module(part, split_backward), sid, self.num_stages, device, group=pp_group,
                           input_args=tokens if sid == 0 else hidden, output_args=hidden)
             for part, sid in zip(parts, stage_ids)
         ]

@@ -55,9 +55,9 @@ SMEM_BYTES = 232448  # sm_90's shared memory per block
 # (BB, Q_ROWS, num_warps, O_PAIRS) per RMAX, first = default; shared memory = RMAX * BA * 2 (P) + Q_ROWS * BB * 2
 # (Q ring) + 2 * O_PAIRS * BA * BB * out bytes (output buffers); wgrad_gluon shrinks BB, then O_PAIRS, to fit
 CONFIGS = {
-    64: ((64, 512, 8, 3), (32, 512, 8, 3), (64, 512, 4, 3), (64, 512, 8, 2)),
-    128: ((64, 512, 8, 3), (32, 512, 8, 3), (64, 512, 4, 3), (64, 512, 8, 2)),
-    256: ((64, 512, 8, 2), (32, 512, 8, 3), (64, 512, 4, 3), (32, 1024, 8, 2)),
+    64: ((64, 512, 8, 3), (64, 512, 8, 0), (128, 512, 8, 0), (64, 256, 8, 0)),
+    128: ((64, 512, 8, 3), (64, 512, 8, 0), (128, 512, 8, 0), (64, 256, 8, 0)),
+    256: ((64, 512, 8, 2), (64, 512, 8, 0), (128, 512, 8, 0), (64, 1024, 8, 0)),
 }
 
 
@@ -81,9 +81,9 @@ def _load_tile(q_desc, q_tiles, bars, slot, start, b0, DEPTH: gl.constexpr, BB: 
 
 
 @gluon.jit
-def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
                DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr,
-               acc_layout: gl.constexpr):  # fmt: skip
+               acc_layout: gl.constexpr, st_layout: gl.constexpr):  # fmt: skip
     """The b-tile loop at reduction depth DEPTH with TMA loads: the ring holds Q_ROWS / DEPTH tiles (so the
     shallower the depth, the further ahead the loads run); one CTA barrier per pair of tiles."""
     NSLOT: gl.constexpr = Q_ROWS // DEPTH
@@ -95,6 +95,9 @@ def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pa
             _load_tile(q_desc, q_tiles, bars, 2 * j + 1, start, (2 * j + 1) * BB, DEPTH, BB)
     zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
     p_t = p_smem.slice(0, DEPTH, dim=0).permute((1, 0))  # [BA, DEPTH]: the A operand, MN-major
+    o_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
+    o_cols = gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))
+    o_ptrs = OUT + o_rows[:, None] + o_cols[None, :]
     for i in range(n_pairs):
         s0 = (2 * i) % NSLOT
         phase = (i // HALF) & 1
@@ -102,16 +105,23 @@ def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pa
         mbarrier.wait(bars.index(s0 + 1), phase)
         acc0 = warpgroup_mma(p_t, q_tiles.index(s0), zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(p_t, q_tiles.index(s0 + 1), zero, use_acc=False, is_async=True)
-        ob = (i % O_PAIRS) * 2  # pair i - O_PAIRS's buffers: its stores were confirmed read last iteration
-        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-        o_ring.index(ob).store(acc0.to(out_desc.dtype))
-        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-        o_ring.index(ob + 1).store(acc1.to(out_desc.dtype))
-        tma.store_wait(2 * (O_PAIRS - 2))  # pair i + 1 - O_PAIRS has read its buffers (pair i + 1 writes them)
-        fence_async_shared()  # the epilogue wrote through the generic proxy; the TMA store reads through the async
-        gl.thread_barrier()  # everyone's epilogue is in place and pair i's MMAs are done in every warp
-        tma.async_copy_shared_to_global(out_desc, [row0, 2 * i * BB], o_ring.index(ob))
-        tma.async_copy_shared_to_global(out_desc, [row0, (2 * i + 1) * BB], o_ring.index(ob + 1))
+        if O_PAIRS == 0:  # plain stores from registers (coalesced through a layout conversion)
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            gl.store(o_ptrs + 2 * i * BB, gl.convert_layout(acc0.to(OUT.dtype.element_ty), st_layout))
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            gl.store(o_ptrs + (2 * i + 1) * BB, gl.convert_layout(acc1.to(OUT.dtype.element_ty), st_layout))
+            gl.thread_barrier()  # pair i's MMAs are done in every warp: its slots may be refilled
+        else:
+            ob = (i % O_PAIRS) * 2  # pair i - O_PAIRS's buffers: its stores were confirmed read last iteration
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            o_ring.index(ob).store(acc0.to(out_desc.dtype))
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            o_ring.index(ob + 1).store(acc1.to(out_desc.dtype))
+            tma.store_wait(2 * (O_PAIRS - 2))  # pair i + 1 - O_PAIRS has read its buffers (pair i + 1 writes them)
+            fence_async_shared()  # the epilogue wrote through the generic proxy; the TMA store reads async
+            gl.thread_barrier()  # everyone's epilogue is in place and pair i's MMAs are done in every warp
+            tma.async_copy_shared_to_global(out_desc, [row0, 2 * i * BB], o_ring.index(ob))
+            tma.async_copy_shared_to_global(out_desc, [row0, (2 * i + 1) * BB], o_ring.index(ob + 1))
         nxt = i + HALF
         if nxt < n_pairs:  # into the slots pair i just released
             _load_tile(q_desc, q_tiles, bars, s0, start, 2 * nxt * BB, DEPTH, BB)
@@ -120,7 +130,7 @@ def _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pa
 
 
 @gluon.jit
-def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
+def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, stride_o,
                         RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr):  # fmt: skip
     """See the module doc; grid (A // BA, E)."""
     NW: gl.constexpr = gl.num_warps()
@@ -140,7 +150,10 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KS, BB], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
     q_ring = gl.allocate_shared_memory(dtype, [Q_ROWS, BB], q_sl)
-    o_ring = gl.allocate_shared_memory(out_desc.dtype, [2 * O_PAIRS, BA, BB], out_desc.layout)
+    o_ring = gl.allocate_shared_memory(out_desc.dtype, [2 * O_PAIRS if O_PAIRS > 0 else 1, BA, BB], out_desc.layout)
+    OB: gl.constexpr = 8 if OUT.dtype.element_ty.primitive_bitwidth == 16 else 4  # 16-byte vectors
+    TPC: gl.constexpr = BB // OB if BB // OB < 32 else 32  # noqa: FURB136
+    st_layout: gl.constexpr = gl.BlockedLayout([1, OB], [32 // TPC, TPC], [NW, 1], [1, 0])
     bars = gl.allocate_shared_memory(gl.int64, [Q_ROWS // KS, 1], mbarrier.MBarrierLayout())
     rows = end - start
     if rows <= RMAX:  # larger experts: gg_tma's chunked path (a separate launch)
@@ -166,18 +179,18 @@ def _wgrad_gluon_kernel(P, Q, out_desc, offs, A, B, stride_pn, stride_qn,
             gl.thread_barrier()
             D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
             if RMAX == KS:
-                _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                           RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
+                _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                           RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
             else:
                 if depth == 1:
-                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               KS, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
+                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               KS, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
                 elif depth == 2:
-                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               D2, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
+                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               D2, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
                 else:
-                    _tma_pairs(q_desc, out_desc, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout)  # fmt: skip
+                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
+                               RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
             for k in gl.static_range(Q_ROWS // KS):
                 mbarrier.invalidate(bars.index(k))
 
@@ -225,7 +238,7 @@ def fit_config(config: tuple[int, int, int, int], rmax: int, A: int, B: int, out
         if bb > 16:
             bb //= 2
         elif o_pairs > 2:
-            o_pairs = 2
+            o_pairs = 2  # (0: plain stores, no output buffers)
         else:
             q_rows //= 2
     return bb, max(q_rows, 2 * rmax), nw, o_pairs
@@ -244,6 +257,7 @@ def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: tor
     out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [ba, bb], layout)
     triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
     _wgrad_gluon_kernel[(A // ba, E)](
-        P, Q, out_desc, offs_E, A, B, P.stride(0), Q.stride(0), RMAX=rmax, BB=bb, Q_ROWS=q_rows, O_PAIRS=o_pairs,
+        P, Q, out_desc, out2, offs_E, A, B, P.stride(0), Q.stride(0), out2.stride(0), RMAX=rmax, BB=bb, Q_ROWS=q_rows,
+        O_PAIRS=o_pairs,
         num_warps=nw,
     )  # fmt: skip

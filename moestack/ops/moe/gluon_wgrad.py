@@ -55,9 +55,9 @@ SMEM_BYTES = 232448  # sm_90's shared memory per block
 # (BB, Q_ROWS, num_warps, O_PAIRS) per RMAX, first = default; shared memory = RMAX * BA * 2 (P) + Q_ROWS * BB * 2
 # (Q ring) + 2 * O_PAIRS * BA * BB * out bytes (output buffers); wgrad_gluon shrinks BB, then O_PAIRS, to fit
 CONFIGS = {
-    64: ((64, 512, 8, 3), (64, 512, 8, 0), (128, 512, 8, 0), (64, 256, 8, 0)),
-    128: ((64, 512, 8, 3), (64, 512, 8, 0), (128, 512, 8, 0), (64, 256, 8, 0)),
-    256: ((64, 512, 8, 2), (64, 512, 8, 0), (128, 512, 8, 0), (64, 1024, 8, 0)),
+    64: ((128, 512, 8, 0), (128, 512, 8, -1), (64, 512, 8, -1), (128, 256, 8, -1)),
+    128: ((128, 512, 8, 0), (64, 512, 8, 0), (128, 512, 8, -1), (64, 512, 8, -1)),
+    256: ((128, 512, 8, 0), (64, 1024, 8, 0), (128, 512, 8, -1), (64, 1024, 8, -1)),
 }
 
 
@@ -98,6 +98,9 @@ def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, st
     o_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
     o_cols = gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))
     o_ptrs = OUT + o_rows[:, None] + o_cols[None, :]
+    a_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64) * stride_o
+    a_cols = gl.arange(0, BB, layout=gl.SliceLayout(0, acc_layout))
+    a_ptrs = OUT + a_rows[:, None] + a_cols[None, :]
     for i in range(n_pairs):
         s0 = (2 * i) % NSLOT
         phase = (i // HALF) & 1
@@ -105,7 +108,13 @@ def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, st
         mbarrier.wait(bars.index(s0 + 1), phase)
         acc0 = warpgroup_mma(p_t, q_tiles.index(s0), zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(p_t, q_tiles.index(s0 + 1), zero, use_acc=False, is_async=True)
-        if O_PAIRS == 0:  # plain stores from registers (coalesced through a layout conversion)
+        if O_PAIRS == -1:  # plain stores straight from the accumulator layout (4-byte pieces, no shared memory)
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            gl.store(a_ptrs + 2 * i * BB, acc0.to(OUT.dtype.element_ty))
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            gl.store(a_ptrs + (2 * i + 1) * BB, acc1.to(OUT.dtype.element_ty))
+            gl.thread_barrier()  # pair i's MMAs are done in every warp: its slots may be refilled
+        elif O_PAIRS == 0:  # plain stores from registers (coalesced through a layout conversion)
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
             gl.store(o_ptrs + 2 * i * BB, gl.convert_layout(acc0.to(OUT.dtype.element_ty), st_layout))
             acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
@@ -150,7 +159,9 @@ def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, s
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KS, BB], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
     q_ring = gl.allocate_shared_memory(dtype, [Q_ROWS, BB], q_sl)
-    o_ring = gl.allocate_shared_memory(out_desc.dtype, [2 * O_PAIRS if O_PAIRS > 0 else 1, BA, BB], out_desc.layout)
+    O_BUFS: gl.constexpr = 2 * O_PAIRS if O_PAIRS > 0 else 1
+    O_ROWS: gl.constexpr = BA if O_PAIRS > 0 else 8  # plain-store epilogues: a token buffer, unused
+    o_ring = gl.allocate_shared_memory(out_desc.dtype, [O_BUFS, O_ROWS, BB], out_desc.layout)
     OB: gl.constexpr = 8 if OUT.dtype.element_ty.primitive_bitwidth == 16 else 4  # 16-byte vectors
     TPC: gl.constexpr = BB // OB if BB // OB < 32 else 32  # noqa: FURB136
     st_layout: gl.constexpr = gl.BlockedLayout([1, OB], [32 // TPC, TPC], [NW, 1], [1, 0])
@@ -161,12 +172,18 @@ def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, s
         row0 = e * A + a0
         n_pairs = B // (2 * BB)
         if rows == 0:  # an empty expert: zero tiles (no descriptor over zero rows)
-            o_ring.index(0).store(gl.zeros([BA, BB], out_desc.dtype, layout=acc_layout))
-            fence_async_shared()
-            gl.thread_barrier()
-            for j in range(2 * n_pairs):
-                tma.async_copy_shared_to_global(out_desc, [row0, j * BB], o_ring.index(0))
-            tma.store_wait(0)
+            if O_PAIRS > 0:
+                o_ring.index(0).store(gl.zeros([BA, BB], out_desc.dtype, layout=acc_layout))
+                fence_async_shared()
+                gl.thread_barrier()
+                for j in range(2 * n_pairs):
+                    tma.async_copy_shared_to_global(out_desc, [row0, j * BB], o_ring.index(0))
+                tma.store_wait(0)
+            else:
+                z_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
+                z_ptrs = OUT + z_rows[:, None] + gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))[None, :]
+                for j in range(2 * n_pairs):
+                    gl.store(z_ptrs + j * BB, gl.zeros([BA, BB], OUT.dtype.element_ty, layout=st_layout))
         else:
             for k in gl.static_range(Q_ROWS // KS):
                 mbarrier.init(bars.index(k), count=1)
@@ -221,9 +238,11 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 def smem_bytes(rmax: int, bb: int, q_rows: int, num_warps: int, o_pairs: int, out_bytes: int) -> int:
-    """Shared memory of one program (P, Q ring, output buffers, barriers)."""
+    """Shared memory of one program (P, Q ring, output buffers or the epilogue's layout-conversion scratch, barriers);
+    o_pairs 0: plain stores through a layout conversion, -1: plain stores from the accumulator layout."""
     ba = TILE_A * num_warps // 4
-    return 2 * rmax * ba + 2 * q_rows * bb + 2 * o_pairs * ba * bb * out_bytes + 8 * (q_rows // SLICE)
+    out = {-1: 0, 0: ba * bb * out_bytes}.get(o_pairs, 2 * o_pairs * ba * bb * out_bytes)
+    return 2 * rmax * ba + 2 * q_rows * bb + out + 8 * (q_rows // SLICE)
 
 
 def fit_config(config: tuple[int, int, int, int], rmax: int, A: int, B: int, out_bytes: int) -> tuple:

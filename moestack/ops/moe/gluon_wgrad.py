@@ -15,16 +15,20 @@ registers while the tensor cores idle. Here the overlap is explicit:
   holds Q_ROWS rows, i.e. Q_ROWS / depth tiles, so the shallower the reduction the further ahead the loads run;
   one mbarrier per slot.
 - b-tiles go in pairs (nothing in flight across the loop's back-edge: ptxas serialises wgmma otherwise, C7514):
-  both MMAs are issued async; the first tile's epilogue (fp32 -> out dtype -> shared memory) runs under the
-  second MMA; after one CTA barrier the pair's TMA stores go out and the freed slots are refilled. O_PAIRS pairs of
-  output buffers (2 or 3) decide how long a store may take to read its buffer.
+  both MMAs are issued async; the first tile's epilogue (fp32 -> out dtype -> coalescing layout -> plain global
+  stores) runs under the second MMA; after one CTA barrier the freed slots are refilled. Plain stores beat TMA
+  stores from shared-memory buffers here (0.74 vs 0.80 ms at 64 rows; ncu put a third of the TMA version's stall
+  samples on issuing TMA copies), and storing the accumulator layout without the conversion (4-byte pieces per
+  row) was 3x slower.
 - The reduction depth is the expert's rows rounded up to KS, 2 KS or RMAX (a constexpr path each, picked at run
   time; shared-memory views need power-of-two shapes): the MMA work follows the rows present.
 - Experts with more than RMAX rows are left to gg_tma.gg_wgrad_kernel_resident's chunked path (a second launch in
   which the small experts exit at once); empty experts store zero tiles.
 
-H200, K3 EP16 expert GEMMs (56 experts), dW alone: at 64 rows 0.80 ms gate/up and 0.40 ms down, against 0.95 / 0.49
-for torch's and 1.12 / 0.50 for the chunked Triton kernel (benchmarks/RESULTS.md, session 8).
+H200, K3 EP16 expert GEMMs (56 experts), dW alone (benchmarks/RESULTS.md, session 8): at 64 rows per expert
+0.74 / 0.38 ms (gate-up / down) against torch's 0.94 / 0.50 and the chunked Triton kernel's 0.90 / 0.43; at 128
+rows 1.03 / 0.52 against 1.33 / 0.68 and the resident kernel's 1.19 / 0.58; at 32 rows the chunked kernel stays
+faster (0.65 vs 0.74), so gg_tma's auto choice starts at 64.
 
 No atomics; each output element is written once in a fixed order (bitwise reproducible; equal to the chunked
 kernel's result in every measured case). Requirements (checked by `supported`): sm_90, bf16 / fp16 operands,
@@ -46,18 +50,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
 KS = gl.constexpr(SLICE)
 SMEM_BYTES = 232448  # sm_90's shared memory per block
-# (BB, Q_ROWS, num_warps, O_PAIRS) per RMAX, first = default; shared memory = RMAX * BA * 2 (P) + Q_ROWS * BB * 2
-# (Q ring) + 2 * O_PAIRS * BA * BB * out bytes (output buffers); wgrad_gluon shrinks BB, then O_PAIRS, to fit
+# (BB, Q_ROWS, num_warps) per RMAX, first = default (H200, K3 EP16 shapes); shared memory = RMAX * BA * 2 (P)
+# + Q_ROWS * BB * 2 (Q ring) + BA * BB * out bytes (the epilogue's layout conversion); fit_config shrinks BB to fit
 CONFIGS = {
-    64: ((128, 512, 8, 0), (128, 512, 8, -1), (64, 512, 8, -1), (128, 256, 8, -1)),
-    128: ((128, 512, 8, 0), (64, 512, 8, 0), (128, 512, 8, -1), (64, 512, 8, -1)),
-    256: ((128, 512, 8, 0), (64, 1024, 8, 0), (128, 512, 8, -1), (64, 1024, 8, -1)),
+    64: ((128, 512, 8), (64, 512, 8)),
+    128: ((128, 512, 8), (64, 512, 8)),
+    256: ((128, 512, 8), (64, 1024, 8)),
 }
 
 
@@ -81,8 +84,8 @@ def _load_tile(q_desc, q_tiles, bars, slot, start, b0, DEPTH: gl.constexpr, BB: 
 
 
 @gluon.jit
-def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-               DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr,
+def _tma_pairs(q_desc, OUT, stride_o, p_smem, q_ring, bars, start, row0, n_pairs,
+               DEPTH: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr,
                acc_layout: gl.constexpr, st_layout: gl.constexpr):  # fmt: skip
     """The b-tile loop at reduction depth DEPTH with TMA loads: the ring holds Q_ROWS / DEPTH tiles (so the
     shallower the depth, the further ahead the loads run); one CTA barrier per pair of tiles."""
@@ -98,9 +101,6 @@ def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, st
     o_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
     o_cols = gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))
     o_ptrs = OUT + o_rows[:, None] + o_cols[None, :]
-    a_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64) * stride_o
-    a_cols = gl.arange(0, BB, layout=gl.SliceLayout(0, acc_layout))
-    a_ptrs = OUT + a_rows[:, None] + a_cols[None, :]
     for i in range(n_pairs):
         s0 = (2 * i) % NSLOT
         phase = (i // HALF) & 1
@@ -108,39 +108,20 @@ def _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, st
         mbarrier.wait(bars.index(s0 + 1), phase)
         acc0 = warpgroup_mma(p_t, q_tiles.index(s0), zero, use_acc=False, is_async=True)
         acc1 = warpgroup_mma(p_t, q_tiles.index(s0 + 1), zero, use_acc=False, is_async=True)
-        if O_PAIRS == -1:  # plain stores straight from the accumulator layout (4-byte pieces, no shared memory)
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            gl.store(a_ptrs + 2 * i * BB, acc0.to(OUT.dtype.element_ty))
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            gl.store(a_ptrs + (2 * i + 1) * BB, acc1.to(OUT.dtype.element_ty))
-            gl.thread_barrier()  # pair i's MMAs are done in every warp: its slots may be refilled
-        elif O_PAIRS == 0:  # plain stores from registers (coalesced through a layout conversion)
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            gl.store(o_ptrs + 2 * i * BB, gl.convert_layout(acc0.to(OUT.dtype.element_ty), st_layout))
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            gl.store(o_ptrs + (2 * i + 1) * BB, gl.convert_layout(acc1.to(OUT.dtype.element_ty), st_layout))
-            gl.thread_barrier()  # pair i's MMAs are done in every warp: its slots may be refilled
-        else:
-            ob = (i % O_PAIRS) * 2  # pair i - O_PAIRS's buffers: its stores were confirmed read last iteration
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            o_ring.index(ob).store(acc0.to(out_desc.dtype))
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            o_ring.index(ob + 1).store(acc1.to(out_desc.dtype))
-            tma.store_wait(2 * (O_PAIRS - 2))  # pair i + 1 - O_PAIRS has read its buffers (pair i + 1 writes them)
-            fence_async_shared()  # the epilogue wrote through the generic proxy; the TMA store reads async
-            gl.thread_barrier()  # everyone's epilogue is in place and pair i's MMAs are done in every warp
-            tma.async_copy_shared_to_global(out_desc, [row0, 2 * i * BB], o_ring.index(ob))
-            tma.async_copy_shared_to_global(out_desc, [row0, (2 * i + 1) * BB], o_ring.index(ob + 1))
+        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+        gl.store(o_ptrs + 2 * i * BB, gl.convert_layout(acc0.to(OUT.dtype.element_ty), st_layout))
+        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+        gl.store(o_ptrs + (2 * i + 1) * BB, gl.convert_layout(acc1.to(OUT.dtype.element_ty), st_layout))
+        gl.thread_barrier()  # pair i's MMAs are done in every warp: its slots may be refilled
         nxt = i + HALF
         if nxt < n_pairs:  # into the slots pair i just released
             _load_tile(q_desc, q_tiles, bars, s0, start, 2 * nxt * BB, DEPTH, BB)
             _load_tile(q_desc, q_tiles, bars, s0 + 1, start, (2 * nxt + 1) * BB, DEPTH, BB)
-    tma.store_wait(0)
 
 
 @gluon.jit
-def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, stride_o,
-                        RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr, O_PAIRS: gl.constexpr):  # fmt: skip
+def _wgrad_gluon_kernel(P, Q, OUT, offs, A, B, stride_pn, stride_qn, stride_o,
+                        RMAX: gl.constexpr, BB: gl.constexpr, Q_ROWS: gl.constexpr):  # fmt: skip
     """See the module doc; grid (A // BA, E)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4 or NW == 8, "one or two warpgroups: num_warps 4 or 8")
@@ -159,9 +140,6 @@ def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, s
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KS, BB], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [RMAX, BA], p_sl)
     q_ring = gl.allocate_shared_memory(dtype, [Q_ROWS, BB], q_sl)
-    O_BUFS: gl.constexpr = 2 * O_PAIRS if O_PAIRS > 0 else 1
-    O_ROWS: gl.constexpr = BA if O_PAIRS > 0 else 8  # plain-store epilogues: a token buffer, unused
-    o_ring = gl.allocate_shared_memory(out_desc.dtype, [O_BUFS, O_ROWS, BB], out_desc.layout)
     OB: gl.constexpr = 8 if OUT.dtype.element_ty.primitive_bitwidth == 16 else 4  # 16-byte vectors
     TPC: gl.constexpr = BB // OB if BB // OB < 32 else 32  # noqa: FURB136
     st_layout: gl.constexpr = gl.BlockedLayout([1, OB], [32 // TPC, TPC], [NW, 1], [1, 0])
@@ -172,18 +150,10 @@ def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, s
         row0 = e * A + a0
         n_pairs = B // (2 * BB)
         if rows == 0:  # an empty expert: zero tiles (no descriptor over zero rows)
-            if O_PAIRS > 0:
-                o_ring.index(0).store(gl.zeros([BA, BB], out_desc.dtype, layout=acc_layout))
-                fence_async_shared()
-                gl.thread_barrier()
-                for j in range(2 * n_pairs):
-                    tma.async_copy_shared_to_global(out_desc, [row0, j * BB], o_ring.index(0))
-                tma.store_wait(0)
-            else:
-                z_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
-                z_ptrs = OUT + z_rows[:, None] + gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))[None, :]
-                for j in range(2 * n_pairs):
-                    gl.store(z_ptrs + j * BB, gl.zeros([BA, BB], OUT.dtype.element_ty, layout=st_layout))
+            z_rows = (row0 + gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))).to(gl.int64) * stride_o
+            z_ptrs = OUT + z_rows[:, None] + gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))[None, :]
+            for j in range(2 * n_pairs):
+                gl.store(z_ptrs + j * BB, gl.zeros([BA, BB], OUT.dtype.element_ty, layout=st_layout))
         else:
             for k in gl.static_range(Q_ROWS // KS):
                 mbarrier.init(bars.index(k), count=1)
@@ -196,18 +166,18 @@ def _wgrad_gluon_kernel(P, Q, out_desc, OUT, offs, A, B, stride_pn, stride_qn, s
             gl.thread_barrier()
             D2: gl.constexpr = 2 * KS if 2 * KS < RMAX else RMAX  # noqa: FURB136
             if RMAX == KS:
-                _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                           RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
+                _tma_pairs(q_desc, OUT, stride_o, p_smem, q_ring, bars, start, row0, n_pairs,
+                           RMAX, BA, BB, Q_ROWS, acc_layout, st_layout)  # fmt: skip
             else:
                 if depth == 1:
-                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               KS, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
+                    _tma_pairs(q_desc, OUT, stride_o, p_smem, q_ring, bars, start, row0, n_pairs,
+                               KS, BA, BB, Q_ROWS, acc_layout, st_layout)  # fmt: skip
                 elif depth == 2:
-                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               D2, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
+                    _tma_pairs(q_desc, OUT, stride_o, p_smem, q_ring, bars, start, row0, n_pairs,
+                               D2, BA, BB, Q_ROWS, acc_layout, st_layout)  # fmt: skip
                 else:
-                    _tma_pairs(q_desc, out_desc, OUT, stride_o, p_smem, q_ring, o_ring, bars, start, row0, n_pairs,
-                               RMAX, BA, BB, Q_ROWS, O_PAIRS, acc_layout, st_layout)  # fmt: skip
+                    _tma_pairs(q_desc, OUT, stride_o, p_smem, q_ring, bars, start, row0, n_pairs,
+                               RMAX, BA, BB, Q_ROWS, acc_layout, st_layout)  # fmt: skip
             for k in gl.static_range(Q_ROWS // KS):
                 mbarrier.invalidate(bars.index(k))
 
@@ -228,55 +198,43 @@ def supported(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor) -> bool:
                                                                                    torch.float32))  # fmt: skip
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-
-
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for the device-side TMA descriptors (128 bytes per program)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def smem_bytes(rmax: int, bb: int, q_rows: int, num_warps: int, o_pairs: int, out_bytes: int) -> int:
-    """Shared memory of one program (P, Q ring, output buffers or the epilogue's layout-conversion scratch, barriers);
-    o_pairs 0: plain stores through a layout conversion, -1: plain stores from the accumulator layout."""
+def smem_bytes(rmax: int, bb: int, q_rows: int, num_warps: int, out_bytes: int) -> int:
+    """Shared memory of one program: P, the Q ring, the epilogue's layout-conversion scratch, the barriers."""
     ba = TILE_A * num_warps // 4
-    out = {-1: 0, 0: ba * bb * out_bytes}.get(o_pairs, 2 * o_pairs * ba * bb * out_bytes)
-    return 2 * rmax * ba + 2 * q_rows * bb + out + 8 * (q_rows // SLICE)
+    return 2 * rmax * ba + 2 * q_rows * bb + ba * bb * out_bytes + 8 * (q_rows // SLICE)
 
 
-def fit_config(config: tuple[int, int, int, int], rmax: int, A: int, B: int, out_bytes: int) -> tuple:
+def fit_config(config: tuple[int, int, int], rmax: int, A: int, B: int, out_bytes: int) -> tuple[int, int, int]:
     """config adjusted to the operands: BB divides B in pairs, 4 warps where A is not a multiple of 128, and BB
-    halved (then two output pairs) until the program fits shared memory (fp32 gradients double the buffers)."""
-    bb, q_rows, nw, o_pairs = config
+    halved (then the ring) until the program fits shared memory (fp32 gradients double the conversion scratch)."""
+    bb, q_rows, nw = config
     while B % (2 * bb):
         bb //= 2
     if A % (TILE_A * nw // 4):
         nw = 4
-    while smem_bytes(rmax, bb, q_rows, nw, o_pairs, out_bytes) > SMEM_BYTES - 1024:
+    while smem_bytes(rmax, bb, q_rows, nw, out_bytes) > SMEM_BYTES - 1024 and (bb > 16 or q_rows > 2 * rmax):
         if bb > 16:
             bb //= 2
-        elif o_pairs > 2:
-            o_pairs = 2  # (0: plain stores, no output buffers)
         else:
             q_rows //= 2
-    return bb, max(q_rows, 2 * rmax), nw, o_pairs
+    return bb, q_rows, nw
 
 
 def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: torch.Tensor, rmax: int,
-                config: tuple[int, int, int, int] | None = None) -> None:
+                config: tuple[int, int, int] | None = None) -> None:
     """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
-    chunked kernel writes them). Requires supported(P, Q, out). config: (BB, Q_ROWS, num_warps, O_PAIRS), default
+    chunked kernel writes them). Requires supported(P, Q, out). config: (BB, Q_ROWS, num_warps), default
     CONFIGS[rmax][0], fitted to the operands by fit_config."""
     E, A, B = out.shape
-    bb, q_rows, nw, o_pairs = fit_config(config or CONFIGS[rmax][0], rmax, A, B, out.element_size())
-    ba = TILE_A * nw // 4
-    layout = gl.NVMMASharedLayout.get_default_for([ba, bb], _gl_dtype(out.dtype))
-    out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))
-    out_desc = TensorDescriptor(out2, [E * A, B], [out.stride(1), 1], [ba, bb], layout)
+    bb, q_rows, nw = fit_config(config or CONFIGS[rmax][0], rmax, A, B, out.element_size())
+    out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))  # [e * A + a, b]
     triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
-    _wgrad_gluon_kernel[(A // ba, E)](
-        P, Q, out_desc, out2, offs_E, A, B, P.stride(0), Q.stride(0), out2.stride(0), RMAX=rmax, BB=bb, Q_ROWS=q_rows,
-        O_PAIRS=o_pairs,
+    _wgrad_gluon_kernel[(A // (TILE_A * nw // 4), E)](
+        P, Q, out2, offs_E, A, B, P.stride(0), Q.stride(0), out2.stride(0), RMAX=rmax, BB=bb, Q_ROWS=q_rows,
         num_warps=nw,
     )  # fmt: skip

@@ -1207,8 +1207,9 @@ class CostModel:
         sd, se = self._shards(plan)
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         e_dev = 0.0 if plan.offload.experts else expert
+        held = self._gathered_for_step(plan)  # zbv / dualpipev: gathered params, whole gradients (as _memory)
         w_d, w_e = (sd, se) if plan.zero_stage == 3 else (1, 1)
-        g_d, g_e = (sd, se) if plan.zero_stage >= 2 else (1, 1)
+        g_d, g_e = (sd, se) if plan.zero_stage >= 2 and not held else (1, 1)
         host = 0.0
         if plan.offload.optimizer:
             w_b = FP32 if plan.devices == 1 else BF16  # as _memory
@@ -1216,6 +1217,8 @@ class CostModel:
             host += (dense / sd + e_dev / se) * (FP32 + opt_b)
         else:
             hbm = dense * FP32 / w_d + e_dev * FP32 / w_e + dense * opt_b / sd + e_dev * opt_b / se
+        if held and plan.zero_stage == 3:
+            hbm += (dense + e_dev) * BF16  # the gathered bf16 copy
         grads = dense * FP32 / g_d + e_dev * FP32 / g_e
         if plan.offload.experts:
             host += expert / se * (FP32 + FP32 + opt_b)
@@ -1357,6 +1360,9 @@ class CostModel:
                         list(zip(fwd, bwd, wgr)))
         cost.binding = binding_constraint(cost)
         cost.forward_activations = forward_act
+        if self._gathered_for_step(plan) and plan.zero_stage >= 2:  # the memory report states why
+            held = "parameters gathered, gradients unsharded" if plan.zero_stage == 3 else "gradients unsharded"
+            cost.notes.append(f"{plan.schedule}: {held} for the whole step (stage is the FSDP root)")
         return cost
 
     def host_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
@@ -1394,6 +1400,14 @@ class CostModel:
         trainer frees them after the step (measured on 2 x H200, ep2 / zero3_ep2 / tp2, 2026-11-30: the peak is the
         loss phase, before any layer gradient exists), so the same holds without a pipeline."""
         return plan.num_microbatches == 1 and plan.pp == 1
+
+    @staticmethod
+    def _gathered_for_step(plan: Plan) -> bool:
+        """True under zbv / dualpipev with ZeRO sharding: the trainer makes each pipeline stage the FSDP root
+        (moestack.parallel.pipeline.stage_module), so torch's schedule keeps the stage's parameters gathered (ZeRO-3's
+        reshard-after-forward off) and its gradients unsharded from its first forward to the end of the step, and
+        reduce-scatters them once per step: ZeRO-3 holds parameters as ZeRO-2 does, ZeRO-2 gradients as ZeRO-1."""
+        return plan.schedule in ("zbv", "dualpipev") and plan.zero_stage > 0
 
     def _late_embedding_grad(self, plan: Plan) -> float:
         """Bytes of the embedding's fp32 gradient, produced after the first layer's backward (so not alive at the
@@ -1479,13 +1493,18 @@ class CostModel:
         experts: edp, stride ep*etp). ZeRO-0: all-reduce; 1: reduce-scatter + all-gather of updated fp32 params,
         once per step, overlapped with the last backward / first forward except the last bucket; 2: the
         reduce-scatter per micro-batch; 3 (FSDP2): bf16 all-gather before fwd and bwd and fp32 reduce-scatter,
-        every micro-batch, prefetched one layer ahead."""
+        every micro-batch, prefetched one layer ahead. zbv / dualpipev (`_gathered_for_step`): gathered once and
+        reduce-scattered once per step, so ZeRO-2 is priced as ZeRO-1 and ZeRO-3 as one bf16 all-gather + one
+        reduce-scatter per step."""
         cl, cm = self.cluster, self.cal.comm
         dp_stride, edp_stride = plan.tp * plan.cp, plan.ep * plan.etp
         edp = plan.edp
         if _experts_tp_replicated(plan):  # summed over TP per micro-batch (part_cost); FSDP then reduces over dp
             edp, edp_stride = plan.dp, dp_stride
         z = plan.zero_stage
+        held = self._gathered_for_step(plan)
+        if held and z == 2:
+            z = 1  # one reduce-scatter per step (moestack.parallel.pipeline.stage_module)
         g_dense, g_exp = dense * FP32, expert * FP32
         if z == 0:
             rs = ring_time(cl, g_dense, plan.dp, dp_stride, "ar", cm) + ring_time(cl, g_exp, edp, edp_stride, "ar", cm)
@@ -1501,6 +1520,8 @@ class CostModel:
             return m * rs + ag, m * per_mb + max(ag - 0.9 * fwd, ag / layers)
         w_dense, w_exp = dense * BF16, expert * BF16
         ag = ring_time(cl, w_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, w_exp, edp, edp_stride, "ag", cm)
+        if held:  # no reshard after forward, no reduce per micro-batch (pipeline.stage_module)
+            return rs + ag, max(rs - 0.9 * bwd, rs / layers) + max(ag - 0.9 * fwd, ag / layers)
         per_mb = _overlapped(ag, fwd, True) + _overlapped(ag + rs, bwd, True)
         return m * (2 * ag + rs), m * per_mb
 
@@ -1574,12 +1595,15 @@ class CostModel:
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         best: dict[str, float] = {}
         best_fwd_act = 0.0
+        # zbv / dualpipev: the stage is the FSDP root (moestack.parallel.pipeline.stage_module): parameters stay
+        # gathered (bf16 copy, as ZeRO 0-2) and gradients unsharded (fp32) for the whole step
+        held = self._gathered_for_step(plan)
         for r in range(plan.pp):
             d, e = dense[r], expert[r]
             w_shard_d = sd if plan.zero_stage == 3 else 1
             w_shard_e = se if plan.zero_stage == 3 else 1
-            g_shard_d = sd if plan.zero_stage >= 2 else 1
-            g_shard_e = se if plan.zero_stage >= 2 else 1
+            g_shard_d = sd if plan.zero_stage >= 2 and not held else 1
+            g_shard_e = se if plan.zero_stage >= 2 and not held else 1
             mem: dict[str, float] = {}
             e_dev = 0.0 if plan.offload.experts else e
             if plan.offload.optimizer:
@@ -1588,6 +1612,8 @@ class CostModel:
                 # device parameters in their dtype), as autocast_weight_copies assumes
                 w_b = FP32 if plan.devices == 1 else BF16
                 mem["weights"] = d * w_b / w_shard_d + e_dev * w_b / w_shard_e
+                if held and plan.zero_stage == 3:
+                    mem["weights"] += (d + e_dev) * BF16  # the gathered copy
                 mem["optimizer"] = 0.0
             else:
                 mem["weights"] = d * FP32 / w_shard_d + e_dev * FP32 / w_shard_e
@@ -1596,7 +1622,7 @@ class CostModel:
                     vocab = spec.vocab_size * spec.hidden_size / plan.tp
                     ends = (r == 0) + (r == plan.pp - 1 and not spec.tie_word_embeddings)
                     mem["optimizer"] += ends * vocab * (optimizer_bytes_per_param("adamw") - opt_b) / sd
-            if plan.devices > 1 and plan.zero_stage < 3 and not plan.offload.optimizer:
+            if plan.devices > 1 and (plan.zero_stage < 3 or held) and not plan.offload.optimizer:
                 # FSDP2 (moestack/parallel/fsdp.py) computes with a bf16 copy of the parameters gathered in forward
                 # and kept until backward under ZeRO 0-2; with one shard (ZeRO-0, or dp_shard = 1, e.g. pure TP)
                 # that copy comes on top of the whole fp32 parameters
@@ -1621,7 +1647,7 @@ class CostModel:
                 moe_buf = (T / plan.tp * spec.moe.top_k * (spec.moe.latent_size or spec.hidden_size) * BF16
                            * MOE_MEMORY_HEADROOM * 2)
                 buffers = max(buffers, moe_buf)
-            if plan.zero_stage == 3:
+            if plan.zero_stage == 3 and not held:  # held: the whole gathered copy is in "weights"
                 per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
                 buffers += 2 * per_layer * BF16
             expert_ws = 0.0

@@ -58,9 +58,9 @@ SMEM_BYTES = 232448  # sm_90's shared memory per block
 # (BB, Q_ROWS, num_warps) per RMAX, first = default (H200, K3 EP16 shapes); shared memory = RMAX * BA * 2 (P)
 # + Q_ROWS * BB * 2 (Q ring) + BA * BB * out bytes (the epilogue's layout conversion); fit_config shrinks BB to fit
 CONFIGS = {
-    64: ((128, 512, 8), (64, 512, 8), (128, 256, 4), (128, 256, 8), (64, 512, 4)),
-    128: ((128, 512, 8), (64, 512, 8), (128, 256, 4), (128, 512, 4), (64, 512, 4)),
-    256: ((128, 512, 8), (64, 1024, 8), (128, 512, 4), (64, 512, 4)),
+    64: ((128, 256, 4), (64, 256, 4), (128, 512, 8)),
+    128: ((128, 256, 4), (64, 256, 4), (64, 512, 4), (128, 512, 8)),
+    256: ((64, 512, 4), (32, 512, 4), (128, 512, 8)),
 }
 
 

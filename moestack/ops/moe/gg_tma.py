@@ -244,7 +244,7 @@ def gg_wgrad_kernel_resident(
     o_a = i_a * BA + tl.arange(0, BA)
     m_a = o_a < A
     p_oe = out + e.to(tl.int64) * stride_oe
-    if SKIP_ROWS > 0:
+    if SKIP_ROWS > 0:  # noqa: SIM102 (a constexpr test, then a run-time one: Triton needs them apart)
         if end - start <= SKIP_ROWS:
             return
     o_r = tl.arange(0, RMAX)

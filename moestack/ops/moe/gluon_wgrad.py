@@ -7,7 +7,8 @@ depth = the expert's rows (K3 EP16, 64 rows per expert: 3.7 GB written per layer
 in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (ncu): Triton waits for each tile's MMA, then stores it from
 registers while the tensor cores idle. Here the overlap is explicit:
 
-- One program per (a-tile of BA = 16 x warps columns, expert). The expert's P[rows, a-tile] is copied to shared
+- One program per (a-tile of BA = 16 x warps columns, expert); the default configs run 4 warps and fit two programs
+  per SM. The expert's P[rows, a-tile] is copied to shared
   memory once (cp.async, rows past the expert zero-filled) and is the MMA's A operand (transposed view) for every
   b-tile.
 - Q[rows, b-tile] tiles stream in by TMA through a per-expert device-side descriptor of shape [end, B]: rows past
@@ -26,9 +27,10 @@ registers while the tensor cores idle. Here the overlap is explicit:
   which the small experts exit at once); empty experts store zero tiles.
 
 H200, K3 EP16 expert GEMMs (56 experts), dW alone (benchmarks/RESULTS.md, session 8): at 64 rows per expert
-0.74 / 0.38 ms (gate-up / down) against torch's 0.94 / 0.50 and the chunked Triton kernel's 0.90 / 0.43; at 128
-rows 1.03 / 0.52 against 1.33 / 0.68 and the resident kernel's 1.19 / 0.58; at 32 rows the chunked kernel stays
-faster (0.65 vs 0.74), so gg_tma's auto choice starts at 64.
+0.70 / 0.36 ms (gate-up / down) against torch's 0.98 / 0.50 and the chunked Triton kernel's 0.78-1.12 / 0.39-0.50;
+at 128 rows 0.93-0.99 / 0.48-0.50 against 1.33-1.43 / 0.63-0.71 and the resident kernel's 1.15-1.23 / 0.57-0.64; at
+16-32 rows the chunked kernel stays faster (0.61-0.64 vs 0.69-0.70), so gg_tma's auto choice starts at 64. Two
+4-warp programs per SM beat one 8-warp program (0.70 vs 0.74 ms at 64 rows).
 
 No atomics; each output element is written once in a fixed order (bitwise reproducible; equal to the chunked
 kernel's result in every measured case). Requirements (checked by `supported`): sm_90, bf16 / fp16 operands,
@@ -55,7 +57,8 @@ TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
 KS = gl.constexpr(SLICE)
 SMEM_BYTES = 232448  # sm_90's shared memory per block
-# (BB, Q_ROWS, num_warps) per RMAX, first = default (H200, K3 EP16 shapes); shared memory = RMAX * BA * 2 (P)
+# (BB, Q_ROWS, num_warps) per RMAX, first = default (H200, K3 EP16 shapes, session 8 calls 11-12; the others were
+# 2-15% slower there and stay for the GPU test and the benchmark's parts); shared memory = RMAX * BA * 2 (P)
 # + Q_ROWS * BB * 2 (Q ring) + BA * BB * out bytes (the epilogue's layout conversion); fit_config shrinks BB to fit
 CONFIGS = {
     64: ((128, 256, 4), (64, 256, 4), (128, 512, 8)),

@@ -1598,6 +1598,7 @@ class CostModel:
         # zbv / dualpipev: the stage is the FSDP root (moestack.parallel.pipeline.stage_module): parameters stay
         # gathered (bf16 copy, as ZeRO 0-2) and gradients unsharded (fp32) for the whole step
         held = self._gathered_for_step(plan)
+        head_rank = chunk_ranks(plan.pp, plan.vpp, plan.schedule)[-1]  # the last chunk: LM head and loss (V: rank 0)
         for r in range(plan.pp):
             d, e = dense[r], expert[r]
             w_shard_d = sd if plan.zero_stage == 3 else 1
@@ -1620,7 +1621,7 @@ class CostModel:
                 mem["optimizer"] = d * opt_b / sd + e_dev * opt_b / se
                 if plan.optimizer == "muon":  # Muon leaves the embedding and the LM head to AdamW (8 bytes)
                     vocab = spec.vocab_size * spec.hidden_size / plan.tp
-                    ends = (r == 0) + (r == plan.pp - 1 and not spec.tie_word_embeddings)
+                    ends = (r == 0) + (r == head_rank and not spec.tie_word_embeddings)
                     mem["optimizer"] += ends * vocab * (optimizer_bytes_per_param("adamw") - opt_b) / sd
             if plan.devices > 1 and (plan.zero_stage < 3 or held) and not plan.offload.optimizer:
                 # FSDP2 (moestack/parallel/fsdp.py) computes with a bf16 copy of the parameters gathered in forward
@@ -1639,7 +1640,7 @@ class CostModel:
             else:
                 mem["activations"] = act * inflight
             buffers = 0.0
-            if r == plan.pp - 1 or plan.pp == 1:  # the chunked loss: one chunk's logits at a time
+            if r == head_rank:  # the chunked loss: one chunk's logits at a time
                 # under TP the head is replicated and each rank runs the loss on its sequence shard (head_cost):
                 # chunks of the full vocabulary over T / tp tokens (tp2, 2 x H200: +7.5 GiB in the loss phase)
                 buffers = max(buffers, min(T / plan.tp, LOSS_CHUNK_TOKENS) * spec.vocab_size * LOSS_BYTES_PER_LOGIT)

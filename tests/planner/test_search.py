@@ -112,9 +112,10 @@ def test_kimi_k3_cloudmatrix_restricted_search_fits_with_a_memory_technique():
                   f"recompute={best.plan.recompute.short()}"), require_fit=False)
     adam = Planner(pb).search(parse_fix(f"tp=4,pp=24,schedule=dualpipev,mbs=1,ep={best.plan.ep},zero=1,"
                                         f"offload=none,recompute={best.plan.recompute.short()}"), require_fit=False)
-    # half, plus AdamW's 8 bytes on the embedding / LM head that Muon leaves to it (on the end stages)
+    # half (Muon keeps AdamW's 8 bytes only on the embedding / LM head; under dualpipev both sit on rank 0, whose
+    # lighter end chunks leave a middle rank the busiest, so the reported rank holds neither)
     assert muon.ranked[0].memory["optimizer"] == pytest.approx(adam.ranked[0].memory["optimizer"] / 2, rel=0.02)
-    assert muon.ranked[0].memory["optimizer"] > adam.ranked[0].memory["optimizer"] / 2
+    assert muon.ranked[0].memory["optimizer"] >= adam.ranked[0].memory["optimizer"] / 2
 
 
 def test_cli_plan_json_and_fix(tmp_path):

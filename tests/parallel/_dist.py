@@ -102,6 +102,7 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+SESSION_CACHE: dict = {}  # pytest-process memo for results several test files share (they import _dist by name)
 
 
 @atexit.register

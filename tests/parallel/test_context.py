@@ -1,15 +1,15 @@
 """Context parallelism (moestack.parallel.context) on gloo vs the single-process model on the whole sequence (fp64).
 
-Each rank builds the same seeded model twice; the copy gets `apply_cp` and sees the full [B, T] batch (it keeps its
-contiguous T / cp shard). Compared: the loss (exact mean over the whole sequence), logits, and every parameter
-gradient after summing the CP shares (`sync_cp_grads`). Covered: short-conv halo, KDA state relay over 1 and 3
+Each rank builds the seeded model, applies `apply_cp` and feeds it the full [B, T] batch (it keeps its contiguous
+T / cp shard). The single-process run of the same model on the whole sequence is made once per (spec, seed, DSA
+mode), by one rank, and every rank is compared with it (see `run_cp`). Compared: the loss (exact mean over the
+whole sequence), logits, and every parameter gradient after summing the CP shares (`sync_cp_grads`). Covered: short-conv halo, KDA state relay over 1 and 3
 hops, Gated DSA in sparse mode (gathered latent + indexer keys, KL share), dense MLA with rope at global
 positions, MoE aux loss over the CP group.
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -17,23 +17,53 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _dist
 from _dist import run_ranks
 from test_tensor import tiny_spec
 
 B, T = 2, 32
 
 
+def _batch(spec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + seed)
+    tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, spec.vocab_size, (B, T), generator=g)
+    targets[0, 2:11] = -100  # uneven counted tokens per shard
+    return tokens, targets
+
+
+def _seeded_model(spec, seed: int, dense_dsa: bool):
+    from moestack.model.transformer import build_model
+
+    model = build_model(spec, "cpu", seed=seed).double()
+    for layer in model.dsa_layers().values():
+        layer.sparse = not dense_dsa
+    return model
+
+
+def _run(model, tokens, targets, key: str, out: dict) -> None:
+    loss = model(tokens, targets)
+    loss.backward()
+    out[f"{key}_loss"] = loss.item()
+    with torch.no_grad():
+        out[f"{key}_logits"] = model(tokens)
+
+
+def _ref_worker(spec, seed: int = 0, dense_dsa: bool = False) -> dict:
+    """The single-process run on the whole sequence (the same on every rank: run once, by one rank)."""
+    ref, out = _seeded_model(spec, seed, dense_dsa), {}
+    _run(ref, *_batch(spec, seed), "ref", out)
+    out["ref_grads"] = {n: p.grad for n, p in ref.named_parameters()}
+    return out
+
+
 def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool = False,
                kda_state: str = "relay", recompute_kda: str = "none") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moestack.model.transformer import build_model
     from moestack.parallel.context import apply_cp, sync_cp_grads
 
-    ref = build_model(spec, "cpu", seed=seed).double()
-    for layer in ref.dsa_layers().values():
-        layer.sparse = not dense_dsa
-    model = copy.deepcopy(ref)
+    model = _seeded_model(spec, seed, dense_dsa)
     mesh = init_device_mesh("cpu", (world_size,))
     apply_cp(model, mesh, kda_state=kda_state)
     if recompute_kda != "none":  # after CP, as parallelize() orders them (scan mode only)
@@ -41,25 +71,43 @@ def _cp_worker(rank: int, world_size: int, spec, seed: int = 0, dense_dsa: bool 
         from moestack.memory.recompute import apply_recompute
 
         assert apply_recompute(model, RecomputePolicy(kda=recompute_kda)), "nothing was wrapped"
-    g = torch.Generator().manual_seed(7 + seed)
-    tokens = torch.randint(0, spec.vocab_size, (B, T), generator=g)
-    targets = torch.randint(0, spec.vocab_size, (B, T), generator=g)
-    targets[0, 2:11] = -100  # uneven counted tokens per shard
     out = {}
-    for m, key in ((model, "cp"), (ref, "ref")):
-        loss = m(tokens, targets)
-        loss.backward()
-        out[f"{key}_loss"] = loss.item()
-        with torch.no_grad():
-            out[f"{key}_logits"] = m(tokens)
+    _run(model, *_batch(spec, seed), "cp", out)
     sync_cp_grads(model, mesh)
     out["cp_grads"] = {n: p.grad for n, p in model.named_parameters()}
-    out["ref_grads"] = {n: p.grad for n, p in ref.named_parameters()}
     return out
 
 
-def _all_worker(rank: int, world_size: int, configs: dict) -> dict:
-    return {name: _cp_worker(rank, world_size, **kw) for name, kw in configs.items()}
+def _all_worker(rank: int, world_size: int, configs: dict, refs: dict) -> dict:
+    """Every config under CP on every rank, then the single-process references this rank was given."""
+    out = {name: _cp_worker(rank, world_size, **kw) for name, kw in configs.items()}
+    out["refs"] = {key: _ref_worker(**kw) for key, (owner, kw) in refs.items() if owner == rank}
+    return out
+
+
+def _ref_key(spec, seed: int = 0, dense_dsa: bool = False, **_) -> str:
+    return f"{spec.model_dump_json()}|seed={seed}|dense_dsa={dense_dsa}|B={B}|T={T}"
+
+
+# Single-process references by _ref_key, kept in the pytest process for the session: test_context_scan.py's runs
+# (relay vs scan, with / without recompute, CP x TP) compare with the same whole-sequence runs as this file's.
+# It lives in _dist, the one module both files import by the same name (pytest loads each test file separately).
+_REFS = _dist.SESSION_CACHE.setdefault("test_context.refs", {})
+
+
+def run_cp(file: str, fn: str, world_size: int, configs: dict, **kwargs) -> dict[str, list[dict]]:
+    """run_ranks `fn` (an _all_worker) over the configs; each reference not yet made is made once, by one rank
+    (round robin, after the CP runs). Returns per config the per-rank results with that config's reference added."""
+    keys = {name: _ref_key(**kw) for name, kw in configs.items()}
+    todo = {}
+    for name, key in keys.items():
+        if key not in _REFS and key not in todo:
+            kw = {k: configs[name][k] for k in ("spec", "seed", "dense_dsa") if k in configs[name]}
+            todo[key] = (len(todo) % world_size, kw)
+    results = run_ranks(file, fn, world_size=world_size, timeout=240, configs=configs, refs=todo, **kwargs)
+    for r in results:
+        _REFS.update(r.pop("refs"))
+    return {name: [{**r[name], **_REFS[keys[name]]} for r in results] for name in configs}
 
 
 def _check(results: list[dict]) -> None:
@@ -82,9 +130,9 @@ def test_cp2_kda_sparse_dsa_moe_matches_single_process():
     warm-up (dense attention + KL over all keys), and dense MLA with rope, on 2 CP ranks."""
     configs = {"tiny": {"spec": tiny_spec()}, "mla_rope": {"spec": _no_indexer_rope(), "seed": 1},
                "dense_dsa": {"spec": tiny_spec(), "dense_dsa": True}}
-    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240, configs=configs)
+    results = run_cp(__file__, "_all_worker", 2, configs)
     for name in configs:
-        _check([r[name] for r in results])
+        _check(results[name])
 
 
 @pytest.mark.slow
@@ -92,9 +140,8 @@ def test_cp4_state_relay_over_three_hops():
     """4 ranks of 8 tokens (less than one KDA chunk of 16, fewer than the indexer's top-16). Seed 1: with seed 0 one
     query's top-k differs in one near-tied key (scores 1e-16 apart, from rounding of the layers below), which no
     split of the computation can avoid."""
-    results = run_ranks(__file__, "_all_worker", world_size=4, timeout=240,
-                        configs={"tiny": {"spec": tiny_spec(), "seed": 1}})
-    _check([r["tiny"] for r in results])
+    results = run_cp(__file__, "_all_worker", 4, {"tiny": {"spec": tiny_spec(), "seed": 1}})
+    _check(results["tiny"])
 
 
 def test_planner_models_cp_and_etp():

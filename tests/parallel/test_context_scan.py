@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist import run_ranks
-from test_context import _all_worker, _check  # noqa: F401 (_all_worker: run_ranks calls it from this file)
+from test_context import _all_worker, _check, _ref_worker, run_cp  # noqa: F401 (_all_worker: run_ranks calls it)
 from test_tensor import tiny_spec
 
 B, T, H, K, V = 2, 48, 2, 8, 6  # K != V: a transposed state would not fit
@@ -86,9 +86,8 @@ def test_kda_scan_op_matches_whole_sequence_on_4_ranks():
 
 def test_cp4_scan_matches_single_process():
     """4 ranks of 8 tokens (half a KDA chunk); seed 1 as in test_context's CP4 test (a near-tied top-k key)."""
-    results = run_ranks(__file__, "_all_worker", world_size=4, timeout=240,
-                        configs={"tiny": {"spec": tiny_spec(), "seed": 1, "kda_state": "scan"}})
-    _check([r["tiny"] for r in results])
+    results = run_cp(__file__, "_all_worker", 4, {"tiny": {"spec": tiny_spec(), "seed": 1, "kda_state": "scan"}})
+    _check(results["tiny"])
 
 
 def test_planner_charges_scan_and_relay_separately():
@@ -113,54 +112,43 @@ def test_planner_charges_scan_and_relay_separately():
     assert comm[8, "relay"] / comm[2, "relay"] > 5 > comm[8, "scan"] / comm[2, "scan"], comm
 
 
-def _cp_tp_worker(rank: int, world_size: int, kda_state: str, seed: int = 1) -> dict:
-    """CP2 x TP2 (sequence parallel) on a (cp, tp) mesh: my tokens are a quarter of the sequence, my heads half."""
-    import copy
-
+def _cp_tp_worker(rank: int, world_size: int, configs: dict, refs: dict) -> dict:
+    """CP2 x TP2 (sequence parallel) on a (cp, tp) mesh: my tokens are a quarter of the sequence, my heads half.
+    Then the single-process references this rank was given (test_context's)."""
     import torch.distributed as dist
-    from test_context import B as CB
-    from test_context import T as CT
+    from test_context import _batch, _run, _seeded_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from moestack.model.transformer import build_model
     from moestack.parallel.context import apply_cp
     from moestack.parallel.tensor import apply_tp
 
-    spec = tiny_spec()
-    ref = build_model(spec, "cpu", seed=seed).double()
-    for layer in ref.dsa_layers().values():
-        layer.sparse = True
-    model = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    apply_tp(model, mesh["tp"], sequence_parallel=True)
-    apply_cp(model, mesh["cp"], seq_shard_group=mesh["cp", "tp"]._flatten("cp_tp").get_group(), kda_state=kda_state)
-    g = torch.Generator().manual_seed(7 + seed)
-    tokens = torch.randint(0, spec.vocab_size, (CB, CT), generator=g)
-    targets = torch.randint(0, spec.vocab_size, (CB, CT), generator=g)
-    targets[0, 2:11] = -100
     out = {}
-    for m, key in ((model, "cp"), (ref, "ref")):
-        loss = m(tokens, targets)
-        loss.backward()
-        out[f"{key}_loss"] = loss.item()
-        with torch.no_grad():
-            out[f"{key}_logits"] = m(tokens)
-    grads = {}
-    for n, p in model.named_parameters():  # CP shares add up over cp; TP shards gathered
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        dist.all_reduce(local, group=mesh["cp"].get_group())
-        grads[n] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-    out["cp_grads"] = grads
-    out["ref_grads"] = {n: p.grad for n, p in ref.named_parameters()}
+    for name, kw in configs.items():
+        spec, seed = kw["spec"], kw["seed"]
+        model = _seeded_model(spec, seed, dense_dsa=False)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        apply_tp(model, mesh["tp"], sequence_parallel=True)
+        apply_cp(model, mesh["cp"], seq_shard_group=mesh["cp", "tp"]._flatten("cp_tp").get_group(),
+                 kda_state=kw["kda_state"])
+        r = {}
+        _run(model, *_batch(spec, seed), "cp", r)
+        grads = {}
+        for n, p in model.named_parameters():  # CP shares add up over cp; TP shards gathered
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=mesh["cp"].get_group())
+            grads[n] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        r["cp_grads"] = grads
+        out[name] = r
+    out["refs"] = {key: _ref_worker(**kw) for key, (owner, kw) in refs.items() if owner == rank}
     return out
 
 
 def test_cp2_tp2_matches_single_process():
     """Context x tensor parallelism on 4 ranks, both KDA state modes, vs one process (fp64, same gates)."""
     for mode in ("scan", "relay"):
-        results = run_ranks(__file__, "_cp_tp_worker", world_size=4, timeout=240, kda_state=mode)
-        _check(results)
+        results = run_cp(__file__, "_cp_tp_worker", 4, {"tiny": {"spec": tiny_spec(), "seed": 1, "kda_state": mode}})
+        _check(results["tiny"])
 
 
 def test_cp2_scan_kda_sparse_dsa_moe_matches_single_process():
@@ -168,6 +156,6 @@ def test_cp2_scan_kda_sparse_dsa_moe_matches_single_process():
     same order; the relay's recompute would wait for a state the previous rank sends only in its own backward)."""
     configs = {"tiny": {"spec": tiny_spec(), "kda_state": "scan"},
                "recompute": {"spec": tiny_spec(), "kda_state": "scan", "recompute_kda": "full"}}
-    results = run_ranks(__file__, "_all_worker", world_size=2, timeout=240, configs=configs)
+    results = run_cp(__file__, "_all_worker", 2, configs)
     for name in configs:
-        _check([r[name] for r in results])
+        _check(results[name])

@@ -83,15 +83,24 @@ def _full(t):
 @functools.cache
 def _references(world: int):
     """Specs (by "sequence aux loss off"), the batches, and the single-process runs; cached per rank process (the
-    rank pool keeps this module loaded between jobs)."""
+    rank pool keeps this module loaded between jobs). Each single-process run is made once, on one rank (rank 0:
+    aux loss on, rank 1: off, side by side), and broadcast to the others: every rank compares with the same run."""
+    import torch.distributed as dist
+
     from moestack.model.transformer import build_model
     from moestack.train.optim import clip_grad_norm
 
     specs = {False: small_model_spec(), True: small_model_spec(seq_aux_loss_coef=0.0)}
     batches = _batches(world, specs[False].vocab_size)
-    refs = {no_aux: _train(build_model(spec, "cpu", seed=0), batches, slice(None), clip_grad_norm, lambda c: None,
-                           lambda x: x) for no_aux, spec in specs.items()}
-    return specs, batches, refs
+    rank, refs = dist.get_rank(), {}
+    for src, (no_aux, spec) in enumerate(specs.items()):
+        src %= world
+        box = [_train(build_model(spec, "cpu", seed=0), batches, slice(None), clip_grad_norm, lambda c: None,
+                      lambda x: x) if rank == src else None]
+        refs[no_aux] = box
+    for src, box in enumerate(refs.values()):
+        dist.broadcast_object_list(box, src=src % world)
+    return specs, batches, {no_aux: box[0] for no_aux, box in refs.items()}
 
 
 def _fsdp_worker(rank: int, world: int, names: list[str]) -> dict:

@@ -6,7 +6,7 @@ sequence aux loss and the DSA indexer KL loss on (they ride on the activations t
 
 from __future__ import annotations
 
-import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -141,18 +141,44 @@ def _forward_backward_keeps_aux_scale(runner, tokens, targets) -> float:
     return loss
 
 
+@functools.cache
+def _reference(spec_json: str, steps: int) -> dict:
+    """The single-process run every schedule is compared with: loss of each step, gradients (and their norm) after
+    the first. It depends only on the spec and the steps, so a rank process makes it once (not once per schedule):
+    cached (by the spec's JSON) while the rank pool keeps this module loaded."""
+    from moestack.config.model_spec import ModelSpec
+    from moestack.model.aux_loss import set_aux_loss_scale
+
+    spec = ModelSpec.model_validate_json(spec_json)
+    ref = build_model(spec, "cpu", seed=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    out = {"ref_loss": []}
+    for step in range(steps):
+        tokens, targets = make_batch(spec.vocab_size, step)
+        set_aux_loss_scale(1.0)
+        loss = ref(tokens, targets)
+        loss.backward()
+        out["ref_loss"].append(loss.item())
+        if step == 0:
+            out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            out["ref_norm"] = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        for moe in ref.moe_layers().values():
+            moe.router.update_selection_bias()
+    return out
+
+
 def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
     import torch.distributed as dist
 
     from moestack.config.plan import make_plan
-    from moestack.model.aux_loss import set_aux_loss_scale
     from moestack.parallel.pipeline import PipelineStepRunner
 
     spec = load_model_spec("tiny")
     plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
                      pp=world_size, vpp=vpp, schedule=schedule)
     model = build_model(spec, "cpu", seed=0)
-    ref = copy.deepcopy(model) if rank == 0 else None
     costs, embed, head = stage_costs(spec, T)
     layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
     S = plan.pp * plan.vpp
@@ -163,8 +189,7 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
 
     params = {n: p for part in parts for n, p in part.named_parameters()}
     opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1) if ref is not None else None
-    out = {"loss": [], "ref_loss": [], "layers": layers, "ids": ids}
+    out = {"loss": [], "layers": layers, "ids": ids}
     for step in range(STEPS):
         tokens, targets = make_batch(spec.vocab_size, step)
         out["loss"].append(_forward_backward_keeps_aux_scale(runner, tokens, targets))
@@ -176,17 +201,9 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
         for part in parts:
             for moe in part.moe_layers().values():
                 moe.router.update_selection_bias()
-        if ref is not None:
-            set_aux_loss_scale(1.0)
-            loss = ref(tokens, targets)
-            loss.backward()
-            out["ref_loss"].append(loss.item())
-            if step == 0:
-                out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            for moe in ref.moe_layers().values():
-                moe.router.update_selection_bias()
+    if rank == 0:
+        ref = _reference(spec.model_dump_json(), STEPS)
+        out.update(ref_loss=ref["ref_loss"], ref_grads=ref["ref_grads"])
     return out
 
 
@@ -235,7 +252,6 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
 
     from moestack.config.model_spec import ModelSpec
     from moestack.config.plan import make_plan
-    from moestack.model.aux_loss import set_aux_loss_scale
     from moestack.parallel.comm import global_grad_norm
     from moestack.parallel.pipeline import PipelineStepRunner
     from moestack.parallel.tensor import apply_tp
@@ -249,7 +265,6 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = mesh.get_local_rank("pp")
     model = build_model(spec, "cpu", seed=0)
-    ref = copy.deepcopy(model) if rank == 0 else None
     costs, embed, head = stage_costs(spec, T)
     layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
     S = plan.pp * plan.vpp
@@ -261,8 +276,7 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
 
     params = {n: p for part in parts for n, p in part.named_parameters()}
     opt = torch.optim.AdamW(params.values(), lr=3e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1) if ref is not None else None
-    out = {"loss": [], "ref_loss": []}
+    out = {"loss": []}
     for step in range(steps):
         tokens, targets = make_batch(spec.vocab_size, step)
         out["loss"].append(_forward_backward_keeps_aux_scale(runner, tokens, targets))
@@ -277,18 +291,8 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
                 counts = moe.router.tokens_per_expert.clone()
                 dist.all_reduce(counts, group=mesh["tp"].get_group())
                 moe.router.update_selection_bias(counts)
-        if ref is not None:
-            set_aux_loss_scale(1.0)
-            loss = ref(tokens, targets)
-            loss.backward()
-            out["ref_loss"].append(loss.item())
-            if step == 0:
-                out["ref_grads"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
-                out["ref_norm"] = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            for moe in ref.moe_layers().values():
-                moe.router.update_selection_bias()
+    if rank == 0:  # the tied test's two schedules share one reference run
+        out.update(_reference(spec.model_dump_json(), steps))
     return out
 
 

@@ -28,9 +28,8 @@ ENV_VAR = "MOESTACK_MOE_CROSSOVER"
 # Defaults measured on one H200 (`benchmarks/grouped_gemm.py --small --write-crossover`, forward + backward): the
 # TMA swap-AB kernel ("tma") beats torch's grouped GEMM on K3's expert GEMMs up to 128 rows per expert (session 8,
 # with the Gluon weight gradient from 64 rows: layer fwd+bwd 1.42x at 16, 1.30-1.38x at 32, 1.23-1.25x at 64,
-# 1.05-1.09x at 128;
-# session 3 had 64, with 0.94x at 128); on the smaller shapes (56 x 2048 -> 1024, 224 x 1024 -> 512) torch wins at
-# every measured row count. A JSON written on the local GPU replaces these.
+# 1.05-1.09x at 128; session 3, before it, had 64, with 0.94x at 128); on the smaller shapes (56 x 2048 -> 1024,
+# 224 x 1024 -> 512) torch wins at every measured row count. A JSON written on the local GPU replaces these.
 DEFAULT_ROWS = 0
 DEFAULT_BY_SHAPE = {"3584x6144": 128, "3072x3584": 128}
 DEFAULT_KERNEL = "tma"

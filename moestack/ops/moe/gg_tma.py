@@ -32,9 +32,8 @@ At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16:
   $MOESTACK_MOE_GG_TMA_STORE=1 (ptxas then serialises the MMA before the store: C7517, 150+ registers).
 
 - Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD=resident; gluon_wgrad.py replaces both at
-  64+ rows on sm_90): the chunked loop above re-reads
-  P for every b-tile; gg_wgrad_kernel_resident loads an expert's whole P[rows, a-tile] once (experts of <= RMAX
-  rows) and runs one dot of depth RMAX per b-tile. H200, 128 rows per expert: 1.15 vs 1.42 ms (ncu 2.24 vs 1.82
+  64+ rows on sm_90): the chunked loop above re-reads P for every b-tile; gg_wgrad_kernel_resident loads an
+  expert's whole P[rows, a-tile] once (experts of <= RMAX rows) and runs one dot of depth RMAX per b-tile. H200, 128 rows per expert: 1.15 vs 1.42 ms (ncu 2.24 vs 1.82
   TB/s), 1.21-1.35x torch's dW; at 32 rows slower (RMAX = 2x the mean rows doubles the MMA depth).
 
 No atomics: each output element is written by one program in a fixed order (bitwise reproducible).
@@ -43,6 +42,7 @@ Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF/
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -326,19 +326,20 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
     return y
 
 
+@functools.cache
+def _gluon_wgrad():
+    """The gluon_wgrad module, imported on first use; None on a Triton without Gluon's Hopper API."""
+    try:
+        from moestack.ops.moe import gluon_wgrad
+    except ImportError:
+        return None
+    return gluon_wgrad
+
+
 def _gluon_wgrad_ok(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor) -> bool:
     """gluon_wgrad covers these operands (sm_90, Triton with Gluon; else the Triton kernels run)."""
-    global gluon_wgrad
-    if gluon_wgrad is None:
-        try:
-            from moestack.ops.moe import gluon_wgrad as module
-        except ImportError:  # a Triton without Gluon's Hopper API
-            return False
-        gluon_wgrad = module
-    return gluon_wgrad.supported(P, Q, out)
-
-
-gluon_wgrad = None  # imported on first use (Gluon needs a recent Triton)
+    module = _gluon_wgrad()
+    return module is not None and module.supported(P, Q, out)
 
 
 def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor,
@@ -365,9 +366,9 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     gluon = kernel == "gluon" and not INTERPRET and _gluon_wgrad_ok(P, Q, out)
     if kernel == "resident" or gluon:
         rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))
-        skip = gluon_wgrad.rmax_for(BT_MAX) if gluon else 0
+        skip = _gluon_wgrad().rmax_for(BT_MAX) if gluon else 0
         if gluon:
-            gluon_wgrad.wgrad_gluon(P, Q, out, offs_E, skip)
+            _gluon_wgrad().wgrad_gluon(P, Q, out, offs_E, skip)
 
         def grid_r(meta):
             return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)

@@ -4,13 +4,12 @@
 
 At <= a few hundred rows per expert dW is a write stream: each output tile is written once after a reduction of
 depth = the expert's rows (K3 EP16, 64 rows per expert: 3.7 GB written per layer for 0.24 TFLOP). The Triton kernels
-in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (ncu): Triton waits for each tile's MMA, then stores it from
+in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (benchmarks/grouped_gemm.py --small parts): Triton waits for each tile's MMA, then stores it from
 registers while the tensor cores idle. Here the overlap is explicit:
 
 - One program per (a-tile of BA = 16 x warps columns, expert); the default configs run 4 warps and fit two programs
-  per SM. The expert's P[rows, a-tile] is copied to shared
-  memory once (cp.async, rows past the expert zero-filled) and is the MMA's A operand (transposed view) for every
-  b-tile.
+  per SM. The expert's P[rows, a-tile] is copied to shared memory once (cp.async, rows past the expert
+  zero-filled) and is the MMA's A operand (transposed view) for every b-tile.
 - Q[rows, b-tile] tiles stream in by TMA through a per-expert device-side descriptor of shape [end, B]: rows past
   the expert are zero-filled by the copy engine, never read (the tensor's tail rows may hold anything). The ring
   holds Q_ROWS rows, i.e. Q_ROWS / depth tiles, so the shallower the reduction the further ahead the loads run;
@@ -162,7 +161,7 @@ def _wgrad_gluon_kernel(P, Q, OUT, offs, A, B, stride_pn, stride_qn, stride_o,
                 mbarrier.init(bars.index(k), count=1)
             q_desc = tma.make_tensor_descriptor(Q, [end, B], [stride_qn, 1], [KS, BB], q_sl)
             depth = gl.cdiv(rows, KS)  # KS-row slices the MMA needs
-            _issue_rows(p_smem.slice(0, RMAX, dim=0), P, stride_pn, a0, start, end, RMAX, BA, p_load)
+            _issue_rows(p_smem, P, stride_pn, a0, start, end, RMAX, BA, p_load)
             async_copy.commit_group()
             async_copy.wait_group(0)
             fence_async_shared()  # P (cp.async, generic proxy) and the barrier inits, before wgmma / TMA use them

@@ -20,6 +20,8 @@ RecomputeMode = Literal["none", "selective", "full"]
 Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
 # chunks (virtual stages) each pipeline rank holds, per schedule; None = any vpp >= 2
 SCHEDULE_VPP: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": None, "zbv": 2, "dualpipev": 2}
+# V-shaped placement (rank r holds chunks r and 2p-1-r, so rank 0 has both ends) with split input / weight backward
+V_SHAPE = ("zbv", "dualpipev")
 
 
 class RecomputePolicy(StrictModel):

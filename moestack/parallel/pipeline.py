@@ -62,7 +62,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from moestack.config.model_spec import ModelSpec
-from moestack.config.plan import Plan
+from moestack.config.plan import V_SHAPE, Plan
 from moestack.model import aux_loss
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.loss import IGNORE_INDEX
@@ -79,7 +79,6 @@ SCHEDULES: dict[str, type] = {
     "dualpipev": ScheduleDualPipeV,
 }
 SINGLE_STAGE = ("1f1b", "gpipe")  # one stage per rank; the others take a list of stages
-V_SHAPE = ("zbv", "dualpipev")
 
 # ---------------------------------------------------------------------------------------------------------------
 # splitting layers into stages

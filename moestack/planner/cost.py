@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from moestack.config.cluster import GIB, ClusterSpec
 from moestack.config.model_spec import LayerKind, ModelSpec
-from moestack.config.plan import Plan, RecomputePolicy
+from moestack.config.plan import V_SHAPE, Plan, RecomputePolicy
 from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS  # the chunked loss, as adapt.py prices it
 from moestack.planner.calibration import Calibration, CommCalibration
 
@@ -988,7 +988,7 @@ class StageLayout:
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
     """Rank of each of the p*v chunks: interleaved round-robin (Megatron), V-shape for zbv / dualpipev."""
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SHAPE:
         return list(range(p)) + list(reversed(range(p)))
     return [c % p for c in range(p * v)]
 
@@ -1407,7 +1407,7 @@ class CostModel:
         (moestack.parallel.pipeline.stage_module), so torch's schedule keeps the stage's parameters gathered (ZeRO-3's
         reshard-after-forward off) and its gradients unsharded from its first forward to the end of the step, and
         reduce-scatters them once per step: ZeRO-3 holds parameters as ZeRO-2 does, ZeRO-2 gradients as ZeRO-1."""
-        return plan.schedule in ("zbv", "dualpipev") and plan.zero_stage > 0
+        return plan.schedule in V_SHAPE and plan.zero_stage > 0
 
     def _late_embedding_grad(self, plan: Plan) -> float:
         """Bytes of the embedding's fp32 gradient, produced after the first layer's backward (so not alive at the

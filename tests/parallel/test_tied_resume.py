@@ -121,16 +121,6 @@ def _pp2_worker(rank: int, world: int, model_path: str, plan_path: str, fresh: s
     return out
 
 
-@pytest.fixture
-def one_thread():
-    """The single-process runs on one thread, as the ranks (OMP_NUM_THREADS=1): on a busy 2-core machine two
-    intra-op threads made each step of this tiny model take seconds instead of ~0.1 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
     model_spec = _tied_spec()

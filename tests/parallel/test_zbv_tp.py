@@ -76,15 +76,6 @@ def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, str]]) -> dic
     return results
 
 
-@pytest.fixture
-def one_thread():
-    """The single-process runs on one thread, as the ranks (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_v_schedules_tp2_trainer_match_single_process(tmp_path, one_thread):
     spec = small_model_spec()

@@ -29,6 +29,9 @@ Legend: N rows, K reduction width, F output width, E experts, D width, G token t
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +39,7 @@ import triton.language as tl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # tile / block edge of every grouping
+QUANT_ENV = "MOESTACK_FP8_QUANT"  # quantize_dual's kernel on sm_90: "gluon" (default, gluon_quant.py) or "triton"
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
@@ -297,12 +301,34 @@ def quantize_dual(
         sT = torch.empty((G, K), device=x_NK.device, dtype=torch.float32)
     else:
         qT, sT = qbuf, s  # placeholders, never written (TILES=False)
-    if N:
+    gluon_kernel = _gluon_dual(x_NK.device) if x_NK.is_cuda else None
+    if N and gluon_kernel is not None:
+        gluon_kernel.launch(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
+    elif N:
         fp8_quant_dual_kernel[(G, nk)](
             x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
             BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
             num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
+
+
+def _gluon_dual(device: torch.device):
+    """gluon_quant (the same tiles without the transposing shuffle) where it runs and $MOESTACK_FP8_QUANT is not
+    "triton"; else None (the Triton kernel)."""
+    choice = os.environ.get(QUANT_ENV, "gluon")
+    if choice not in ("gluon", "triton"):
+        raise ValueError(f"{QUANT_ENV}={choice!r}: use 'gluon' (default on sm_90) or 'triton'")
+    return _gluon_module(device.index if device.index is not None else torch.cuda.current_device()) \
+        if choice == "gluon" else None
+
+
+@functools.cache
+def _gluon_module(device_index: int):
+    try:
+        from moestack.ops.moe import gluon_quant
+    except ImportError:  # a Triton without Gluon's Hopper pieces
+        return None
+    return gluon_quant if gluon_quant.supported(device_index) else None
 
 
 def quantize_blocks_pair(

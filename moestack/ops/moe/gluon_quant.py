@@ -1,0 +1,112 @@
+"""fp8_quant.quantize_dual's kernel in Gluon for sm_90: the same tiles and numbers, without the transposing shuffle.
+
+quantize_dual reads x [N, K] (rows sorted by expert) once per [128 tokens of one expert, 128 columns] tile and
+writes two fp8 copies: q [N, K] (1x128 row tiles, row-major) and qT [K, P] (128x1 token tiles, tokens contiguous).
+The Triton kernel (fp8_quant.fp8_quant_dual_kernel) loads the tile in a row-major layout, so the transposed copy
+goes through shared memory one byte per thread at a time (st.shared.b8, 33 CTA barriers per tile in its PTX) and
+at 16 warps / 93 registers only one program fits per SM: on the H200 the four calls of one K3 EP16 layer step took
+7.25 ms of a 45 ms FP8 layer (~1.2 TB/s; benchmarks/RESULTS.md, session 9).
+
+Here the layout is chosen so that no byte moves between threads: each thread holds ROWS = 128 / warps consecutive
+tokens x 4 consecutive columns, a warp spans the tile's 128 columns (32 lanes x 4) and the warps stack along the
+tokens. So
+- x loads are 8-byte vectors, a warp reads 256 contiguous bytes of one row per instruction;
+- row scales (max over a row's 128 columns) reduce across the 32 lanes by shuffles;
+- token-tile scales (max over 128 tokens) reduce inside each thread, then across warps through shared memory;
+- q stores 4 bytes per thread per row (a warp writes a whole 128-byte row segment);
+- qT is the same registers read as a layout of order [0, 1] (a register renaming: lanes and warps keep their
+  elements), stored ROWS bytes per thread per column.
+
+Numbers are those of the Triton kernel (same fp32 divide, clamp and casts; GPU test
+tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`):
+sm_90 (CUDA), Triton's Gluon, contiguous rows. Legend as fp8_quant.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+TILE = 128  # fp8_quant.GROUP: the scale groups' edge
+WARPS = 8  # 16 tokens x 4 columns per thread (64 fp32 registers of x); H200 choice in benchmarks/RESULTS.md
+
+
+@functools.cache
+def supported(device_index: int) -> bool:
+    """sm_90 with a Triton that has Gluon's Hopper pieces (imported above)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
+                                EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr):
+    """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel."""
+    G: gl.constexpr = 128
+    NW: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = G // NW
+    L: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [1, 0])  # loads, row stores
+    LT: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [0, 1])  # same threads: qT stores
+    # BE // 32 registers x 32 lanes cover the experts on warp 0 and the other warps hold copies: the lookup's
+    # sums and scans stay inside a warp (spread over the warps, each sum cost two CTA barriers)
+    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])
+    g = gl.program_id(0)
+    i_k = gl.program_id(1)
+    o_e = gl.arange(0, BE, layout=LE)
+    m_e = o_e < E
+    b_end = gl.load(offs + o_e, mask=m_e, other=0)
+    b_start = gl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
+    b_cnt = gl.where(m_e, gl.maximum(b_end - b_start, 0), 0)
+    b_tiles = (b_cnt + G - 1) // G
+    b_tile_end = gl.associative_scan(b_tiles, 0, _add)
+    if g < gl.sum(b_tiles, 0):
+        e = gl.sum((b_tile_end <= g).to(gl.int32), 0)
+        sel = o_e == e
+        first = gl.sum(gl.where(sel, b_tile_end - b_tiles, 0), 0)
+        cnt = gl.sum(gl.where(sel, b_cnt, 0), 0)
+        local = (g - first) * G + gl.arange(0, G, layout=gl.SliceLayout(1, L))  # row index inside expert e
+        rows64 = (gl.sum(gl.where(sel, b_start, 0), 0) + local).to(gl.int64)
+        m_r = local < cnt
+        cols = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, L))
+        m_c = cols < K
+        mask = m_r[:, None] & m_c[None, :]
+        b_x = gl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+        b_amax_r = gl.max(gl.abs(b_x), 1)
+        b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
+        b_qr = gl.minimum(gl.maximum(b_x / b_sr[:, None], -448.0), 448.0)
+        gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
+        if EXPERT_MAJOR:
+            b_mp = (b_cnt + 3) // 4 * 4
+            base = gl.sum(gl.where(sel, gl.associative_scan(b_mp, 0, _add) - b_mp, 0), 0)
+            mp = gl.sum(gl.where(sel, b_mp, 0), 0)
+            p_s = s + base.to(gl.int64) * nk + i_k * mp + local
+        else:
+            p_s = s + rows64 * nk + i_k
+        gl.store(p_s, b_sr, mask=m_r)
+        if TILES:
+            b_amax_c = gl.max(gl.abs(b_x), 0)
+            b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
+            b_qc = gl.minimum(gl.maximum(b_x / b_sc[None, :], -448.0), 448.0).to(qT.dtype.element_ty)
+            gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
+            b_qc = gl.convert_layout(b_qc, LT)  # register renaming only (same lanes and warps)
+            toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
+            cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
+            gl.store(qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None], b_qc, mask=(cols_t < K)[None, :])
+
+
+def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS) -> None:
+    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates)."""
+    N, K = x_NK.shape
+    E = offs_E.numel()
+    nk = -(-K // TILE)
+    G = P // TILE
+    fp8_quant_dual_gluon_kernel[(G, nk)](
+        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
+        BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles, num_warps=num_warps)

@@ -17,6 +17,12 @@ tokens. So
 - qT is the same registers read as a layout of order [0, 1] (a register renaming: lanes and warps keep their
   elements), stored ROWS bytes per thread per column.
 
+H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 1.12 / 1.92 ms
+(1.67 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.54 / 2.62 ms (1.22 TB/s). 8 warps
+(128 registers, two programs per SM) beat 16 (1.37 TB/s) and 4; the program order (token tiles or column blocks
+fastest) made no difference. What is left: a program loads its tile, then reduces, then stores, and two programs
+per SM keep too few bytes in flight; a persistent kernel with a TMA ring of x tiles in shared memory is the next step.
+
 Numbers are those of the Triton kernel (same fp32 divide, clamp and casts; GPU test
 tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`):
 sm_90 (CUDA), Triton's Gluon, contiguous rows. Legend as fp8_quant.py.

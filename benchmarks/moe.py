@@ -12,7 +12,10 @@ then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) a
 adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them). More variants
 (FP8_VARIANTS): fp8v3-triton / fp8v3-cublas force v3's GEMM path, fp8v3-tma = v3's Triton path with fp8_tma.py
 forward / dX, fp8v3-tma-all = the same plus fp8_tma.py's weight gradient, fp8v3-tma-cublaswg = TMA forward / dX
-with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold.
+with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold. Variants
+in PROJ_VARIANTS also run the LatentMoE's down / up projections in FP8 (fp8_linear.enable_fp8_latent_projections,
+the same recipe as one-expert v3 GEMMs; reverted after the variant, so the bf16 baseline stays pure bf16):
+fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -249,6 +252,9 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
                                    "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000",
                                    "MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS": "0"}),
 }
+# variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
+PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma"}
+FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 
 
@@ -273,6 +279,7 @@ def _time_fwd_fb(fwd, rep_ms, params, gy):
 
 
 def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
+    from moestack.ops.moe import fp8_linear
     from moestack.ops.moe import fp8_weight_cache as wc
 
     name, hidden, latent, inter, e_loc, e_rt, K, T, zipf, G, TG = shape
@@ -287,11 +294,15 @@ def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
         try:
             with mock.patch.dict(os.environ, env):
                 layer.moe.experts.backend = backend
+                if v in PROJ_VARIANTS and fp8_linear.enable_fp8_latent_projections(layer.moe) == 0:
+                    raise ValueError("no latent projections in this shape")
                 wc.clear()
                 t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
         except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
             _emit(rows, f"| layer {name} | {v} | error: {_err(e, 160)} |")
             continue
+        finally:
+            fp8_linear.revert_fp8_linear(layer.moe)  # the next variant (and the baseline) in bf16 again
         base = base or (t_f, t_b)
         _emit(rows, f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
                     f"{t_f:.2f} | {t_b:.2f} | {base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
@@ -319,6 +330,8 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
         flops = 6.0 * N * L * inter
         base = None
         for v in variants:
+            if v in PROJ_VARIANTS:
+                continue  # the expert FFN has no projections: the same as its base variant
             backend, env = FP8_VARIANTS[v]
             try:
                 with mock.patch.dict(os.environ, env):
@@ -376,7 +389,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="run shapes whose name contains this")
     p.add_argument("--rep", type=int, default=150, help="do_bench repetition time per measurement, ms")
     p.add_argument("--fp8", action="store_true", help="FP8 variants vs bf16: layer and expert FFN (module doc)")
-    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3", help=f"from {list(FP8_VARIANTS)}; first = baseline")
+    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3,fp8v3-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
     p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
     p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
     p.add_argument("--ffn-variants", default=None, help="--fp8: variants of the expert FFN rows (default: as layer)")

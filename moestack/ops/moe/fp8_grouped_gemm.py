@@ -361,10 +361,13 @@ def _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, like) -> torch.Tensor:
 class Fp8GroupedMMv3(torch.autograd.Function):
     """v3 (module docstring): fused quantisers, both weight layouts cached from one pass, per-expert cuBLAS
     blockwise GEMMs at many rows per expert (fp8_scaled_mm), else v2's Triton kernels. Saves for backward: x's
-    fp8 token tiles (as v1 / v2), w (the parameter, no copy), offs, and the host offsets on the cuBLAS path."""
+    fp8 token tiles (as v1 / v2), w (the parameter, no copy), offs, and the host offsets on the cuBLAS path.
+    host_ends: offs_E's values when the caller knows them on the host (fp8_linear: [N]); None = read them once
+    through fsm.host_offsets (a device-to-host sync, cached for one offsets tensor only)."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, swap_max_rows=None, cublas_min_rows=None):
+    def forward(ctx, x_ND, w_EDF, offs_E, q_dtype=fq.FP8, swap_max_rows=None, cublas_min_rows=None,
+                host_ends: list[int] | None = None):
         N, D = x_ND.shape
         E, _, F = w_EDF.shape
         min_rows = fsm.cublas_min_rows() if cublas_min_rows is None else cublas_min_rows
@@ -379,14 +382,14 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         save = ctx.needs_input_grad[1]
         qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
         if cublas:
-            ends = fsm.host_offsets(offs_E)
+            ends = _host_ends(offs_E, host_ends)
             y = fsm.rows_mm(qx, sx, qw, sw, swT, ends, x_ND.dtype)
         else:
             ends = None
             y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
         ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends = q_dtype, x_ND.dtype, swap, ends
-        ctx.wg_ends = fsm.host_offsets(offs_E) if cublas_wg else None
+        ctx.wg_ends = _host_ends(offs_E, host_ends) if cublas_wg else None
         return y
 
     @staticmethod
@@ -408,7 +411,12 @@ class Fp8GroupedMMv3(torch.autograd.Function):
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ctx.wg_ends, like=w_EDF)
             else:
                 dw = _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
+
+
+def _host_ends(offs_E: torch.Tensor, host_ends: list[int] | None) -> list[int]:
+    """The offsets on the host: the caller's when given (no sync, fsm's one-entry cache left alone), else read."""
+    return fsm.host_offsets(offs_E) if host_ends is None else host_ends
 
 
 def _weight_blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,11 @@ tokens. So
 H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 1.12 / 1.92 ms
 (1.67 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.54 / 2.62 ms (1.22 TB/s). 8 warps
 (128 registers, two programs per SM) beat 16 (1.37 TB/s) and 4; the program order (token tiles or column blocks
-fastest) made no difference. What is left: a program loads its tile, then reduces, then stores, and two programs
-per SM keep too few bytes in flight; a persistent kernel with a TMA ring of x tiles in shared memory is the next step.
+fastest) made no difference. A persistent version (one 8-warp program per SM walking the tiles, the next 2-5 x tiles
+in flight through a cp.async ring in shared memory) was slower, 1.0 TB/s at every ring depth (194 registers: one
+program per SM, whose reductions and stores then run with nothing else on the SM), and its masked cp.async failed to
+compile for widths that are not a multiple of 4 columns per thread; it was removed. Still below the ~4 TB/s a copy
+reaches: a TMA-fed warp-specialised version (one warp loading, the others quantising) is what is left to try.
 
 Numbers are those of the Triton kernel (same fp32 divide, clamp and casts; GPU test
 tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`):
@@ -35,10 +38,8 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-KERNEL = "ring"  # "ring" (persistent, cp.async ring) or "tiles" (one program per tile)
 WARPS = 8  # 16 tokens x 4 columns per thread (64 fp32 registers of x); H200 choice in benchmarks/RESULTS.md
 
 
@@ -109,17 +110,8 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
             gl.store(qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None], b_qc, mask=(cols_t < K)[None, :])
 
 
-def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool) -> None:
-    """quantize_dual's launch (same arguments as its Triton kernel's; the caller allocates): KERNEL's kernel."""
-    if KERNEL == "ring":
-        launch_ring(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
-    else:
-        launch_tiles(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
-
-
-def launch_tiles(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
-                 num_warps: int = WARPS) -> None:
-    """One program per tile."""
+def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS) -> None:
+    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates)."""
     N, K = x_NK.shape
     E = offs_E.numel()
     nk = -(-K // TILE)
@@ -127,109 +119,3 @@ def launch_tiles(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tile
     fp8_quant_dual_gluon_kernel[(G, nk)](
         x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
         BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles, num_warps=num_warps)
-
-
-@gluon.jit
-def _tile_of_expert(offs, E, g, BE: gl.constexpr, NW: gl.constexpr):
-    """For token tile g: (number of token tiles, g's first tile number in its expert, the expert's rows, its first
-    row, its expert-major scale block start / rows rounded up to 4). Sums inside each warp (replicated layout)."""
-    G: gl.constexpr = 128
-    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])
-    o_e = gl.arange(0, BE, layout=LE)
-    m_e = o_e < E
-    b_end = gl.load(offs + o_e, mask=m_e, other=0)
-    b_start = gl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
-    b_cnt = gl.where(m_e, gl.maximum(b_end - b_start, 0), 0)
-    b_tiles = (b_cnt + G - 1) // G
-    b_tile_end = gl.associative_scan(b_tiles, 0, _add)
-    sel = o_e == gl.sum((b_tile_end <= g).to(gl.int32), 0)
-    b_mp = (b_cnt + 3) // 4 * 4
-    return (gl.sum(b_tiles, 0), gl.sum(gl.where(sel, b_tile_end - b_tiles, 0), 0), gl.sum(gl.where(sel, b_cnt, 0), 0),
-            gl.sum(gl.where(sel, b_start, 0), 0),
-            gl.sum(gl.where(sel, gl.associative_scan(b_mp, 0, _add) - b_mp, 0), 0), gl.sum(gl.where(sel, b_mp, 0), 0))
-
-
-@gluon.jit
-def _tile_index(offs, E, t, nk, K, BE: gl.constexpr, L: gl.constexpr):
-    """Tile t of the persistent order (column blocks fastest): row / column indices and masks in layout L."""
-    G: gl.constexpr = 128
-    g = t // nk
-    i_k = t - g * nk
-    _, first, cnt, start, base, mp = _tile_of_expert(offs, E, g, BE, gl.num_warps())
-    local = (g - first) * G + gl.arange(0, G, layout=gl.SliceLayout(1, L))
-    m_r = local < cnt
-    cols = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, L))
-    m_c = cols < K
-    return g, i_k, local, (start + local).to(gl.int64), m_r, cols, m_c, base, mp
-
-
-@gluon.jit
-def fp8_quant_dual_ring_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
-                               EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, STAGES: gl.constexpr):
-    """Persistent version: each program walks tiles pid, pid + programs, ... with STAGES - 1 tiles of x in flight
-    (cp.async into a shared-memory ring, each thread copying and later reading its own elements)."""
-    G: gl.constexpr = 128
-    NW: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = G // NW
-    L: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [1, 0])
-    LT: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [0, 1])
-    ring = gl.allocate_shared_memory(x.dtype.element_ty, [STAGES, G, G], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    total, _, _, _, _, _ = _tile_of_expert(offs, E, 0, BE, NW)
-    n_my = (total * nk - pid + nprog - 1) // nprog
-    for j in gl.static_range(STAGES - 1):
-        if j < n_my:
-            _, _, _, rows64, m_r, cols, m_c, _, _ = _tile_index(offs, E, pid + j * nprog, nk, K, BE, L)
-            async_copy.async_copy_global_to_shared(ring.index(j), x + rows64[:, None] * stride_xn + cols[None, :],
-                                                   mask=m_r[:, None] & m_c[None, :])
-        async_copy.commit_group()
-    for i in range(n_my):
-        i_next = i + STAGES - 1
-        if i_next < n_my:  # refill the slot read in the previous iteration
-            _, _, _, rows64, m_r, cols, m_c, _, _ = _tile_index(offs, E, pid + i_next * nprog, nk, K, BE, L)
-            async_copy.async_copy_global_to_shared(ring.index(i_next % STAGES),
-                                                   x + rows64[:, None] * stride_xn + cols[None, :],
-                                                   mask=m_r[:, None] & m_c[None, :])
-        async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)
-        g, i_k, local, rows64, m_r, cols, m_c, base, mp = _tile_index(offs, E, pid + i * nprog, nk, K, BE, L)
-        mask = m_r[:, None] & m_c[None, :]
-        b_x = gl.where(mask, ring.index(i % STAGES).load(L).to(gl.float32), 0.0)
-        b_amax_r = gl.max(gl.abs(b_x), 1)
-        b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
-        b_qr = gl.minimum(gl.maximum(b_x / b_sr[:, None], -448.0), 448.0)
-        gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
-        if EXPERT_MAJOR:
-            p_s = s + base.to(gl.int64) * nk + i_k * mp + local
-        else:
-            p_s = s + rows64 * nk + i_k
-        gl.store(p_s, b_sr, mask=m_r)
-        if TILES:
-            b_amax_c = gl.max(gl.abs(b_x), 0)
-            b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
-            b_qc = gl.minimum(gl.maximum(b_x / b_sc[None, :], -448.0), 448.0).to(qT.dtype.element_ty)
-            gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
-            b_qc = gl.convert_layout(b_qc, LT)
-            toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
-            cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
-            gl.store(qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None], b_qc, mask=(cols_t < K)[None, :])
-    async_copy.wait_group(0)
-
-
-def launch_ring(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS,
-                stages: int = 4, programs_per_sm: int = 1) -> None:
-    """The persistent launch: min(tiles, programs_per_sm x SMs) programs."""
-    N, K = x_NK.shape
-    E = offs_E.numel()
-    nk = -(-K // TILE)
-    grid = min((P // TILE) * nk, programs_per_sm * _sm_count(x_NK.device.index))
-    fp8_quant_dual_ring_kernel[(grid,)](
-        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
-        BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles, STAGES=stages,
-        num_warps=num_warps)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

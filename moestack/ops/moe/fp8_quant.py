@@ -230,7 +230,9 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
                       other=0.0).to(tl.float32)  # [G, G]
         b_amax_r = tl.max(tl.abs(b_x), 1)  # |x| recomputed below rather than kept: two [G, G] fp32 tiles at most
         b_sr = tl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)  # [G] one scale per row
-        b_qr = tl.clamp(b_x / b_sr[:, None], -448.0, 448.0)
+        # x * (448 / amax) rather than x / scale: one multiply per element (as gluon_quant.py, bitwise equal);
+        # |q| <= 448 up to one ulp, which the fp8 cast rounds back to 448, so no clamp
+        b_qr = b_x * tl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
         tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty),
                  mask=m_r[:, None] & m_c[None, :])
         if EXPERT_MAJOR:
@@ -244,7 +246,7 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
         if TILES:
             b_amax_c = tl.max(tl.abs(b_x), 0)
             b_sc = tl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)  # [G] one scale per column of the tile
-            b_qc = tl.clamp(b_x / b_sc[None, :], -448.0, 448.0)
+            b_qc = b_x * tl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]
             toks = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT; rows past the expert are zeros
             tl.store(qT + cols.to(tl.int64)[None, :] * P + toks[:, None], b_qc.to(qT.dtype.element_ty),
                      mask=m_c[None, :])

@@ -47,6 +47,19 @@ def make_case(counts, D, F, dtype, seed=0, tail=0, device=DEV):
     return x, param, offs_from_counts(counts, device)
 
 
+def assert_fp8_near(q: torch.Tensor, q_ref: torch.Tensor, max_frac: float = 1e-2) -> None:
+    """quantize_dual's kernels scale by x * (448 / amax) with an approximate reciprocal, the spec by x / scale: the
+    fp8 values may differ only where x / scale falls (almost) exactly between two fp8 values (bf16 inputs hit such
+    ties often: ~0.14% at K3 widths, session 9). So: every element equal or one fp8 step away (adjacent codes of the
+    same sign), and not many of the latter."""
+    a, b = q.view(torch.uint8).int(), q_ref.view(torch.uint8).int()
+    same_sign = (a >> 7) == (b >> 7)
+    near = (a == b) | (same_sign & ((a - b).abs() == 1))
+    assert bool(near.all()), f"{int((~near).sum())} fp8 values more than one step from the spec"
+    frac = float((a != b).float().mean())
+    assert frac < max_frac, f"{frac:.4f} of the fp8 values one step from the spec"
+
+
 def emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
     """torch._scaled_mm (v1 API, recipe from the scale shapes) for blockwise scales, with its layout rules."""
     M, K = a.shape
@@ -307,11 +320,11 @@ def test_quantize_dual_gpu():
     qTr, sTr = fq.quantize_token_tiles_ref(x, offs)
     for em in (False, True):
         q, s, qT, sT = fq.quantize_dual(x, offs, expert_major=em)
-        assert (q[:used].float() != qr[:used].float()).float().mean() < 1e-3
+        assert_fp8_near(q[:used], qr[:used])
         s_ref = fq.expert_major_scales_ref(sr, offs) if em else sr[:used]
         assert rel_err(s if em else s[:used], s_ref) < 1e-6
         assert rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
-        assert (qT[:, :n_tiles * 128].float() != qTr[:, :n_tiles * 128].float()).float().mean() < 1e-3
+        assert_fp8_near(qT[:, :n_tiles * 128], qTr[:, :n_tiles * 128])
     w = param.transpose(1, 2)
     (q, s), (qT, sT) = fq.quantize_blocks_pair(w)
     for (a, sa), (b, sb) in (((q, s), fq.quantize_blocks_ref(w)), ((qT, sT), fq.quantize_blocks_ref(param))):
@@ -532,8 +545,8 @@ def test_quantize_dual_many_experts_gpu():
         q, s, qT, sT = fq.quantize_dual(x, offs)
         assert torch.isfinite(s[:used]).all() and torch.isfinite(sT[:n_tiles]).all()
         assert rel_err(s[:used], sr[:used]) < 1e-6 and rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
-        assert (q[:used].float() != qr[:used].float()).float().mean() < 1e-3
-        assert (qT[:, :n_tiles * 128].float() != qTr[:, :n_tiles * 128].float()).float().mean() < 1e-3
+        assert_fp8_near(q[:used], qr[:used])
+        assert_fp8_near(qT[:, :n_tiles * 128], qTr[:, :n_tiles * 128])
 
 
 @pytest.mark.gpu

@@ -379,34 +379,9 @@ class TritonGroupedMM(torch.autograd.Function):
         x_ND, w_EDF, offs_E = ctx.saved_tensors
         dy_NF = dy_NF.to(x_ND.dtype)
         v = ctx.variant
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_dx and need_dw and dy_NF.is_cuda and os.environ.get(BWD_STREAMS_ENV, "0") == "1":
-            return (*_dx_dw_concurrent(x_ND, w_EDF, offs_E, dy_NF, v), None, None)
-        dx = grouped_mm_fwd(dy_NF, w_EDF.transpose(1, 2), offs_E, v) if need_dx else None
-        dw = grouped_mm_wgrad(x_ND, dy_NF, offs_E, like=w_EDF, variant=v) if need_dw else None
+        dx = grouped_mm_fwd(dy_NF, w_EDF.transpose(1, 2), offs_E, v) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm_wgrad(x_ND, dy_NF, offs_E, like=w_EDF, variant=v) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
-
-
-BWD_STREAMS_ENV = "MOESTACK_MOE_GG_BWD_STREAMS"  # "1": dW on a side stream, concurrent with dX (opt-in)
-_side_streams: dict = {}
-
-
-def _dx_dw_concurrent(x_ND, w_EDF, offs_E, dy_NF, variant):
-    """dX on the current stream while dW runs on a side stream. At few rows per expert dX reads the weights and dW
-    writes their gradient, each below the HBM bandwidth alone; run together they can share it."""
-    main = torch.cuda.current_stream(dy_NF.device)
-    side = _side_streams.get(dy_NF.device)
-    if side is None:
-        side = _side_streams[dy_NF.device] = torch.cuda.Stream(dy_NF.device)
-    side.wait_stream(main)  # dy and the saved tensors are ready
-    with torch.cuda.stream(side):
-        dw = grouped_mm_wgrad(x_ND, dy_NF, offs_E, like=w_EDF, variant=variant)
-    dx = grouped_mm_fwd(dy_NF, w_EDF.transpose(1, 2), offs_E, variant)
-    main.wait_stream(side)
-    dw.record_stream(main)  # allocated on the side stream, used and freed on the main one
-    for t in (x_ND, dy_NF, offs_E):
-        t.record_stream(side)  # read by the side stream: not reused before it is done
-    return dx, dw
 
 
 def _check(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ expert (uniform, N = E * tokens rows): each of the two GEMMs timed forward and f
 torch (moestack.ops.moe.reference.grouped_mm, i.e. torch's native grouped GEMM), triton and fp8 on the same random
 bf16 inputs (weights as the transposed view of [E, F, D], like Experts passes). Times are medians of CUDA-event
 timings after a warm-up that also absorbs autotuning. TFLOP/s = 2 N D F (forward), 3x that (forward+backward).
-Rows "layer" add the two GEMMs. Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which
-triton's forward+backward beats torch's at every measured point below it (0: never); "triton" there is the kernel
+Rows "layer" add the two GEMMs; rows "layer (in sequence)" time them one after the other in one call.
+Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which triton's forward+backward beats torch's at every measured point below it (0: never); "triton" there is the kernel
 family --kernel or $MOESTACK_MOE_GG_KERNEL selects (persistent by default; tma with --small), written to the JSON.
 
 Variants, old and new side by side: triton = the persistent kernel, swap = swap-AB kernels at <= SWAP_MAX_ROWS
@@ -210,6 +210,21 @@ def time_gemm(fn, x, w, offs, dy) -> tuple[float, float]:
     return median_ms(fwd), median_ms(fwd_bwd)
 
 
+def time_layer(fn, cases) -> tuple[float, float]:
+    """(fwd ms, fwd+bwd ms) of the gate/up and down GEMMs run one after the other in one timed call, as a layer
+    runs them (the "layer" row instead adds the two GEMMs' separately timed medians)."""
+    def fwd():
+        with torch.no_grad():
+            for x, w, offs, _ in cases:
+                fn(x, w, offs)
+
+    def fwd_bwd():
+        for x, w, offs, dy in cases:
+            torch.autograd.grad(fn(x, w, offs), (x, w), dy)
+
+    return median_ms(fwd), median_ms(fwd_bwd)
+
+
 def outputs(fn, x, w, offs, dy) -> tuple:
     """y, dx, dw of one variant (the err column compares them with torch's)."""
     y = fn(x, w, offs)
@@ -290,6 +305,7 @@ def main() -> int:
                 continue
             layer = {n: [0.0, 0.0] for n in names}
             flops_layer = 0.0
+            cases = []  # both GEMMs' inputs, for the "layer (in sequence)" row
             for gi, (gemm, Din, Fout) in enumerate((("gate_up", D, 2 * I), ("down", I, D))):
                 N = E * tokens
                 flops = 2.0 * N * Din * Fout
@@ -319,7 +335,8 @@ def main() -> int:
                     layer[n][1] += ms[n][1]
                 if args.small and shape == "k3_ep16":
                     part_rows(shape, tokens, gemm, x, w, offs, dy)
-                del x, w, dy, ref
+                cases.append((x, w, offs, dy))
+                del ref
                 _row(shape, tokens, gemm, names, ms, flops, " ".join(f"{n} {e:.0e}" for n, e in errs.items()
                                                                       if n != "torch"))
                 if "torch" in ms and auto_kernel in ms:
@@ -330,6 +347,16 @@ def main() -> int:
                     except Exception as e:
                         print(f"| quant ms | {tokens} | failed: {type(e).__name__}: {str(e)[:200]} |")
             _row(shape, tokens, "layer", names, {n: tuple(v) for n, v in layer.items()}, flops_layer, "")
+            if len(cases) == 2:
+                seq = {}
+                for n, fn in fns.items():
+                    try:
+                        seq[n] = time_layer(fn, cases)
+                    except Exception as e:  # noqa: BLE001 - one failing variant must not stop the table
+                        print(f"| {shape} | {tokens} | layer (in sequence) | {n} failed: {type(e).__name__} |")
+                        seq[n] = (float("nan"), float("nan"))
+                _row(shape, tokens, "layer (in sequence)", names, seq, flops_layer, "")
+            del cases
             torch.cuda.empty_cache()
     table = {k: crossover(v) for k, v in points.items()}
     if table:

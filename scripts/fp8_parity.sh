@@ -11,6 +11,7 @@
 #   STEPS=12 LOG_EVERY=1 bash scripts/fp8_parity.sh     # short check: every step logged (~1 min per run)
 #   MOESTACK_FP8_CACHE=0 bash scripts/fp8_parity.sh   # fp8 weights requantised every call (checks the weight cache)
 #   MOESTACK_FP8_TMA=1 bash scripts/fp8_parity.sh     # v3 with the TMA forward / dX kernel (fp8_tma.py)
+#   FP8_PROJ=1 bash scripts/fp8_parity.sh             # the LatentMoE projections in FP8 as well (MOESTACK_FP8_PROJ)
 # (MOESTACK_FP8_* variables only affect the fp8 run: the bf16 run does not use the fp8 backend.)
 # Runtime (estimate, H200, proxy with the Triton kernels at ~0.35 s per 4096-token step): ~1.5-2 min per run
 # including compilation, ~4 min for both at the defaults.
@@ -37,15 +38,17 @@ case "$FP8" in
   v3) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=1) ;;
   *) echo "FP8 must be v1, v2 or v3, got '$FP8'" >&2; exit 2 ;;
 esac
+FP8_ENV+=(MOESTACK_FP8_PROJ="${FP8_PROJ:-0}")  # FP8_PROJ=1: the latent projections in FP8 too (fp8_linear.py)
 COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every="$LOG_EVERY"
         --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false --set logging.progress=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 ${DEVICE:+--device "$DEVICE"})
 RUN_BF16=$DEST/fp8parity_${MODEL}_bf16_s${SEQ}_b${BS}
-RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}_s${SEQ}_b${BS}
+if [ "${FP8_PROJ:-0}" = 1 ]; then PROJ_TAG=_proj; else PROJ_TAG=; fi
+RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}${PROJ_TAG}_s${SEQ}_b${BS}
 rm -rf "$RUN_BF16" "$RUN_FP8"
 
 t0=$SECONDS
-env -u MOESTACK_MOE_BACKEND "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_BF16" "$@"
+env -u MOESTACK_MOE_BACKEND -u MOESTACK_FP8_PROJ "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_BF16" "$@"
 t1=$SECONDS
 env MOESTACK_MOE_BACKEND="$FP8_BACKEND" "${FP8_ENV[@]}" "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_FP8" "$@"
 t2=$SECONDS

@@ -194,6 +194,9 @@ def adapt_sampler_state(state: dict, batch_size: int, world_size: int) -> dict:
     return {**state, "batch_size": batch_size, "world_size": world_size, "position": consumed // rows}
 
 
+FP8_PROJ_ENV = "MOESTACK_FP8_PROJ"  # "1": LatentMoE projections in FP8 (Trainer._configure_fp8)
+
+
 class Trainer:
     def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None):
         self.model_spec = model_spec
@@ -239,6 +242,7 @@ class Trainer:
         if self.dist is None:
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._configure_dsa()
+            self._configure_fp8(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
         else:
             self.model = self._build_parallel_model()
@@ -270,6 +274,22 @@ class Trainer:
             for name, p in model.named_parameters():
                 p.requires_grad_(".indexer." in name)
 
+    def _configure_fp8(self, model: Transformer) -> None:
+        """$MOESTACK_FP8_PROJ=1: the LatentMoE's down / up projections in FP8 (moestack/ops/moe/fp8_linear.py, the
+        expert GEMMs' blockwise recipe), next to the FP8 expert GEMMs MOESTACK_MOE_BACKEND=fp8 selects. Applied to
+        the whole model before any parallelism (the conversion keeps every Parameter object)."""
+        choice = os.environ.get(FP8_PROJ_ENV, "0")
+        if choice not in ("0", "1"):
+            raise ConfigError(f"{FP8_PROJ_ENV}={choice!r}: use 1 (FP8 latent projections) or 0 (bf16)")
+        if choice == "0":
+            return
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ConfigError(f"{FP8_PROJ_ENV}=1 needs a CUDA GPU (its kernels are Triton / cuBLAS FP8); unset it "
+                              f"on {self.device.type}, or set TRITON_INTERPRET=1 for a slow CPU check")
+        from moestack.ops.moe.fp8_linear import enable_fp8_latent_projections
+
+        self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
+
     def _build_parallel_model(self) -> Transformer:
         """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
         then sharded by slicing (identical to the single-device initialisation); a larger one (GPU only) is built on
@@ -281,6 +301,7 @@ class Trainer:
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
         self._configure_dsa(model)
+        self._configure_fp8(model)
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:

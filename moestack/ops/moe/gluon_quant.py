@@ -56,67 +56,90 @@ def _add(a, b):
     return a + b
 
 
+@gluon.constexpr_function
+def tile_layout(num_warps, token_order=False):
+    """The layout of a [128, 128] tile on num_warps warps: 128 / num_warps tokens x 4 columns per thread, 32 lanes
+    along the columns, warps along the tokens. token_order: the same threads with the registers in token order
+    (qT's stores); converting between the two is a register renaming."""
+    num_warps = int(num_warps)
+    return gl.BlockedLayout([128 // num_warps, 4], [1, 32], [num_warps, 1], [0, 1] if token_order else [1, 0])
+
+
+@gluon.jit
+def expert_tile(offs, E, g, BE: gl.constexpr, NW: gl.constexpr):
+    """Token tile g of the per-expert 128-row tiling: (number of tiles, expert e's first tile number, e's rows, e's
+    first row, e's expert-major scale block start and rows rounded up to 4). BE // 32 registers x 32 lanes cover the
+    experts on warp 0 and the other warps hold copies, so the sums and scans stay inside a warp (spread over the
+    warps, each sum cost two CTA barriers)."""
+    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])
+    o_e = gl.arange(0, BE, layout=LE)
+    m_e = o_e < E
+    b_end = gl.load(offs + o_e, mask=m_e, other=0)
+    b_start = gl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
+    b_cnt = gl.where(m_e, gl.maximum(b_end - b_start, 0), 0)
+    b_tiles = (b_cnt + 127) // 128
+    b_tile_end = gl.associative_scan(b_tiles, 0, _add)
+    sel = o_e == gl.sum((b_tile_end <= g).to(gl.int32), 0)
+    b_mp = (b_cnt + 3) // 4 * 4
+    return (gl.sum(b_tiles, 0), gl.sum(gl.where(sel, b_tile_end - b_tiles, 0), 0), gl.sum(gl.where(sel, b_cnt, 0), 0),
+            gl.sum(gl.where(sel, b_start, 0), 0),
+            gl.sum(gl.where(sel, gl.associative_scan(b_mp, 0, _add) - b_mp, 0), 0), gl.sum(gl.where(sel, b_mp, 0), 0))
+
+
+@gluon.jit
+def quantize_tile(b_x, g, i_k, local, rows64, m_r, cols, m_c, mask, q, s, qT, sT, K, P, nk, stride_qn, base, mp,
+                  EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr, LT: gl.constexpr):
+    """Store one fp32 [128 tokens, 128 columns] tile (layout tile_layout(warps), zeros where masked) as
+    quantize_dual does: q's 1x128 row tiles and row scales, and (TILES) qT's 128x1 token tiles and their scales."""
+    G: gl.constexpr = 128
+    b_abs = gl.abs(b_x)
+    b_amax_r = gl.max(b_abs, 1)
+    b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
+    # x * (448 / amax): one multiply per element, |q| <= 448 (1 ulp above rounds back to 448), so no clamp
+    b_qr = b_x * gl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
+    gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
+    if EXPERT_MAJOR:
+        p_s = s + base.to(gl.int64) * nk + i_k * mp + local
+    else:
+        p_s = s + rows64 * nk + i_k
+    gl.store(p_s, b_sr, mask=m_r)
+    if TILES:
+        b_amax_c = gl.max(b_abs, 0)
+        b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
+        b_qc = (b_x * gl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]).to(qT.dtype.element_ty)
+        gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
+        b_qc = gl.convert_layout(b_qc, LT)  # register renaming only (same lanes and warps)
+        toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
+        cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
+        p_qT = qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None]
+        if EVEN_K:
+            gl.store(p_qT, b_qc)
+        else:
+            gl.store(p_qT, b_qc, mask=(cols_t < K)[None, :])
+
+
 @gluon.jit
 def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
                                 EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr):
     """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel."""
     G: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = G // NW
-    L: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [1, 0])  # loads, row stores
-    LT: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [NW, 1], [0, 1])  # same threads: qT stores
-    # BE // 32 registers x 32 lanes cover the experts on warp 0 and the other warps hold copies: the lookup's
-    # sums and scans stay inside a warp (spread over the warps, each sum cost two CTA barriers)
-    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])
+    L: gl.constexpr = tile_layout(NW)
+    LT: gl.constexpr = tile_layout(NW, True)
     g = gl.program_id(0)
     i_k = gl.program_id(1)
-    o_e = gl.arange(0, BE, layout=LE)
-    m_e = o_e < E
-    b_end = gl.load(offs + o_e, mask=m_e, other=0)
-    b_start = gl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
-    b_cnt = gl.where(m_e, gl.maximum(b_end - b_start, 0), 0)
-    b_tiles = (b_cnt + G - 1) // G
-    b_tile_end = gl.associative_scan(b_tiles, 0, _add)
-    if g < gl.sum(b_tiles, 0):
-        e = gl.sum((b_tile_end <= g).to(gl.int32), 0)
-        sel = o_e == e
-        first = gl.sum(gl.where(sel, b_tile_end - b_tiles, 0), 0)
-        cnt = gl.sum(gl.where(sel, b_cnt, 0), 0)
-        local = (g - first) * G + gl.arange(0, G, layout=gl.SliceLayout(1, L))  # row index inside expert e
-        rows64 = (gl.sum(gl.where(sel, b_start, 0), 0) + local).to(gl.int64)
+    n_tiles, first, cnt, start, base, mp = expert_tile(offs, E, g, BE, NW)
+    if g < n_tiles:
+        local = (g - first) * G + gl.arange(0, G, layout=gl.SliceLayout(1, L))  # row index inside the expert
+        rows64 = (start + local).to(gl.int64)
         m_r = local < cnt
         cols = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, L))
         m_c = cols < K
         # row masks only where K is a multiple of 128: one predicate per row instead of one per element
         mask = m_r[:, None] if EVEN_K else m_r[:, None] & m_c[None, :]
         b_x = gl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(gl.float32)
-        b_abs = gl.abs(b_x)
-        b_amax_r = gl.max(b_abs, 1)
-        b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
-        # x * (448 / amax): one multiply per element, |q| <= 448 (1 ulp above rounds back to 448), so no clamp
-        b_qr = b_x * gl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
-        gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
-        if EXPERT_MAJOR:
-            b_mp = (b_cnt + 3) // 4 * 4
-            base = gl.sum(gl.where(sel, gl.associative_scan(b_mp, 0, _add) - b_mp, 0), 0)
-            mp = gl.sum(gl.where(sel, b_mp, 0), 0)
-            p_s = s + base.to(gl.int64) * nk + i_k * mp + local
-        else:
-            p_s = s + rows64 * nk + i_k
-        gl.store(p_s, b_sr, mask=m_r)
-        if TILES:
-            b_amax_c = gl.max(b_abs, 0)
-            b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
-            b_qc = (b_x * gl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]).to(qT.dtype.element_ty)
-            gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
-            b_qc = gl.convert_layout(b_qc, LT)  # register renaming only (same lanes and warps)
-            toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
-            cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
-            p_qT = qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None]
-            if EVEN_K:
-                gl.store(p_qT, b_qc)
-            else:
-                gl.store(p_qT, b_qc, mask=(cols_t < K)[None, :])
+        quantize_tile(b_x, g, i_k, local, rows64, m_r, cols, m_c, mask, q, s, qT, sT, K, P, nk, stride_qn, base, mp,
+                      EXPERT_MAJOR, TILES, EVEN_K, LT)
 
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS) -> None:

@@ -17,9 +17,9 @@ tokens. So
 - qT is the same registers read as a layout of order [0, 1] (a register renaming: lanes and warps keep their
   elements), stored ROWS bytes per thread per column.
 
-H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 1.12 / 1.92 ms
-(1.67 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.54 / 2.62 ms (1.22 TB/s). 8 warps
-(128 registers, two programs per SM) beat 16 (1.37 TB/s) and 4; the program order (token tiles or column blocks
+H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 0.96 / 1.64 ms
+(1.95 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.16 / 1.97 ms (1.54 / 2.62 ms
+before both dropped the per-element divide and clamp). 8 warps (~124 registers, two programs per SM) beat 16 and 4; the program order (token tiles or column blocks
 fastest) made no difference. A persistent version (one 8-warp program per SM walking the tiles, the next 2-5 x tiles
 in flight through a cp.async ring in shared memory) was slower, 1.0 TB/s at every ring depth (194 registers: one
 program per SM, whose reductions and stores then run with nothing else on the SM), and its masked cp.async failed to

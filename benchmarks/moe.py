@@ -6,8 +6,7 @@
     python benchmarks/moe.py --fp8 --only k3-ep16 --rep 60   # FP8 vs bf16: layer + expert FFN at 128..2341 rows
 
 --fp8 (issue #7's "FP8 layer >= 1.4x bf16 layer"): per variant (bf16 = grouped GEMM backend "torch"; fp8v2 =
-MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py; fp8ffn = backend "fp8-ffn": v3 with the
-activation fused into the FP8 quantisers, fp8_ffn.py) the whole layer forward and forward+backward,
+MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole layer forward and forward+backward,
 then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) at K3 EP16 widths (56 experts,
 3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per expert, and the weight quantisation an optimizer step
 adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them). More variants
@@ -238,8 +237,6 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "bf16": ("torch", {}),
     "fp8v2": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "0"}),
     "fp8v3": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1"}),
-    # v3 with the expert FFN's activation fused into the quantisers (fp8_ffn.py, gluon_glu_quant.py)
-    "fp8ffn": ("fp8-ffn", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1"}),
     # v3 with the GEMM path forced: per-expert cuBLAS at any row count / Triton only (fused quantisers)
     "fp8v3-cublas": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "0"}),
     "fp8v3-triton": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1",
@@ -392,7 +389,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="run shapes whose name contains this")
     p.add_argument("--rep", type=int, default=150, help="do_bench repetition time per measurement, ms")
     p.add_argument("--fp8", action="store_true", help="FP8 variants vs bf16: layer and expert FFN (module doc)")
-    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3,fp8ffn,fp8v3-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
+    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3,fp8v3-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
     p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
     p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
     p.add_argument("--ffn-variants", default=None, help="--fp8: variants of the expert FFN rows (default: as layer)")

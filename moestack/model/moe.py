@@ -121,11 +121,6 @@ class Experts(nn.Module):
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
-        if self.backend == "fp8-ffn":  # FP8 v3 with the activation fused into the quantisers (ops/moe/fp8_ffn.py)
-            from moestack.ops.moe.fp8_ffn import fp8_expert_ffn
-
-            return fp8_expert_ffn(h_NL, self.w_gate_up.transpose(1, 2), self.w_down.transpose(1, 2), offs_E,
-                                  self.activation, self.situ_beta, self.situ_linear_beta)
         gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
         return self.grouped_mm(self.glu(gate_up_N2I), self.w_down.transpose(1, 2), offs_E)
 

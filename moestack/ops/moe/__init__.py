@@ -9,8 +9,6 @@ reference.py, shared by every backend). Backends:
     "auto":      triton at or below the measured crossover of mean rows per expert, else torch (gemm_select.py).
     "fp8":       e4m3 blockwise-scaled expert GEMMs, 1x128 activation tiles, 128x128 weight blocks
                  (fp8_grouped_gemm.py); CUDA sm90 only, never chosen by default.
-    "fp8-ffn":   fp8 v3; Experts.forward then runs the whole expert FFN with the activation fused into the FP8
-                 quantisers (fp8_ffn.py); as a single GEMM (expert parallelism) it is fp8 v3.
 Selection: explicit `backend` argument > env MOESTACK_MOE_BACKEND > first available of PREFERENCE
 ("auto" leads only on CUDA; triton and fp8 are chosen by name or through auto).
 """
@@ -106,16 +104,6 @@ def _fp8_available() -> bool:
 register_backend("triton", _lazy("moestack.ops.moe.triton_grouped_gemm", "grouped_mm"), _triton_available)
 register_backend("auto", _lazy("moestack.ops.moe.gemm_select", "grouped_mm_auto"))
 register_backend("fp8", _lazy("moestack.ops.moe.fp8_grouped_gemm", "grouped_mm"), _fp8_available)
-
-
-def _fp8_v3(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    from moestack.ops.moe import fp8_grouped_gemm
-
-    return fp8_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E, v3=True)
-
-
-# Experts.forward runs "fp8-ffn" as one fused FFN (fp8_ffn.py); its single GEMMs (expert parallelism) are v3's
-register_backend("fp8-ffn", _fp8_v3, _fp8_available)
 
 __all__ = [
     "ENV_VAR",

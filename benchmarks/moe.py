@@ -4,6 +4,7 @@
     python benchmarks/moe.py --gemm triton    # any name in moestack.ops.moe.available_backends()
     python benchmarks/moe.py --only k3        # shapes whose name contains "k3"
     python benchmarks/moe.py --fp8 --only k3-ep16 --rep 60   # FP8 vs bf16: layer + expert FFN at 128..2341 rows
+    python benchmarks/moe.py --fp8 --only k3-ep16 --no-ffn --rounds 3 --fp8-variants bf16,fp8v3,fp8v3-proj  # interleaved
 
 --fp8 (issue #7's "FP8 layer >= 1.4x bf16 layer"): per variant (bf16 = grouped GEMM backend "torch"; fp8v2 =
 MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole layer forward and forward+backward,
@@ -278,7 +279,11 @@ def _time_fwd_fb(fwd, rep_ms, params, gy):
     return t_f, t_b
 
 
-def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
+def fp8_layer(shape, variants: list[str], rep_ms: int, rounds: int = 1) -> list[str]:
+    """The whole layer per variant; with rounds > 1 the variants are timed in turn that many times and the rows give
+    medians (range in brackets): the bf16 layer's time moves by several percent between rounds of one process."""
+    import statistics
+
     from moestack.ops.moe import fp8_linear
     from moestack.ops.moe import fp8_weight_cache as wc
 
@@ -288,26 +293,39 @@ def fp8_layer(shape, variants: list[str], rep_ms: int) -> list[str]:
     x = torch.randn(1, T, hidden, device=DEV, dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn_like(x)
     flops = 6.0 * T * K * (latent or hidden) * inter
-    rows, base = [], None
+    rows: list[str] = []
+    times: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
+    failed: set[str] = set()
+    for _ in range(rounds):
+        for v in variants:
+            if v in failed:
+                continue
+            backend, env = FP8_VARIANTS[v]
+            try:
+                with mock.patch.dict(os.environ, env):
+                    layer.moe.experts.backend = backend
+                    if v in PROJ_VARIANTS and fp8_linear.enable_fp8_latent_projections(layer.moe) == 0:
+                        raise ValueError("no latent projections in this shape")
+                    wc.clear()
+                    t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
+                times[v][0].append(t_f)
+                times[v][1].append(t_b)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
+                failed.add(v)
+                _emit(rows, f"| layer {name} | {v} | error: {_err(e, 160)} |")
+            finally:
+                fp8_linear.revert_fp8_linear(layer.moe)  # the next variant (and the baseline) in bf16 again
+    layer.moe.experts.backend = None
+    base = None
     for v in variants:
-        backend, env = FP8_VARIANTS[v]
-        try:
-            with mock.patch.dict(os.environ, env):
-                layer.moe.experts.backend = backend
-                if v in PROJ_VARIANTS and fp8_linear.enable_fp8_latent_projections(layer.moe) == 0:
-                    raise ValueError("no latent projections in this shape")
-                wc.clear()
-                t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
-        except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
-            _emit(rows, f"| layer {name} | {v} | error: {_err(e, 160)} |")
+        if v in failed:
             continue
-        finally:
-            fp8_linear.revert_fp8_linear(layer.moe)  # the next variant (and the baseline) in bf16 again
+        t_f, t_b = (statistics.median(t) for t in times[v])
+        spread = (f" ({min(times[v][1]):.2f}-{max(times[v][1]):.2f})" if rounds > 1 else "")
         base = base or (t_f, t_b)
         _emit(rows, f"| layer {name} (E{e_loc} L{latent or hidden} I{inter}, {T * K // e_loc} rows/expert) | {v} | "
-                    f"{t_f:.2f} | {t_b:.2f} | {base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
+                    f"{t_f:.2f} | {t_b:.2f}{spread} | {base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
                     f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
-    layer.moe.experts.backend = None
     return rows
 
 
@@ -369,7 +387,7 @@ def fp8_main(args) -> None:
         if args.only and (shape[0] != args.only if exact else args.only not in shape[0]):
             continue
         try:
-            fp8_layer(shape, variants, args.rep)  # prints its rows as they come
+            fp8_layer(shape, variants, args.rep, args.rounds)  # prints its rows as they come
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
             print(f"| layer {shape[0]} | error: {_err(e)} |",
                   flush=True)
@@ -392,6 +410,8 @@ def main() -> None:
     p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3,fp8v3-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
     p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
     p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
+    p.add_argument("--rounds", type=int, default=1, help="--fp8: time the layer variants in turn this many times "
+                   "(medians, fwd+bwd range in brackets)")
     p.add_argument("--ffn-variants", default=None, help="--fp8: variants of the expert FFN rows (default: as layer)")
     args = p.parse_args()
     if not torch.cuda.is_available():

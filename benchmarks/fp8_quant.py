@@ -44,7 +44,7 @@ def main() -> None:
         for kernel in ("triton", "gluon"):
             with mock.patch.dict(os.environ, {fq.QUANT_ENV: kernel}):
                 out = fq.quantize_dual(x, offs, expert_major=True)
-                t = do_bench(lambda: fq.quantize_dual(x, offs, expert_major=True), warmup=20, rep=200)
+                t = do_bench(lambda x=x: fq.quantize_dual(x, offs, expert_major=True), warmup=20, rep=200)
             if ref is None:
                 ref, same = out, "-"
             else:

@@ -36,7 +36,8 @@ def test_gluon_quant_dual_gpu(K, counts, monkeypatch):
         pytest.skip("sm_90 only")
     g = torch.Generator().manual_seed(K + len(counts))
     used = sum(counts)
-    x = (torch.randn(used + 7, K, generator=g) * torch.rand(used + 7, 1, generator=g).pow(3) * 50).to("cuda", torch.bfloat16)
+    x = torch.randn(used + 7, K, generator=g) * torch.rand(used + 7, 1, generator=g).pow(3) * 50  # rows of all scales
+    x = x.to("cuda", torch.bfloat16)
     x[3] = 0  # an all-zero row: scale 1
     x[:, 5] = 0  # an all-zero column: token-tile scale 1
     offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)

@@ -19,18 +19,19 @@ tokens. So
 
 H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 0.96 / 1.64 ms
 (1.95 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.16 / 1.97 ms (1.54 / 2.62 ms
-before both dropped the per-element divide and clamp). 8 warps (~124 registers, two programs per SM) beat 16 and 4; the program order (token tiles or column blocks
-fastest) made no difference. A persistent version (one 8-warp program per SM walking the tiles, the next 2-5 x tiles
-in flight through a cp.async ring in shared memory) was slower, 1.0 TB/s at every ring depth (194 registers: one
-program per SM, whose reductions and stores then run with nothing else on the SM), and its masked cp.async failed to
-compile for widths that are not a multiple of 4 columns per thread; it was removed. Still below the ~4 TB/s a copy
-reaches: a TMA-fed warp-specialised version (one warp loading, the others quantising) is what is left to try.
+before both dropped the per-element divide and clamp, below). 8 warps (~124 registers, two programs per SM) beat 16
+and 4; the program order (token tiles or column blocks fastest) made no difference. A persistent version (one 8-warp
+program per SM walking the tiles, the next 2-5 x tiles in flight through a cp.async ring in shared memory) was
+slower, 1.0 TB/s at every ring depth (194 registers: one program per SM, whose reductions and stores then run with
+nothing else on the SM), and its masked cp.async failed to compile for widths that are not a multiple of 4 columns
+per thread; it was removed. Still below the ~4 TB/s a copy reaches: a TMA-fed warp-specialised version (one warp
+loading, the others quantising) is what is left to try.
 
 Both kernels scale by one multiply, x * (448 / amax), and skip the clamp (|q| <= 448 up to one ulp, which the fp8
 cast rounds back to 448): the divide and clamp per element had made the kernel instruction-bound (2032 SASS
-instructions per thread and tile, 1504 now). Numbers are those of the Triton kernel (same fp32 operations and casts; GPU test
-tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`):
-sm_90 (CUDA), Triton's Gluon, contiguous rows. Legend as fp8_quant.py.
+instructions per thread and tile, 1504 now). The bytes are the Triton kernel's (same fp32 operations and casts;
+tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`): sm_90 (CUDA), Triton's
+Gluon, contiguous rows. Legend as fp8_quant.py.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS) -> None:
     """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates)."""
-    N, K = x_NK.shape
+    K = x_NK.shape[1]
     E = offs_E.numel()
     nk = -(-K // TILE)
     G = P // TILE

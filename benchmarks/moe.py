@@ -387,7 +387,7 @@ def fp8_main(args) -> None:
         if args.only and (shape[0] != args.only if exact else args.only not in shape[0]):
             continue
         try:
-            fp8_layer(shape, variants, args.rep, args.rounds)  # prints its rows as they come
+            fp8_layer(shape, variants, args.rep, args.rounds)  # prints errors at once, the timing rows after the rounds
         except Exception as e:  # noqa: BLE001 - one failing shape must not end the run
             print(f"| layer {shape[0]} | error: {_err(e)} |",
                   flush=True)

@@ -303,9 +303,9 @@ def quantize_dual(
         sT = torch.empty((G, K), device=x_NK.device, dtype=torch.float32)
     else:
         qT, sT = qbuf, s  # placeholders, never written (TILES=False)
-    gluon_kernel = _gluon_dual(x_NK.device) if x_NK.is_cuda else None
-    if N and gluon_kernel is not None:
-        gluon_kernel.launch(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
+    gluon_quant = _gluon_dual(x_NK.device) if x_NK.is_cuda and N else None
+    if gluon_quant is not None:
+        gluon_quant.launch(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
     elif N:
         fp8_quant_dual_kernel[(G, nk)](
             x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),

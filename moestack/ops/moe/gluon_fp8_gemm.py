@@ -1,0 +1,232 @@
+"""FP8 grouped GEMM (forward / dX) for many rows per expert on sm_90, in Gluon: one persistent launch, no host sync.
+
+    y[rows of e] = sum over 128-slices k of (qx[rows, k] @ qw[e][k, :]) * sx[row, k] * sw[e, k, col // 128]
+
+The same contract as fp8_tma.grouped_mm (1x128 activation tiles, 128x128 weight blocks, fp32 accumulation), for
+the shapes where v3 ran torch._scaled_mm once per expert (fp8_scaled_mm.rows_mm: a host read of the offsets, one
+cuBLAS call per expert and ~2-3.5 waves of tiles each, so every expert ends on a partly idle GPU).
+
+What the kernel does about the blockwise scales. Each 128-deep slice's product must be scaled before it joins the
+fp32 sum, so the tensor cores wait while the CUDA cores promote it (Triton's version, fp8_tma.py, waits for every
+slice: 760-820 TFLOP/s at K3 EP16 against cuBLAS's 920-1040, benchmarks/RESULTS.md session 10). Here slices go in
+pairs, each into its own fp32 partial: the second MMA is issued before the first is waited on, so the first slice's
+promotion runs under the second slice's MMA; only the second's promotion is exposed. Nothing is in flight across
+the loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py).
+
+- Operands by TMA (host descriptors): x tiles [BT, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
+  2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts). Both
+  are K-major in shared memory, as fp8 wgmma requires. A tile past an expert's last row reads the next expert's
+  rows (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
+- The ring holds NP pairs of slices; the loads run NP pairs ahead across tile boundaries (the next work item's
+  coordinates are known one tile early), so the copy engine keeps going through each tile's epilogue.
+- Schedule: work items (expert, f-tile, token-tile) in expert order, token tiles fastest (consecutive programs
+  share a weight tile in L2), taken round-robin by a persistent grid; the offsets stay on the device.
+- Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores (rows past the expert's end and columns
+  past F are never written); rows >= offs[-1] get zeros.
+
+BT = 16 x warps (wgmma's 64 rows per warpgroup), BF = 128 (one weight scale per tile and slice).
+Requirements (`supported`): sm_90, fp8 e4m3 operands laid out as above, K % 16 == 0. Legend as fp8_tma.py;
+NP pairs of slices in the ring.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
+BF = 128
+# (num_warps, NP, programs per SM): first = default
+CONFIGS = ((8, 2, 1), (4, 2, 2), (8, 3, 1), (4, 1, 2))
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT: gl.constexpr, BF_: gl.constexpr):
+    """Work item t -> (expert, its first row of the tile, the expert's end row, first column)."""
+    e = gl.sum((b_work_end <= t).to(gl.int32), 0)
+    sel = o_e == e
+    tiles_e = gl.maximum(gl.sum(gl.where(sel, b_tiles, 0), 0), 1)
+    local = t - (gl.sum(gl.where(sel, b_work_end, 0), 0) - tiles_e * n_ftiles)
+    i_f = local // tiles_e
+    i_t = local % tiles_e
+    row0 = gl.sum(gl.where(sel, b_start, 0), 0) + i_t * BT
+    return e, row0, gl.sum(gl.where(sel, b_end, 0), 0), i_f * BF_
+
+
+@gluon.jit
+def _load_pair(x_desc, w_desc, x_ring, w_ring, bars, slot, row0, wrow0, kp, pred):
+    """TMA of slices 2 kp and 2 kp + 1 of one work item into ring slots 2 slot, 2 slot + 1."""
+    BK_: gl.constexpr = x_desc.block_type.shape[1]
+    for h in gl.static_range(2):
+        s = 2 * slot + h
+        bar = bars.index(s)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [row0, (2 * kp + h) * BK_], bar, x_ring.index(s), pred)
+        tma.async_copy_global_to_shared(w_desc, [wrow0, (2 * kp + h) * BK_], bar, w_ring.index(s), pred)
+
+
+@gluon.jit
+def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_sxn, stride_swe, stride_swk,
+                        stride_yn, BE: gl.constexpr, NP: gl.constexpr):
+    """See the module doc; a persistent grid."""
+    NW: gl.constexpr = gl.num_warps()
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BF_: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(BT == 16 * NW, "BT = 64 rows per warpgroup")
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BF_, 32])  # fmt: skip
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
+    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])  # experts on lanes, copies on every warp
+
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [2 * NP] + x_desc.block_type.shape, x_desc.layout)
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [2 * NP] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2 * NP, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2 * NP):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    o_e = gl.arange(0, BE, layout=LE)
+    m_e = o_e < E
+    b_end = gl.load(offs + o_e, mask=m_e, other=0)
+    b_start = gl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
+    b_tiles = gl.where(m_e, (gl.maximum(b_end - b_start, 0) + BT - 1) // BT, 0)
+    n_ftiles = gl.cdiv(F, BF_)
+    b_work_end = gl.associative_scan(b_tiles, 0, _add) * n_ftiles
+    total = gl.sum(b_tiles, 0) * n_ftiles
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_my = gl.where(pid < total, gl.cdiv(total - pid, nprog), 0)
+    ppt = gl.cdiv(nk, 2)  # pairs of slices per work item (>= NP: the host caps NP)
+
+    e, row0, row_end, f0 = _work_item(pid, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+    for jp in gl.static_range(NP):
+        _load_pair(x_desc, w_desc, x_ring, w_ring, bars, jp, row0, e * F + f0, jp, n_my > 0)
+
+    zero = gl.zeros([BT, BF_], gl.float32, layout=acc_layout)
+    o_r = gl.arange(0, BT, layout=row_layout)
+    st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
+    st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
+    t = pid
+    c = 0
+    for i in range(n_my):
+        has_next = i + 1 < n_my
+        en, rn0, rn_end, fn0 = _work_item(t + nprog, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+        rows = row0 + o_r
+        p_sx = sx + rows.to(gl.int64) * stride_sxn
+        m_rows = rows < row_end
+        p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
+        acc = zero
+        for j in range(ppt):
+            slot = c % NP
+            phase = (c // NP) & 1
+            k0 = 2 * j
+            k1 = k0 + 1
+            b_s0 = gl.load(p_sx + k0, mask=m_rows, other=0.0) * gl.load(p_sw + k0 * stride_swk)
+            b_s1 = gl.load(p_sx + k1, mask=m_rows & (k1 < nk), other=0.0) * gl.load(p_sw + k1 * stride_swk,
+                                                                                    mask=k1 < nk, other=0.0)
+            s0 = 2 * slot
+            mbarrier.wait(bars.index(s0), phase)
+            p0 = warpgroup_mma(x_ring.index(s0), w_ring.index(s0).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            mbarrier.wait(bars.index(s0 + 1), phase)
+            p1 = warpgroup_mma(x_ring.index(s0 + 1), w_ring.index(s0 + 1).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0, ))
+            acc = acc + p0 * b_s0[:, None]  # under the second slice's MMA
+            p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1, ))
+            acc = acc + p1 * b_s1[:, None]
+            gl.thread_barrier()  # every warpgroup is done with both slots: refill them
+            jn = j + NP
+            nxt = jn >= ppt
+            _load_pair(x_desc, w_desc, x_ring, w_ring, bars, slot, gl.where(nxt, rn0, row0),
+                       gl.where(nxt, en * F + fn0, e * F + f0), gl.where(nxt, jn - ppt, jn),
+                       (jn < ppt) | has_next)
+            c += 1
+        out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
+        r = row0 + st_r
+        cols = f0 + st_c
+        p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
+        gl.store(p_y, out, mask=(r < row_end)[:, None] & (cols < F)[None, :])
+        t += nprog
+        e = en
+        row0 = rn0
+        row_end = rn_end
+        f0 = fn0
+    for s in gl.static_range(2 * NP):
+        mbarrier.invalidate(bars.index(s))
+    used = gl.load(offs + E - 1)
+    for t2 in range(pid, gl.cdiv(N - used, BT) * n_ftiles, nprog):  # rows past the last expert: zeros
+        r = used + (t2 // n_ftiles) * BT + st_r
+        cols = (t2 % n_ftiles) * BF_ + st_c
+        p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
+        gl.store(p_y, gl.zeros([BT, BF_], y.dtype.element_ty, layout=st_layout),
+                 mask=(r < N)[:, None] & (cols < F)[None, :])
+
+
+@functools.cache
+def supported_device(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def supported(qx: torch.Tensor, qw: torch.Tensor) -> bool:
+    """qx [N, K] row-major fp8, qw [E, K, F] with memory [E, F, K], 16-byte aligned, on an sm_90 GPU."""
+    K, F = qx.shape[1], qw.shape[2]
+    return (qx.is_cuda and qx.dtype == torch.float8_e4m3fn and qw.dtype == qx.dtype
+            and supported_device(qx.device.index if qx.device.index is not None else torch.cuda.current_device())
+            and qx.stride(1) == 1 and qx.stride(0) % 16 == 0 and qx.data_ptr() % 16 == 0
+            and qw.stride(1) == 1 and qw.stride(2) == K and qw.stride(0) == F * K and K % 16 == 0
+            and qw.data_ptr() % 16 == 0)  # fmt: skip
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
+               out_dtype: torch.dtype, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y [N, F] (out_dtype) from qx [N, K] with row scales sx [N, K/128] (unit column stride) and qw [E, K, F]
+    (memory [E, F, K]) with block scales sw [E, K/128, F/128] contiguous; rows >= offs[-1] zero. Requires
+    supported(qx, qw). config: (num_warps, NP, programs per SM), default CONFIGS[0]."""
+    N, K = qx.shape
+    E, _, F = qw.shape
+    assert sx.stride(1) == 1 and sw.is_contiguous()
+    y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
+    if N == 0 or F == 0:
+        return y
+    nw, np_, per_sm = config or CONFIGS[0]
+    nk = triton.cdiv(K, BK)
+    np_ = max(1, min(np_, triton.cdiv(nk, 2)))  # the prologue fills NP pairs of the first work item
+    bt = 16 * nw
+    x_layout = gl.NVMMASharedLayout.get_default_for([bt, BK], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BF, BK], gl.float8e4nv)
+    x_desc = TensorDescriptor(qx, [N, K], [qx.stride(0), 1], [bt, BK], x_layout)
+    w2 = torch.as_strided(qw, (E * F, K), (K, 1))
+    w_desc = TensorDescriptor(w2, [E * F, K], [K, 1], [BF, BK], w_layout)
+    work = (triton.cdiv(N, bt) + E) * triton.cdiv(F, BF)  # bound on the work items without reading offs
+    dev = qx.device.index if qx.device.index is not None else torch.cuda.current_device()
+    grid = (max(1, min(work, per_sm * _sms(dev))),)
+    fp8_gg_gluon_kernel[grid](
+        x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sx.stride(0), sw.stride(0), sw.stride(1), y.stride(0),
+        BE=max(32, triton.next_power_of_2(E)), NP=np_, num_warps=nw,
+    )
+    return y

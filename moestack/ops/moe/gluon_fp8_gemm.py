@@ -46,10 +46,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# registers per thread over the whole program (consumer warps + the producer's warpgroup): 64K per SM
+MAXNREG = {8: 168, 4: 128}
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (num_warps, NP, programs per SM): first = default
-CONFIGS = ((8, 2, 1), (4, 2, 2), (8, 3, 1), (4, 1, 2))
+# (num_warps, ring slots, programs per SM): first = default
+CONFIGS = ((8, 4, 1), (8, 6, 1), (4, 4, 2), (8, 2, 1))
 
 
 @gluon.jit
@@ -71,39 +73,10 @@ def _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT: gl.con
 
 
 @gluon.jit
-def _load_pair(x_desc, w_desc, x_ring, w_ring, bars, slot, row0, wrow0, kp, pred):
-    """TMA of slices 2 kp and 2 kp + 1 of one work item into ring slots 2 slot, 2 slot + 1."""
-    BK_: gl.constexpr = x_desc.block_type.shape[1]
-    for h in gl.static_range(2):
-        s = 2 * slot + h
-        bar = bars.index(s)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [row0, (2 * kp + h) * BK_], bar, x_ring.index(s), pred)
-        tma.async_copy_global_to_shared(w_desc, [wrow0, (2 * kp + h) * BK_], bar, w_ring.index(s), pred)
-
-
-@gluon.jit
-def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_sxn, stride_swe, stride_swk,
-                        stride_yn, BE: gl.constexpr, NP: gl.constexpr):
-    """See the module doc; a persistent grid."""
-    NW: gl.constexpr = gl.num_warps()
-    BT: gl.constexpr = x_desc.block_type.shape[0]
-    BF_: gl.constexpr = w_desc.block_type.shape[0]
-    gl.static_assert(BT == 16 * NW, "BT = 64 rows per warpgroup")
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, BF_, 32])  # fmt: skip
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
-    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [NW], [0])  # experts on lanes, copies on every warp
-
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [2 * NP] + x_desc.block_type.shape, x_desc.layout)
-    w_ring = gl.allocate_shared_memory(w_desc.dtype, [2 * NP] + w_desc.block_type.shape, w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2 * NP, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2 * NP):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
-
+def _expert_vectors(offs, E, F, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr):
+    """Per expert (lanes; every warp holds a copy, so the sums stay inside a warp): first row, end row, token
+    tiles, cumulative work items; and the total of work items."""
+    LE: gl.constexpr = gl.BlockedLayout([BE // 32], [32], [gl.num_warps()], [0])
     o_e = gl.arange(0, BE, layout=LE)
     m_e = o_e < E
     b_end = gl.load(offs + o_e, mask=m_e, other=0)
@@ -111,70 +84,119 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
     b_tiles = gl.where(m_e, (gl.maximum(b_end - b_start, 0) + BT - 1) // BT, 0)
     n_ftiles = gl.cdiv(F, BF_)
     b_work_end = gl.associative_scan(b_tiles, 0, _add) * n_ftiles
-    total = gl.sum(b_tiles, 0) * n_ftiles
+    return o_e, b_start, b_end, b_tiles, b_work_end, gl.sum(b_tiles, 0) * n_ftiles
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr):
+    """One warp: walks the same work items as the consumers and keeps the ring full (TMA, both slices of a pair
+    per wait), running ahead across work items."""
+    BF_: gl.constexpr = w_desc.block_type.shape[0]
+    BK_: gl.constexpr = x_desc.block_type.shape[1]
+    NS: gl.constexpr = x_ring.shape[0]
+    o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
+    n_ftiles = gl.cdiv(F, BF_)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    n_my = gl.where(pid < total, gl.cdiv(total - pid, nprog), 0)
-    ppt = gl.cdiv(nk, 2)  # pairs of slices per work item (>= NP: the host caps NP)
+    ppt = gl.cdiv(nk, 2)
+    c = 0
+    for t in range(pid, total, nprog):
+        e, row0, _, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+        wrow0 = e * F + f0
+        for j in range(ppt):
+            for h in gl.static_range(2):
+                s = c % NS
+                mbarrier.wait(empty.index(s), ((c // NS) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [row0, (2 * j + h) * BK_], bar, x_ring.index(s))
+                tma.async_copy_global_to_shared(w_desc, [wrow0, (2 * j + h) * BK_], bar, w_ring.index(s))
+                c += 1
 
-    e, row0, row_end, f0 = _work_item(pid, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
-    for jp in gl.static_range(NP):
-        _load_pair(x_desc, w_desc, x_ring, w_ring, bars, jp, row0, e * F + f0, jp, n_my > 0)
 
+@gluon.jit
+def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
+              stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr):
+    """The default partition (BT / 64 warpgroups): MMAs in pairs of slices, promotion, epilogue."""
+    NW: gl.constexpr = gl.num_warps()
+    NS: gl.constexpr = x_ring.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BF_, 32])  # fmt: skip
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
+    o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
+    n_ftiles = gl.cdiv(F, BF_)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ppt = gl.cdiv(nk, 2)
     zero = gl.zeros([BT, BF_], gl.float32, layout=acc_layout)
-    o_r = gl.arange(0, BT, layout=row_layout)
+    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_layout))
     st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
     st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
-    t = pid
     c = 0
-    for i in range(n_my):
-        has_next = i + 1 < n_my
-        en, rn0, rn_end, fn0 = _work_item(t + nprog, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+    for t in range(pid, total, nprog):
+        e, row0, row_end, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
         rows = row0 + o_r
         p_sx = sx + rows.to(gl.int64) * stride_sxn
         m_rows = rows < row_end
         p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
         acc = zero
         for j in range(ppt):
-            slot = c % NP
-            phase = (c // NP) & 1
             k0 = 2 * j
             k1 = k0 + 1
             b_s0 = gl.load(p_sx + k0, mask=m_rows, other=0.0) * gl.load(p_sw + k0 * stride_swk)
             b_s1 = gl.load(p_sx + k1, mask=m_rows & (k1 < nk), other=0.0) * gl.load(p_sw + k1 * stride_swk,
                                                                                     mask=k1 < nk, other=0.0)
-            s0 = 2 * slot
-            mbarrier.wait(bars.index(s0), phase)
+            s0 = c % NS
+            s1 = (c + 1) % NS
+            mbarrier.wait(ready.index(s0), (c // NS) & 1)
             p0 = warpgroup_mma(x_ring.index(s0), w_ring.index(s0).permute((1, 0)), zero, use_acc=False,
                                is_async=True)
-            mbarrier.wait(bars.index(s0 + 1), phase)
-            p1 = warpgroup_mma(x_ring.index(s0 + 1), w_ring.index(s0 + 1).permute((1, 0)), zero, use_acc=False,
+            mbarrier.wait(ready.index(s1), ((c + 1) // NS) & 1)
+            p1 = warpgroup_mma(x_ring.index(s1), w_ring.index(s1).permute((1, 0)), zero, use_acc=False,
                                is_async=True)
             p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0, ))
             acc = acc + p0 * b_s0[:, None]  # under the second slice's MMA
             p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1, ))
+            gl.thread_barrier()  # every warpgroup is done reading both slots
+            mbarrier.arrive(empty.index(s0), count=1)
+            mbarrier.arrive(empty.index(s1), count=1)
             acc = acc + p1 * b_s1[:, None]
-            gl.thread_barrier()  # every warpgroup is done with both slots: refill them
-            jn = j + NP
-            nxt = jn >= ppt
-            _load_pair(x_desc, w_desc, x_ring, w_ring, bars, slot, gl.where(nxt, rn0, row0),
-                       gl.where(nxt, en * F + fn0, e * F + f0), gl.where(nxt, jn - ppt, jn),
-                       (jn < ppt) | has_next)
-            c += 1
+            c += 2
         out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
         r = row0 + st_r
         cols = f0 + st_c
         p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
         gl.store(p_y, out, mask=(r < row_end)[:, None] & (cols < F)[None, :])
-        t += nprog
-        e = en
-        row0 = rn0
-        row_end = rn_end
-        f0 = fn0
-    for s in gl.static_range(2 * NP):
-        mbarrier.invalidate(bars.index(s))
+
+
+@gluon.jit
+def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_sxn, stride_swe, stride_swk,
+                        stride_yn, BE: gl.constexpr, NS: gl.constexpr):
+    """See the module doc; a persistent grid."""
+    NW: gl.constexpr = gl.num_warps()
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BF_: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(BT == 16 * NW, "BT = 64 rows per warpgroup")
+    gl.static_assert(NS % 2 == 0, "the ring holds pairs of slices")
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS] + x_desc.block_type.shape, x_desc.layout)
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
+                     stride_yn, BE, BT, BF_)),
+        (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT)),
+    ], [1], [40])
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
+    st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
+    st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
+    n_ftiles = gl.cdiv(F, BF_)
     used = gl.load(offs + E - 1)
-    for t2 in range(pid, gl.cdiv(N - used, BT) * n_ftiles, nprog):  # rows past the last expert: zeros
+    for t2 in range(gl.program_id(0), gl.cdiv(N - used, BT) * n_ftiles, gl.num_programs(0)):  # rows past the end
         r = used + (t2 // n_ftiles) * BT + st_r
         cols = (t2 % n_ftiles) * BF_ + st_c
         p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
@@ -213,9 +235,8 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
     if N == 0 or F == 0:
         return y
-    nw, np_, per_sm = config or CONFIGS[0]
+    nw, ns, per_sm = config or CONFIGS[0]
     nk = triton.cdiv(K, BK)
-    np_ = max(1, min(np_, triton.cdiv(nk, 2)))  # the prologue fills NP pairs of the first work item
     bt = 16 * nw
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, BK], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([BF, BK], gl.float8e4nv)
@@ -227,6 +248,6 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, per_sm * _sms(dev))),)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sx.stride(0), sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), NP=np_, num_warps=nw,
+        BE=max(32, triton.next_power_of_2(E)), NS=ns, num_warps=nw, maxnreg=MAXNREG[nw],
     )
     return y

@@ -66,6 +66,9 @@ V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); 
 V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
+# v3's forward / dX at many rows per expert: "gluon" (default where it runs: gluon_fp8_gemm.py, one persistent
+# launch, no host read of the offsets) or "cublas" (fp8_scaled_mm.rows_mm, one torch._scaled_mm per expert)
+ROWS_GEMM_ENV = "MOESTACK_FP8_ROWS_GEMM"
 
 
 SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: swap-AB at or below this mean
@@ -78,6 +81,21 @@ def use_v2(v2: bool | None) -> bool:
 
 def use_v3(v3: bool | None) -> bool:
     return os.environ.get(V3_ENV, "0") == "1" if v3 is None else bool(v3)
+
+
+def _gluon_rows_gemm(x: torch.Tensor):
+    """gluon_fp8_gemm where it runs and $MOESTACK_FP8_ROWS_GEMM is not "cublas"; else None (per-expert cuBLAS)."""
+    choice = os.environ.get(ROWS_GEMM_ENV, "gluon")
+    if choice not in ("gluon", "cublas"):
+        raise ValueError(f"{ROWS_GEMM_ENV}={choice!r}: use 'gluon' (default on sm_90) or 'cublas'")
+    if choice == "cublas" or not x.is_cuda:
+        return None
+    try:
+        from moestack.ops.moe import gluon_fp8_gemm
+    except ImportError:  # a Triton without Gluon's Hopper pieces
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return gluon_fp8_gemm if gluon_fp8_gemm.supported_device(index) else None
 
 
 def _triton_rows_mm(qx, sx, qw, sw, offs_E, out_dtype, swap: int) -> torch.Tensor:
@@ -380,35 +398,46 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         swap = SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
         (qw, sw), (_, swT) = fp8_weight_cache.pair(w_EDF, q_dtype)
         save = ctx.needs_input_grad[1]
-        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
-        if cublas:
+        gluon = _gluon_rows_gemm(x_ND) if cublas else None  # the rows GEMMs without the per-expert host loop
+        per_expert = cublas and gluon is None
+        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=per_expert, tiles=save)
+        ends = None
+        if gluon is not None and gluon.supported(qx, qw):
+            y = gluon.grouped_mm(qx, sx, qw, sw, offs_E, x_ND.dtype)
+        elif per_expert:
             ends = _host_ends(offs_E, host_ends)
             y = fsm.rows_mm(qx, sx, qw, sw, swT, ends, x_ND.dtype)
         else:
-            ends = None
+            gluon = None
             y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
-        ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends = q_dtype, x_ND.dtype, swap, ends
-        ctx.wg_ends = _host_ends(offs_E, host_ends) if cublas_wg else None
+        ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends, ctx.gluon = q_dtype, x_ND.dtype, swap, ends, gluon
+        # the per-expert cuBLAS weight gradient needs the offsets on the host: read in backward when the forward
+        # did not (the Gluon path), so the forward stays free of host syncs
+        ctx.wg_ends = (ends if ends is not None else host_ends) if cublas_wg else None
+        ctx.cublas_wg = cublas_wg
         return y
 
     @staticmethod
     def backward(ctx, dy_NF):
         qxT, sxT, w_EDF, offs_E = ctx.saved_tensors
-        ends = ctx.ends
+        ends, gluon = ctx.ends, ctx.gluon
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qdy, sdy, qdyT, sdyT = fq.quantize_dual(dy_NF, offs_E, ctx.q_dtype, expert_major=ends is not None,
                                                 tiles=need_dw)
         dx = dw = None
         if need_dx:
             (_, sw), (qwT, swT) = fp8_weight_cache.pair(w_EDF, ctx.q_dtype)
-            if ends is not None:  # w^T's block scales are swT [E, F/128, D/128], transposed: the forward's sw
+            if gluon is not None and gluon.supported(qdy, qwT):
+                dx = gluon.grouped_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype)
+            elif ends is not None:  # w^T's block scales are swT [E, F/128, D/128], transposed: the forward's sw
                 dx = fsm.rows_mm(qdy, sdy, qwT, swT, sw, ends, ctx.x_dtype)
             else:
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
-            if ctx.wg_ends is not None:
-                dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ctx.wg_ends, like=w_EDF)
+            if ctx.cublas_wg:
+                wg_ends = ctx.wg_ends if ctx.wg_ends is not None else fsm.host_offsets(offs_E)
+                dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, wg_ends, like=w_EDF)
             else:
                 dw = _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
         return dx, dw, None, None, None, None, None

@@ -50,8 +50,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 MAXNREG = {8: 168, 4: 128}
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (num_warps, ring slots, programs per SM): first = default
-CONFIGS = ((8, 4, 1), (8, 6, 1), (4, 4, 2), (8, 2, 1))
+# (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default
+CONFIGS = ((8, 4, 2, 0, 1), (8, 6, 2, 0, 1), (8, 4, 2, 16, 1), (8, 4, 2, 8, 1))
 
 
 @gluon.jit
@@ -60,14 +60,24 @@ def _add(a, b):
 
 
 @gluon.jit
-def _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT: gl.constexpr, BF_: gl.constexpr):
-    """Work item t -> (expert, its first row of the tile, the expert's end row, first column)."""
+def _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT: gl.constexpr, BF_: gl.constexpr,
+               GT: gl.constexpr):
+    """Work item t -> (expert, its first row of the tile, the expert's end row, first column). Inside an expert
+    the items go in groups of GT token tiles (0: all of the expert's), token tiles fastest within a group: the
+    programs running at once share weight tiles and a bounded set of x rows in L2."""
     e = gl.sum((b_work_end <= t).to(gl.int32), 0)
     sel = o_e == e
     tiles_e = gl.maximum(gl.sum(gl.where(sel, b_tiles, 0), 0), 1)
     local = t - (gl.sum(gl.where(sel, b_work_end, 0), 0) - tiles_e * n_ftiles)
-    i_f = local // tiles_e
-    i_t = local % tiles_e
+    if GT == 0:
+        i_f = local // tiles_e
+        i_t = local % tiles_e
+    else:
+        first_t = local // (GT * n_ftiles) * GT
+        g_size = gl.minimum(tiles_e - first_t, GT)
+        within = local % (GT * n_ftiles)
+        i_f = within // g_size
+        i_t = first_t + within % g_size
     row0 = gl.sum(gl.where(sel, b_start, 0), 0) + i_t * BT
     return e, row0, gl.sum(gl.where(sel, b_end, 0), 0), i_f * BF_
 
@@ -88,80 +98,93 @@ def _expert_vectors(offs, E, F, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.cons
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr):
-    """One warp: walks the same work items as the consumers and keeps the ring full (TMA, both slices of a pair
-    per wait), running ahead across work items."""
+def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr,
+              U: gl.constexpr, GT: gl.constexpr):
+    """One warp: walks the same work items as the consumers and keeps the ring full (one TMA pair of x and w
+    tiles per slot), running ahead across work items."""
     BF_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = x_desc.block_type.shape[1]
     NS: gl.constexpr = x_ring.shape[0]
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
     n_ftiles = gl.cdiv(F, BF_)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    ppt = gl.cdiv(nk, 2)
+    steps = gl.cdiv(nk, U) * U  # slices per item, rounded up to the consumer's unroll (zero-filled past K)
     c = 0
-    for t in range(pid, total, nprog):
-        e, row0, _, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e, row0, _, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
         wrow0 = e * F + f0
-        for j in range(ppt):
-            for h in gl.static_range(2):
-                s = c % NS
-                mbarrier.wait(empty.index(s), ((c // NS) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [row0, (2 * j + h) * BK_], bar, x_ring.index(s))
-                tma.async_copy_global_to_shared(w_desc, [wrow0, (2 * j + h) * BK_], bar, w_ring.index(s))
-                c += 1
+        for k in range(steps):
+            s = c % NS
+            mbarrier.wait(empty.index(s), ((c // NS) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row0, k * BK_], bar, x_ring.index(s))
+            tma.async_copy_global_to_shared(w_desc, [wrow0, k * BK_], bar, w_ring.index(s))
+            c += 1
+
+
+@gluon.jit
+def _slice_scale(p_sx, p_sw, m_rows, k, nk, stride_swk):
+    """sx[rows, k] * sw[e, k, f-block] (0 past the last slice, whose tiles TMA zero-filled)."""
+    return gl.load(p_sx + k, mask=m_rows & (k < nk), other=0.0) * gl.load(p_sw + k * stride_swk, mask=k < nk,
+                                                                           other=0.0)
+
+
+@gluon.jit
+def _mma_slice(x_ring, w_ring, ready, c, zero):
+    NS: gl.constexpr = x_ring.shape[0]
+    s = c % NS
+    mbarrier.wait(ready.index(s), (c // NS) & 1)
+    return warpgroup_mma(x_ring.index(s), w_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
-              stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr):
-    """The default partition (BT / 64 warpgroups): MMAs in pairs of slices, promotion, epilogue."""
+              stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
+              GT: gl.constexpr):  # fmt: skip
+    """The default partition (BT / 64 warpgroups): U slices per iteration through two partial accumulators, so
+    every slice's promotion but the last one's runs under the next slice's MMA; then the epilogue."""
     NW: gl.constexpr = gl.num_warps()
     NS: gl.constexpr = x_ring.shape[0]
+    gl.static_assert(U % 2 == 0, "slices go through the two partials in turn")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BF_, 32])  # fmt: skip
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
     n_ftiles = gl.cdiv(F, BF_)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    ppt = gl.cdiv(nk, 2)
+    n_iter = gl.cdiv(nk, U)
     zero = gl.zeros([BT, BF_], gl.float32, layout=acc_layout)
     o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_layout))
     st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
     st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
     c = 0
-    for t in range(pid, total, nprog):
-        e, row0, row_end, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_)
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        e, row0, row_end, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
         rows = row0 + o_r
         p_sx = sx + rows.to(gl.int64) * stride_sxn
         m_rows = rows < row_end
         p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
         acc = zero
-        for j in range(ppt):
-            k0 = 2 * j
-            k1 = k0 + 1
-            b_s0 = gl.load(p_sx + k0, mask=m_rows, other=0.0) * gl.load(p_sw + k0 * stride_swk)
-            b_s1 = gl.load(p_sx + k1, mask=m_rows & (k1 < nk), other=0.0) * gl.load(p_sw + k1 * stride_swk,
-                                                                                    mask=k1 < nk, other=0.0)
-            s0 = c % NS
-            s1 = (c + 1) % NS
-            mbarrier.wait(ready.index(s0), (c // NS) & 1)
-            p0 = warpgroup_mma(x_ring.index(s0), w_ring.index(s0).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            mbarrier.wait(ready.index(s1), ((c + 1) // NS) & 1)
-            p1 = warpgroup_mma(x_ring.index(s1), w_ring.index(s1).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0, ))
-            acc = acc + p0 * b_s0[:, None]  # under the second slice's MMA
-            p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1, ))
-            gl.thread_barrier()  # every warpgroup is done reading both slots
-            mbarrier.arrive(empty.index(s0), count=1)
-            mbarrier.arrive(empty.index(s1), count=1)
-            acc = acc + p1 * b_s1[:, None]
-            c += 2
+        for j in range(n_iter):
+            k0 = j * U
+            pa = _mma_slice(x_ring, w_ring, ready, c, zero)
+            pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero)
+            for u in gl.static_range(U):
+                b_s = _slice_scale(p_sx, p_sw, m_rows, k0 + u, nk, stride_swk)
+                if u % 2 == 0:
+                    pa = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pa, ))
+                else:
+                    pb = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pb, ))
+                gl.thread_barrier()  # both warpgroups are done reading slice u's slot
+                mbarrier.arrive(empty.index((c + u) % NS), count=1)
+                if u % 2 == 0:
+                    acc = acc + pa * b_s[:, None]
+                    if u + 2 < U:  # into the registers just read: runs under the other partial's MMA
+                        pa = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero)
+                else:
+                    acc = acc + pb * b_s[:, None]
+                    if u + 2 < U:
+                        pb = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero)
+            c += U
         out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
         r = row0 + st_r
         cols = f0 + st_c
@@ -171,13 +194,12 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sx
 
 @gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_sxn, stride_swe, stride_swk,
-                        stride_yn, BE: gl.constexpr, NS: gl.constexpr):
+                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, U: gl.constexpr, GT: gl.constexpr):
     """See the module doc; a persistent grid."""
     NW: gl.constexpr = gl.num_warps()
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BF_: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(BT == 16 * NW, "BT = 64 rows per warpgroup")
-    gl.static_assert(NS % 2 == 0, "the ring holds pairs of slices")
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS] + x_desc.block_type.shape, x_desc.layout)
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -188,8 +210,8 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
-                     stride_yn, BE, BT, BF_)),
-        (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT)),
+                     stride_yn, BE, BT, BF_, U, GT)),
+        (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, U, GT)),
     ], [1], [40])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
@@ -228,14 +250,14 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
                out_dtype: torch.dtype, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y [N, F] (out_dtype) from qx [N, K] with row scales sx [N, K/128] (unit column stride) and qw [E, K, F]
     (memory [E, F, K]) with block scales sw [E, K/128, F/128] contiguous; rows >= offs[-1] zero. Requires
-    supported(qx, qw). config: (num_warps, NP, programs per SM), default CONFIGS[0]."""
+    supported(qx, qw). config: CONFIGS' fields, default CONFIGS[0]."""
     N, K = qx.shape
     E, _, F = qw.shape
     assert sx.stride(1) == 1 and sw.is_contiguous()
     y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
     if N == 0 or F == 0:
         return y
-    nw, ns, per_sm = config or CONFIGS[0]
+    nw, ns, unroll, group_t, per_sm = config or CONFIGS[0]
     nk = triton.cdiv(K, BK)
     bt = 16 * nw
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, BK], gl.float8e4nv)
@@ -248,6 +270,6 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, per_sm * _sms(dev))),)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sx.stride(0), sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), NS=ns, num_warps=nw, maxnreg=MAXNREG[nw],
+        BE=max(32, triton.next_power_of_2(E)), NS=ns, U=unroll, GT=group_t, num_warps=nw, maxnreg=MAXNREG[nw],
     )
     return y

@@ -8,8 +8,9 @@ gemms: torch._scaled_mm with DeepSeek-V3's blockwise scales (1x128 activations x
 the weight gradients) and with rowwise scales, against bf16 mm, at K3 EP16's per-expert shapes (2340 rows per
 expert), the latent projections, all rows as one GEMM, and the 56-expert grouped GEMMs (torch._grouped_mm vs
 torch._scaled_grouped_mm rowwise). Random data, triton.testing.do_bench medians, TFLOP/s.
-profile: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant; kernel time per
-iteration, the largest kernels first. Gradients accumulate between the profiled iterations (no zeroing), so the
+profile: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant (bf16, FP8 v3 +
+projections with per-expert cuBLAS, the same with the Gluon forward / dX); kernel time per iteration, the largest
+kernels first, and the wall time per iteration. Gradients accumulate between the profiled iterations (no zeroing), so the
 bf16 "add" kernels there are the accumulation, which the timed benchmark (grad_to_none) does not run.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from unittest import mock
 
 import torch
@@ -116,7 +118,7 @@ def profile(iterations: int = 3, top: int = 14) -> None:
     layer = bench_moe.BenchLayer(hidden, latent, inter, e_loc, e_rt, K, zipf, G, TG, "torch", torch.bfloat16)
     x = torch.randn(1, T, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn_like(x)
-    for variant in ("bf16", "fp8v3", "fp8v3-proj"):
+    for variant in ("bf16", "fp8v3-cublasrows-proj", "fp8v3-proj"):
         backend, env = bench_moe.FP8_VARIANTS[variant]
         with mock.patch.dict(os.environ, env):
             layer.moe.experts.backend = backend
@@ -128,6 +130,11 @@ def profile(iterations: int = 3, top: int = 14) -> None:
 
             step()
             torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1000 / iterations
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(iterations):
                     step()
@@ -135,7 +142,7 @@ def profile(iterations: int = 3, top: int = 14) -> None:
             fp8_linear.revert_fp8_linear(layer.moe)
         rows = sorted(((e.self_device_time_total / iterations / 1000, e.count // iterations, e.key[:100])
                        for e in prof.key_averages() if e.self_device_time_total > 0), reverse=True)
-        print(f"\n{variant}: kernel time per fwd+bwd {sum(r[0] for r in rows):.2f} ms")
+        print(f"\n{variant}: kernel time per fwd+bwd {sum(r[0] for r in rows):.2f} ms, wall time {wall_ms:.2f} ms")
         for ms, count, name in rows[:top]:
             print(f"  {ms:7.3f} ms  x{count:<4d} {name}")
     layer.moe.experts.backend = None

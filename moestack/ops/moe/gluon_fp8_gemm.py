@@ -51,7 +51,7 @@ MAXNREG = {8: 168, 4: 128}
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
 # (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default
-CONFIGS = ((8, 4, 2, 0, 1), (8, 6, 2, 0, 1), (8, 4, 2, 16, 1), (8, 4, 2, 8, 1))
+CONFIGS = ((8, 4, 2, 16, 1), (8, 4, 2, 0, 1), (8, 6, 2, 16, 1), (8, 4, 2, 8, 1))
 
 
 @gluon.jit

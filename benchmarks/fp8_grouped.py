@@ -79,9 +79,9 @@ def main() -> None:
         t = bench(lambda: fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16))
         cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
         for c in configs:
-            y = gg.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16, config=c)
+            y = gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c)
             same = torch.equal(y, y_tri)
-            t = bench(lambda c=c: gg.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16, config=c))
+            t = bench(lambda c=c: gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
             cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{', same' if same else ', DIFFERS'})")
         print(f"| {label} {N} x {K} -> {F} | " + " | ".join(cells) + " |", flush=True)
 

@@ -1,6 +1,7 @@
 """gluon_fp8_gemm.grouped_mm (persistent Gluon FP8 grouped GEMM, sm_90) against the dequantised product in fp64.
 
-The spec: y[rows of e] = dequant(qx)[rows] @ dequant(qw[e]), with 1x128 row scales and 128x128 weight blocks; the
+The spec: y[rows of e] = dequant(qx)[rows] @ dequant(qw[e]), with 1x128 row scales (the kernel reads them in
+quantize_dual's expert-major layout, the spec in the row-major one: same values) and 128x128 weight blocks; the
 kernel accumulates each 128-deep slice in fp32 on the tensor cores and scales it in fp32, so it matches the fp64
 product to the bf16 output's rounding. Rows at or past offs[-1] must be zeros (the caller's padding), rows of one
 expert never written by another's tile. GPU only: Gluon does not run in the interpreter.
@@ -24,8 +25,10 @@ def _operands(counts, K, F, pad, seed):
     w = (torch.randn(E, K, F, generator=g) * 0.05).to("cuda", torch.bfloat16)
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to("cuda", torch.int32)
     qx, sx, _, _ = fq.quantize_dual(x, offs, tiles=False)
+    qx_em, sx_em, _, _ = fq.quantize_dual(x, offs, expert_major=True, tiles=False)
+    assert torch.equal(qx_em, qx)
     (qw, sw), _ = fq.quantize_blocks_pair(w)
-    return qx, sx, qw, sw, offs
+    return qx, sx, sx_em, qw, sw, offs
 
 
 def _expected(qx, sx, qw, sw, offs):
@@ -56,18 +59,18 @@ def test_gluon_fp8_grouped_mm_gpu(counts, K, F, pad):
 
     if not gg.supported_device(torch.cuda.current_device()):
         pytest.skip("sm_90 only")
-    qx, sx, qw, sw, offs = _operands(counts, K, F, pad, seed=K + F + len(counts))
+    qx, sx, sx_em, qw, sw, offs = _operands(counts, K, F, pad, seed=K + F + len(counts))
     assert gg.supported(qx, qw)
     ref = _expected(qx, sx, qw, sw, offs)
     for config in gg.CONFIGS:
-        y = gg.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16, config=config)
+        y = gg.grouped_mm(qx, sx_em, qw, sw, offs, torch.bfloat16, config=config)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all(), config
         used = sum(counts)
         assert (y[used:] == 0).all(), config
         err = (y.double() - ref).norm() / ref.norm().clamp_min(1e-30)
         assert err < 6e-3, (config, err.item())  # bf16 output rounding (~2e-3 rms)
-        assert torch.equal(y, gg.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16, config=config)), config
+        assert torch.equal(y, gg.grouped_mm(qx, sx_em, qw, sw, offs, torch.bfloat16, config=config)), config
 
 
 @pytest.mark.gpu
@@ -78,8 +81,8 @@ def test_gluon_fp8_grouped_mm_matches_triton_gpu():
 
     if not gg.supported_device(torch.cuda.current_device()):
         pytest.skip("sm_90 only")
-    qx, sx, qw, sw, offs = _operands([700, 0, 513, 90], 1024, 768, 3, seed=1)
-    y = gg.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16)
+    qx, sx, sx_em, qw, sw, offs = _operands([700, 0, 513, 90], 1024, 768, 3, seed=1)
+    y = gg.grouped_mm(qx, sx_em, qw, sw, offs, torch.bfloat16)
     y_tri = fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16)
     diff = (y.float() - y_tri.float()).abs().max().item()
     assert diff == 0.0, diff

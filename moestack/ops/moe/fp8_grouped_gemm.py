@@ -400,7 +400,7 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         save = ctx.needs_input_grad[1]
         gluon = _gluon_rows_gemm(x_ND) if cublas else None  # the rows GEMMs without the per-expert host loop
         per_expert = cublas and gluon is None
-        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=per_expert, tiles=save)
+        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
         ends = None
         if gluon is not None and gluon.supported(qx, qw):
             y = gluon.grouped_mm(qx, sx, qw, sw, offs_E, x_ND.dtype)
@@ -412,9 +412,11 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
         ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends, ctx.gluon = q_dtype, x_ND.dtype, swap, ends, gluon
-        # the per-expert cuBLAS weight gradient needs the offsets on the host: read in backward when the forward
-        # did not (the Gluon path), so the forward stays free of host syncs
+        # the per-expert cuBLAS weight gradient needs the offsets on the host. Where the forward did not read them
+        # (the Gluon path), they are copied to pinned memory now, without waiting, and read in backward, long after
+        # the copy finished: no host sync in the forward, no drained GPU queue in the backward
         ctx.wg_ends = (ends if ends is not None else host_ends) if cublas_wg else None
+        ctx.offs_host = _offsets_to_host_async(offs_E) if cublas_wg and ctx.wg_ends is None else None
         ctx.cublas_wg = cublas_wg
         return y
 
@@ -423,8 +425,8 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         qxT, sxT, w_EDF, offs_E = ctx.saved_tensors
         ends, gluon = ctx.ends, ctx.gluon
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qdy, sdy, qdyT, sdyT = fq.quantize_dual(dy_NF, offs_E, ctx.q_dtype, expert_major=ends is not None,
-                                                tiles=need_dw)
+        qdy, sdy, qdyT, sdyT = fq.quantize_dual(dy_NF, offs_E, ctx.q_dtype,
+                                                expert_major=ends is not None or gluon is not None, tiles=need_dw)
         dx = dw = None
         if need_dx:
             (_, sw), (qwT, swT) = fp8_weight_cache.pair(w_EDF, ctx.q_dtype)
@@ -436,11 +438,30 @@ class Fp8GroupedMMv3(torch.autograd.Function):
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
             if ctx.cublas_wg:
-                wg_ends = ctx.wg_ends if ctx.wg_ends is not None else fsm.host_offsets(offs_E)
+                wg_ends = ctx.wg_ends if ctx.wg_ends is not None else _offsets_from_host(ctx.offs_host, offs_E)
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, wg_ends, like=w_EDF)
             else:
                 dw = _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
         return dx, dw, None, None, None, None, None
+
+
+def _offsets_to_host_async(offs_E: torch.Tensor):
+    """(pinned copy of offs_E, event) queued now; None off CUDA (then the backward reads the offsets itself)."""
+    if not offs_E.is_cuda:
+        return None
+    pinned = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
+    pinned.copy_(offs_E, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return pinned, done
+
+
+def _offsets_from_host(offs_host, offs_E: torch.Tensor) -> list[int]:
+    if offs_host is None:
+        return fsm.host_offsets(offs_E)
+    pinned, done = offs_host
+    done.synchronize()  # recorded in the forward: long complete by the backward
+    return pinned.tolist()
 
 
 def _host_ends(offs_E: torch.Tensor, host_ends: list[int] | None) -> list[int]:

@@ -98,6 +98,16 @@ def _expert_vectors(offs, E, F, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.cons
 
 
 @gluon.jit
+def _scale_block(e, o_e, b_start, b_end):
+    """Expert e's row scales in quantize_dual's expert-major layout: (first element / nk, rows rounded up to 4,
+    first row). The block is [nk, Mp_e], contiguous along the rows, after nk * (the earlier experts' Mp)."""
+    b_mp = (gl.maximum(b_end - b_start, 0) + 3) // 4 * 4
+    b_base = gl.associative_scan(b_mp, 0, _add) - b_mp
+    sel = o_e == e
+    return gl.sum(gl.where(sel, b_base, 0), 0), gl.sum(gl.where(sel, b_mp, 0), 0), gl.sum(gl.where(sel, b_start, 0), 0)
+
+
+@gluon.jit
 def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr,
               U: gl.constexpr, GT: gl.constexpr):
     """One warp: walks the same work items as the consumers and keeps the ring full (one TMA pair of x and w
@@ -123,10 +133,10 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: 
 
 
 @gluon.jit
-def _slice_scale(p_sx, p_sw, m_rows, k, nk, stride_swk):
+def _slice_scale(p_sx, mp, p_sw, m_rows, k, nk, stride_swk):
     """sx[rows, k] * sw[e, k, f-block] (0 past the last slice, whose tiles TMA zero-filled)."""
-    return gl.load(p_sx + k, mask=m_rows & (k < nk), other=0.0) * gl.load(p_sw + k * stride_swk, mask=k < nk,
-                                                                           other=0.0)
+    return gl.load(p_sx + k * mp, mask=m_rows & (k < nk), other=0.0) * gl.load(p_sw + k * stride_swk, mask=k < nk,
+                                                                                other=0.0)
 
 
 @gluon.jit
@@ -138,7 +148,7 @@ def _mma_slice(x_ring, w_ring, ready, c, zero):
 
 
 @gluon.jit
-def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
+def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
               stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
               GT: gl.constexpr):  # fmt: skip
     """The default partition (BT / 64 warpgroups): U slices per iteration through two partial accumulators, so
@@ -160,7 +170,8 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sx
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         e, row0, row_end, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
         rows = row0 + o_r
-        p_sx = sx + rows.to(gl.int64) * stride_sxn
+        base, mp, start = _scale_block(e, o_e, b_start, b_end)
+        p_sx = sx + base.to(gl.int64) * nk + (rows - start)  # coalesced: a block's rows are contiguous
         m_rows = rows < row_end
         p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
         acc = zero
@@ -169,7 +180,7 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sx
             pa = _mma_slice(x_ring, w_ring, ready, c, zero)
             pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero)
             for u in gl.static_range(U):
-                b_s = _slice_scale(p_sx, p_sw, m_rows, k0 + u, nk, stride_swk)
+                b_s = _slice_scale(p_sx, mp, p_sw, m_rows, k0 + u, nk, stride_swk)
                 if u % 2 == 0:
                     pa = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pa, ))
                 else:
@@ -193,7 +204,7 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sx
 
 
 @gluon.jit
-def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_sxn, stride_swe, stride_swk,
+def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
                         stride_yn, BE: gl.constexpr, NS: gl.constexpr, U: gl.constexpr, GT: gl.constexpr):
     """See the module doc; a persistent grid."""
     NW: gl.constexpr = gl.num_warps()
@@ -209,7 +220,7 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sxn, stride_swe, stride_swk,
+        (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
                      stride_yn, BE, BT, BF_, U, GT)),
         (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, U, GT)),
     ], [1], [40])
@@ -248,12 +259,13 @@ def _sms(device_index: int) -> int:
 
 def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
                out_dtype: torch.dtype, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """y [N, F] (out_dtype) from qx [N, K] with row scales sx [N, K/128] (unit column stride) and qw [E, K, F]
+    """y [N, F] (out_dtype) from qx [N, K] with its row scales sx in quantize_dual's expert-major layout (flat;
+    quantize_dual(..., expert_major=True)) and qw [E, K, F]
     (memory [E, F, K]) with block scales sw [E, K/128, F/128] contiguous; rows >= offs[-1] zero. Requires
     supported(qx, qw). config: CONFIGS' fields, default CONFIGS[0]."""
     N, K = qx.shape
     E, _, F = qw.shape
-    assert sx.stride(1) == 1 and sw.is_contiguous()
+    assert sx.dim() == 1 and sw.is_contiguous()
     y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
     if N == 0 or F == 0:
         return y
@@ -269,7 +281,7 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     dev = qx.device.index if qx.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(work, per_sm * _sms(dev))),)
     fp8_gg_gluon_kernel[grid](
-        x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sx.stride(0), sw.stride(0), sw.stride(1), y.stride(0),
+        x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
         BE=max(32, triton.next_power_of_2(E)), NS=ns, U=unroll, GT=group_t, num_warps=nw, maxnreg=MAXNREG[nw],
     )
     return y

@@ -9,7 +9,7 @@ the weight gradients) and with rowwise scales, against bf16 mm, at K3 EP16's per
 expert), the latent projections, all rows as one GEMM, and the 56-expert grouped GEMMs (torch._grouped_mm vs
 torch._scaled_grouped_mm rowwise). Random data, triton.testing.do_bench medians, TFLOP/s.
 profile: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant (bf16, FP8 v3 +
-projections with per-expert cuBLAS, the same with the Gluon forward / dX); kernel time per iteration, the largest
+projections, the same with the Gluon forward / dX); kernel time per iteration, the largest
 kernels first, and the wall time per iteration. Gradients accumulate between the profiled iterations (no zeroing), so the
 bf16 "add" kernels there are the accumulation, which the timed benchmark (grad_to_none) does not run.
 """
@@ -118,7 +118,7 @@ def profile(iterations: int = 3, top: int = 14) -> None:
     layer = bench_moe.BenchLayer(hidden, latent, inter, e_loc, e_rt, K, zipf, G, TG, "torch", torch.bfloat16)
     x = torch.randn(1, T, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn_like(x)
-    for variant in ("bf16", "fp8v3-cublasrows-proj", "fp8v3-proj"):
+    for variant in ("bf16", "fp8v3-proj", "fp8v3-gluonrows-proj"):
         backend, env = bench_moe.FP8_VARIANTS[variant]
         with mock.patch.dict(os.environ, env):
             layer.moe.experts.backend = backend

@@ -42,9 +42,6 @@ def main() -> None:
         return
     from triton.testing import do_bench
 
-    from moestack.ops.moe import fp8_quant as fq
-    from moestack.ops.moe import fp8_scaled_mm as fsm
-    from moestack.ops.moe import fp8_tma
     from moestack.ops.moe import gluon_fp8_gemm as gg
 
     def bench(fn):
@@ -62,29 +59,36 @@ def main() -> None:
           + " | ".join(f"FP8 Gluon {c}" for c in configs) + " |")
     print("|---" * (4 + len(configs)) + "|")
     for label, K, F in SHAPES:
-        torch.manual_seed(0)
-        x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(E, F, K, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2)  # K contiguous
-        (qw, sw), (_, swT) = fq.quantize_blocks_pair(w)
-        qx_em, sx_em, _, _ = fq.quantize_dual(x, offs, expert_major=True, tiles=False)
-        qx, sx, _, _ = fq.quantize_dual(x, offs, tiles=False)
-        tf = 2.0 * N * K * F / 1e9
-        cells = []
-        t = bench(lambda: torch._grouped_mm(x, w, offs=offs))
-        t16 = t
-        cells.append(f"{tf / t:.0f}")
-        t = bench(lambda: fsm.rows_mm(qx_em, sx_em, qw, sw, swT, ends, torch.bfloat16))
-        cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
-        y_tri = fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16)
-        t = bench(lambda: fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16))
-        cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
-        for c in configs:
-            y = gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c)
-            same = torch.equal(y, y_tri)
-            t = bench(lambda c=c: gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
-            cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{', same' if same else ', DIFFERS'})")
-        print(f"| {label} {N} x {K} -> {F} | " + " | ".join(cells) + " |", flush=True)
+        _row(label, N, E, K, F, offs, ends, configs, bench)
 
+
+def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
+    """One GEMM shape: every backend on the same random operands, one table row."""
+    from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.moe import fp8_scaled_mm as fsm
+    from moestack.ops.moe import fp8_tma
+    from moestack.ops.moe import gluon_fp8_gemm as gg
+
+    torch.manual_seed(0)
+    x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(E, F, K, device="cuda", dtype=torch.bfloat16) * 0.02).transpose(1, 2)  # K contiguous
+    (qw, sw), (_, swT) = fq.quantize_blocks_pair(w)
+    qx_em, sx_em, _, _ = fq.quantize_dual(x, offs, expert_major=True, tiles=False)
+    qx, sx, _, _ = fq.quantize_dual(x, offs, tiles=False)
+    tf = 2.0 * N * K * F / 1e9
+    t16 = bench(lambda: torch._grouped_mm(x, w, offs=offs))
+    cells = [f"{tf / t16:.0f}"]
+    t = bench(lambda: fsm.rows_mm(qx_em, sx_em, qw, sw, swT, ends, torch.bfloat16))
+    cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
+    y_tri = fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16)
+    t = bench(lambda: fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16))
+    cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
+    for c in configs:
+        y = gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c)
+        same = torch.equal(y, y_tri)
+        t = bench(lambda c=c: gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
+        cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{', same' if same else ', DIFFERS'})")
+    print(f"| {label} {N} x {K} -> {F} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,8 @@ forward / dX, fp8v3-tma-all = the same plus fp8_tma.py's weight gradient, fp8v3-
 with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold. Variants
 in PROJ_VARIANTS also run the LatentMoE's down / up projections in FP8 (fp8_linear.enable_fp8_latent_projections,
 the same recipe as one-expert v3 GEMMs; reverted after the variant, so the bf16 baseline stays pure bf16):
-fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections. fp8v3-cublasrows(-proj): v3's
-forward / dX at many rows per expert on per-expert cuBLAS (MOESTACK_FP8_ROWS_GEMM=cublas) instead of the Gluon kernel.
+fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections. fp8v3-gluonrows(-proj): v3's
+forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROWS_GEMM=gluon) instead of cuBLAS.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -253,11 +253,11 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
     "fp8v3-tma-cublaswg": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
                                    "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000",
                                    "MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS": "0"}),
-    # v3's forward / dX at many rows on per-expert cuBLAS instead of the Gluon kernel (the default since session 10)
-    "fp8v3-cublasrows": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "cublas"}),
+    # v3's forward / dX at many rows through the Gluon kernel (no host sync) instead of per-expert cuBLAS
+    "fp8v3-gluonrows": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "gluon"}),
 }
 # variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
-PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-cublasrows-proj": "fp8v3-cublasrows"}
+PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -66,8 +66,9 @@ V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); 
 V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
-# v3's forward / dX at many rows per expert: "gluon" (default where it runs: gluon_fp8_gemm.py, one persistent
-# launch, no host read of the offsets) or "cublas" (fp8_scaled_mm.rows_mm, one torch._scaled_mm per expert)
+# v3's forward / dX at many rows per expert: "cublas" (default: fp8_scaled_mm.rows_mm, one torch._scaled_mm per
+# expert, after a host read of the offsets) or "gluon" (gluon_fp8_gemm.py on sm_90: one persistent launch, no host
+# sync in the forward; 5-8% slower per GEMM on the H200 at K3 EP16, benchmarks/RESULTS.md session 10)
 ROWS_GEMM_ENV = "MOESTACK_FP8_ROWS_GEMM"
 
 
@@ -84,10 +85,10 @@ def use_v3(v3: bool | None) -> bool:
 
 
 def _gluon_rows_gemm(x: torch.Tensor):
-    """gluon_fp8_gemm where it runs and $MOESTACK_FP8_ROWS_GEMM is not "cublas"; else None (per-expert cuBLAS)."""
-    choice = os.environ.get(ROWS_GEMM_ENV, "gluon")
+    """gluon_fp8_gemm where $MOESTACK_FP8_ROWS_GEMM=gluon and it runs; else None (per-expert cuBLAS)."""
+    choice = os.environ.get(ROWS_GEMM_ENV, "cublas")
     if choice not in ("gluon", "cublas"):
-        raise ValueError(f"{ROWS_GEMM_ENV}={choice!r}: use 'gluon' (default on sm_90) or 'cublas'")
+        raise ValueError(f"{ROWS_GEMM_ENV}={choice!r}: use 'cublas' (default) or 'gluon' (sm_90, no host sync)")
     if choice == "cublas" or not x.is_cuda:
         return None
     try:

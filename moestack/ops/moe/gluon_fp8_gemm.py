@@ -2,31 +2,41 @@
 
     y[rows of e] = sum over 128-slices k of (qx[rows, k] @ qw[e][k, :]) * sx[row, k] * sw[e, k, col // 128]
 
-The same contract as fp8_tma.grouped_mm (1x128 activation tiles, 128x128 weight blocks, fp32 accumulation), for
-the shapes where v3 ran torch._scaled_mm once per expert (fp8_scaled_mm.rows_mm: a host read of the offsets, one
-cuBLAS call per expert and ~2-3.5 waves of tiles each, so every expert ends on a partly idle GPU).
+The same contract and numbers as fp8_tma.grouped_mm (1x128 activation tiles, 128x128 weight blocks, fp32
+promotion per slice; bitwise equal outputs), for the shapes where v3 runs torch._scaled_mm once per expert
+(fp8_scaled_mm.rows_mm, which needs the offsets on the host). v3 takes it with MOESTACK_FP8_ROWS_GEMM=gluon: the FP8
+forward then has no host sync (the per-expert cuBLAS weight gradient reads the offsets in backward from a pinned
+copy queued in the forward).
 
-What the kernel does about the blockwise scales. Each 128-deep slice's product must be scaled before it joins the
-fp32 sum, so the tensor cores wait while the CUDA cores promote it (Triton's version, fp8_tma.py, waits for every
-slice: 760-820 TFLOP/s at K3 EP16 against cuBLAS's 920-1040, benchmarks/RESULTS.md session 10). Here slices go in
-pairs, each into its own fp32 partial: the second MMA is issued before the first is waited on, so the first slice's
-promotion runs under the second slice's MMA; only the second's promotion is exposed. Nothing is in flight across
-the loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py).
-
+The blockwise scales. Each 128-deep slice's product must be scaled before it joins the fp32 sum, so the tensor cores
+wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every slice). Here:
+- Warp specialisation: one producer warp (40 registers) walks the work items and keeps a ring of NS x / w tile
+  pairs full by TMA (ready / empty mbarriers), running ahead across work items, so the loads continue through each
+  tile's epilogue; the 8 consumer warps (two warpgroups of 64 rows, 240 registers) only wait, multiply, promote.
+- Slices go through two fp32 partials in turn (U = 2 per loop iteration): the second MMA is issued before the
+  first is waited on, so the first slice's promotion runs under the second's MMA. Nothing is in flight across the
+  loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py); U = 4 spills ~700 bytes at 240
+  registers. A slot is released (one named barrier over the consumers, then an arrive) as soon as its MMA is done.
 - Operands by TMA (host descriptors): x tiles [BT, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
-  2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts). Both
-  are K-major in shared memory, as fp8 wgmma requires. A tile past an expert's last row reads the next expert's
-  rows (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
-- The ring holds NP pairs of slices; the loads run NP pairs ahead across tile boundaries (the next work item's
-  coordinates are known one tile early), so the copy engine keeps going through each tile's epilogue.
-- Schedule: work items (expert, f-tile, token-tile) in expert order, token tiles fastest (consecutive programs
-  share a weight tile in L2), taken round-robin by a persistent grid; the offsets stay on the device.
-- Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores (rows past the expert's end and columns
-  past F are never written); rows >= offs[-1] get zeros.
+  2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts), both
+  K-major in shared memory as fp8 wgmma requires. A tile past an expert's last row reads the next expert's rows
+  (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
+- Row scales in quantize_dual's expert-major layout (each expert's [nk, Mp_e] block contiguous along the rows):
+  coalesced loads, and the quantiser's cheaper store pattern (its row-major layout cost 3.2 ms more per K3 EP16
+  layer step in the profile).
+- Schedule: work items (expert, f-tile, token-tile) in expert order, taken round-robin by one program per SM;
+  inside an expert, groups of GT token tiles with the token tiles fastest, so the programs running at once share
+  weight tiles and a bounded set of x rows in L2 (GT = 16: +5-10% under Zipf-skewed loads, even when uniform).
+- Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores; rows >= offs[-1] get zeros.
 
-BT = 16 x warps (wgmma's 64 rows per warpgroup), BF = 128 (one weight scale per tile and slice).
-Requirements (`supported`): sm_90, fp8 e4m3 operands laid out as above, K % 16 == 0. Legend as fp8_tma.py;
-NP pairs of slices in the ring.
+H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md session 10): 860-970 TFLOP/s
+on the four forward / dX GEMMs (Triton TMA kernel 750-810, the paired non-specialised first version 756-880),
+against per-expert cuBLAS at 900-1040: 0.90-1.0x of cuBLAS, so cuBLAS stays v3's default. In the layer the Gluon
+path measured 46.4-47.4 ms fwd+bwd against 42.4-45.1 with cuBLAS (both with FP8 projections).
+
+BT = 16 x warps (wgmma's 64 rows per warpgroup), BF = 128 (one weight scale per tile and slice). Requirements
+(`supported`): sm_90, fp8 e4m3 operands laid out as above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots,
+U slices per consumer iteration, GT token tiles per group.
 """
 
 from __future__ import annotations

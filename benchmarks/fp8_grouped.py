@@ -18,6 +18,7 @@ import argparse
 import torch
 
 SHAPES = (("gate-up fwd", 3584, 6144), ("down fwd", 3072, 3584), ("gate-up dX", 6144, 3584), ("down dX", 3584, 3072))
+WGRAD_SHAPES = (("gate-up dW", 3584, 6144), ("down dW", 3072, 3584))  # dW [E, D, F] in fp32, the parameters' dtype
 
 
 def _counts(E: int, rows: int, zipf: float) -> list[int]:
@@ -60,6 +61,9 @@ def main() -> None:
     print("|---" * (4 + len(configs)) + "|")
     for label, K, F in SHAPES:
         _row(label, N, E, K, F, offs, ends, configs, bench)
+    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton | FP8 Gluon |")
+    for label, D, F in WGRAD_SHAPES:
+        _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
 
 def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
@@ -89,6 +93,32 @@ def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
         t = bench(lambda c=c: gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
         cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{', same' if same else ', DIFFERS'})")
     print(f"| {label} {N} x {K} -> {F} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
+    """dW [E, D, F] from the token tiles of x [N, D] and dy [N, F]: cuBLAS per expert, Triton, Gluon."""
+    from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.moe import fp8_scaled_mm as fsm
+    from moestack.ops.moe import fp8_tma
+    from moestack.ops.moe import gluon_fp8_wgrad as gw
+
+    torch.manual_seed(0)
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(N, F, device="cuda", dtype=torch.bfloat16)
+    like = torch.empty(E, D, F, device="cuda", dtype=torch.float32)
+    _, _, qxT, sxT = fq.quantize_dual(x, offs, expert_major=True)
+    _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
+    tf = 2.0 * N * D * F / 1e9
+    tc = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
+    d_tri = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
+    tt = bench(lambda: fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
+    d_gl = gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
+    same = torch.equal(d_gl, d_tri)
+    tg = bench(lambda: gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
+    print(f"| {label} {D} x {N} tokens x {F} | - | {tf / tc:.0f} | {tf / tt:.0f} ({tc / tt:.2f}x cuBLAS) | "
+          f"{tf / tg:.0f} ({tc / tg:.2f}x cuBLAS{', same as Triton' if same else ', DIFFERS from Triton'}) |",
+          flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -66,9 +66,9 @@ V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); 
 V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
-# v3's forward / dX at many rows per expert: "cublas" (default: fp8_scaled_mm.rows_mm, one torch._scaled_mm per
-# expert, after a host read of the offsets) or "gluon" (gluon_fp8_gemm.py on sm_90: one persistent launch, no host
-# sync in the forward; 5-8% slower per GEMM on the H200 at K3 EP16, benchmarks/RESULTS.md session 10)
+# v3's GEMMs at many rows per expert: "cublas" (default: fp8_scaled_mm, one torch._scaled_mm per expert, after a
+# host read of the offsets) or "gluon" (sm_90: gluon_fp8_gemm.py forward / dX and gluon_fp8_wgrad.py weight
+# gradient, one persistent launch each, no host sync; speed vs cuBLAS in benchmarks/RESULTS.md session 10)
 ROWS_GEMM_ENV = "MOESTACK_FP8_ROWS_GEMM"
 
 
@@ -97,6 +97,13 @@ def _gluon_rows_gemm(x: torch.Tensor):
         return None
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return gluon_fp8_gemm if gluon_fp8_gemm.supported_device(index) else None
+
+
+def _gluon_wgrad(qxT: torch.Tensor, qdyT: torch.Tensor, like: torch.Tensor):
+    """gluon_fp8_wgrad when it takes these operands (the Gluon path's weight gradient), else None."""
+    from moestack.ops.moe import gluon_fp8_wgrad
+
+    return gluon_fp8_wgrad if gluon_fp8_wgrad.supported(qxT, qdyT, like) else None
 
 
 def _triton_rows_mm(qx, sx, qw, sw, offs_E, out_dtype, swap: int) -> torch.Tensor:
@@ -416,8 +423,12 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         # the per-expert cuBLAS weight gradient needs the offsets on the host. Where the forward did not read them
         # (the Gluon path), they are copied to pinned memory now, without waiting, and read in backward, long after
         # the copy finished: no host sync in the forward, no drained GPU queue in the backward
+        # the Gluon path's weight gradient runs in Gluon too (gluon_fp8_wgrad.py) where the widths are multiples of
+        # 128: then no host read of the offsets at all
+        ctx.gluon_wg = gluon is not None and D % 128 == 0 and F % 128 == 0
         ctx.wg_ends = (ends if ends is not None else host_ends) if cublas_wg else None
-        ctx.offs_host = _offsets_to_host_async(offs_E) if cublas_wg and ctx.wg_ends is None else None
+        ctx.offs_host = (_offsets_to_host_async(offs_E) if cublas_wg and ctx.wg_ends is None and not ctx.gluon_wg
+                         else None)
         ctx.cublas_wg = cublas_wg
         return y
 
@@ -438,7 +449,10 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             else:
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
-            if ctx.cublas_wg:
+            gw = _gluon_wgrad(qxT, qdyT, w_EDF) if ctx.gluon_wg else None
+            if gw is not None:
+                dw = gw.wgrad(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
+            elif ctx.cublas_wg:
                 wg_ends = ctx.wg_ends if ctx.wg_ends is not None else _offsets_from_host(ctx.offs_host, offs_E)
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, wg_ends, like=w_EDF)
             else:

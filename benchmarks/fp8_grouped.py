@@ -61,7 +61,8 @@ def main() -> None:
     print("|---" * (4 + len(configs)) + "|")
     for label, K, F in SHAPES:
         _row(label, N, E, K, F, offs, ends, configs, bench)
-    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton | FP8 Gluon |")
+    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton | FP8 Gluon, a partition per warpgroup | "
+          "FP8 Gluon, one partition |")
     for label, D, F in WGRAD_SHAPES:
         _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
@@ -112,12 +113,13 @@ def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
     tc = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
     d_tri = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
     tt = bench(lambda: fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
-    d_gl = gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
-    same = torch.equal(d_gl, d_tri)
-    tg = bench(lambda: gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
+    cells = []
+    for split in (True, False):
+        same = torch.equal(gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split), d_tri)
+        tg = bench(lambda split=split: gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split))
+        cells.append(f"{tf / tg:.0f} ({tc / tg:.2f}x cuBLAS{', same as Triton' if same else ', DIFFERS'})")
     print(f"| {label} {D} x {N} tokens x {F} | - | {tf / tc:.0f} | {tf / tt:.0f} ({tc / tt:.2f}x cuBLAS) | "
-          f"{tf / tg:.0f} ({tc / tg:.2f}x cuBLAS{', same as Triton' if same else ', DIFFERS from Triton'}) |",
-          flush=True)
+          + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -171,13 +171,15 @@ def test_gluon_fp8_wgrad_gpu(counts, D, F, transposed):
     like = (torch.empty(E, F, D, device="cuda").transpose(1, 2) if transposed
             else torch.empty(E, D, F, device="cuda"))
     assert gw.supported(qxT, qdyT, like)
-    dw = gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
-    assert dw.shape == (E, D, F) and dw.stride() == like.stride()
     ref = _wgrad_spec(qxT, sxT, qdyT, sdyT, counts)
-    err = (dw.double() - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert err < 2e-3, err.item()  # fp32 output; fp8 MMAs accumulate each 128-deep slice at reduced precision
-    for e, n in enumerate(counts):
-        if n == 0:
-            assert (dw[e] == 0).all()
-    assert torch.equal(dw, fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
-    assert torch.equal(dw, gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
+    d_tri = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
+    for split in (True, False):
+        dw = gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split)
+        assert dw.shape == (E, D, F) and dw.stride() == like.stride()
+        err = (dw.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+        assert err < 2e-3, (split, err.item())  # fp8 MMAs accumulate each 128-deep slice at reduced precision
+        for e, n in enumerate(counts):
+            if n == 0:
+                assert (dw[e] == 0).all()
+        assert torch.equal(dw, d_tri), split
+        assert torch.equal(dw, gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split)), split

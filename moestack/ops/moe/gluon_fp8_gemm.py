@@ -56,12 +56,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# registers per thread over the whole program (consumer warps + the producer's warpgroup): 64K per SM
-MAXNREG = {8: 168, 4: 128}
+# registers per thread over the whole program: 12 warps (two consumer warpgroups + the producer's) share 64K
+MAXNREG = 168
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default
-CONFIGS = ((8, 4, 2, 16, 1), (8, 4, 2, 0, 1), (8, 6, 2, 16, 1), (8, 4, 2, 8, 1))
+# (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default;
+# num_warps 8 = one consumer partition of two warpgroups, 4 = one partition per warpgroup (SPLIT)
+CONFIGS = ((8, 4, 2, 16, 1), (4, 4, 2, 16, 1), (4, 6, 2, 16, 1), (8, 4, 2, 0, 1))
 
 
 @gluon.jit
@@ -150,31 +151,37 @@ def _slice_scale(p_sx, mp, p_sw, m_rows, k, nk, stride_swk):
 
 
 @gluon.jit
-def _mma_slice(x_ring, w_ring, ready, c, zero):
+def _mma_slice(x_ring, w_ring, ready, c, zero, ROW0: gl.constexpr):
+    """Wait for ring slot c's tiles, issue its MMA (rows ROW0 : ROW0 + zero's rows of the x tile) async."""
     NS: gl.constexpr = x_ring.shape[0]
+    ROWS: gl.constexpr = zero.shape[0]
     s = c % NS
     mbarrier.wait(ready.index(s), (c // NS) & 1)
-    return warpgroup_mma(x_ring.index(s), w_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a = x_ring.index(s)
+    if ROWS < x_ring.shape[1]:
+        a = a.slice(ROW0, ROWS)
+    return warpgroup_mma(a, w_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
               stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
-              GT: gl.constexpr):  # fmt: skip
-    """The default partition (BT / 64 warpgroups): U slices per iteration through two partial accumulators, so
-    every slice's promotion but the last one's runs under the next slice's MMA; then the epilogue."""
+              GT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Rows WG * 16 * warps : + 16 * warps of every tile (all BT rows when this partition has BT / 16 warps):
+    U slices per iteration through two partial accumulators, so every slice's promotion but the last one's runs
+    under the next slice's MMA; then the epilogue."""
     NW: gl.constexpr = gl.num_warps()
+    BTW: gl.constexpr = 16 * NW  # this partition's rows of a tile
     NS: gl.constexpr = x_ring.shape[0]
-    gl.static_assert(U % 2 == 0, "slices go through the two partials in turn")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BF_, 32])  # fmt: skip
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
     n_ftiles = gl.cdiv(F, BF_)
     n_iter = gl.cdiv(nk, U)
-    zero = gl.zeros([BT, BF_], gl.float32, layout=acc_layout)
-    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_layout))
-    st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
+    zero = gl.zeros([BTW, BF_], gl.float32, layout=acc_layout)
+    o_r = gl.arange(0, BTW, layout=gl.SliceLayout(1, acc_layout)) + WG * BTW
+    st_r = gl.arange(0, BTW, layout=gl.SliceLayout(1, st_layout)) + WG * BTW
     st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
     c = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -187,24 +194,24 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
         acc = zero
         for j in range(n_iter):
             k0 = j * U
-            pa = _mma_slice(x_ring, w_ring, ready, c, zero)
-            pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero)
+            pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG * BTW)
+            pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero, WG * BTW)
             for u in gl.static_range(U):
                 b_s = _slice_scale(p_sx, mp, p_sw, m_rows, k0 + u, nk, stride_swk)
                 if u % 2 == 0:
                     pa = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pa, ))
                 else:
                     pb = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pb, ))
-                gl.thread_barrier()  # both warpgroups are done reading slice u's slot
+                gl.thread_barrier()  # this partition's warpgroups are done reading slice u's slot
                 mbarrier.arrive(empty.index((c + u) % NS), count=1)
                 if u % 2 == 0:
                     acc = acc + pa * b_s[:, None]
                     if u + 2 < U:  # into the registers just read: runs under the other partial's MMA
-                        pa = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero)
+                        pa = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero, WG * BTW)
                 else:
                     acc = acc + pb * b_s[:, None]
                     if u + 2 < U:
-                        pb = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero)
+                        pb = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero, WG * BTW)
             c += U
         out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
         r = row0 + st_r
@@ -214,26 +221,56 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
 
 
 @gluon.jit
+def _worker_consumer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
+                     GT: gl.constexpr):  # fmt: skip
+    """The second warpgroup's rows as a partition of its own (SPLIT): the two warpgroups meet only at the ring's
+    barriers, so one's promotion and epilogue run under the other's MMAs."""
+    _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
+              BF_, U, GT, 1)
+
+
+@gluon.jit
+def _worker_producer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
+                     GT: gl.constexpr):  # fmt: skip
+    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, U, GT)
+
+
+@gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
-                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, U: gl.constexpr, GT: gl.constexpr):
-    """See the module doc; a persistent grid."""
+                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, U: gl.constexpr, GT: gl.constexpr,
+                        SPLIT: gl.constexpr):  # fmt: skip
+    """See the module doc; a persistent grid. SPLIT: one consumer partition per warpgroup (num_warps = 4),
+    else one 8-warp consumer partition."""
     NW: gl.constexpr = gl.num_warps()
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BF_: gl.constexpr = w_desc.block_type.shape[0]
-    gl.static_assert(BT == 16 * NW, "BT = 64 rows per warpgroup")
+    gl.static_assert(BT == (32 if SPLIT else 16) * NW, "BT = 64 rows per warpgroup")
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS] + x_desc.block_type.shape, x_desc.layout)
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2 if SPLIT else 1)  # one arrive per consumer partition
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                     stride_yn, BE, BT, BF_, U, GT)),
-        (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, U, GT)),
-    ], [1], [40])
+    if SPLIT:
+        gl.warp_specialize([
+            (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
+                         stride_yn, BE, BT, BF_, U, GT, 0)),
+            (_worker_consumer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+            (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
+                         stride_yn, BE, BT, BF_, U, GT, 0)),
+            (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+        ], [1], [40])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
     st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
@@ -281,7 +318,8 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
         return y
     nw, ns, unroll, group_t, per_sm = config or CONFIGS[0]
     nk = triton.cdiv(K, BK)
-    bt = 16 * nw
+    split = nw == 4
+    bt = 128  # two warpgroups of 64 rows, in one partition or (split) in two
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, BK], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([BF, BK], gl.float8e4nv)
     x_desc = TensorDescriptor(qx, [N, K], [qx.stride(0), 1], [bt, BK], x_layout)
@@ -292,6 +330,7 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, per_sm * _sms(dev))),)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), NS=ns, U=unroll, GT=group_t, num_warps=nw, maxnreg=MAXNREG[nw],
+        BE=max(32, triton.next_power_of_2(E)), NS=ns, U=unroll, GT=group_t, SPLIT=split, num_warps=nw,
+        maxnreg=MAXNREG,
     )
     return y

@@ -35,6 +35,7 @@ from moestack.ops.moe.triton_grouped_gemm import empty_grad_like
 
 TILE = 128  # BA = BB = the token tile (fp8_quant.GROUP)
 NS = gl.constexpr(4)  # ring slots (tile pairs of 32 KB)
+SPLIT = True  # default: one consumer partition per warpgroup
 
 
 @gluon.jit
@@ -50,9 +51,8 @@ def _expert_tiles(offs, E, e, BE: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_producer(p_desc, q_desc, p_ring, q_ring, ready, empty, offs, A, B, E, Ptok, BE: gl.constexpr):
-    BA: gl.constexpr = p_desc.block_type.shape[0]
-    BB: gl.constexpr = q_desc.block_type.shape[0]
+def _wgrad_producer(p_desc, q_desc, p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, Ptok, stride_oe,
+                    stride_oa, BE: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr):  # fmt: skip
     G: gl.constexpr = p_desc.block_type.shape[1]
     NS_: gl.constexpr = p_ring.shape[0]
     n_a = A // BA
@@ -77,18 +77,20 @@ def _wgrad_producer(p_desc, q_desc, p_ring, q_ring, ready, empty, offs, A, B, E,
 
 @gluon.jit
 def _wgrad_consumer(p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, stride_oe, stride_oa,
-                    BE: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr):  # fmt: skip
+                    BE: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Rows WG * 16 * warps : + 16 * warps of every output tile (all BA rows with BA / 16 warps)."""
     NW: gl.constexpr = gl.num_warps()
+    BAW: gl.constexpr = 16 * NW
     NS_: gl.constexpr = p_ring.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BB, 32])  # fmt: skip
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BB // 8), BB // 8], [NW, 1], [1, 0])
     n_a = A // BA
     n_b = B // BB
-    zero = gl.zeros([BA, BB], gl.float32, layout=acc_layout)
-    o_a = gl.arange(0, BA, layout=gl.SliceLayout(1, acc_layout))
+    zero = gl.zeros([BAW, BB], gl.float32, layout=acc_layout)
+    o_a = gl.arange(0, BAW, layout=gl.SliceLayout(1, acc_layout)) + WG * BAW
     o_b = gl.arange(0, BB, layout=gl.SliceLayout(0, acc_layout))
-    st_a = gl.arange(0, BA, layout=gl.SliceLayout(1, st_layout))
+    st_a = gl.arange(0, BAW, layout=gl.SliceLayout(1, st_layout)) + WG * BAW
     st_b = gl.arange(0, BB, layout=gl.SliceLayout(0, st_layout))
     c = 0
     for t in range(gl.program_id(0), E * n_a * n_b, gl.num_programs(0)):
@@ -101,18 +103,18 @@ def _wgrad_consumer(p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, st
         p_sq = sq + b0 + o_b
         acc = zero
         for j in range(gl.cdiv(n, 2)):
-            pa = _mma_slice(p_ring, q_ring, ready, c, zero)
-            pb = _mma_slice(p_ring, q_ring, ready, c + 1, zero)
+            pa = _mma_slice(p_ring, q_ring, ready, c, zero, WG * BAW)
+            pb = _mma_slice(p_ring, q_ring, ready, c + 1, zero, WG * BAW)
             for u in gl.static_range(2):
                 k = 2 * j + u
                 g = (g0 + k).to(gl.int64)
-                b_sp = gl.load(p_sp + g * A, mask=(k < n) & (o_a < BA), other=0.0)
+                b_sp = gl.load(p_sp + g * A, mask=(k < n) & (o_a < A), other=0.0)
                 b_sq = gl.load(p_sq + g * B, mask=(k < n) & (o_b < BB), other=0.0)
                 if u == 0:
                     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
                 else:
                     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
-                gl.thread_barrier()  # both warpgroups are done reading this slot
+                gl.thread_barrier()  # this partition's warpgroups are done reading this slot
                 mbarrier.arrive(empty.index((c + u) % NS_), count=1)
                 if u == 0:
                     acc = acc + (pa * b_sp[:, None]) * b_sq[None, :]  # under the second slice's MMA
@@ -125,26 +127,43 @@ def _wgrad_consumer(p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, st
 
 
 @gluon.jit
+def _wgrad_worker_consumer(p_desc, q_desc, p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, Ptok,
+                           stride_oe, stride_oa, BE: gl.constexpr, BA: gl.constexpr, BB: gl.constexpr):  # fmt: skip
+    _wgrad_consumer(p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, stride_oe, stride_oa, BE, BA, BB, 1)
+
+
+@gluon.jit
 def fp8_wgrad_gluon_kernel(p_desc, q_desc, sp, sq, out, offs, A, B, E, Ptok, stride_oe, stride_oa,
-                           BE: gl.constexpr):  # fmt: skip
-    """See the module doc; a persistent grid."""
+                           BE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """See the module doc; a persistent grid. SPLIT: one consumer partition per warpgroup (num_warps = 4)."""
     NW: gl.constexpr = gl.num_warps()
     BA: gl.constexpr = p_desc.block_type.shape[0]
     BB: gl.constexpr = q_desc.block_type.shape[0]
-    gl.static_assert(BA == 16 * NW, "BA = 64 rows per warpgroup")
+    gl.static_assert(BA == (32 if SPLIT else 16) * NW, "BA = 64 rows per warpgroup")
     p_ring = gl.allocate_shared_memory(p_desc.dtype, [NS] + p_desc.block_type.shape, p_desc.layout)
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [NS] + q_desc.block_type.shape, q_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2 if SPLIT else 1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_wgrad_consumer, (p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, stride_oe, stride_oa,
-                           BE, BA, BB)),
-        (_wgrad_producer, (p_desc, q_desc, p_ring, q_ring, ready, empty, offs, A, B, E, Ptok, BE)),
-    ], [1], [40])
+    if SPLIT:
+        gl.warp_specialize([
+            (_wgrad_consumer, (p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, stride_oe, stride_oa,
+                               BE, BA, BB, 0)),
+            (_wgrad_worker_consumer, (p_desc, q_desc, p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E,
+                                      Ptok, stride_oe, stride_oa, BE, BA, BB)),
+            (_wgrad_producer, (p_desc, q_desc, p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, Ptok,
+                               stride_oe, stride_oa, BE, BA, BB)),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_wgrad_consumer, (p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, stride_oe, stride_oa,
+                               BE, BA, BB, 0)),
+            (_wgrad_producer, (p_desc, q_desc, p_ring, q_ring, ready, empty, sp, sq, out, offs, A, B, E, Ptok,
+                               stride_oe, stride_oa, BE, BA, BB)),
+        ], [1], [40])
 
 
 def supported(qxT: torch.Tensor, qdyT: torch.Tensor, like: torch.Tensor) -> bool:
@@ -156,8 +175,9 @@ def supported(qxT: torch.Tensor, qdyT: torch.Tensor, like: torch.Tensor) -> bool
 
 
 def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Tensor, offs_E: torch.Tensor,
-          like: torch.Tensor) -> torch.Tensor:
-    """dw [E, D, F] as fp8_tma.wgrad (same arguments, same layout rules). Requires supported(qxT, qdyT, like)."""
+          like: torch.Tensor, split: bool = SPLIT) -> torch.Tensor:
+    """dw [E, D, F] as fp8_tma.wgrad (same arguments, same layout rules). Requires supported(qxT, qdyT, like).
+    split: one consumer partition per warpgroup (else one of two warpgroups)."""
     D, Ptok = qxT.shape
     F, E = qdyT.shape[0], like.shape[0]
     dw = empty_grad_like(like, D, F)
@@ -169,14 +189,14 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
     assert out.stride(2) == 1 and sP.is_contiguous() and sQ.is_contiguous()
     if E == 0:
         return dw
-    nw = 8
+    nw = 4 if split else 8
     layout = gl.NVMMASharedLayout.get_default_for([TILE, TILE], gl.float8e4nv)
-    p_desc = TensorDescriptor(P, [A, Ptok], [Ptok, 1], [16 * nw, TILE], layout)
+    p_desc = TensorDescriptor(P, [A, Ptok], [Ptok, 1], [TILE, TILE], layout)
     q_desc = TensorDescriptor(Q, [B, Ptok], [Ptok, 1], [TILE, TILE], layout)
     dev = qxT.device.index if qxT.device.index is not None else torch.cuda.current_device()
-    work = E * (A // (16 * nw)) * (B // TILE)
+    work = E * (A // TILE) * (B // TILE)
     fp8_wgrad_gluon_kernel[(max(1, min(work, _sms(dev))),)](
         p_desc, q_desc, sP, sQ, out, offs_E, A, B, E, Ptok, out.stride(0), out.stride(1),
-        BE=max(32, triton.next_power_of_2(E)), num_warps=nw, maxnreg=MAXNREG[nw],
+        BE=max(32, triton.next_power_of_2(E)), SPLIT=split, num_warps=nw, maxnreg=MAXNREG,
     )
     return dw

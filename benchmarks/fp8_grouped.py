@@ -61,8 +61,7 @@ def main() -> None:
     print("|---" * (4 + len(configs)) + "|")
     for label, K, F in SHAPES:
         _row(label, N, E, K, F, offs, ends, configs, bench)
-    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton | FP8 Gluon, a partition per warpgroup | "
-          "FP8 Gluon, one partition |")
+    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton |")
     for label, D, F in WGRAD_SHAPES:
         _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
@@ -97,11 +96,11 @@ def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
 
 
 def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
-    """dW [E, D, F] from the token tiles of x [N, D] and dy [N, F]: cuBLAS per expert, Triton, Gluon."""
+    """dW [E, D, F] from the token tiles of x [N, D] and dy [N, F]: cuBLAS per expert (the default), Triton (the
+    sync-free choice, MOESTACK_FP8_TMA_WGRAD=1)."""
     from moestack.ops.moe import fp8_quant as fq
     from moestack.ops.moe import fp8_scaled_mm as fsm
     from moestack.ops.moe import fp8_tma
-    from moestack.ops.moe import gluon_fp8_wgrad as gw
 
     torch.manual_seed(0)
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
@@ -111,15 +110,9 @@ def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
     _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
     tf = 2.0 * N * D * F / 1e9
     tc = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
-    d_tri = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like)
     tt = bench(lambda: fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
-    cells = []
-    for split in (True, False):
-        same = torch.equal(gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split), d_tri)
-        tg = bench(lambda split=split: gw.wgrad(qxT, sxT, qdyT, sdyT, offs, like, split=split))
-        cells.append(f"{tf / tg:.0f} ({tc / tg:.2f}x cuBLAS{', same as Triton' if same else ', DIFFERS'})")
-    print(f"| {label} {D} x {N} tokens x {F} | - | {tf / tc:.0f} | {tf / tt:.0f} ({tc / tt:.2f}x cuBLAS) | "
-          + " | ".join(cells) + " |", flush=True)
+    print(f"| {label} {D} x {N} tokens x {F} | - | {tf / tc:.0f} | {tf / tt:.0f} ({tc / tt:.2f}x cuBLAS) |",
+          flush=True)
 
 
 if __name__ == "__main__":

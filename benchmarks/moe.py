@@ -17,7 +17,8 @@ with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below
 in PROJ_VARIANTS also run the LatentMoE's down / up projections in FP8 (fp8_linear.enable_fp8_latent_projections,
 the same recipe as one-expert v3 GEMMs; reverted after the variant, so the bf16 baseline stays pure bf16):
 fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections. fp8v3-gluonrows(-proj): v3's
-forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROWS_GEMM=gluon) instead of cuBLAS.
+forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROWS_GEMM=gluon) instead of cuBLAS;
+fp8v3-syncfree(-proj): the same with fp8_tma's weight gradient (MOESTACK_FP8_TMA_WGRAD=1), no host read at all.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -255,9 +256,13 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
                                    "MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS": "0"}),
     # v3's forward / dX at many rows through the Gluon kernel (no host sync) instead of per-expert cuBLAS
     "fp8v3-gluonrows": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "gluon"}),
+    # the same with fp8_tma's Triton weight gradient: the FP8 expert GEMMs without any host read of the offsets
+    "fp8v3-syncfree": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "gluon",
+                               "MOESTACK_FP8_TMA_WGRAD": "1"}),
 }
 # variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
-PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows"}
+PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
+                 "fp8v3-syncfree-proj": "fp8v3-syncfree"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -67,8 +67,9 @@ V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at 
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
 # v3's GEMMs at many rows per expert: "cublas" (default: fp8_scaled_mm, one torch._scaled_mm per expert, after a
-# host read of the offsets) or "gluon" (sm_90: gluon_fp8_gemm.py forward / dX and gluon_fp8_wgrad.py weight
-# gradient, one persistent launch each, no host sync; speed vs cuBLAS in benchmarks/RESULTS.md session 10)
+# host read of the offsets) or "gluon" (sm_90: gluon_fp8_gemm.py forward / dX, one persistent launch, no host sync
+# in the forward; the weight gradient stays per-expert cuBLAS from a pinned copy of the offsets, or with
+# MOESTACK_FP8_TMA_WGRAD=1 fp8_tma's Triton kernel: no host read at all). Speed: benchmarks/RESULTS.md session 10
 ROWS_GEMM_ENV = "MOESTACK_FP8_ROWS_GEMM"
 
 
@@ -99,11 +100,10 @@ def _gluon_rows_gemm(x: torch.Tensor):
     return gluon_fp8_gemm if gluon_fp8_gemm.supported_device(index) else None
 
 
-def _gluon_wgrad(qxT: torch.Tensor, qdyT: torch.Tensor, like: torch.Tensor):
-    """gluon_fp8_wgrad when it takes these operands (the Gluon path's weight gradient), else None."""
-    from moestack.ops.moe import gluon_fp8_wgrad
+def _tma_wgrad_ok(qxT: torch.Tensor, qdyT: torch.Tensor) -> bool:
+    from moestack.ops.moe import fp8_tma
 
-    return gluon_fp8_wgrad if gluon_fp8_wgrad.supported(qxT, qdyT, like) else None
+    return fp8_tma.wgrad_supported(qxT, qdyT)
 
 
 def _triton_rows_mm(qx, sx, qw, sw, offs_E, out_dtype, swap: int) -> torch.Tensor:
@@ -423,9 +423,9 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         # the per-expert cuBLAS weight gradient needs the offsets on the host. Where the forward did not read them
         # (the Gluon path), they are copied to pinned memory now, without waiting, and read in backward, long after
         # the copy finished: no host sync in the forward, no drained GPU queue in the backward
-        # the Gluon path's weight gradient runs in Gluon too (gluon_fp8_wgrad.py) where the widths are multiples of
-        # 128: then no host read of the offsets at all
-        ctx.gluon_wg = gluon is not None and D % 128 == 0 and F % 128 == 0
+        # the Gluon path with MOESTACK_FP8_TMA_WGRAD=1 takes fp8_tma's Triton weight gradient: no host read of the
+        # offsets at all (slower than per-expert cuBLAS: benchmarks/RESULTS.md session 10)
+        ctx.gluon_wg = gluon is not None and os.environ.get(TMA_WGRAD_ENV, "0") == "1"
         ctx.wg_ends = (ends if ends is not None else host_ends) if cublas_wg else None
         ctx.offs_host = (_offsets_to_host_async(offs_E) if cublas_wg and ctx.wg_ends is None and not ctx.gluon_wg
                          else None)
@@ -449,9 +449,10 @@ class Fp8GroupedMMv3(torch.autograd.Function):
             else:
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
-            gw = _gluon_wgrad(qxT, qdyT, w_EDF) if ctx.gluon_wg else None
-            if gw is not None:
-                dw = gw.wgrad(qxT, sxT, qdyT, sdyT, offs_E, like=w_EDF)
+            if ctx.gluon_wg and _tma_wgrad_ok(qxT, qdyT):
+                from moestack.ops.moe import fp8_tma
+
+                dw = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
             elif ctx.cublas_wg:
                 wg_ends = ctx.wg_ends if ctx.wg_ends is not None else _offsets_from_host(ctx.offs_host, offs_E)
                 dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, wg_ends, like=w_EDF)

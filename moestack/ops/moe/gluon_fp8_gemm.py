@@ -62,7 +62,7 @@ BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
 # (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default;
 # num_warps 8 = one consumer partition of two warpgroups, 4 = one partition per warpgroup (SPLIT)
-CONFIGS = ((8, 4, 2, 16, 1), (4, 4, 2, 16, 1), (4, 6, 2, 16, 1), (8, 4, 2, 0, 1))
+CONFIGS = ((4, 4, 2, 16, 1), (4, 6, 2, 16, 1), (8, 4, 2, 16, 1), (8, 4, 2, 0, 1))
 
 
 @gluon.jit

@@ -143,3 +143,45 @@ def test_v3_gluon_rows_match_cublas_gpu(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     fp8_weight_cache.clear()
 
+
+
+
+_COMPILE = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile as triton_compile
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from moestack.ops.moe import gluon_fp8_gemm as gg
+
+nw, ns, unroll, group_t, _ = gg.CONFIGS[int(sys.argv[1])]
+kern = gg.fp8_gg_gluon_kernel
+layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+desc = f"tensordesc<fp8e4nv[128, 128],{layout!r}>"
+consts = {"BE": 64, "NS": ns, "U": unroll, "GT": group_t, "SPLIT": nw == 4}
+types = {"x_desc": desc, "w_desc": desc, "sx": "*fp32", "sw": "*fp32", "y": "*bf16", "offs": "*i32"}
+sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
+src = GluonASTSource(fn=kern, signature=sig, attrs={},
+                     constexprs={(kern.arg_names.index(k),): v for k, v in consts.items()})
+ptx = triton_compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": nw, "maxnreg": gg.MAXNREG}).asm["ptx"]
+assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, "no fp8 wgmma"
+assert "cp.async.bulk.tensor" in ptx, "no TMA loads"
+assert "setmaxnreg" in ptx, "no producer / consumer register split"
+"""
+
+
+@pytest.mark.parametrize("config", [0, 2])
+def test_gluon_fp8_grouped_mm_compiles_for_sm90(config):
+    """CPU: the kernel compiles for sm_90a at the default (a partition per warpgroup) and the 8-warp config, with
+    fp8 wgmma, TMA loads and the producer / consumer register split: catches Gluon front-end breakage without a GPU
+    (the numbers are the GPU tests' job). In a subprocess without TRITON_INTERPRET, which turns jit functions into
+    interpreted ones at import."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(config)], capture_output=True, text=True, env=env,
+                       check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -386,8 +386,9 @@ def _triton_wgrad(qxT, sxT, qdyT, sdyT, offs_E, like) -> torch.Tensor:
 
 class Fp8GroupedMMv3(torch.autograd.Function):
     """v3 (module docstring): fused quantisers, both weight layouts cached from one pass, per-expert cuBLAS
-    blockwise GEMMs at many rows per expert (fp8_scaled_mm), else v2's Triton kernels. Saves for backward: x's
-    fp8 token tiles (as v1 / v2), w (the parameter, no copy), offs, and the host offsets on the cuBLAS path.
+    blockwise GEMMs at many rows per expert (fp8_scaled_mm; or the Gluon kernel with $MOESTACK_FP8_ROWS_GEMM=gluon),
+    else v2's Triton kernels. Saves for backward: x's fp8 token tiles (as v1 / v2), w (the parameter, no copy),
+    offs, and the host offsets on the cuBLAS path.
     host_ends: offs_E's values when the caller knows them on the host (fp8_linear: [N]); None = read them once
     through fsm.host_offsets (a device-to-host sync, cached for one offsets tensor only)."""
 

@@ -3,21 +3,24 @@
     y[rows of e] = sum over 128-slices k of (qx[rows, k] @ qw[e][k, :]) * sx[row, k] * sw[e, k, col // 128]
 
 The same contract and numbers as fp8_tma.grouped_mm (1x128 activation tiles, 128x128 weight blocks, fp32
-promotion per slice; bitwise equal outputs), for the shapes where v3 runs torch._scaled_mm once per expert
-(fp8_scaled_mm.rows_mm, which needs the offsets on the host). v3 takes it with MOESTACK_FP8_ROWS_GEMM=gluon: the FP8
-forward then has no host sync (the per-expert cuBLAS weight gradient reads the offsets in backward from a pinned
-copy queued in the forward).
+promotion per slice; bitwise equal outputs, and equal to the per-expert cuBLAS path's), for the shapes where v3
+runs torch._scaled_mm once per expert (fp8_scaled_mm.rows_mm, which needs the offsets on the host). v3 takes it with
+MOESTACK_FP8_ROWS_GEMM=gluon: the FP8 forward then has no host sync (the weight gradient reads the offsets in
+backward from a pinned copy queued in the forward, or with MOESTACK_FP8_TMA_WGRAD=1 runs fp8_tma's kernel).
 
 The blockwise scales. Each 128-deep slice's product must be scaled before it joins the fp32 sum, so the tensor cores
 wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every slice). Here:
 - Warp specialisation: one producer warp (40 registers) walks the work items and keeps a ring of NS x / w tile
   pairs full by TMA (ready / empty mbarriers), running ahead across work items, so the loads continue through each
-  tile's epilogue; the 8 consumer warps (two warpgroups of 64 rows, 240 registers) only wait, multiply, promote.
+  tile's epilogue.
+- Two consumer warpgroups of 64 rows each. SPLIT (num_warps 4, the default): each is a partition of its own (232
+  registers), so they meet only at the ring's barriers (both arrive on a slot's empty barrier) and one's promotion
+  and epilogue run under the other's MMAs; else one 8-warp partition.
 - Slices go through two fp32 partials in turn (U = 2 per loop iteration): the second MMA is issued before the
   first is waited on, so the first slice's promotion runs under the second's MMA. Nothing is in flight across the
-  loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py); U = 4 spills ~700 bytes at 240
-  registers. A slot is released (one named barrier over the consumers, then an arrive) as soon as its MMA is done.
-- Operands by TMA (host descriptors): x tiles [BT, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
+  loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py); U = 4 spills ~700 bytes. A slot is
+  released (a barrier over the partition's warps, then one arrive) as soon as its MMA is done.
+- Operands by TMA (host descriptors): x tiles [128, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
   2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts), both
   K-major in shared memory as fp8 wgmma requires. A tile past an expert's last row reads the next expert's rows
   (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
@@ -29,14 +32,13 @@ wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every
   weight tiles and a bounded set of x rows in L2 (GT = 16: +5-10% under Zipf-skewed loads, even when uniform).
 - Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores; rows >= offs[-1] get zeros.
 
-H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md session 10): 860-970 TFLOP/s
-on the four forward / dX GEMMs (Triton TMA kernel 750-810, the paired non-specialised first version 756-880),
-against per-expert cuBLAS at 900-1040: 0.90-1.0x of cuBLAS, so cuBLAS stays v3's default. In the layer the Gluon
-path measured 46.4-47.4 ms fwd+bwd against 42.4-45.1 with cuBLAS (both with FP8 projections).
+H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md session 10): 903-941
+TFLOP/s on the four forward / dX GEMMs, 0.92-1.03x per-expert cuBLAS (909-1018), whose kernels run 128x128 tiles in
+2-CTA clusters (TMA multicast halves one operand's L2 traffic; not done here). With two partials the register
+file (3 x 64 KB of fp32 accumulators per 128x128 tile) allows no larger tile. cuBLAS stays v3's default.
 
-BT = 16 x warps (wgmma's 64 rows per warpgroup), BF = 128 (one weight scale per tile and slice). Requirements
-(`supported`): sm_90, fp8 e4m3 operands laid out as above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots,
-U slices per consumer iteration, GT token tiles per group.
+BF = 128 (one weight scale per tile and slice). Requirements (`supported`): sm_90, fp8 e4m3 operands laid out as
+above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots, U slices per consumer iteration, GT token tiles per group.
 """
 
 from __future__ import annotations

@@ -154,11 +154,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from moestack.ops.moe import gluon_fp8_gemm as gg
 
-nw, ns, unroll, group_t, _ = gg.CONFIGS[int(sys.argv[1])]
+nw, ns, group_t = gg.CONFIGS[int(sys.argv[1])]
 kern = gg.fp8_gg_gluon_kernel
 layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
 desc = f"tensordesc<fp8e4nv[128, 128],{layout!r}>"
-consts = {"BE": 64, "NS": ns, "U": unroll, "GT": group_t, "SPLIT": nw == 4}
+consts = {"BE": 64, "NS": ns, "GT": group_t, "SPLIT": nw == 4}
 types = {"x_desc": desc, "w_desc": desc, "sx": "*fp32", "sw": "*fp32", "y": "*bf16", "offs": "*i32"}
 sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
 src = GluonASTSource(fn=kern, signature=sig, attrs={},

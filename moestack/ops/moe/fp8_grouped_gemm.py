@@ -90,20 +90,7 @@ def _gluon_rows_gemm(x: torch.Tensor):
     choice = os.environ.get(ROWS_GEMM_ENV, "cublas")
     if choice not in ("gluon", "cublas"):
         raise ValueError(f"{ROWS_GEMM_ENV}={choice!r}: use 'cublas' (default) or 'gluon' (sm_90, no host sync)")
-    if choice == "cublas" or not x.is_cuda:
-        return None
-    try:
-        from moestack.ops.moe import gluon_fp8_gemm
-    except ImportError:  # a Triton without Gluon's Hopper pieces
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return gluon_fp8_gemm if gluon_fp8_gemm.supported_device(index) else None
-
-
-def _tma_wgrad_ok(qxT: torch.Tensor, qdyT: torch.Tensor) -> bool:
-    from moestack.ops.moe import fp8_tma
-
-    return fp8_tma.wgrad_supported(qxT, qdyT)
+    return fq.gluon_module("gluon_fp8_gemm", x.device) if choice == "gluon" and x.is_cuda else None
 
 
 def _triton_rows_mm(qx, sx, qw, sw, offs_E, out_dtype, swap: int) -> torch.Tensor:
@@ -407,25 +394,26 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         swap = SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
         (qw, sw), (_, swT) = fp8_weight_cache.pair(w_EDF, q_dtype)
         save = ctx.needs_input_grad[1]
-        gluon = _gluon_rows_gemm(x_ND) if cublas else None  # the rows GEMMs without the per-expert host loop
-        per_expert = cublas and gluon is None
         qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, q_dtype, expert_major=cublas, tiles=save)
+        # the rows GEMMs without the per-expert host loop; same operands as cuBLAS's (expert-major row scales), so
+        # where the kernel does not take them the per-expert path below still does
+        gluon = _gluon_rows_gemm(x_ND) if cublas else None
+        if gluon is not None and not gluon.supported(qx, qw):
+            gluon = None
         ends = None
-        if gluon is not None and gluon.supported(qx, qw):
+        if gluon is not None:
             y = gluon.grouped_mm(qx, sx, qw, sw, offs_E, x_ND.dtype)
-        elif per_expert:
+        elif cublas:
             ends = _host_ends(offs_E, host_ends)
             y = fsm.rows_mm(qx, sx, qw, sw, swT, ends, x_ND.dtype)
         else:
-            gluon = None
             y = _triton_rows_mm(qx, sx, qw, sw, offs_E, x_ND.dtype, swap)
         ctx.save_for_backward(qxT, sxT, w_EDF, offs_E)
         ctx.q_dtype, ctx.x_dtype, ctx.swap, ctx.ends, ctx.gluon = q_dtype, x_ND.dtype, swap, ends, gluon
-        # the per-expert cuBLAS weight gradient needs the offsets on the host. Where the forward did not read them
-        # (the Gluon path), they are copied to pinned memory now, without waiting, and read in backward, long after
-        # the copy finished: no host sync in the forward, no drained GPU queue in the backward
-        # the Gluon path with MOESTACK_FP8_TMA_WGRAD=1 takes fp8_tma's Triton weight gradient: no host read of the
-        # offsets at all (slower than per-expert cuBLAS: benchmarks/RESULTS.md session 10)
+        # The Gluon path with MOESTACK_FP8_TMA_WGRAD=1 takes fp8_tma's Triton weight gradient: no host read of the
+        # offsets at all (slower than per-expert cuBLAS: benchmarks/RESULTS.md session 10). The per-expert cuBLAS
+        # weight gradient needs the offsets on the host: where the forward did not read them (the Gluon path) they
+        # are copied to pinned memory now, without waiting, and read in backward, long after the copy finished.
         ctx.gluon_wg = gluon is not None and os.environ.get(TMA_WGRAD_ENV, "0") == "1"
         ctx.wg_ends = (ends if ends is not None else host_ends) if cublas_wg else None
         ctx.offs_host = (_offsets_to_host_async(offs_E) if cublas_wg and ctx.wg_ends is None and not ctx.gluon_wg
@@ -443,16 +431,16 @@ class Fp8GroupedMMv3(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             (_, sw), (qwT, swT) = fp8_weight_cache.pair(w_EDF, ctx.q_dtype)
-            if gluon is not None and gluon.supported(qdy, qwT):
+            if gluon is not None:  # qdy and w^T: quantize_dual's and the weight cache's layouts, as in the forward
                 dx = gluon.grouped_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype)
             elif ends is not None:  # w^T's block scales are swT [E, F/128, D/128], transposed: the forward's sw
                 dx = fsm.rows_mm(qdy, sdy, qwT, swT, sw, ends, ctx.x_dtype)
             else:
                 dx = _triton_rows_mm(qdy, sdy, qwT, swT, offs_E, ctx.x_dtype, ctx.swap)
         if need_dw:
-            if ctx.gluon_wg and _tma_wgrad_ok(qxT, qdyT):
-                from moestack.ops.moe import fp8_tma
+            from moestack.ops.moe import fp8_tma
 
+            if ctx.gluon_wg and fp8_tma.wgrad_supported(qxT, qdyT):
                 dw = fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs_E, w_EDF)
             elif ctx.cublas_wg:
                 wg_ends = ctx.wg_ends if ctx.wg_ends is not None else _offsets_from_host(ctx.offs_host, offs_E)

@@ -30,6 +30,7 @@ Legend: N rows, K reduction width, F output width, E experts, D width, G token t
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -320,17 +321,23 @@ def _gluon_dual(device: torch.device):
     choice = os.environ.get(QUANT_ENV, "gluon")
     if choice not in ("gluon", "triton"):
         raise ValueError(f"{QUANT_ENV}={choice!r}: use 'gluon' (default on sm_90) or 'triton'")
-    return _gluon_module(device.index if device.index is not None else torch.cuda.current_device()) \
-        if choice == "gluon" else None
+    return gluon_module("gluon_quant", device) if choice == "gluon" else None
+
+
+def gluon_module(name: str, device: torch.device):
+    """moestack.ops.moe.<name>, a Gluon (sm_90) kernel module, where it runs on device; else None."""
+    return _gluon_module(name, device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _gluon_module(device_index: int):
+def _gluon_module(name: str, device_index: int):
     try:
-        from moestack.ops.moe import gluon_quant
+        module = importlib.import_module(f"moestack.ops.moe.{name}")
     except ImportError:  # a Triton without Gluon's Hopper pieces
         return None
-    return gluon_quant if gluon_quant.supported(device_index) else None
+    from moestack.ops.moe import gluon_quant
+
+    return module if gluon_quant.supported(device_index) else None
 
 
 def quantize_blocks_pair(

@@ -16,9 +16,9 @@ wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every
 - Two consumer warpgroups of 64 rows each. SPLIT (num_warps 4, the default): each is a partition of its own (232
   registers), so they meet only at the ring's barriers (both arrive on a slot's empty barrier) and one's promotion
   and epilogue run under the other's MMAs; else one 8-warp partition.
-- Slices go through two fp32 partials in turn (U = 2 per loop iteration): the second MMA is issued before the
-  first is waited on, so the first slice's promotion runs under the second's MMA. Nothing is in flight across the
-  loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py); U = 4 spills ~700 bytes. A slot is
+- Slices go in pairs through two fp32 partials: the second MMA is issued before the first is waited on, so the
+  first slice's promotion runs under the second's MMA. Nothing is in flight across the loop's back-edge (ptxas
+  serialises wgmma otherwise, see gluon_wgrad.py); four slices per iteration spilled ~700 bytes. A slot is
   released (a barrier over the partition's warps, then one arrive) as soon as its MMA is done.
 - Operands by TMA (host descriptors): x tiles [128, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
   2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts), both
@@ -38,7 +38,7 @@ TFLOP/s on the four forward / dX GEMMs, 0.92-1.03x per-expert cuBLAS (909-1018),
 file (3 x 64 KB of fp32 accumulators per 128x128 tile) allows no larger tile. cuBLAS stays v3's default.
 
 BF = 128 (one weight scale per tile and slice). Requirements (`supported`): sm_90, fp8 e4m3 operands laid out as
-above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots, U slices per consumer iteration, GT token tiles per group.
+above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots, GT token tiles per group.
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moestack.ops.moe.gluon_quant import supported as supported_device  # sm_90, as the quantiser
+
 # registers per thread over the whole program: 12 warps (two consumer warpgroups + the producer's) share 64K
 MAXNREG = 168
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (num_warps, ring slots, slices per iteration, token-tile group, programs per SM): first = default;
-# num_warps 8 = one consumer partition of two warpgroups, 4 = one partition per warpgroup (SPLIT)
-CONFIGS = ((4, 4, 2, 16, 1), (4, 6, 2, 16, 1), (8, 4, 2, 16, 1), (8, 4, 2, 0, 1))
+# (num_warps, ring slots, token-tile group): first = default; num_warps 8 = one consumer partition of two
+# warpgroups, 4 = one partition per warpgroup (SPLIT)
+CONFIGS = ((4, 4, 16), (4, 6, 16), (8, 4, 16), (8, 4, 0))
 
 
 @gluon.jit
@@ -111,18 +113,16 @@ def _expert_vectors(offs, E, F, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.cons
 
 
 @gluon.jit
-def _scale_block(e, o_e, b_start, b_end):
-    """Expert e's row scales in quantize_dual's expert-major layout: (first element / nk, rows rounded up to 4,
-    first row). The block is [nk, Mp_e], contiguous along the rows, after nk * (the earlier experts' Mp)."""
+def _scale_blocks(b_start, b_end):
+    """Per expert, its row scales in quantize_dual's expert-major layout: (first element / nk, rows rounded up to
+    4). Expert e's block is [nk, Mp_e], contiguous along the rows, after nk * (the earlier experts' Mp)."""
     b_mp = (gl.maximum(b_end - b_start, 0) + 3) // 4 * 4
-    b_base = gl.associative_scan(b_mp, 0, _add) - b_mp
-    sel = o_e == e
-    return gl.sum(gl.where(sel, b_base, 0), 0), gl.sum(gl.where(sel, b_mp, 0), 0), gl.sum(gl.where(sel, b_start, 0), 0)
+    return gl.associative_scan(b_mp, 0, _add) - b_mp, b_mp
 
 
 @gluon.jit
 def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr,
-              U: gl.constexpr, GT: gl.constexpr):
+              GT: gl.constexpr):
     """One warp: walks the same work items as the consumers and keeps the ring full (one TMA pair of x and w
     tiles per slot), running ahead across work items."""
     BF_: gl.constexpr = w_desc.block_type.shape[0]
@@ -130,7 +130,7 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: 
     NS: gl.constexpr = x_ring.shape[0]
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
     n_ftiles = gl.cdiv(F, BF_)
-    steps = gl.cdiv(nk, U) * U  # slices per item, rounded up to the consumer's unroll (zero-filled past K)
+    steps = gl.cdiv(nk, 2) * 2  # slices per item, rounded up to the consumer's pairs (zero-filled past K)
     c = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         e, row0, _, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
@@ -167,11 +167,11 @@ def _mma_slice(x_ring, w_ring, ready, c, zero, ROW0: gl.constexpr):
 
 @gluon.jit
 def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-              stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
-              GT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+              stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, GT: gl.constexpr,
+              WG: gl.constexpr):  # fmt: skip
     """Rows WG * 16 * warps : + 16 * warps of every tile (all BT rows when this partition has BT / 16 warps):
-    U slices per iteration through two partial accumulators, so every slice's promotion but the last one's runs
-    under the next slice's MMA; then the epilogue."""
+    slices in pairs through two partial accumulators, so the first one's promotion runs under the second one's
+    MMA; then the epilogue."""
     NW: gl.constexpr = gl.num_warps()
     BTW: gl.constexpr = 16 * NW  # this partition's rows of a tile
     NS: gl.constexpr = x_ring.shape[0]
@@ -179,8 +179,8 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
                                                          instr_shape=[16, BF_, 32])  # fmt: skip
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
+    b_base, b_mp = _scale_blocks(b_start, b_end)
     n_ftiles = gl.cdiv(F, BF_)
-    n_iter = gl.cdiv(nk, U)
     zero = gl.zeros([BTW, BF_], gl.float32, layout=acc_layout)
     o_r = gl.arange(0, BTW, layout=gl.SliceLayout(1, acc_layout)) + WG * BTW
     st_r = gl.arange(0, BTW, layout=gl.SliceLayout(1, st_layout)) + WG * BTW
@@ -189,32 +189,27 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         e, row0, row_end, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
         rows = row0 + o_r
-        base, mp, start = _scale_block(e, o_e, b_start, b_end)
-        p_sx = sx + base.to(gl.int64) * nk + (rows - start)  # coalesced: a block's rows are contiguous
+        sel = o_e == e
+        mp = gl.sum(gl.where(sel, b_mp, 0), 0)
+        first = gl.sum(gl.where(sel, b_base, 0), 0).to(gl.int64) * nk - gl.sum(gl.where(sel, b_start, 0), 0)
+        p_sx = sx + first + rows  # coalesced: a block's rows are contiguous
         m_rows = rows < row_end
         p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
         acc = zero
-        for j in range(n_iter):
-            k0 = j * U
+        for j in range(gl.cdiv(nk, 2)):
             pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG * BTW)
             pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero, WG * BTW)
-            for u in gl.static_range(U):
-                b_s = _slice_scale(p_sx, mp, p_sw, m_rows, k0 + u, nk, stride_swk)
-                if u % 2 == 0:
-                    pa = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pa, ))
-                else:
-                    pb = warpgroup_mma_wait(num_outstanding=1 if u + 1 < U else 0, deps=(pb, ))
-                gl.thread_barrier()  # this partition's warpgroups are done reading slice u's slot
-                mbarrier.arrive(empty.index((c + u) % NS), count=1)
-                if u % 2 == 0:
-                    acc = acc + pa * b_s[:, None]
-                    if u + 2 < U:  # into the registers just read: runs under the other partial's MMA
-                        pa = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero, WG * BTW)
-                else:
-                    acc = acc + pb * b_s[:, None]
-                    if u + 2 < U:
-                        pb = _mma_slice(x_ring, w_ring, ready, c + u + 2, zero, WG * BTW)
-            c += U
+            b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j, nk, stride_swk)
+            pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
+            gl.thread_barrier()  # this partition's warpgroups are done reading the slot
+            mbarrier.arrive(empty.index(c % NS), count=1)
+            acc = acc + pa * b_s[:, None]  # under the second slice's MMA
+            b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j + 1, nk, stride_swk)
+            pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((c + 1) % NS), count=1)
+            acc = acc + pb * b_s[:, None]
+            c += 2
         out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
         r = row0 + st_r
         cols = f0 + st_c
@@ -224,24 +219,24 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
 
 @gluon.jit
 def _worker_consumer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
+                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
                      GT: gl.constexpr):  # fmt: skip
     """The second warpgroup's rows as a partition of its own (SPLIT): the two warpgroups meet only at the ring's
     barriers, so one's promotion and epilogue run under the other's MMAs."""
     _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, U, GT, 1)
+              BF_, GT, 1)
 
 
 @gluon.jit
 def _worker_producer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, U: gl.constexpr,
+                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
                      GT: gl.constexpr):  # fmt: skip
-    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, U, GT)
+    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT)
 
 
 @gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
-                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, U: gl.constexpr, GT: gl.constexpr,
+                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, GT: gl.constexpr,
                         SPLIT: gl.constexpr):  # fmt: skip
     """See the module doc; a persistent grid. SPLIT: one consumer partition per warpgroup (num_warps = 4),
     else one 8-warp consumer partition."""
@@ -260,18 +255,18 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
     if SPLIT:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, U, GT, 0)),
+                         stride_yn, BE, BT, BF_, GT, 0)),
             (_worker_consumer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+                                stride_swk, stride_yn, BE, BT, BF_, GT)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+                                stride_swk, stride_yn, BE, BT, BF_, GT)),
         ], [4, 1], [232, 40])
     else:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, U, GT, 0)),
+                         stride_yn, BE, BT, BF_, GT, 0)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, U, GT)),
+                                stride_swk, stride_yn, BE, BT, BF_, GT)),
         ], [1], [40])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
@@ -284,11 +279,6 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
         p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
         gl.store(p_y, gl.zeros([BT, BF_], y.dtype.element_ty, layout=st_layout),
                  mask=(r < N)[:, None] & (cols < F)[None, :])
-
-
-@functools.cache
-def supported_device(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def supported(qx: torch.Tensor, qw: torch.Tensor) -> bool:
@@ -309,16 +299,15 @@ def _sms(device_index: int) -> int:
 def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
                out_dtype: torch.dtype, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y [N, F] (out_dtype) from qx [N, K] with its row scales sx in quantize_dual's expert-major layout (flat;
-    quantize_dual(..., expert_major=True)) and qw [E, K, F]
-    (memory [E, F, K]) with block scales sw [E, K/128, F/128] contiguous; rows >= offs[-1] zero. Requires
-    supported(qx, qw). config: CONFIGS' fields, default CONFIGS[0]."""
+    quantize_dual(..., expert_major=True)) and qw [E, K, F] (memory [E, F, K]) with block scales sw [E, K/128,
+    F/128] contiguous; rows >= offs[-1] zero. Requires supported(qx, qw). config: as CONFIGS, default CONFIGS[0]."""
     N, K = qx.shape
     E, _, F = qw.shape
     assert sx.dim() == 1 and sw.is_contiguous()
     y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
     if N == 0 or F == 0:
         return y
-    nw, ns, unroll, group_t, per_sm = config or CONFIGS[0]
+    nw, ns, group_t = config or CONFIGS[0]
     nk = triton.cdiv(K, BK)
     split = nw == 4
     bt = 128  # two warpgroups of 64 rows, in one partition or (split) in two
@@ -329,10 +318,10 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     w_desc = TensorDescriptor(w2, [E * F, K], [K, 1], [BF, BK], w_layout)
     work = (triton.cdiv(N, bt) + E) * triton.cdiv(F, BF)  # bound on the work items without reading offs
     dev = qx.device.index if qx.device.index is not None else torch.cuda.current_device()
-    grid = (max(1, min(work, per_sm * _sms(dev))),)
+    grid = (max(1, min(work, _sms(dev))),)  # one program per SM (the ring and epilogue scratch: 147-213 KB)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), NS=ns, U=unroll, GT=group_t, SPLIT=split, num_warps=nw,
+        BE=max(32, triton.next_power_of_2(E)), NS=ns, GT=group_t, SPLIT=split, num_warps=nw,
         maxnreg=MAXNREG,
     )
     return y

@@ -60,13 +60,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moestack.ops.moe.gluon_quant import supported as supported_device  # sm_90, as the quantiser
 
-# registers per thread over the whole program: 12 warps (two consumer warpgroups + the producer's) share 64K
-MAXNREG = 168
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (num_warps, ring slots, token-tile group): first = default; num_warps 8 = one consumer partition of two
-# warpgroups, 4 = one partition per warpgroup (SPLIT)
-CONFIGS = ((4, 4, 16), (4, 6, 16), (8, 4, 16), (8, 4, 0))
+# (consumer warpgroups, slices in pairs, ring slots, token-tile group): first = default
+CONFIGS = ((2, True, 4, 16), (3, False, 4, 16), (3, False, 3, 16), (2, False, 6, 16), (2, True, 6, 16))
+# registers per thread (the worker consumers, the producer warp's warpgroup), by consumer warpgroups; the default
+# partition (consumer 0) gets what is left of 64K (Triton's AllocateWarpGroups): 232 of 2 x 4 + 4 warps at 168
+# at launch; 168 of 3 x 4 + 4 warps at 128
+REGISTERS = {2: (232, 40), 3: (160, 32)}
 
 
 @gluon.jit
@@ -122,15 +123,18 @@ def _scale_blocks(b_start, b_end):
 
 @gluon.jit
 def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: gl.constexpr, BT: gl.constexpr,
-              GT: gl.constexpr):
-    """One warp: walks the same work items as the consumers and keeps the ring full (one TMA pair of x and w
-    tiles per slot), running ahead across work items."""
+              GT: gl.constexpr, PAIR: gl.constexpr):
+    """One warp: walks the same work items as the consumers and keeps the ring full (per slot the x tile as one
+    64-row TMA load per consumer warpgroup, and the w tile), running ahead across work items."""
     BF_: gl.constexpr = w_desc.block_type.shape[0]
     BK_: gl.constexpr = x_desc.block_type.shape[1]
-    NS: gl.constexpr = x_ring.shape[0]
+    NS: gl.constexpr = w_ring.shape[0]
+    NC: gl.constexpr = BT // 64
     o_e, b_start, b_end, b_tiles, b_work_end, total = _expert_vectors(offs, E, F, BE, BT, BF_)
     n_ftiles = gl.cdiv(F, BF_)
-    steps = gl.cdiv(nk, 2) * 2  # slices per item, rounded up to the consumer's pairs (zero-filled past K)
+    steps = nk
+    if PAIR:
+        steps = gl.cdiv(nk, 2) * 2  # slices per item, rounded up to the consumer's pairs (zero-filled past K)
     c = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
         e, row0, _, f0 = _work_item(t, o_e, b_start, b_end, b_tiles, b_work_end, n_ftiles, BT, BF_, GT)
@@ -139,8 +143,9 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE: 
             s = c % NS
             mbarrier.wait(empty.index(s), ((c // NS) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [row0, k * BK_], bar, x_ring.index(s))
+            mbarrier.expect(bar, NC * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            for j in gl.static_range(NC):
+                tma.async_copy_global_to_shared(x_desc, [row0 + j * 64, k * BK_], bar, x_ring.index(s * NC + j))
             tma.async_copy_global_to_shared(w_desc, [wrow0, k * BK_], bar, w_ring.index(s))
             c += 1
 
@@ -153,28 +158,26 @@ def _slice_scale(p_sx, mp, p_sw, m_rows, k, nk, stride_swk):
 
 
 @gluon.jit
-def _mma_slice(x_ring, w_ring, ready, c, zero, ROW0: gl.constexpr):
-    """Wait for ring slot c's tiles, issue its MMA (rows ROW0 : ROW0 + zero's rows of the x tile) async."""
-    NS: gl.constexpr = x_ring.shape[0]
-    ROWS: gl.constexpr = zero.shape[0]
+def _mma_slice(x_ring, w_ring, ready, c, zero, WG: gl.constexpr):
+    """Wait for ring slot c's tiles, issue the MMA of warpgroup WG's 64 rows of the x tile async."""
+    NS: gl.constexpr = w_ring.shape[0]
+    NC: gl.constexpr = x_ring.shape[0] // NS
     s = c % NS
     mbarrier.wait(ready.index(s), (c // NS) & 1)
-    a = x_ring.index(s)
-    if ROWS < x_ring.shape[1]:
-        a = a.slice(ROW0, ROWS)
-    return warpgroup_mma(a, w_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(x_ring.index(s * NC + WG), w_ring.index(s).permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit
 def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
               stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, GT: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
-    """Rows WG * 16 * warps : + 16 * warps of every tile (all BT rows when this partition has BT / 16 warps):
-    slices in pairs through two partial accumulators, so the first one's promotion runs under the second one's
-    MMA; then the epilogue."""
+              PAIR: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Rows WG * 64 : + 64 of every tile (one warpgroup). PAIR: slices in pairs through two partial accumulators,
+    so the first one's promotion runs under the second one's MMA; else one partial, each slice waited on and
+    promoted while the other warpgroups' MMAs run. Then the epilogue."""
     NW: gl.constexpr = gl.num_warps()
     BTW: gl.constexpr = 16 * NW  # this partition's rows of a tile
-    NS: gl.constexpr = x_ring.shape[0]
+    NS: gl.constexpr = w_ring.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                          instr_shape=[16, BF_, 32])  # fmt: skip
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
@@ -196,20 +199,30 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
         m_rows = rows < row_end
         p_sw = sw + e.to(gl.int64) * stride_swe + f0 // BF_
         acc = zero
-        for j in range(gl.cdiv(nk, 2)):
-            pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG * BTW)
-            pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero, WG * BTW)
-            b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j, nk, stride_swk)
-            pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
-            gl.thread_barrier()  # this partition's warpgroups are done reading the slot
-            mbarrier.arrive(empty.index(c % NS), count=1)
-            acc = acc + pa * b_s[:, None]  # under the second slice's MMA
-            b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j + 1, nk, stride_swk)
-            pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((c + 1) % NS), count=1)
-            acc = acc + pb * b_s[:, None]
-            c += 2
+        if PAIR:
+            for j in range(gl.cdiv(nk, 2)):
+                pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG)
+                pb = _mma_slice(x_ring, w_ring, ready, c + 1, zero, WG)
+                b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j, nk, stride_swk)
+                pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa, ))
+                gl.thread_barrier()  # this partition's warps are done reading the slot
+                mbarrier.arrive(empty.index(c % NS), count=1)
+                acc = acc + pa * b_s[:, None]  # under the second slice's MMA
+                b_s = _slice_scale(p_sx, mp, p_sw, m_rows, 2 * j + 1, nk, stride_swk)
+                pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((c + 1) % NS), count=1)
+                acc = acc + pb * b_s[:, None]
+                c += 2
+        else:
+            for k in range(nk):
+                pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG)
+                b_s = _slice_scale(p_sx, mp, p_sw, m_rows, k, nk, stride_swk)
+                pa = warpgroup_mma_wait(num_outstanding=0, deps=(pa, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(c % NS), count=1)
+                acc = acc + pa * b_s[:, None]  # under the other warpgroups' MMAs
+                c += 1
         out = gl.convert_layout(acc.to(y.dtype.element_ty), st_layout)
         r = row0 + st_r
         cols = f0 + st_c
@@ -218,66 +231,78 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
 
 
 @gluon.jit
-def _worker_consumer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                     GT: gl.constexpr):  # fmt: skip
-    """The second warpgroup's rows as a partition of its own (SPLIT): the two warpgroups meet only at the ring's
-    barriers, so one's promotion and epilogue run under the other's MMAs."""
+def _worker_consumer1(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
+                      GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    """The second warpgroup's rows as a partition of its own: the warpgroups meet only at the ring's barriers,
+    so one's promotion and epilogue run under the others' MMAs."""
     _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, GT, 1)
+              BF_, GT, PAIR, 1)
+
+
+@gluon.jit
+def _worker_consumer2(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
+                      GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
+              BF_, GT, PAIR, 2)
 
 
 @gluon.jit
 def _worker_producer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                     GT: gl.constexpr):  # fmt: skip
-    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT)
+                     GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT, PAIR)
 
 
 @gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
-                        stride_yn, BE: gl.constexpr, NS: gl.constexpr, GT: gl.constexpr,
-                        SPLIT: gl.constexpr):  # fmt: skip
-    """See the module doc; a persistent grid. SPLIT: one consumer partition per warpgroup (num_warps = 4),
-    else one 8-warp consumer partition."""
+                        stride_yn, BE: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr, GT: gl.constexpr,
+                        PAIR: gl.constexpr, REGS: gl.constexpr, PREGS: gl.constexpr):  # fmt: skip
+    """See the module doc; a persistent grid. One consumer partition per 64-row warpgroup of the x tile (2 or 3,
+    num_warps = 4 each), one producer warp; REGS: the consumers' registers."""
     NW: gl.constexpr = gl.num_warps()
-    BT: gl.constexpr = x_desc.block_type.shape[0]
     BF_: gl.constexpr = w_desc.block_type.shape[0]
-    gl.static_assert(BT == (32 if SPLIT else 16) * NW, "BT = 64 rows per warpgroup")
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS] + x_desc.block_type.shape, x_desc.layout)
+    gl.static_assert(NW == 4 and x_desc.block_type.shape[0] == 64, "a partition per 64-row warpgroup")
+    gl.static_assert(BT == 128 or BT == 192, "two or three consumer warpgroups")
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS * (BT // 64)] + x_desc.block_type.shape, x_desc.layout)
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2 if SPLIT else 1)  # one arrive per consumer partition
+        mbarrier.init(empty.index(s), count=BT // 64)  # one arrive per consumer partition
     fence_async_shared()
-    if SPLIT:
+    if BT == 128:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, GT, 0)),
-            (_worker_consumer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT)),
+                         stride_yn, BE, BT, BF_, GT, PAIR, 0)),
+            (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT)),
-        ], [4, 1], [232, 40])
+                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+        ], [4, 1], [REGS, PREGS])
     else:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, GT, 0)),
+                         stride_yn, BE, BT, BF_, GT, PAIR, 0)),
+            (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+            (_worker_consumer2, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT)),
-        ], [1], [40])
+                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+        ], [4, 4, 1], [REGS, REGS, PREGS])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
-    st_r = gl.arange(0, BT, layout=gl.SliceLayout(1, st_layout))
+    st_r = gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     st_c = gl.arange(0, BF_, layout=gl.SliceLayout(0, st_layout))
     n_ftiles = gl.cdiv(F, BF_)
     used = gl.load(offs + E - 1)
-    for t2 in range(gl.program_id(0), gl.cdiv(N - used, BT) * n_ftiles, gl.num_programs(0)):  # rows past the end
-        r = used + (t2 // n_ftiles) * BT + st_r
+    for t2 in range(gl.program_id(0), gl.cdiv(N - used, 64) * n_ftiles, gl.num_programs(0)):  # rows past the end
+        r = used + (t2 // n_ftiles) * 64 + st_r
         cols = (t2 % n_ftiles) * BF_ + st_c
         p_y = y + r.to(gl.int64)[:, None] * stride_yn + cols[None, :]
-        gl.store(p_y, gl.zeros([BT, BF_], y.dtype.element_ty, layout=st_layout),
+        gl.store(p_y, gl.zeros([64, BF_], y.dtype.element_ty, layout=st_layout),
                  mask=(r < N)[:, None] & (cols < F)[None, :])
 
 
@@ -307,13 +332,12 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     y = torch.empty((N, F), device=qx.device, dtype=out_dtype)
     if N == 0 or F == 0:
         return y
-    nw, ns, group_t = config or CONFIGS[0]
+    n_consumers, pair, ns, group_t = config or CONFIGS[0]
     nk = triton.cdiv(K, BK)
-    split = nw == 4
-    bt = 128  # two warpgroups of 64 rows, in one partition or (split) in two
-    x_layout = gl.NVMMASharedLayout.get_default_for([bt, BK], gl.float8e4nv)
+    bt = 64 * n_consumers  # a consumer warpgroup per 64 rows of the x tile
+    x_layout = gl.NVMMASharedLayout.get_default_for([64, BK], gl.float8e4nv)
     w_layout = gl.NVMMASharedLayout.get_default_for([BF, BK], gl.float8e4nv)
-    x_desc = TensorDescriptor(qx, [N, K], [qx.stride(0), 1], [bt, BK], x_layout)
+    x_desc = TensorDescriptor(qx, [N, K], [qx.stride(0), 1], [64, BK], x_layout)
     w2 = torch.as_strided(qw, (E * F, K), (K, 1))
     w_desc = TensorDescriptor(w2, [E * F, K], [K, 1], [BF, BK], w_layout)
     work = (triton.cdiv(N, bt) + E) * triton.cdiv(F, BF)  # bound on the work items without reading offs
@@ -321,7 +345,7 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, _sms(dev))),)  # one program per SM (the ring and epilogue scratch: 147-213 KB)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), NS=ns, GT=group_t, SPLIT=split, num_warps=nw,
-        maxnreg=MAXNREG,
+        BE=max(32, triton.next_power_of_2(E)), BT=bt, NS=ns, GT=group_t, PAIR=pair, REGS=REGISTERS[n_consumers][0],
+        PREGS=REGISTERS[n_consumers][1], num_warps=4,
     )
     return y

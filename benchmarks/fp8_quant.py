@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=56)
     p.add_argument("--rows", type=int, default=2340, help="rows per expert")
     p.add_argument("--widths", default="3584,3072,6144", help="K values, comma list")
+    p.add_argument("--configs", default="default", help="'default' or 'all' Gluon configs (warps, register cap)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| fp8 quantiser | needs a CUDA GPU |")
@@ -30,6 +31,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.moe import gluon_quant as gq
 
     E, m = args.experts, args.rows
     offs = (torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * m)
@@ -41,8 +43,9 @@ def main() -> None:
         x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         moved = N * K * (2 + 1 + 1)
         ref = None
-        for kernel in ("triton", "gluon"):
-            with mock.patch.dict(os.environ, {fq.QUANT_ENV: kernel}):
+        configs = gq.CONFIGS if args.configs == "all" else gq.CONFIGS[:1]
+        for kernel, cfg in [("triton", None)] + [("gluon", c) for c in configs]:
+            with mock.patch.dict(os.environ, {fq.QUANT_ENV: kernel}), mock.patch.object(gq, "CONFIGS", (cfg,)):
                 out = fq.quantize_dual(x, offs, expert_major=True)
                 t = do_bench(lambda x=x: fq.quantize_dual(x, offs, expert_major=True), warmup=20, rep=200)
             if ref is None:
@@ -53,7 +56,8 @@ def main() -> None:
                             torch.equal(out[1], ref[1]),
                             torch.equal(out[2][:, :n_tok].view(torch.uint8), ref[2][:, :n_tok].view(torch.uint8)),
                             torch.equal(out[3][:n_tok // fq.GROUP], ref[3][:n_tok // fq.GROUP])))
-            print(f"| | {K} | {kernel} | {t:.3f} | {moved / t / 1e9:.2f} | {same} |", flush=True)
+            label = kernel if cfg is None else f"{kernel} {cfg[0]} warps, cap {cfg[1] or '-'}"
+            print(f"| | {K} | {label} | {t:.3f} | {moved / t / 1e9:.2f} | {same} |", flush=True)
         del x, ref, out
         torch.cuda.empty_cache()
 

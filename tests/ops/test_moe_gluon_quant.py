@@ -42,18 +42,20 @@ def test_gluon_quant_dual_gpu(K, counts, monkeypatch):
     x[:, 5] = 0  # an all-zero column: token-tile scale 1
     offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)
     n_tiles = sum((c + 127) // 128 for c in counts)
-    for em in (False, True):
-        for tiles in (True, False):
-            want = _run(x, offs, em, tiles, "triton", monkeypatch)
-            got = _run(x, offs, em, tiles, "gluon", monkeypatch)
-            assert torch.equal(got[0].view(torch.uint8)[:used], want[0].view(torch.uint8)[:used]), (em, tiles)
-            s_got, s_want = (got[1], want[1]) if em else (got[1][:used], want[1][:used])
-            assert torch.equal(s_got, s_want), (em, tiles)
-            if tiles:
-                cols = n_tiles * fq.GROUP
-                assert torch.equal(got[2].view(torch.uint8)[:, :cols], want[2].view(torch.uint8)[:, :cols])
-                assert torch.equal(got[3][:n_tiles], want[3][:n_tiles])
-            else:
-                assert got[2] is None and got[3] is None
+    for em, tiles, config in [(em, tiles, gluon_quant.CONFIGS[0]) for em in (False, True) for tiles in (True, False)] + [
+            (True, True, c) for c in gluon_quant.CONFIGS[1:]]:  # every launch config on the v3 call
+        want = _run(x, offs, em, tiles, "triton", monkeypatch)
+        monkeypatch.setattr(gluon_quant, "CONFIGS", (config,) + gluon_quant.CONFIGS)
+        got = _run(x, offs, em, tiles, "gluon", monkeypatch)
+        monkeypatch.undo()
+        assert torch.equal(got[0].view(torch.uint8)[:used], want[0].view(torch.uint8)[:used]), (em, tiles, config)
+        s_got, s_want = (got[1], want[1]) if em else (got[1][:used], want[1][:used])
+        assert torch.equal(s_got, s_want), (em, tiles, config)
+        if tiles:
+            cols = n_tiles * fq.GROUP
+            assert torch.equal(got[2].view(torch.uint8)[:, :cols], want[2].view(torch.uint8)[:, :cols])
+            assert torch.equal(got[3][:n_tiles], want[3][:n_tiles])
+        else:
+            assert got[2] is None and got[3] is None
     # not a vacuous comparison: the values are fp8 of the data, not zeros
     assert got[0][:used].float().abs().max() == 448.0

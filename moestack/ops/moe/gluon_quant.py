@@ -43,7 +43,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-WARPS = 8  # 16 tokens x 4 columns per thread (64 fp32 registers of x); H200 choice in benchmarks/RESULTS.md
+# (warps, register cap or 0 = none): 128 / warps tokens x 4 columns per thread. The cap sets how many programs share
+# an SM: 8 warps compile to 146 registers (one program, 8 warps per SM), 128 fits two; 16 warps to 78 (one), 64
+# fits two. First = default (benchmarks/RESULTS.md).
+CONFIGS = ((8, 0), (8, 128), (16, 0), (16, 64))
 
 
 @functools.cache
@@ -133,8 +136,10 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
                 gl.store(p_qT, b_qc, mask=(cols_t < K)[None, :])
 
 
-def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool, num_warps: int = WARPS) -> None:
-    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates)."""
+def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
+           config: tuple[int, int] | None = None) -> None:
+    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS."""
+    num_warps, maxnreg = config or CONFIGS[0]
     K = x_NK.shape[1]
     E = offs_E.numel()
     nk = -(-K // TILE)
@@ -142,4 +147,4 @@ def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: boo
     fp8_quant_dual_gluon_kernel[(G, nk)](
         x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
         BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
-        EVEN_K=K % TILE == 0, num_warps=num_warps)
+        EVEN_K=K % TILE == 0, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))

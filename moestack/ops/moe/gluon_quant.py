@@ -43,10 +43,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-# (warps, register cap or 0 = none): 128 / warps tokens x 4 columns per thread. The cap sets how many programs share
-# an SM: 8 warps compile to 146 registers (one program, 8 warps per SM), 128 fits two; 16 warps to 78 (one), 64
-# fits two. First = default (benchmarks/RESULTS.md).
-CONFIGS = ((8, 0), (8, 128), (16, 0), (16, 64))
+# (warps, qT stores): 128 / warps tokens x 4 columns per thread (8 warps: 124 registers, two programs per SM).
+# qT stores: "lanes" = from the load layout (a warp store writes 16 bytes into each of 32 qT rows), "lines" =
+# through shared memory to a layout whose warp store writes whole 128-byte lines (8 lanes along the tokens).
+# First = default (benchmarks/RESULTS.md).
+CONFIGS = ((8, "lanes"), (8, "lines"), (16, "lines"))
 
 
 @functools.cache
@@ -90,14 +91,23 @@ def expert_tile(offs, E, g, BE: gl.constexpr, NW: gl.constexpr):
             gl.sum(gl.where(sel, gl.associative_scan(b_mp, 0, _add) - b_mp, 0), 0), gl.sum(gl.where(sel, b_mp, 0), 0))
 
 
+@gluon.constexpr_function
+def lines_layout(num_warps):
+    """qT's store layout for whole lines: 16 consecutive tokens x 4 columns per thread, 8 lanes along the tokens
+    (128 tokens = one 128-byte line of a qT row), 4 lanes and the warps along the columns."""
+    num_warps = int(num_warps)
+    return gl.BlockedLayout([16, 128 // (4 * num_warps)], [8, 4], [1, num_warps], [0, 1])
+
+
 @gluon.jit
 def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
-                                EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr):
+                                EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
+                                LINES: gl.constexpr):
     """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel."""
     G: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
     L: gl.constexpr = tile_layout(NW)
-    LT: gl.constexpr = tile_layout(NW, True)
+    LT: gl.constexpr = lines_layout(NW) if LINES else tile_layout(NW, True)
     g = gl.program_id(0)
     i_k = gl.program_id(1)
     n_tiles, first, cnt, start, base, mp = expert_tile(offs, E, g, BE, NW)
@@ -126,7 +136,7 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
             b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
             b_qc = (b_x * gl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]).to(qT.dtype.element_ty)
             gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
-            b_qc = gl.convert_layout(b_qc, LT)  # register renaming only (same lanes and warps)
+            b_qc = gl.convert_layout(b_qc, LT)  # lanes: register renaming only; lines: through shared memory
             toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
             cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
             p_qT = qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None]
@@ -137,9 +147,9 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
 
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
-           config: tuple[int, int] | None = None) -> None:
+           config: tuple[int, str] | None = None) -> None:
     """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS."""
-    num_warps, maxnreg = config or CONFIGS[0]
+    num_warps, qt_stores = config or CONFIGS[0]
     K = x_NK.shape[1]
     E = offs_E.numel()
     nk = -(-K // TILE)
@@ -147,4 +157,4 @@ def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: boo
     fp8_quant_dual_gluon_kernel[(G, nk)](
         x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
         BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
-        EVEN_K=K % TILE == 0, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+        EVEN_K=K % TILE == 0, LINES=qt_stores == "lines", num_warps=num_warps)

@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=56)
     p.add_argument("--rows", type=int, default=2340, help="rows per expert")
     p.add_argument("--widths", default="3584,3072,6144", help="K values, comma list")
-    p.add_argument("--configs", default="default", help="'default' or 'all' Gluon configs (warps, qT stores)")
+    p.add_argument("--configs", default="default", help="'default' or 'all' Gluon configs (warps, columns per thread, qT stores)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| fp8 quantiser | needs a CUDA GPU |")
@@ -56,7 +56,7 @@ def main() -> None:
                             torch.equal(out[1], ref[1]),
                             torch.equal(out[2][:, :n_tok].view(torch.uint8), ref[2][:, :n_tok].view(torch.uint8)),
                             torch.equal(out[3][:n_tok // fq.GROUP], ref[3][:n_tok // fq.GROUP])))
-            label = kernel if cfg is None else f"{kernel} {cfg[0]} warps, qT {cfg[1]}"
+            label = kernel if cfg is None else f"{kernel} {cfg[0]} warps, {cfg[1]} columns, qT {cfg[2]}"
             print(f"| | {K} | {label} | {t:.3f} | {moved / t / 1e9:.2f} | {same} |", flush=True)
         del x, ref, out
         torch.cuda.empty_cache()

@@ -43,11 +43,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-# (warps, qT stores): 128 / warps tokens x 4 columns per thread (8 warps: 124 registers, two programs per SM).
+# (warps, columns per thread, qT stores): 128 / warps tokens x 4 columns per thread (8 warps: 124 registers, two
+# programs per SM), or 8 columns (16-byte loads) x 64 / warps tokens.
 # qT stores: "lanes" = from the load layout (a warp store writes 16 bytes into each of 32 qT rows), "lines" =
 # through shared memory to a layout whose warp store writes whole 128-byte lines (8 lanes along the tokens).
 # First = default (benchmarks/RESULTS.md).
-CONFIGS = ((8, "lanes"), (8, "lines"), (16, "lines"))
+CONFIGS = ((8, 4, "lines"), (8, 8, "lines"), (16, 8, "lines"), (8, 4, "lanes"))
 
 
 @functools.cache
@@ -62,12 +63,16 @@ def _add(a, b):
 
 
 @gluon.constexpr_function
-def tile_layout(num_warps, token_order=False):
-    """The layout of a [128, 128] tile on num_warps warps: 128 / num_warps tokens x 4 columns per thread, 32 lanes
-    along the columns, warps along the tokens. token_order: the same threads with the registers in token order
-    (qT's stores); converting between the two is a register renaming."""
-    num_warps = int(num_warps)
-    return gl.BlockedLayout([128 // num_warps, 4], [1, 32], [num_warps, 1], [0, 1] if token_order else [1, 0])
+def tile_layout(num_warps, cols=4, token_order=False):
+    """The layout of a [128, 128] tile on num_warps warps: cols consecutive columns (cols * 2 bytes of bf16 per load)
+    x the rest of the tokens per thread, 128 / cols lanes along the columns, the other lanes and the warps along the
+    tokens. token_order: the same threads with the registers in token order (qT's "lanes" stores); converting
+    between the two is a register renaming."""
+    num_warps, cols = int(num_warps), int(cols)
+    lanes_c = 128 // cols
+    lanes_t = 32 // lanes_c
+    return gl.BlockedLayout([128 // (lanes_t * num_warps), cols], [lanes_t, lanes_c], [num_warps, 1],
+                            [0, 1] if token_order else [1, 0])
 
 
 @gluon.jit
@@ -102,12 +107,12 @@ def lines_layout(num_warps):
 @gluon.jit
 def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
                                 EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
-                                LINES: gl.constexpr):
+                                COLS: gl.constexpr, LINES: gl.constexpr):
     """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel."""
     G: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
-    L: gl.constexpr = tile_layout(NW)
-    LT: gl.constexpr = lines_layout(NW) if LINES else tile_layout(NW, True)
+    L: gl.constexpr = tile_layout(NW, COLS)
+    LT: gl.constexpr = lines_layout(NW) if LINES else tile_layout(NW, COLS, True)
     g = gl.program_id(0)
     i_k = gl.program_id(1)
     n_tiles, first, cnt, start, base, mp = expert_tile(offs, E, g, BE, NW)
@@ -147,9 +152,9 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
 
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
-           config: tuple[int, str] | None = None) -> None:
+           config: tuple[int, int, str] | None = None) -> None:
     """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS."""
-    num_warps, qt_stores = config or CONFIGS[0]
+    num_warps, cols, qt_stores = config or CONFIGS[0]
     K = x_NK.shape[1]
     E = offs_E.numel()
     nk = -(-K // TILE)
@@ -157,4 +162,4 @@ def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: boo
     fp8_quant_dual_gluon_kernel[(G, nk)](
         x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
         BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
-        EVEN_K=K % TILE == 0, LINES=qt_stores == "lines", num_warps=num_warps)
+        EVEN_K=K % TILE == 0, COLS=cols, LINES=qt_stores == "lines", num_warps=num_warps)

@@ -8,7 +8,8 @@ down 3072 -> 3584, and their dX 6144 -> 3584, 3584 -> 3072), random data quantis
 --zipf. Columns: bf16 torch._grouped_mm; FP8 per-expert cuBLAS (fp8_scaled_mm.rows_mm, the v3 path; its host read of
 the offsets is outside the timed call here); FP8 Triton (fp8_tma, persistent, BT 128); FP8 Gluon (gluon_fp8_gemm)
 per config. triton.testing.do_bench medians, TFLOP/s on the GEMM's FLOPs; "same" = bitwise equal to the Triton
-kernel's output.
+kernel's output. --ceiling: the Gluon kernel with the per-slice promotion taken out (gluon_fp8_gemm.feed_ceiling),
+two and three consumer warpgroups: what its loads and MMAs alone reach.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=56)
     ap.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of the expert loads (0 = uniform)")
     ap.add_argument("--configs", default="default", help="'default' or 'all' Gluon configs")
+    ap.add_argument("--ceiling", action="store_true", help="add the Gluon kernel's feed ceiling (no promotion) per "
+                    "consumer count")
     ap.add_argument("--rep", type=int, default=100)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -56,17 +59,19 @@ def main() -> None:
     configs = gg.CONFIGS if args.configs == "all" else gg.CONFIGS[:1]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {E} experts, {N} rows "
           f"(max / mean {max(counts) / (N / E):.2f})")
+    ceilings = [c for c in gg.CONFIGS if not c[1]][:2] if args.ceiling else []  # one per consumer count
     print("| GEMM | bf16 grouped_mm | FP8 cuBLAS per expert | FP8 Triton | "
-          + " | ".join(f"FP8 Gluon {c}" for c in configs) + " |")
-    print("|---" * (4 + len(configs)) + "|")
+          + " | ".join(f"FP8 Gluon {c}" for c in configs)
+          + "".join(f" | feed ceiling (no promotion) {c[0]} warpgroups" for c in ceilings) + " |")
+    print("|---" * (4 + len(configs) + len(ceilings)) + "|")
     for label, K, F in SHAPES:
-        _row(label, N, E, K, F, offs, ends, configs, bench)
+        _row(label, N, E, K, F, offs, ends, configs, ceilings, bench)
     print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton |")
     for label, D, F in WGRAD_SHAPES:
         _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
 
-def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
+def _row(label, N, E, K, F, offs, ends, configs, ceilings, bench) -> None:
     """One GEMM shape: every backend on the same random operands, one table row."""
     from moestack.ops.moe import fp8_quant as fq
     from moestack.ops.moe import fp8_scaled_mm as fsm
@@ -92,6 +97,9 @@ def _row(label, N, E, K, F, offs, ends, configs, bench) -> None:
         same = torch.equal(y, y_tri)
         t = bench(lambda c=c: gg.grouped_mm(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
         cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{', same' if same else ', DIFFERS'})")
+    for c in ceilings:
+        t = bench(lambda c=c: gg.feed_ceiling(qx_em, sx_em, qw, sw, offs, torch.bfloat16, config=c))
+        cells.append(f"{tf / t:.0f}")
     print(f"| {label} {N} x {K} -> {F} | " + " | ".join(cells) + " |", flush=True)
 
 

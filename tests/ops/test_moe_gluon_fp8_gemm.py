@@ -159,7 +159,7 @@ kern = gg.fp8_gg_gluon_kernel
 layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
 x_layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
 consts = {"BE": 64, "BT": 64 * n_consumers, "NS": ns, "GT": group_t, "PAIR": pair,
-          "REGS": gg.REGISTERS[n_consumers][0], "PREGS": gg.REGISTERS[n_consumers][1]}
+          "REGS": gg.REGISTERS[n_consumers][0], "PREGS": gg.REGISTERS[n_consumers][1], "PROMOTE": True}
 types = {"x_desc": f"tensordesc<fp8e4nv[64, 128],{x_layout!r}>", "w_desc": f"tensordesc<fp8e4nv[128, 128],{layout!r}>",
          "sx": "*fp32", "sw": "*fp32", "y": "*bf16", "offs": "*i32"}
 sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kern.arg_names}
@@ -172,7 +172,7 @@ assert "setmaxnreg" in ptx, "no producer / consumer register split"
 """
 
 
-@pytest.mark.parametrize("config", [0, 1])
+@pytest.mark.parametrize("config", [0, 2])
 def test_gluon_fp8_grouped_mm_compiles_for_sm90(config):
     """CPU: the kernel compiles for sm_90a with two and with three consumer warpgroups, with
     fp8 wgmma, TMA loads and the producer / consumer register split: catches Gluon front-end breakage without a GPU

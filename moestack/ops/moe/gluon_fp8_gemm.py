@@ -63,7 +63,7 @@ from moestack.ops.moe.gluon_quant import supported as supported_device  # sm_90,
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
 # (consumer warpgroups, slices in pairs, ring slots, token-tile group): first = default
-CONFIGS = ((2, True, 4, 16), (3, False, 4, 16), (3, False, 3, 16), (2, False, 6, 16), (2, True, 6, 16))
+CONFIGS = ((2, True, 4, 16), (2, True, 6, 16), (3, False, 4, 16), (2, False, 4, 16))
 # registers per thread (the worker consumers, the producer warp's warpgroup), by consumer warpgroups; the default
 # partition (consumer 0) gets what is left of 64K (Triton's AllocateWarpGroups): 232 of 2 x 4 + 4 warps at 168
 # at launch; 168 of 3 x 4 + 4 warps at 128
@@ -171,7 +171,7 @@ def _mma_slice(x_ring, w_ring, ready, c, zero, WG: gl.constexpr):
 @gluon.jit
 def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
               stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr, GT: gl.constexpr,
-              PAIR: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+              PAIR: gl.constexpr, PROMOTE: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Rows WG * 64 : + 64 of every tile (one warpgroup). PAIR: slices in pairs through two partial accumulators,
     so the first one's promotion runs under the second one's MMA; else one partial, each slice waited on and
     promoted while the other warpgroups' MMAs run. Then the epilogue."""
@@ -214,6 +214,16 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
                 mbarrier.arrive(empty.index((c + 1) % NS), count=1)
                 acc = acc + pb * b_s[:, None]
                 c += 2
+        elif not PROMOTE:  # feed_ceiling: the MMAs accumulate on the tensor cores, unscaled (not a product)
+            for k in range(nk):
+                s = c % NS
+                mbarrier.wait(ready.index(s), (c // NS) & 1)
+                acc = warpgroup_mma(x_ring.index(s * (BT // 64) + WG), w_ring.index(s).permute((1, 0)), acc,
+                                    use_acc=True, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(s), count=1)
+                c += 1
         else:
             for k in range(nk):
                 pa = _mma_slice(x_ring, w_ring, ready, c, zero, WG)
@@ -233,38 +243,40 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
 @gluon.jit
 def _worker_consumer1(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
                       stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                      GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+                      GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
     """The second warpgroup's rows as a partition of its own: the warpgroups meet only at the ring's barriers,
     so one's promotion and epilogue run under the others' MMAs."""
     _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, GT, PAIR, 1)
+              BF_, GT, PAIR, PROMOTE, 1)
 
 
 @gluon.jit
 def _worker_consumer2(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
                       stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                      GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+                      GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
     _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, GT, PAIR, 2)
+              BF_, GT, PAIR, PROMOTE, 2)
 
 
 @gluon.jit
 def _worker_producer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                     GT: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+                     GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
     _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT, PAIR)
 
 
 @gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
                         stride_yn, BE: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr, GT: gl.constexpr,
-                        PAIR: gl.constexpr, REGS: gl.constexpr, PREGS: gl.constexpr):  # fmt: skip
+                        PAIR: gl.constexpr, REGS: gl.constexpr, PREGS: gl.constexpr,
+                        PROMOTE: gl.constexpr):  # fmt: skip
     """See the module doc; a persistent grid. One consumer partition per 64-row warpgroup of the x tile (2 or 3,
     num_warps = 4 each), one producer warp; REGS: the consumers' registers."""
     NW: gl.constexpr = gl.num_warps()
     BF_: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(NW == 4 and x_desc.block_type.shape[0] == 64, "a partition per 64-row warpgroup")
     gl.static_assert(BT == 128 or BT == 192, "two or three consumer warpgroups")
+    gl.static_assert(PROMOTE or not PAIR, "feed_ceiling runs the single-partial loop")
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [NS * (BT // 64)] + x_desc.block_type.shape, x_desc.layout)
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [NS] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -276,22 +288,22 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
     if BT == 128:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, GT, PAIR, 0)),
+                         stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 0)),
             (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
         ], [4, 1], [REGS, PREGS])
     else:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
-                         stride_yn, BE, BT, BF_, GT, PAIR, 0)),
+                         stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 0)),
             (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
             (_worker_consumer2, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
             (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR)),
+                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
         ], [4, 4, 1], [REGS, REGS, PREGS])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     st_r = gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
@@ -322,7 +334,8 @@ def _sms(device_index: int) -> int:
 
 
 def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
-               out_dtype: torch.dtype, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, config: tuple[int, bool, int, int] | None = None,
+               _promote: bool = True) -> torch.Tensor:
     """y [N, F] (out_dtype) from qx [N, K] with its row scales sx in quantize_dual's expert-major layout (flat;
     quantize_dual(..., expert_major=True)) and qw [E, K, F] (memory [E, F, K]) with block scales sw [E, K/128,
     F/128] contiguous; rows >= offs[-1] zero. Requires supported(qx, qw). config: as CONFIGS, default CONFIGS[0]."""
@@ -345,7 +358,15 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, _sms(dev))),)  # one program per SM (the ring and epilogue scratch: 147-213 KB)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), BT=bt, NS=ns, GT=group_t, PAIR=pair, REGS=REGISTERS[n_consumers][0],
-        PREGS=REGISTERS[n_consumers][1], num_warps=4,
+        BE=max(32, triton.next_power_of_2(E)), BT=bt, NS=ns, GT=group_t, PAIR=pair and _promote, REGS=REGISTERS[n_consumers][0],
+        PREGS=REGISTERS[n_consumers][1], PROMOTE=_promote, num_warps=4,
     )
     return y
+
+
+def feed_ceiling(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, offs_E: torch.Tensor,
+                 out_dtype: torch.dtype, config: tuple[int, bool, int, int] | None = None) -> torch.Tensor:
+    """A benchmark instrument, not a product: grouped_mm's schedule, loads and epilogue with the per-slice promotion
+    taken out (each tile's slices accumulate unscaled on the tensor cores, one partial). Its time is the ceiling of
+    this kernel's feed (TMA, L2, shared memory, wgmma issue) at a config's tile; benchmarks/fp8_grouped.py."""
+    return grouped_mm(qx, sx, qw, sw, offs_E, out_dtype, config, _promote=False)

@@ -10,19 +10,21 @@ backward from a pinned copy queued in the forward, or with MOESTACK_FP8_TMA_WGRA
 
 The blockwise scales. Each 128-deep slice's product must be scaled before it joins the fp32 sum, so the tensor cores
 wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every slice). Here:
-- Warp specialisation: one producer warp (40 registers) walks the work items and keeps a ring of NS x / w tile
+- Warp specialisation: one producer warp (40 registers; 32 beside three consumers) walks the work items and keeps a ring of NS x / w tile
   pairs full by TMA (ready / empty mbarriers), running ahead across work items, so the loads continue through each
   tile's epilogue.
-- Two consumer warpgroups of 64 rows each. SPLIT (num_warps 4, the default): each is a partition of its own (232
-  registers), so they meet only at the ring's barriers (both arrive on a slot's empty barrier) and one's promotion
-  and epilogue run under the other's MMAs; else one 8-warp partition.
-- Slices go in pairs through two fp32 partials: the second MMA is issued before the first is waited on, so the
-  first slice's promotion runs under the second's MMA. Nothing is in flight across the loop's back-edge (ptxas
-  serialises wgmma otherwise, see gluon_wgrad.py); four slices per iteration spilled ~700 bytes. A slot is
-  released (a barrier over the partition's warps, then one arrive) as soon as its MMA is done.
-- Operands by TMA (host descriptors): x tiles [128, 128] of the row-major qx [N, K]; weight tiles [BF, 128] of the
-  2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous: fp8_weight_cache's layouts), both
-  K-major in shared memory as fp8 wgmma requires. A tile past an expert's last row reads the next expert's rows
+- Consumer warpgroups of 64 rows each, each a partition of its own (two: 232 registers; three, a 192-row x tile:
+  160), meeting only at the ring's barriers (each arrives on a slot's empty barrier), so one's promotion and
+  epilogue run under the others' MMAs.
+- Slices go in pairs through two fp32 partials (PAIR, the two-warpgroup default): the second MMA is issued before
+  the first is waited on, so the first slice's promotion runs under the second's MMA. Nothing is in flight across
+  the loop's back-edge (ptxas serialises wgmma otherwise, see gluon_wgrad.py); four slices per iteration spilled
+  ~700 bytes. Without PAIR (the only choice at three warpgroups, whose registers hold one partial) each slice is
+  waited on and promoted while the other warpgroups' MMAs run. A slot is released (a barrier over the partition's
+  warps, then one arrive) as soon as its MMA is done.
+- Operands by TMA (host descriptors): x tiles [64, 128] (one per consumer warpgroup) of the row-major qx [N, K];
+  weight tiles [BF, 128] of the 2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous:
+  fp8_weight_cache's layouts), both K-major in shared memory as fp8 wgmma requires. A tile past an expert's last row reads the next expert's rows
   (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
 - Row scales in quantize_dual's expert-major layout (each expert's [nk, Mp_e] block contiguous along the rows):
   coalesced loads, and the quantiser's cheaper store pattern (its row-major layout cost 3.2 ms more per K3 EP16
@@ -32,10 +34,11 @@ wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every
   weight tiles and a bounded set of x rows in L2 (GT = 16: +5-10% under Zipf-skewed loads, even when uniform).
 - Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores; rows >= offs[-1] get zeros.
 
-H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md session 10): 903-941
-TFLOP/s on the four forward / dX GEMMs, 0.92-1.03x per-expert cuBLAS (909-1018), whose kernels run 128x128 tiles in
-2-CTA clusters (TMA multicast halves one operand's L2 traffic; not done here). With two partials the register
-file (3 x 64 KB of fp32 accumulators per 128x128 tile) allows no larger tile. cuBLAS stays v3's default.
+H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md sessions 10-11): 825-941
+TFLOP/s on the four forward / dX GEMMs (0.90-1.03x per-expert cuBLAS's 913-1049) at the default; three consumer
+warpgroups (192x128 tiles) 881-953, no better overall, nor in the layer. feed_ceiling (the same kernel with the
+promotion taken out) reaches 1117-1251: the promotion costs this kernel ~25%, and per-expert cuBLAS runs at ~1120
+in the layer's profile, i.e. at this feed's ceiling already. cuBLAS stays v3's default.
 
 BF = 128 (one weight scale per tile and slice). Requirements (`supported`): sm_90, fp8 e4m3 operands laid out as
 above, K % 16 == 0. Legend as fp8_tma.py; NS ring slots, GT token tiles per group.
@@ -62,7 +65,8 @@ from moestack.ops.moe.gluon_quant import supported as supported_device  # sm_90,
 
 BK = 128  # fp8_quant.GROUP: one scale per 128-deep slice
 BF = 128
-# (consumer warpgroups, slices in pairs, ring slots, token-tile group): first = default
+# (consumer warpgroups, slices in pairs, ring slots, token-tile group): first = default, the others for
+# benchmarks/fp8_grouped.py --configs all
 CONFIGS = ((2, True, 4, 16), (2, True, 6, 16), (3, False, 4, 16), (2, False, 4, 16))
 # registers per thread (the worker consumers, the producer warp's warpgroup), by consumer warpgroups; the default
 # partition (consumer 0) gets what is left of 64K (Triton's AllocateWarpGroups): 232 of 2 x 4 + 4 warps at 168

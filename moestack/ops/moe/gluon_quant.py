@@ -1,4 +1,4 @@
-"""fp8_quant.quantize_dual's kernel in Gluon for sm_90: the same tiles and numbers, without the transposing shuffle.
+"""fp8_quant.quantize_dual's kernel in Gluon for sm_90: the same tiles and numbers, with layouts chosen for the stores.
 
 quantize_dual reads x [N, K] (rows sorted by expert) once per [128 tokens of one expert, 128 columns] tile and
 writes two fp8 copies: q [N, K] (1x128 row tiles, row-major) and qT [K, P] (128x1 token tiles, tokens contiguous).
@@ -7,30 +7,33 @@ goes through shared memory one byte per thread at a time (st.shared.b8, 33 CTA b
 at 16 warps / 93 registers only one program fits per SM: on the H200 the four calls of one K3 EP16 layer step took
 7.25 ms of a 45 ms FP8 layer (~1.2 TB/s; benchmarks/RESULTS.md, session 9).
 
-Here the layout is chosen so that no byte moves between threads: each thread holds ROWS = 128 / warps consecutive
-tokens x 4 consecutive columns, a warp spans the tile's 128 columns (32 lanes x 4) and the warps stack along the
-tokens. So
-- x loads are 8-byte vectors, a warp reads 256 contiguous bytes of one row per instruction;
-- row scales (max over a row's 128 columns) reduce across the 32 lanes by shuffles;
-- token-tile scales (max over 128 tokens) reduce inside each thread, then across warps through shared memory;
-- q stores 4 bytes per thread per row (a warp writes a whole 128-byte row segment);
-- qT is the same registers read as a layout of order [0, 1] (a register renaming: lanes and warps keep their
-  elements), stored ROWS bytes per thread per column.
+The tile layout (tile_layout): each thread holds COLS consecutive columns x 128 * COLS / (32 * warps) consecutive
+tokens; 128 / COLS lanes span the tile's columns, the other lanes and the warps stack along the tokens. So
+- x loads are 2 * COLS-byte vectors (COLS = 8, the default: 16 bytes), a warp reads whole rows per instruction;
+- row scales (max over a row's 128 columns) reduce inside each thread, then across the column lanes by shuffles;
+- token-tile scales (max over 128 tokens) reduce inside each thread, then across lanes and warps;
+- q stores COLS bytes per thread per row (whole 128-byte row segments per warp).
+qT [K, P] (tokens contiguous) is stored one of two ways:
+- "lines" (the default): through shared memory into lines_layout, 16 consecutive tokens of a column per thread
+  and 8 lanes along the tokens, so one warp store writes whole 128-byte lines of qT;
+- "lanes": the load layout's registers read in token order (a register renaming, no data moves), so a warp store
+  writes 16 bytes into each of 32 qT rows. That half-sector pattern held the kernel at ~1.9 TB/s.
 
-H200, K3 EP16 shapes (131040 rows, 56 experts, K = 3584 / 6144; benchmarks/RESULTS.md, session 9): 0.96 / 1.64 ms
-(1.95 TB/s counting the bf16 read and both fp8 writes) against the Triton kernel's 1.16 / 1.97 ms (1.54 / 2.62 ms
-before both dropped the per-element divide and clamp, below). 8 warps (~124 registers, two programs per SM) beat 16
-and 4; the program order (token tiles or column blocks fastest) made no difference. A persistent version (one 8-warp
-program per SM walking the tiles, the next 2-5 x tiles in flight through a cp.async ring in shared memory) was
-slower, 1.0 TB/s at every ring depth (194 registers: one program per SM, whose reductions and stores then run with
-nothing else on the SM), and its masked cp.async failed to compile for widths that are not a multiple of 4 columns
-per thread; it was removed. Still below the ~4 TB/s a copy reaches: a TMA-fed warp-specialised version (one warp
-loading, the others quantising) is what is left to try.
+H200, K3 EP16 shapes (131040 rows, 56 experts; benchmarks/fp8_quant.py --configs all, benchmarks/RESULTS.md
+session 11), ms at K = 3584 / 3072 / 6144, TB/s counting the bf16 read and both fp8 writes:
+- Triton kernel: 1.16 / 0.99 / 1.97 (1.63 TB/s);
+- 8 warps, 4 columns, qT "lanes" (sessions 9-10's kernel): 0.98 / 0.84 / 1.67 (1.92 TB/s);
+- 8 warps, 4 columns, qT "lines": 0.82 / 0.71 / 1.40 (2.29 TB/s);
+- **8 warps, 8 columns, qT "lines" (default): 0.72 / 0.62 / 1.22 (2.62 TB/s)**; 16 columns 1% faster again, 16
+  warps x 8 columns 17% slower. All of them run two programs per SM (107-124 registers at 8 warps): the store
+  pattern, not occupancy, was the limit.
+In the layer's profile the eight calls per step take 3.67 ms (5.0 before). Session 9 also measured a persistent
+cp.async ring (1.0 TB/s, removed) and 16 / 4 warps with the old layout (slower).
 
 Both kernels scale by one multiply, x * (448 / amax), and skip the clamp (|q| <= 448 up to one ulp, which the fp8
 cast rounds back to 448): the divide and clamp per element had made the kernel instruction-bound (2032 SASS
-instructions per thread and tile, 1504 now). The bytes are the Triton kernel's (same fp32 operations and casts;
-tests/ops/test_moe_gluon_quant.py checks bitwise equality). Requirements (`supported`): sm_90 (CUDA), Triton's
+instructions per thread and tile, then 1504; 1192 with 8 columns and qT lines). The bytes are the Triton kernel's
+(same fp32 operations and casts; tests/ops/test_moe_gluon_quant.py checks bitwise equality for every config). Requirements (`supported`): sm_90 (CUDA), Triton's
 Gluon, contiguous rows. Legend as fp8_quant.py.
 """
 
@@ -43,11 +46,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-# (warps, columns per thread, qT stores): 128 / warps tokens x 4 columns per thread (8 warps: 124 registers, two
-# programs per SM), or 8 columns (16-byte loads) x 64 / warps tokens.
-# qT stores: "lanes" = from the load layout (a warp store writes 16 bytes into each of 32 qT rows), "lines" =
-# through shared memory to a layout whose warp store writes whole 128-byte lines (8 lanes along the tokens).
-# First = default (benchmarks/RESULTS.md).
+# (warps, columns per thread, qT stores "lines" / "lanes"; module doc): first = default, the others for
+# benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc)
 CONFIGS = ((8, 8, "lines"), (8, 16, "lines"), (8, 4, "lines"), (8, 4, "lanes"))
 
 

@@ -66,7 +66,7 @@ def main() -> None:
     print("|---" * (4 + len(configs) + len(ceilings)) + "|")
     for label, K, F in SHAPES:
         _row(label, N, E, K, F, offs, ends, configs, ceilings, bench)
-    print("| weight gradient | - | FP8 cuBLAS per expert | FP8 Triton |")
+    print("| weight gradient | - | FP8 cuBLAS per expert | same, 2 streams | FP8 Triton |")
     for label, D, F in WGRAD_SHAPES:
         _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
@@ -104,8 +104,11 @@ def _row(label, N, E, K, F, offs, ends, configs, ceilings, bench) -> None:
 
 
 def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
-    """dW [E, D, F] from the token tiles of x [N, D] and dy [N, F]: cuBLAS per expert (the default), Triton (the
-    sync-free choice, MOESTACK_FP8_TMA_WGRAD=1)."""
+    """dW [E, D, F] from the token tiles of x [N, D] and dy [N, F]: cuBLAS per expert (the default) on one and on two
+    CUDA streams (MOESTACK_FP8_WGRAD_STREAMS), Triton (the sync-free choice, MOESTACK_FP8_TMA_WGRAD=1)."""
+    import os
+    from unittest import mock
+
     from moestack.ops.moe import fp8_quant as fq
     from moestack.ops.moe import fp8_scaled_mm as fsm
     from moestack.ops.moe import fp8_tma
@@ -117,10 +120,18 @@ def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
     _, _, qxT, sxT = fq.quantize_dual(x, offs, expert_major=True)
     _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
     tf = 2.0 * N * D * F / 1e9
-    tc = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
+    cells = []
+    ref = None
+    for streams in ("1", "2"):
+        with mock.patch.dict(os.environ, {fsm.WGRAD_STREAMS_ENV: streams}):
+            dw = fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like)
+            same = "" if ref is None else (", same" if torch.equal(dw, ref) else ", DIFFERS")
+            ref = dw if ref is None else ref
+            t = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
+        cells.append(f"{tf / t:.0f}{same}")
     tt = bench(lambda: fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
-    print(f"| {label} {D} x {N} tokens x {F} | - | {tf / tc:.0f} | {tf / tt:.0f} ({tc / tt:.2f}x cuBLAS) |",
-          flush=True)
+    cells.append(f"{tf / tt:.0f}")
+    print(f"| {label} {D} x {N} tokens x {F} | - | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -407,6 +407,35 @@ def test_scaled_mm_wgrad_single_tile_bf16_fallback(monkeypatch):
             assert rel_err(dw[e], want) < 1e-6
 
 
+def test_wgrad_streams_env(monkeypatch):
+    monkeypatch.setenv(fsm.WGRAD_STREAMS_ENV, "3")
+    with pytest.raises(ValueError, match="MOESTACK_FP8_WGRAD_STREAMS"):
+        fsm.wgrad_streams()
+    monkeypatch.setenv(fsm.WGRAD_STREAMS_ENV, "2")
+    assert fsm.wgrad_streams() == 2
+
+
+@pytest.mark.gpu
+def test_scaled_mm_wgrad_two_streams_gpu(monkeypatch):
+    """Every other expert's weight gradient on a side stream: bitwise the one-stream result (each GEMM is the same
+    cuBLAS call on the same operands), with empty experts in between and the outputs read right after the call on
+    the current stream (which must have waited for the side stream)."""
+    if not fsm.available(torch.device(DEV)):
+        pytest.skip("needs the cuBLAS blockwise path")
+    counts = [2341, 0, 700, 1, 1300, 0, 0, 2048, 129]
+    x, param, offs = make_case(counts, 1024, 768, torch.bfloat16, seed=11)
+    dy = torch.randn(x.shape[0], 768, device=DEV, dtype=torch.bfloat16)
+    _, _, qxT, sx = fq.quantize_dual(x, offs, expert_major=True)
+    _, _, qdyT, sdy = fq.quantize_dual(dy, offs, expert_major=True)
+    out = {}
+    for streams in ("1", "2"):
+        monkeypatch.setenv(fsm.WGRAD_STREAMS_ENV, streams)
+        dw = fsm.wgrad(qxT, sx, qdyT, sdy, offs.tolist(), like=param.transpose(1, 2))
+        out[streams] = dw.clone()  # on the current stream: ordered after the side stream's GEMMs
+    assert torch.equal(out["1"], out["2"])
+    assert out["1"][0].abs().max() > 0 and (out["1"][1] == 0).all()
+
+
 def test_fp8_tma_interpreter():
     """fp8_tma.py directly (forward and the dX layout) with unrounded fp32 "q", against the fp64 loop; then v3's
     Triton path with MOESTACK_FP8_TMA=1 forward and backward."""

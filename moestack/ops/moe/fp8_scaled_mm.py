@@ -29,6 +29,7 @@ product (with out= or a copy, 128x128 scales K-block-major as torch's tests pass
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -124,39 +125,78 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     return y
 
 
+WGRAD_STREAMS_ENV = "MOESTACK_FP8_WGRAD_STREAMS"  # "1" or "2" CUDA streams for the per-expert weight gradients
+WGRAD_STREAMS = 1  # default
+
+
+def wgrad_streams() -> int:
+    """$MOESTACK_FP8_WGRAD_STREAMS (read per call): 2 = consecutive experts' weight-gradient GEMMs alternate between
+    the current stream and a side stream, so one expert's last partial wave of tiles runs beside the next one's
+    first (benchmarks/RESULTS.md session 11); 1 = all on the current stream."""
+    choice = os.environ.get(WGRAD_STREAMS_ENV, str(WGRAD_STREAMS))
+    if choice not in ("1", "2"):
+        raise ValueError(f"{WGRAD_STREAMS_ENV}={choice!r}: use 1 or 2 (CUDA streams for the FP8 weight gradients)")
+    return int(choice)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Tensor, ends: list[int],
           like: torch.Tensor) -> torch.Tensor:
     """dw [E, D, F] (like's dtype; laid out as like when like is the transposed view of a contiguous [E, F, D]
-    parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F])."""
+    parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F]).
+    Each expert's GEMM writes only its own dw[e], so with wgrad_streams() == 2 every other one runs on a side
+    stream (ordered after the current stream's work so far; the current stream waits for it before returning)."""
     D, F = qxT.shape[0], qdyT.shape[0]
     transposed = like.transpose(1, 2).is_contiguous()
     dw = empty_grad_like(like, D, F)
+    two = wgrad_streams() == 2
+    main = torch.cuda.current_stream(dw.device) if dw.is_cuda and two else None
+    side = _side_stream(dw.device) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)  # the operands and dw were written / allocated on the current stream
     g0 = 0
     start = 0
+    launched = 0
     for e, end in enumerate(ends):
         g1 = g0 + (max(end - start, 0) + fq.GROUP - 1) // fq.GROUP
         start = end
         if g1 == g0:
             dw[e].zero_()
             continue
-        cols = slice(g0 * fq.GROUP, g1 * fq.GROUP)
-        if transposed:  # dw[e]^T [F, D] = dy_e^T x_e
-            args = (qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
-        else:
-            args = (qxT[:, cols], qdyT[:, cols].t(), sx[g0:g1].t(), sdy[g0:g1], dw[e])
-        if g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is False:
-            _rowwise_via_bf16(*args)
-        elif g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is None:
-            try:  # one token tile: torch reads the scales as rowwise, whose fp32 output may be refused
-                _scaled_mm_into(*args)
-                _state["rowwise_fp32"] = True
-            except RuntimeError:
-                _state["rowwise_fp32"] = False
-                _rowwise_via_bf16(*args)
-        else:
-            _scaled_mm_into(*args)
+        with torch.cuda.stream(side) if side is not None and launched % 2 else contextlib.nullcontext():
+            _expert_wgrad(qxT, sx, qdyT, sdy, dw, e, g0, g1, transposed)
+        launched += 1
         g0 = g1
+    if side is not None:
+        main.wait_stream(side)
     return dw
+
+
+def _expert_wgrad(qxT, sx, qdyT, sdy, dw, e: int, g0: int, g1: int, transposed: bool) -> None:
+    cols = slice(g0 * fq.GROUP, g1 * fq.GROUP)
+    if transposed:  # dw[e]^T [F, D] = dy_e^T x_e
+        args = (qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
+    else:
+        args = (qxT[:, cols], qdyT[:, cols].t(), sx[g0:g1].t(), sdy[g0:g1], dw[e])
+    if g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is False:
+        _rowwise_via_bf16(*args)
+    elif g1 - g0 == 1 and dw.dtype != torch.bfloat16 and _state["rowwise_fp32"] is None:
+        try:  # one token tile: torch reads the scales as rowwise, whose fp32 output may be refused
+            _scaled_mm_into(*args)
+            _state["rowwise_fp32"] = True
+        except RuntimeError:
+            _state["rowwise_fp32"] = False
+            _rowwise_via_bf16(*args)
+    else:
+        _scaled_mm_into(*args)
 
 
 def _rowwise_via_bf16(a, b, scale_a, scale_b, out):

@@ -60,22 +60,19 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {E} experts, {N} rows "
           f"(max / mean {max(counts) / (N / E):.2f})")
     ceilings = [c for c in gg.CONFIGS if not c[1]][:2] if args.ceiling else []  # one per consumer count
-    print("| GEMM | bf16 grouped_mm | FP8 cuBLAS per expert | same, column halves on 2 streams | FP8 Triton | "
+    print("| GEMM | bf16 grouped_mm | FP8 cuBLAS per expert | FP8 Triton | "
           + " | ".join(f"FP8 Gluon {c}" for c in configs)
           + "".join(f" | feed ceiling (no promotion) {c[0]} warpgroups" for c in ceilings) + " |")
-    print("|---" * (5 + len(configs) + len(ceilings)) + "|")
+    print("|---" * (4 + len(configs) + len(ceilings)) + "|")
     for label, K, F in SHAPES:
         _row(label, N, E, K, F, offs, ends, configs, ceilings, bench)
-    print("| weight gradient | - | FP8 cuBLAS per expert | same, 2 streams | - | FP8 Triton |")
+    print("| weight gradient | - | FP8 cuBLAS per expert | same, 2 streams | FP8 Triton |")
     for label, D, F in WGRAD_SHAPES:
         _wgrad_row(label, N, E, D, F, offs, ends, bench)
 
 
 def _row(label, N, E, K, F, offs, ends, configs, ceilings, bench) -> None:
     """One GEMM shape: every backend on the same random operands, one table row."""
-    import os
-    from unittest import mock
-
     from moestack.ops.moe import fp8_quant as fq
     from moestack.ops.moe import fp8_scaled_mm as fsm
     from moestack.ops.moe import fp8_tma
@@ -90,14 +87,8 @@ def _row(label, N, E, K, F, offs, ends, configs, ceilings, bench) -> None:
     tf = 2.0 * N * K * F / 1e9
     t16 = bench(lambda: torch._grouped_mm(x, w, offs=offs))
     cells = [f"{tf / t16:.0f}"]
-    ref = None
-    for streams in ("1", "2"):  # the per-expert loop on one stream, and each half of the columns on its own
-        with mock.patch.dict(os.environ, {fsm.ROWS_STREAMS_ENV: streams}):
-            y = fsm.rows_mm(qx_em, sx_em, qw, sw, swT, ends, torch.bfloat16)
-            same = "" if ref is None else (", same" if torch.equal(y, ref) else ", DIFFERS")
-            ref = y if ref is None else ref
-            t = bench(lambda: fsm.rows_mm(qx_em, sx_em, qw, sw, swT, ends, torch.bfloat16))
-        cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x{same})")
+    t = bench(lambda: fsm.rows_mm(qx_em, sx_em, qw, sw, swT, ends, torch.bfloat16))
+    cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
     y_tri = fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16)
     t = bench(lambda: fp8_tma.grouped_mm(qx, sx, qw, sw, offs, torch.bfloat16))
     cells.append(f"{tf / t:.0f} ({t16 / t:.2f}x)")
@@ -139,7 +130,7 @@ def _wgrad_row(label, N, E, D, F, offs, ends, bench) -> None:
             t = bench(lambda: fsm.wgrad(qxT, sxT, qdyT, sdyT, ends, like))
         cells.append(f"{tf / t:.0f}{same}")
     tt = bench(lambda: fp8_tma.wgrad(qxT, sxT, qdyT, sdyT, offs, like))
-    cells += ["-", f"{tf / tt:.0f}"]
+    cells.append(f"{tf / tt:.0f}")
     print(f"| {label} {D} x {N} tokens x {F} | - | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -111,24 +111,15 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     sbs = sbT if kmajor else sb
     sb0, nf = sbs.storage_offset(), sb.shape[2]
     sb_stride = (1, nk) if kmajor else (nf, 1)
-    # two streams: each takes one half of the columns for every expert, in expert order. Each expert's call also
-    # writes up to 3 padding rows that the next expert's call overwrites; within a stream that order holds, and the
-    # two streams write disjoint columns.
-    halves = 2 if rows_streams() == 2 and nf % 2 == 0 else 1
-    fh, nfh = F // halves, nf // halves
-    sb_half = nfh * (nk if kmajor else 1)
-    with _side_stream_scope(qa.device, halves == 2) as side:
-        for h in range(halves):
-            with torch.cuda.stream(side) if side is not None and h == 1 else contextlib.nullcontext():
-                for e in range(E):
-                    if counts[e] == 0:
-                        continue
-                    r0, m = starts[e], mp[e]
-                    _scaled_mm_into(st(qa_full, (m, K), (K, 1), a0 + r0 * K),
-                                    st(qb, (K, fh), (1, K), b0 + e * qb.stride(0) + h * fh * K),
-                                    st(sa_flat, (m, nk), (1, m), s0 + base[e] * nk),  # [m, nk], stride (1, m)
-                                    st(sbs, (nk, nfh), sb_stride, sb0 + e * nk * nf + h * sb_half),
-                                    st(y_full, (m, fh), (F, 1), y0 + r0 * F + h * fh))
+    for e in range(E):
+        if counts[e] == 0:
+            continue
+        r0, m = starts[e], mp[e]
+        _scaled_mm_into(st(qa_full, (m, K), (K, 1), a0 + r0 * K),
+                        st(qb, (K, F), (1, K), b0 + e * qb.stride(0)),
+                        st(sa_flat, (m, nk), (1, m), s0 + base[e] * nk),  # [m, nk], stride (1, m)
+                        st(sbs, (nk, nf), sb_stride, sb0 + e * nk * nf),
+                        st(y_full, (m, F), (F, 1), y0 + r0 * F))
     y = y_full[:N]
     y_full[ends[-1] if ends else 0:].zero_()  # rows past the last expert, and the 3 spare rows
     return y
@@ -136,49 +127,25 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
 
 WGRAD_STREAMS_ENV = "MOESTACK_FP8_WGRAD_STREAMS"  # "1" or "2" CUDA streams for the per-expert weight gradients
 WGRAD_STREAMS = 2  # default: +4-9% on K3 EP16's weight gradients (benchmarks/RESULTS.md session 11)
-ROWS_STREAMS_ENV = "MOESTACK_FP8_ROWS_STREAMS"  # "1" or "2" CUDA streams for the per-expert forward / dX GEMMs
-ROWS_STREAMS = 1  # default
-
-
-def _streams(env: str, default: int, what: str) -> int:
-    choice = os.environ.get(env, str(default))
-    if choice not in ("1", "2"):
-        raise ValueError(f"{env}={choice!r}: use 1 or 2 (CUDA streams for the FP8 {what})")
-    return int(choice)
 
 
 def wgrad_streams() -> int:
     """$MOESTACK_FP8_WGRAD_STREAMS (read per call): 2 = consecutive experts' weight-gradient GEMMs alternate between
     the current stream and a side stream, so one expert's last partial wave of tiles runs beside the next one's
     first (benchmarks/RESULTS.md session 11); 1 = all on the current stream."""
-    return _streams(WGRAD_STREAMS_ENV, WGRAD_STREAMS, "weight gradients")
-
-
-def rows_streams() -> int:
-    """$MOESTACK_FP8_ROWS_STREAMS (read per call): 2 = rows_mm runs each half of the output columns on its own stream
-    (the current one and a side stream), every expert in order on each; 1 = all on the current stream."""
-    return _streams(ROWS_STREAMS_ENV, ROWS_STREAMS, "forward / dX GEMMs")
+    choice = os.environ.get(WGRAD_STREAMS_ENV, str(WGRAD_STREAMS))
+    if choice not in ("1", "2"):
+        raise ValueError(f"{WGRAD_STREAMS_ENV}={choice!r}: use 1 or 2 (CUDA streams for the FP8 weight gradients)")
+    return int(choice)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-@contextlib.contextmanager
-def _side_stream_scope(device: torch.device, on: bool):
-    """Yields a side stream (None when off or off CUDA) ordered after the current stream's work so far (the operands
-    and outputs were written / allocated there); on exit the current stream waits for it."""
-    if not on or device.type != "cuda":
-        yield None
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    try:
-        yield side
-    finally:
-        main.wait_stream(side)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Tensor, ends: list[int],
@@ -190,20 +157,26 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
     D, F = qxT.shape[0], qdyT.shape[0]
     transposed = like.transpose(1, 2).is_contiguous()
     dw = empty_grad_like(like, D, F)
+    two = wgrad_streams() == 2
+    main = torch.cuda.current_stream(dw.device) if dw.is_cuda and two else None
+    side = _side_stream(dw.device) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)  # the operands and dw were written / allocated on the current stream
     g0 = 0
     start = 0
     launched = 0
-    with _side_stream_scope(dw.device, wgrad_streams() == 2) as side:
-        for e, end in enumerate(ends):
-            g1 = g0 + (max(end - start, 0) + fq.GROUP - 1) // fq.GROUP
-            start = end
-            if g1 == g0:
-                dw[e].zero_()
-                continue
-            with torch.cuda.stream(side) if side is not None and launched % 2 else contextlib.nullcontext():
-                _expert_wgrad(qxT, sx, qdyT, sdy, dw, e, g0, g1, transposed)
-            launched += 1
-            g0 = g1
+    for e, end in enumerate(ends):
+        g1 = g0 + (max(end - start, 0) + fq.GROUP - 1) // fq.GROUP
+        start = end
+        if g1 == g0:
+            dw[e].zero_()
+            continue
+        with torch.cuda.stream(side) if side is not None and launched % 2 else contextlib.nullcontext():
+            _expert_wgrad(qxT, sx, qdyT, sdy, dw, e, g0, g1, transposed)
+        launched += 1
+        g0 = g1
+    if side is not None:
+        main.wait_stream(side)
     return dw
 
 

@@ -261,9 +261,10 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
                                "MOESTACK_FP8_TMA_WGRAD": "1"}),
 }
 # variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
-FP8_VARIANTS["fp8v3-2s"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_WGRAD_STREAMS": "2"})
+# v3's per-expert cuBLAS weight gradients on one CUDA stream (before session 11's default of two)
+FP8_VARIANTS["fp8v3-1s"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_WGRAD_STREAMS": "1"})
 PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
-                 "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-2s-proj": "fp8v3-2s"}
+                 "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-1s-proj": "fp8v3-1s"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

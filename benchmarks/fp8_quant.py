@@ -23,7 +23,8 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=56)
     p.add_argument("--rows", type=int, default=2340, help="rows per expert")
     p.add_argument("--widths", default="3584,3072,6144", help="K values, comma list")
-    p.add_argument("--configs", default="default", help="'default' or 'all' Gluon configs (warps, columns per thread, qT stores)")
+    p.add_argument("--configs", default="default",
+                   help="'default' or 'all' Gluon configs (warps, columns per thread, qT stores)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| fp8 quantiser | needs a CUDA GPU |")

@@ -42,8 +42,9 @@ def test_gluon_quant_dual_gpu(K, counts, monkeypatch):
     x[:, 5] = 0  # an all-zero column: token-tile scale 1
     offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)
     n_tiles = sum((c + 127) // 128 for c in counts)
-    for em, tiles, config in [(em, tiles, gluon_quant.CONFIGS[0]) for em in (False, True) for tiles in (True, False)] + [
-            (True, True, c) for c in gluon_quant.CONFIGS[1:]]:  # every launch config on the v3 call
+    cases = [(em, tiles, gluon_quant.CONFIGS[0]) for em in (False, True) for tiles in (True, False)]
+    cases += [(True, True, c) for c in gluon_quant.CONFIGS[1:]]  # every launch config on the v3 call
+    for em, tiles, config in cases:
         want = _run(x, offs, em, tiles, "triton", monkeypatch)
         monkeypatch.setattr(gluon_quant, "CONFIGS", (config,) + gluon_quant.CONFIGS)
         got = _run(x, offs, em, tiles, "gluon", monkeypatch)

@@ -126,7 +126,7 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
 
 
 WGRAD_STREAMS_ENV = "MOESTACK_FP8_WGRAD_STREAMS"  # "1" or "2" CUDA streams for the per-expert weight gradients
-WGRAD_STREAMS = 2  # default: +4-9% on K3 EP16's weight gradients (benchmarks/RESULTS.md session 11)
+WGRAD_STREAMS = 2  # default: the K3 EP16 layer 0.5-0.9 ms faster (benchmarks/RESULTS.md session 11)
 
 
 def wgrad_streams() -> int:

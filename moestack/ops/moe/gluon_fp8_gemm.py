@@ -10,9 +10,9 @@ backward from a pinned copy queued in the forward, or with MOESTACK_FP8_TMA_WGRA
 
 The blockwise scales. Each 128-deep slice's product must be scaled before it joins the fp32 sum, so the tensor cores
 wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every slice). Here:
-- Warp specialisation: one producer warp (40 registers; 32 beside three consumers) walks the work items and keeps a ring of NS x / w tile
-  pairs full by TMA (ready / empty mbarriers), running ahead across work items, so the loads continue through each
-  tile's epilogue.
+- Warp specialisation: one producer warp (40 registers; 32 beside three consumers) walks the work items and keeps
+  a ring of NS x / w tile pairs full by TMA (ready / empty mbarriers), running ahead across work items, so the
+  loads continue through each tile's epilogue.
 - Consumer warpgroups of 64 rows each, each a partition of its own (two: 232 registers; three, a 192-row x tile:
   160), meeting only at the ring's barriers (each arrives on a slot's empty barrier), so one's promotion and
   epilogue run under the others' MMAs.
@@ -24,8 +24,9 @@ wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every
   warps, then one arrive) as soon as its MMA is done.
 - Operands by TMA (host descriptors): x tiles [64, 128] (one per consumer warpgroup) of the row-major qx [N, K];
   weight tiles [BF, 128] of the 2D view [E * F, K] of the cached fp8 weight (memory [E, F, K], K contiguous:
-  fp8_weight_cache's layouts), both K-major in shared memory as fp8 wgmma requires. A tile past an expert's last row reads the next expert's rows
-  (masked at the store); K past the end is zero-filled by TMA (an odd slice count runs one zero slice).
+  fp8_weight_cache's layouts), both K-major in shared memory as fp8 wgmma requires. A tile past an expert's last
+  row reads the next expert's rows (masked at the store); K past the end is zero-filled by TMA (an odd slice count
+  runs one zero slice).
 - Row scales in quantize_dual's expert-major layout (each expert's [nk, Mp_e] block contiguous along the rows):
   coalesced loads, and the quantiser's cheaper store pattern (its row-major layout cost 3.2 ms more per K3 EP16
   layer step in the profile).
@@ -362,8 +363,8 @@ def grouped_mm(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torch.T
     grid = (max(1, min(work, _sms(dev))),)  # one program per SM (the ring and epilogue scratch: 147-213 KB)
     fp8_gg_gluon_kernel[grid](
         x_desc, w_desc, sx, sw, y, offs_E, N, K, F, E, nk, sw.stride(0), sw.stride(1), y.stride(0),
-        BE=max(32, triton.next_power_of_2(E)), BT=bt, NS=ns, GT=group_t, PAIR=pair and _promote, REGS=REGISTERS[n_consumers][0],
-        PREGS=REGISTERS[n_consumers][1], PROMOTE=_promote, num_warps=4,
+        BE=max(32, triton.next_power_of_2(E)), BT=bt, NS=ns, GT=group_t, PAIR=pair and _promote,
+        REGS=REGISTERS[n_consumers][0], PREGS=REGISTERS[n_consumers][1], PROMOTE=_promote, num_warps=4,
     )
     return y
 

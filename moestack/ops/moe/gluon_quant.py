@@ -33,8 +33,8 @@ cp.async ring (1.0 TB/s, removed) and 16 / 4 warps with the old layout (slower).
 Both kernels scale by one multiply, x * (448 / amax), and skip the clamp (|q| <= 448 up to one ulp, which the fp8
 cast rounds back to 448): the divide and clamp per element had made the kernel instruction-bound (2032 SASS
 instructions per thread and tile, then 1504; 1192 with 8 columns and qT lines). The bytes are the Triton kernel's
-(same fp32 operations and casts; tests/ops/test_moe_gluon_quant.py checks bitwise equality for every config). Requirements (`supported`): sm_90 (CUDA), Triton's
-Gluon, contiguous rows. Legend as fp8_quant.py.
+(same fp32 operations and casts; tests/ops/test_moe_gluon_quant.py checks bitwise equality for every config).
+Requirements (`supported`): sm_90 (CUDA), Triton's Gluon, contiguous rows. Legend as fp8_quant.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ checkpoint must still resume at the other layout with the losses of the uninterr
 Also: after the PP2 resume both copies (weights and AdamW state) hold the checkpoint's values, so the runner's
 first-step "copy the embedding into the head" changes nothing; a checkpoint whose copies differ (weight, or the
 head copy's optimizer state) is refused with one line, at PP2 and in one process.
+
+test_tied_checkpoint_resumes_across_layouts: the same model under a V-shaped pipeline (zbv: first and last stage on
+one rank, the stage wrapper as FSDP root), TP2 (the embedding and the head vocab-sharded) and ZeRO-3 over two
+data-parallel ranks. For each, on 2 gloo ranks: the run from scratch has the single-process run's losses; the
+single-process step-2 checkpoint resumed at that layout gives the uninterrupted run's losses; the layout's own
+step-2 checkpoint resumed in ONE process gives them too, the tie intact.
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ OPTIONS = {"seq_len": SEQ, "logging.every": 1, "logging.tensorboard": False, "lo
            "eval_every": 0, "data.eval_fraction": 0.0, "schedule.warmup_steps": 1, "optimizer.lr": 3e-3,
            "optimizer.grad_clip": 0.5, "checkpoint.every": SAVED_AT}
 TIED = ("embed.weight", "lm_head.weight")
+LAYOUTS = {  # name: plan fields beyond the common ones
+    "zbv": {"pp": 2, "vpp": 2, "schedule": "zbv", "micro_batch_size": 1},
+    "tp2": {"tp": 2, "micro_batch_size": 2},
+    "zero3": {"dp_shard": 2, "zero_stage": 3, "micro_batch_size": 1},
+}
+LAYOUT_REL = 2e-5  # their losses vs the single process's: other reduction orders (fp32)
 
 
 def _tied_spec() -> ModelSpec:
@@ -46,6 +58,16 @@ def _tied_spec() -> ModelSpec:
 def _single_spec(out: Path):
     return load_train_spec(None, {**OPTIONS, "out_dir": str(out), "steps": STEPS,
                                   "micro_batch_size": GLOBAL_BATCH // MICRO_STEPS, "grad_accum_steps": MICRO_STEPS})
+
+
+def _ranks_spec(out: str | Path):
+    """The train spec of a run under a plan (the plan sets micro-batches and data parallelism)."""
+    return load_train_spec(None, {**OPTIONS, "out_dir": str(out), "steps": STEPS})
+
+
+def _close(got, want, what, rel=1e-5):
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) < rel * abs(b), f"{what}: losses {got} vs the uninterrupted run's {want}"
 
 
 def _copies(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
@@ -97,25 +119,21 @@ def _pp2_worker(rank: int, world: int, model_path: str, plan_path: str, fresh: s
     model_spec, plan = ModelSpec.model_validate(read_yaml(model_path)), load_plan(plan_path)
     out = {"refused": {}}
     for name, path in tampered.items():  # (first: no run left in a half-loaded state behind them)
-        trainer = Trainer(load_train_spec(None, {**OPTIONS, "out_dir": path, "steps": STEPS}), model_spec,
-                          log=lambda *a: None, plan=plan)
+        trainer = Trainer(_ranks_spec(path), model_spec, log=lambda *a: None, plan=plan)
         try:
             trainer.resume()
         except CheckpointError as err:
             out["refused"][name] = str(err)
-    trainer = Trainer(load_train_spec(None, {**OPTIONS, "out_dir": fresh, "steps": STEPS}), model_spec,
-                      log=lambda *a: None, plan=plan)
+    trainer = Trainer(_ranks_spec(fresh), model_spec, log=lambda *a: None, plan=plan)
     assert trainer.pipeline is not None
     out["fresh"] = trainer.fit()["losses"]
-    trainer = Trainer(load_train_spec(None, {**OPTIONS, "out_dir": resumed, "steps": STEPS}), model_spec,
-                      log=lambda *a: None, plan=plan)
+    trainer = Trainer(_ranks_spec(resumed), model_spec, log=lambda *a: None, plan=plan)
     assert trainer.resume() and trainer.step == SAVED_AT
     out["after_resume"] = _copies(trainer)
     out["resumed"] = trainer.fit()["losses"]
     out["after_fit"] = _copies(trainer)
     # (c) the PP2 run's own checkpoint at PP2 again
-    trainer = Trainer(load_train_spec(None, {**OPTIONS, "out_dir": f"{fresh}_again", "steps": STEPS}), model_spec,
-                      log=lambda *a: None, plan=plan)
+    trainer = Trainer(_ranks_spec(f"{fresh}_again"), model_spec, log=lambda *a: None, plan=plan)
     assert trainer.resume(Path(fresh) / "checkpoints" / f"step_{SAVED_AT:08d}") and trainer.step == SAVED_AT
     out["again"] = trainer.fit()["losses"]
     return out
@@ -145,10 +163,6 @@ def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
                         plan_path=str(plan_path), fresh=str(tmp_path / "pp2"), resumed=str(tmp_path / "pp2_from_one"),
                         tampered=tampered)
 
-    def close(got, want, what):
-        for a, b in zip(got, want, strict=True):
-            assert abs(a - b) < 1e-5 * abs(b), f"{what}: losses {got} vs the uninterrupted run's {want}"
-
     # copies that disagree are refused, on both ranks, one line naming them: at PP2 the first step's embedding ->
     # head copy would mend the weight but not the head's optimizer state
     for rank, r in enumerate(results):
@@ -157,9 +171,9 @@ def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
             assert "'embed.weight' and 'lm_head.weight' differ" in msg and what in msg and "\n" not in msg, (
                 rank, name, msg)
     for rank, r in enumerate(results):
-        close(r["fresh"], ref, f"PP2 run (rank {rank})")
-        close(r["resumed"], ref[SAVED_AT:], f"(a) one process -> PP2 (rank {rank})")
-        close(r["again"], ref[SAVED_AT:], f"(c) PP2 -> PP2 (rank {rank})")
+        _close(r["fresh"], ref, f"PP2 run (rank {rank})")
+        _close(r["resumed"], ref[SAVED_AT:], f"(a) one process -> PP2 (rank {rank})")
+        _close(r["again"], ref[SAVED_AT:], f"(c) PP2 -> PP2 (rank {rank})")
     # the copies live on different ranks (embedding on pp rank 0, head on pp rank 1): equal weights and optimizer
     # state right after the resume (so the runner's first-step copy embedding -> head is a no-op) and at the end
     for when in ("after_resume", "after_fit"):
@@ -186,9 +200,57 @@ def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
     trainer = Trainer(_single_spec(one), model_spec, log=lambda *a: None)
     assert trainer.resume() and trainer.step == SAVED_AT
     assert trainer.model.lm_head.weight is trainer.model.embed.weight  # still one parameter
-    close(trainer.fit()["losses"], ref[SAVED_AT:], "(b) PP2 -> one process")
+    _close(trainer.fit()["losses"], ref[SAVED_AT:], "(b) PP2 -> one process")
 
     # one parameter cannot take two different stored values (the later read would silently win)
     trainer = Trainer(_single_spec(tmp_path / "head_weight"), model_spec, log=lambda *a: None)
     with pytest.raises(CheckpointError, match=r"'embed.weight' and 'lm_head.weight' differ, but the model ties"):
         trainer.resume()
+
+
+def _layouts_worker(rank: int, world: int, model_path: str, plans: dict[str, str], root: str) -> dict:
+    """Per layout: the fresh run's losses, then the single-process checkpoint (copied under <root>/<name>_resumed)
+    resumed at the layout."""
+    from moestack.config.base import read_yaml
+    from moestack.config.plan import load_plan
+
+    model_spec = ModelSpec.model_validate(read_yaml(model_path))
+    out = {}
+    for name, plan_path in plans.items():
+        plan = load_plan(plan_path)
+        fresh = Trainer(_ranks_spec(Path(root) / name), model_spec, log=lambda *a: None, plan=plan)
+        got = {"fresh": fresh.fit()["losses"]}
+        resumed = Trainer(_ranks_spec(Path(root) / f"{name}_resumed"), model_spec, log=lambda *a: None, plan=plan)
+        assert resumed.resume() and resumed.step == SAVED_AT, name
+        got["resumed"] = resumed.fit()["losses"]
+        out[name] = got
+    return out
+
+
+@pytest.mark.slow
+def test_tied_checkpoint_resumes_across_layouts(tmp_path, one_thread):
+    model_spec = _tied_spec()
+    model_path = tmp_path / "model.yaml"
+    dump_yaml(model_spec, model_path)
+    ref = Trainer(_single_spec(tmp_path / "ref"), model_spec, log=lambda *a: None).fit()["losses"]
+    saved = tmp_path / "ref" / "checkpoints" / f"step_{SAVED_AT:08d}"
+    plans = {}
+    for name, fields in LAYOUTS.items():
+        shutil.copytree(saved, tmp_path / f"{name}_resumed" / "checkpoints" / saved.name)
+        plans[name] = str(tmp_path / f"plan_{name}.yaml")
+        save_plan(make_plan(model=str(model_path), cluster="cpu", devices=2, seq_len=SEQ,
+                            global_batch_size=GLOBAL_BATCH, **fields), plans[name])
+    results = run_ranks(__file__, "_layouts_worker", world_size=2, timeout=600, model_path=str(model_path),
+                        plans=plans, root=str(tmp_path))
+    for name in LAYOUTS:
+        for rank, r in enumerate(results):
+            _close(r[name]["fresh"], ref, f"{name} from scratch (rank {rank})", LAYOUT_REL)
+            _close(r[name]["resumed"], ref[SAVED_AT:], f"one process -> {name} (rank {rank})", LAYOUT_REL)
+        # the layout's own checkpoint back in one process: one parameter again, the uninterrupted run's losses
+        own = tmp_path / name / "checkpoints" / f"step_{SAVED_AT:08d}"
+        back = tmp_path / f"{name}_back"
+        shutil.copytree(own, back / "checkpoints" / own.name)
+        trainer = Trainer(_single_spec(back), model_spec, log=lambda *a: None)
+        assert trainer.resume() and trainer.step == SAVED_AT, name
+        assert trainer.model.lm_head.weight is trainer.model.embed.weight
+        _close(trainer.fit()["losses"], ref[SAVED_AT:], f"{name} -> one process", LAYOUT_REL)

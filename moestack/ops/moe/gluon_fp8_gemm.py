@@ -35,8 +35,8 @@ wait while the CUDA cores promote it (fp8_tma.py's Triton kernel waits for every
   weight tiles and a bounded set of x rows in L2 (GT = 16: +5-10% under Zipf-skewed loads, even when uniform).
 - Epilogue: fp32 -> out dtype -> a coalescing layout -> masked plain stores; rows >= offs[-1] get zeros.
 
-H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md sessions 10-11): 825-941
-TFLOP/s on the four forward / dX GEMMs (0.90-1.03x per-expert cuBLAS's 913-1049) at the default; three consumer
+H200, K3 EP16 (56 experts x 2340 rows; benchmarks/fp8_grouped.py, benchmarks/RESULTS.md sessions 10-11): 817-941
+TFLOP/s on the four forward / dX GEMMs across six runs (0.86-1.03x per-expert cuBLAS's 887-1049 in the same runs); three consumer
 warpgroups (192x128 tiles) 881-953, no better overall, nor in the layer. feed_ceiling (the same kernel with the
 promotion taken out) reaches 1117-1251: the promotion costs this kernel ~25%, and per-expert cuBLAS runs at ~1120
 in the layer's profile, i.e. at this feed's ceiling already. cuBLAS stays v3's default.
@@ -246,31 +246,6 @@ def _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_sw
 
 
 @gluon.jit
-def _worker_consumer1(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                      GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
-    """The second warpgroup's rows as a partition of its own: the warpgroups meet only at the ring's barriers,
-    so one's promotion and epilogue run under the others' MMAs."""
-    _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, GT, PAIR, PROMOTE, 1)
-
-
-@gluon.jit
-def _worker_consumer2(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                      stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                      GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
-    _consumer(x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk, stride_yn, BE, BT,
-              BF_, GT, PAIR, PROMOTE, 2)
-
-
-@gluon.jit
-def _worker_producer(x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                     stride_swk, stride_yn, BE: gl.constexpr, BT: gl.constexpr, BF_: gl.constexpr,
-                     GT: gl.constexpr, PAIR: gl.constexpr, PROMOTE: gl.constexpr):  # fmt: skip
-    _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT, PAIR)
-
-
-@gluon.jit
 def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_swe, stride_swk,
                         stride_yn, BE: gl.constexpr, BT: gl.constexpr, NS: gl.constexpr, GT: gl.constexpr,
                         PAIR: gl.constexpr, REGS: gl.constexpr, PREGS: gl.constexpr,
@@ -294,21 +269,19 @@ def fp8_gg_gluon_kernel(x_desc, w_desc, sx, sw, y, offs, N, K, F, E, nk, stride_
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
                          stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 0)),
-            (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
-            (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
+            (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
+                         stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 1)),
+            (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT, PAIR)),
         ], [4, 1], [REGS, PREGS])
     else:
         gl.warp_specialize([
             (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
                          stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 0)),
-            (_worker_consumer1, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
-            (_worker_consumer2, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                 stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
-            (_worker_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe,
-                                stride_swk, stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE)),
+            (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
+                         stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 1)),
+            (_consumer, (x_ring, w_ring, ready, empty, sx, sw, y, offs, F, E, nk, stride_swe, stride_swk,
+                         stride_yn, BE, BT, BF_, GT, PAIR, PROMOTE, 2)),
+            (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, offs, F, E, nk, BE, BT, GT, PAIR)),
         ], [4, 4, 1], [REGS, REGS, PREGS])
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BF_ // 8), BF_ // 8], [NW, 1], [1, 0])
     st_r = gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))

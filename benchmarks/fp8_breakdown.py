@@ -8,8 +8,8 @@ gemms: torch._scaled_mm with DeepSeek-V3's blockwise scales (1x128 activations x
 the weight gradients) and with rowwise scales, against bf16 mm, at K3 EP16's per-expert shapes (2340 rows per
 expert), the latent projections, all rows as one GEMM, and the 56-expert grouped GEMMs (torch._grouped_mm vs
 torch._scaled_grouped_mm rowwise). Random data, triton.testing.do_bench medians, TFLOP/s.
-profile: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant (bf16, FP8 v3 +
-projections, the same with the Gluon forward / dX); kernel time per iteration, the largest
+profile [--variants a,b]: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant
+(default bf16, FP8 v3 + projections, the same with the unfused expert FFN); kernel time per iteration, the largest
 kernels first, and the wall time per iteration. Gradients accumulate between the profiled iterations (no zeroing), so the
 bf16 "add" kernels there are the accumulation, which the timed benchmark (grad_to_none) does not run.
 """
@@ -102,7 +102,10 @@ def gemms() -> None:
     grouped_row(56, 2340, 3072, 3584, "grouped down fwd")
 
 
-def profile(iterations: int = 3, top: int = 14) -> None:
+PROFILE_VARIANTS = ("bf16", "fp8v3-proj", "fp8v3-unfused-proj")
+
+
+def profile(iterations: int = 3, top: int = 14, variants: tuple[str, ...] = PROFILE_VARIANTS) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -118,7 +121,7 @@ def profile(iterations: int = 3, top: int = 14) -> None:
     layer = bench_moe.BenchLayer(hidden, latent, inter, e_loc, e_rt, K, zipf, G, TG, "torch", torch.bfloat16)
     x = torch.randn(1, T, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn_like(x)
-    for variant in ("bf16", "fp8v3-proj", "fp8v3-gluonrows-proj"):
+    for variant in variants:
         backend, env = bench_moe.FP8_VARIANTS[variant]
         with mock.patch.dict(os.environ, env):
             layer.moe.experts.backend = backend
@@ -152,14 +155,22 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("| fp8 breakdown | needs a CUDA GPU |")
         return
-    parts = sys.argv[1:] or ["gemms", "profile"]
+    args = sys.argv[1:]
+    variants = PROFILE_VARIANTS
+    if "--variants" in args:  # profile's variants: names of benchmarks/moe.py's FP8_VARIANTS, comma list
+        i = args.index("--variants")
+        if i + 1 >= len(args):
+            sys.exit("fp8_breakdown.py: --variants needs a comma list, e.g. bf16,fp8v3-proj")
+        variants = tuple(args[i + 1].split(","))
+        del args[i:i + 2]
+    parts = args or ["gemms", "profile"]
     unknown = [p for p in parts if p not in ("gemms", "profile")]
     if unknown:
-        sys.exit(f"fp8_breakdown.py: unknown part(s) {unknown}; use gemms and / or profile")
+        sys.exit(f"fp8_breakdown.py: unknown part(s) {unknown}; use gemms and / or profile [--variants a,b]")
     if "gemms" in parts:
         gemms()
     if "profile" in parts:
-        profile()
+        profile(variants=variants)
 
 
 if __name__ == "__main__":

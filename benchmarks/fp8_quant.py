@@ -7,6 +7,9 @@ quantize_dual reads x [N, K] bf16 once and writes its 1x128 row tiles (q, fp8, e
 token tiles (qT, fp8): the FP8 expert GEMMs call it on x and a in the forward and on both output gradients in the
 backward. Per kernel ($MOESTACK_FP8_QUANT=triton / gluon): ms (median of triton.testing.do_bench on random normal
 data), TB/s counting the bf16 read and both fp8 writes, and whether its bytes equal the Triton kernel's.
+--glu I: also the expert FFN's fused sources at intermediate size I (fp8_expert_ffn.py): the activation's quantiser
+(quantize_glu_dual) against triton_activation's forward + quantize_dual, and the gradient's (quantize_glu_grad_dual)
+against the activation's backward + quantize_dual; ms, and whether the bytes equal the unfused pair's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     p.add_argument("--widths", default="3584,3072,6144", help="K values, comma list")
     p.add_argument("--configs", default="default",
                    help="'default' or 'all' Gluon configs (warps, columns per thread, qT stores)")
+    p.add_argument("--glu", type=int, default=0, help="intermediate size I for the fused GLU sources (0 = skip)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("| fp8 quantiser | needs a CUDA GPU |")
@@ -61,6 +65,41 @@ def main() -> None:
             print(f"| | {K} | {label} | {t:.3f} | {moved / t / 1e9:.2f} | {same} |", flush=True)
         del x, ref, out
         torch.cuda.empty_cache()
+    if args.glu:
+        glu_sources(offs, N, args.glu, do_bench)
+
+
+def glu_sources(offs: torch.Tensor, N: int, inter: int, do_bench) -> None:
+    """The fused GLU sources against the unfused activation kernel + quantize_dual (module doc)."""
+    from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.moe.triton_activation import _FusedGLU, fused_glu
+
+    gu = torch.randn(N, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
+    da = torch.randn(N, inter, device="cuda", dtype=torch.bfloat16)
+    glu = ("situ_glu", 4.0, 25.0)
+
+    def glu_bwd():
+        ctx = type("Ctx", (), {})()
+        ctx.saved_tensors, ctx.cfg = (gu,), glu
+        return _FusedGLU.backward(ctx, da)[0]
+
+    cases = (("activation", lambda: fq.quantize_dual(fused_glu(gu, *glu), offs, expert_major=True),
+              lambda: fq.quantize_glu_dual(gu, offs, *glu, expert_major=True), N * inter * (4 + 2)),
+             ("its gradient", lambda: fq.quantize_dual(glu_bwd(), offs, expert_major=True),
+              lambda: fq.quantize_glu_grad_dual(gu, da, offs, *glu, expert_major=True), N * inter * (4 + 2 + 4)))
+    print(f"| fused GLU sources, I = {inter} | source | unfused ms | fused ms | fused TB/s (bytes it must move) | "
+          f"bytes equal |")
+    print("|---|---|---|---|---|---|")
+    for name, unfused, fused in ((c[0], c[1], c[2]) for c in cases):
+        moved = next(c[3] for c in cases if c[0] == name)
+        a, b = unfused(), fused()
+        n_tok = int(sum(-(-int(c) // fq.GROUP) for c in torch.diff(offs, prepend=offs.new_zeros(1)))) * fq.GROUP
+        same = all((torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), torch.equal(a[1], b[1]),
+                    torch.equal(a[2][:, :n_tok].view(torch.uint8), b[2][:, :n_tok].view(torch.uint8)),
+                    torch.equal(a[3][:n_tok // fq.GROUP], b[3][:n_tok // fq.GROUP])))
+        t_u = do_bench(unfused, warmup=20, rep=200)
+        t_f = do_bench(fused, warmup=20, rep=200)
+        print(f"| | {name} | {t_u:.3f} | {t_f:.3f} | {moved / t_f / 1e9:.2f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -121,8 +121,22 @@ class Experts(nn.Module):
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
-        gate_up_N2I = self.grouped_mm(h_NL, self.w_gate_up.transpose(1, 2), offs_E)
-        return self.grouped_mm(self.glu(gate_up_N2I), self.w_down.transpose(1, 2), offs_E)
+        return self.ffn(h_NL, self.w_gate_up, self.w_down, offs_E)
+
+    def ffn(
+        self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts on these weights (Experts' layout): one fused op where the backend has one (the FP8 v3 FFN,
+        moestack.ops.moe.expert_ffn) and nothing replaced the grouped_mm seam, else gate/up GEMM -> glu -> down
+        GEMM through the seam. The fused op needs the fused activation (triton routing backend): the same numbers."""
+        if "grouped_mm" not in self.__dict__ and x_NL.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
+                routing.resolve_backend(self.routing_backend, x_NL.device) == "triton":
+            y_NL = moe_ops.expert_ffn(x_NL, w_gate_up.transpose(1, 2), w_down.transpose(1, 2), offs_E, self.backend,
+                                      self.activation, self.situ_beta, self.situ_linear_beta)
+            if y_NL is not None:
+                return y_NL
+        gate_up_N2I = self.grouped_mm(x_NL, w_gate_up.transpose(1, 2), offs_E)
+        return self.grouped_mm(self.glu(gate_up_N2I), w_down.transpose(1, 2), offs_E)
 
     def glu(self, gate_up_N2I: torch.Tensor) -> torch.Tensor:
         """[N, 2I] (gate | up) -> [N, I]: the fused kernel (saves only gate_up) with the "triton" routing backend,

@@ -116,6 +116,38 @@ def test_quantize_dual_interpreter():
     assert qT2 is None and sT2 is None and torch.equal(q2[:used], q[:used])
 
 
+@pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
+def test_quantize_glu_sources_interpreter(kind):
+    """The fused sources (activation, and its gradient) equal quantize_dual of the unfused tensors, every layout."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case; the GPU runs test_quantize_glu_sources_gpu")
+    from moestack.model.mlp import glu_activation
+
+    counts, inter = [40, 0, 131, 3], 256
+    g = torch.Generator().manual_seed(3)
+    N = sum(counts) + 2
+    gu = (torch.randn(N, 2 * inter, generator=g) * 3).requires_grad_(True)
+    da = torch.randn(N, inter, generator=g)
+    offs = offs_from_counts(counts)
+    act = glu_activation(gu[:, :inter], gu[:, inter:], kind, 4.0, 25.0)
+    (dgu,) = torch.autograd.grad(act, gu, da)
+    used, n_tiles = sum(counts), sum((c + 127) // 128 for c in counts)
+    for expert_major in (False, True):
+        cases = ((fq.quantize_glu_dual(gu.detach(), offs, kind, 4.0, 25.0, torch.float32, expert_major), act),
+                 (fq.quantize_glu_grad_dual(gu.detach(), da, offs, kind, 4.0, 25.0, torch.float32, expert_major),
+                  dgu))
+        for got, src in cases:
+            want = fq.quantize_dual(src.detach(), offs, torch.float32, expert_major=expert_major)
+            assert got[0].shape == want[0].shape and got[2].shape == want[2].shape
+            assert rel_err(got[0][:used], want[0][:used]) < 1e-5
+            s_got, s_want = (got[1], want[1]) if expert_major else (got[1][:used], want[1][:used])
+            assert rel_err(s_got, s_want) < 1e-5
+            assert rel_err(got[2][:, :n_tiles * 128], want[2][:, :n_tiles * 128]) < 1e-5
+            assert rel_err(got[3][:n_tiles], want[3][:n_tiles]) < 1e-5
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fq.quantize_glu_dual(gu.detach()[:, :200], offs, kind, 4.0, 25.0, torch.float32)
+
+
 def test_expert_major_layout():
     base, mp = fq.expert_major_layout([5, 0, 8, 1])
     assert mp == [8, 0, 8, 4] and base == [0, 8, 8, 16]
@@ -259,6 +291,104 @@ def test_v3_cublas_wgrad_only_emulated(monkeypatch):
     monkeypatch.setattr(fsm, "rows_mm", lambda *a, **k: pytest.fail("forward / dX must stay on Triton"))
     _v3_vs_loop([20, 0, 9, 131], 144, 80, min_rows=10**9, seed=15)
     assert calls == [1]
+
+
+def _ffn_unfused(x, w_gu, w_down, offs, kind, q_dtype):
+    from moestack.ops.moe.triton_activation import fused_glu
+
+    gu = f8.Fp8GroupedMMv3.apply(x, w_gu.transpose(1, 2), offs, q_dtype, None, 0)
+    return f8.Fp8GroupedMMv3.apply(fused_glu(gu, kind, 4.0, 25.0), w_down.transpose(1, 2), offs, q_dtype, None, 0)
+
+
+@pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
+def test_fp8_expert_ffn_emulated(kind, monkeypatch):
+    """The fused FFN (activation inside the quantisers) against the unfused pair of v3 GEMMs around fused_glu, on
+    the emulated cuBLAS path with unrounded "fp8": outputs and all three gradients, empty experts, odd counts, tail
+    rows; and against the fp64 eager FFN."""
+    if DEV == "cuda":
+        pytest.skip("emulation case; the GPU runs test_fp8_expert_ffn_gpu")
+    from moestack.model.mlp import glu_activation
+    from moestack.ops.moe import fp8_expert_ffn as ffn
+
+    monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
+    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", "0")
+    monkeypatch.setenv(f8.V3_ENV, "1")
+    counts, D, inter = [37, 0, 130, 1, 6], 512, 512
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(sum(counts) + 2, D, generator=g)
+    w_gu = (torch.randn(len(counts), 2 * inter, D, generator=g) / D**0.5).requires_grad_(True)
+    w_down = (torch.randn(len(counts), D, inter, generator=g) / inter**0.5).requires_grad_(True)
+    offs = offs_from_counts(counts)
+    assert ffn.applies(x, w_gu.transpose(1, 2), w_down.transpose(1, 2))
+    used = sum(counts)
+    dy = torch.randn(x.shape, generator=g)
+    outs = []
+    for fused in (True, False):
+        wc.clear()
+        xg = x.clone().requires_grad_(True)
+        if fused:
+            y = ffn.Fp8ExpertFFN.apply(xg, w_gu.transpose(1, 2), w_down.transpose(1, 2), offs, kind, 4.0, 25.0,
+                                       torch.float32)
+        else:
+            y = _ffn_unfused(xg, w_gu, w_down, offs, kind, torch.float32)
+        outs.append((y, *torch.autograd.grad(y, (xg, w_gu, w_down), dy)))
+    for got, want in zip(*outs):
+        assert rel_err(got[:used] if got.shape[0] == x.shape[0] else got, want[:used] if want.shape[0] == x.shape[0]
+                       else want) < 1e-5
+    # against the eager FFN in fp64 (the quantisers are unrounded here, so only the fp32 GEMMs differ)
+    xr = x.double().requires_grad_(True)
+    wg, wd = w_gu.detach().double().requires_grad_(True), w_down.detach().double().requires_grad_(True)
+    gu = grouped_mm_loop(xr, wg.transpose(1, 2), offs)
+    y_ref = grouped_mm_loop(glu_activation(gu[:, :inter], gu[:, inter:], kind), wd.transpose(1, 2), offs)
+    refs = (y_ref, *torch.autograd.grad(y_ref, (xr, wg, wd), dy.double()))
+    y, dx, dwg, dwd = outs[0]
+    assert rel_err(y[:used], y_ref[:used]) < 1e-4 and rel_err(dx[:used], refs[1][:used]) < 1e-4
+    assert rel_err(dwg, refs[2]) < 1e-4 and rel_err(dwd, refs[3]) < 1e-4
+    assert (dwg[1] == 0).all() and (dwd[1] == 0).all() and dwg.is_contiguous() and dwd.is_contiguous()
+    wc.clear()
+
+
+def test_fp8_expert_ffn_applies(monkeypatch):
+    """Where the fused FFN steps aside: v3 off, the env switch, few rows per expert, an intermediate size off the
+    tile grid, the Triton weight gradient; a bad switch value names the variable."""
+    from moestack.ops.moe import fp8_expert_ffn as ffn
+
+    monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
+    monkeypatch.setenv(f8.V3_ENV, "1")
+    x = torch.zeros(4096, 512)
+    w_gu, w_down = torch.zeros(4, 512, 1024), torch.zeros(4, 512, 512)
+    assert ffn.applies(x, w_gu, w_down)
+    assert not ffn.applies(x[:100], w_gu, w_down)  # mean rows per expert below the cuBLAS threshold
+    assert not ffn.applies(torch.zeros(4096, 640), torch.zeros(4, 640, 1280), torch.zeros(4, 640, 640))
+    for env, value in ((f8.V3_ENV, "0"), (ffn.ENV, "0"), (f8.TMA_WGRAD_ENV, "1")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            assert not ffn.applies(x, w_gu, w_down), env
+    monkeypatch.setenv(ffn.ENV, "yes")
+    with pytest.raises(ValueError, match="MOESTACK_FP8_FUSED_FFN='yes'"):
+        ffn.applies(x, w_gu, w_down)
+
+
+def test_experts_take_the_fused_ffn(monkeypatch):
+    """Experts.ffn hands the fp8 backend's FFN to moestack.ops.moe.expert_ffn (triton activation, own seam) and runs
+    the unfused pair when it returns None or when a seam replaced grouped_mm."""
+    from moestack.model.moe import Experts
+    from moestack.ops import moe as moe_ops
+    from moestack.ops.moe import fp8_expert_ffn as ffn
+
+    experts = Experts(2, 8, 4)
+    experts.init_weights(0.1)
+    experts.backend, experts.routing_backend = "fp8", "triton"
+    seen = []
+    monkeypatch.setattr(moe_ops, "_fp8_available", lambda: True)
+    monkeypatch.setattr(ffn, "expert_ffn", lambda x, wg, wd, o, kind, b, lb: seen.append((wg.shape, kind)) or x * 2)
+    x, offs = torch.randn(5, 8), torch.tensor([2, 5], dtype=torch.int32)
+    assert torch.equal(experts(x, offs), x * 2) and seen == [((2, 8, 8), "situ_glu")]
+    monkeypatch.setattr(ffn, "expert_ffn", lambda *a: None)
+    monkeypatch.setattr(experts, "grouped_mm", lambda x, w, o: moe_ops.grouped_mm(x, w, o, backend="reference"))
+    y_seam = experts(x, offs)  # the seam, not the fp8 backend (absent on CPU)
+    experts.backend = "reference"
+    assert torch.equal(y_seam, experts(x, offs))
 
 
 def test_host_offsets_cached():
@@ -674,3 +804,50 @@ def test_v3_proxy_gemms_gpu(wgrad_min_rows, monkeypatch):
             fails += [(name, D, F, k, e) for k, e in errs.items() if not e < bound]
     wc.clear()
     assert not fails, fails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_gemm", ["cublas", "gluon"])
+def test_fp8_expert_ffn_gpu(rows_gemm, monkeypatch):
+    """The fused FFN on the H200: bitwise equal to the unfused v3 pair (same fp8 operands, same GEMM calls) for the
+    output and all three gradients, with an empty expert and odd counts; and within FP8's error of the fp32 FFN."""
+    from moestack.model.mlp import glu_activation
+    from moestack.ops.moe import fp8_expert_ffn as ffn
+    from moestack.ops.moe import gluon_quant
+
+    if not fsm.available(torch.device("cuda")) or not gluon_quant.supported(torch.cuda.current_device()):
+        pytest.skip("sm_90 with the cuBLAS blockwise path")
+    monkeypatch.setenv(f8.V3_ENV, "1")
+    monkeypatch.setenv(f8.ROWS_GEMM_ENV, rows_gemm)
+    counts, D, inter = [700, 0, 1301, 515, 903], 1024, 512
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(counts) + 3, D, generator=g).to("cuda", torch.bfloat16)
+    w_gu = (torch.randn(len(counts), 2 * inter, D, generator=g) / D**0.5).cuda().requires_grad_(True)
+    w_down = (torch.randn(len(counts), D, inter, generator=g) / inter**0.5).cuda().requires_grad_(True)
+    offs = offs_from_counts(counts)
+    dy = torch.randn(x.shape, generator=g).to("cuda", torch.bfloat16)
+    used = sum(counts)
+    outs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv(ffn.ENV, fused)
+        wc.clear()
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # the compute dtype the fp8 backend takes x to
+            y = ffn.expert_ffn(xg, w_gu.transpose(1, 2), w_down.transpose(1, 2), offs, "situ_glu", 4.0, 25.0)
+            if fused == "0":
+                assert y is None
+                y = _ffn_unfused(xg, w_gu, w_down, offs, "situ_glu", fq.FP8)
+        assert y.dtype == torch.bfloat16
+        outs.append((y[:used], *torch.autograd.grad(y, (xg, w_gu, w_down), dy)))
+    for name, got, want in zip(("y", "dx", "dw_gate_up", "dw_down"), *outs):
+        got, want = (got[:used], want[:used]) if name == "dx" else (got, want)
+        assert torch.equal(got, want), (name, rel_err(got, want))
+    xr = x.float().requires_grad_(True)
+    wg, wd = w_gu.detach().clone().requires_grad_(True), w_down.detach().clone().requires_grad_(True)
+    gu = grouped_mm_loop(xr, wg.transpose(1, 2), offs)
+    y_ref = grouped_mm_loop(glu_activation(gu[:, :inter], gu[:, inter:], "situ_glu"), wd.transpose(1, 2), offs)
+    refs = (y_ref[:used], *torch.autograd.grad(y_ref, (xr, wg, wd), dy.float()))
+    for name, got, ref in zip(("y", "dx", "dw_gate_up", "dw_down"), outs[0], refs):
+        got, ref = (got[:used], ref[:used]) if name == "dx" else (got, ref)
+        assert rel_err(got, ref) < 8e-2, (name, rel_err(got, ref))
+    wc.clear()

@@ -78,6 +78,19 @@ def grouped_mm(
     return _BACKENDS[resolve_backend(backend)][0](x_ND, w_EDF, offs_E)
 
 
+def expert_ffn(
+    x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tensor, offs_E: torch.Tensor,
+    backend: str | None, kind: str, beta: float, lin_beta: float,
+) -> torch.Tensor | None:
+    """The whole expert FFN act(x w_gu) w_down as one fused op where the backend has one and it applies (the fp8
+    backend's v3 path: fp8_expert_ffn.py); None = run the two grouped GEMMs and the activation separately."""
+    if (backend or os.environ.get(ENV_VAR)) != "fp8" or not _fp8_available():
+        return None
+    from moestack.ops.moe import fp8_expert_ffn
+
+    return fp8_expert_ffn.expert_ffn(x_ND, w_gu_ED2I, w_down_EID, offs_E, kind, beta, lin_beta)
+
+
 register_backend("torch", reference.grouped_mm)
 register_backend("reference", grouped_mm_loop)
 
@@ -110,6 +123,7 @@ __all__ = [
     "PREFERENCE",
     "Permutation",
     "available_backends",
+    "expert_ffn",
     "gather_sorted",
     "grouped_mm",
     "grouped_mm_loop",

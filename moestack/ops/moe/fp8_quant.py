@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops.moe.triton_activation import KINDS as GLU_KINDS
+from moestack.ops.moe.triton_activation import glu_act, glu_grads
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # tile / block edge of every grouping
@@ -206,9 +209,39 @@ def fp8_quant_token_tiles_kernel(x, qT, s, offs, N, D, E, P, stride_xn, BE: tl.c
 
 
 @triton.jit
-def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: tl.constexpr,
-                          G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr):
-    """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales."""
+def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base, mp,
+                      G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr):
+    """Quantise one fp32 [G, G] tile (columns i_k of the output, token tile g) into both copies and their scales."""
+    b_amax_r = tl.max(tl.abs(b_x), 1)  # |x| recomputed below rather than kept: two [G, G] fp32 tiles at most
+    b_sr = tl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)  # [G] one scale per row
+    # x * (448 / amax) rather than x / scale: one multiply per element (as gluon_quant.py, bitwise equal);
+    # |q| <= 448 up to one ulp, which the fp8 cast rounds back to 448, so no clamp
+    b_qr = b_x * tl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
+    tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty),
+             mask=m_r[:, None] & m_c[None, :])
+    if EXPERT_MAJOR:
+        p_s = s + base.to(tl.int64) * nk + i_k * mp + local
+    else:
+        p_s = s + rows64 * nk + i_k
+    tl.store(p_s, b_sr, mask=m_r)
+    if TILES:
+        b_amax_c = tl.max(tl.abs(b_x), 0)
+        b_sc = tl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)  # [G] one scale per column of the tile
+        b_qc = b_x * tl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]
+        toks = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT; rows past the expert are zeros
+        tl.store(qT + cols.to(tl.int64)[None, :] * P + toks[:, None], b_qc.to(qT.dtype.element_ty),
+                 mask=m_c[None, :])
+        tl.store(sT + g.to(tl.int64) * K + cols, b_sc, mask=m_c)
+
+
+@triton.jit
+def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, da, stride_dn, beta, lin_beta,
+                          BE: tl.constexpr, G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr,
+                          SRC: tl.constexpr, KIND: tl.constexpr):
+    """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales.
+    SRC (module doc, "Fused sources"): 0 = the tile of x; 1 = act(gate, up) from x = gate_up [N, 2K]; 2 = column
+    tile i_k of d gate and of d up (output columns i_k and K / 2 / G + i_k) from x = gate_up [N, K], da [N, K / 2].
+    Activation values are rounded to x's dtype first, as the unfused activation kernel stores them."""
     g, i_k = tl.program_id(0), tl.program_id(1)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
@@ -224,34 +257,43 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
         local = (g - first) * G + tl.arange(0, G)  # [G] row index inside expert e
         rows = tl.sum(tl.where(sel, b_start, 0), 0) + local
         m_r = local < tl.sum(tl.where(sel, b_cnt, 0), 0)
-        cols = i_k * G + tl.arange(0, G)  # [G]
-        m_c = cols < K
         rows64 = rows.to(tl.int64)
-        b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
-                      other=0.0).to(tl.float32)  # [G, G]
-        b_amax_r = tl.max(tl.abs(b_x), 1)  # |x| recomputed below rather than kept: two [G, G] fp32 tiles at most
-        b_sr = tl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)  # [G] one scale per row
-        # x * (448 / amax) rather than x / scale: one multiply per element (as gluon_quant.py, bitwise equal);
-        # |q| <= 448 up to one ulp, which the fp8 cast rounds back to 448, so no clamp
-        b_qr = b_x * tl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
-        tl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty),
-                 mask=m_r[:, None] & m_c[None, :])
-        if EXPERT_MAJOR:
-            b_mp = (b_cnt + 3) // 4 * 4
-            base = tl.sum(tl.where(sel, tl.cumsum(b_mp, 0) - b_mp, 0), 0)
-            mp = tl.sum(tl.where(sel, b_mp, 0), 0)
-            p_s = s + base.to(tl.int64) * nk + i_k * mp + local
+        b_mp = (b_cnt + 3) // 4 * 4
+        base = tl.sum(tl.where(sel, tl.cumsum(b_mp, 0) - b_mp, 0), 0)  # expert-major scale block (EXPERT_MAJOR)
+        mp = tl.sum(tl.where(sel, b_mp, 0), 0)
+        cols = i_k * G + tl.arange(0, G)  # [G] output columns (SRC 2: of the gate half)
+        if SRC == 0:
+            m_c = cols < K
+            b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
+                          other=0.0).to(tl.float32)  # [G, G]
+            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
+                              mp, G, EXPERT_MAJOR, TILES)
+        elif SRC == 1:
+            m_c = cols < K
+            m = m_r[:, None] & m_c[None, :]
+            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
+            b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
+            b_u = tl.load(p_g + K, mask=m, other=0.0).to(tl.float32)
+            b_x = glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(tl.float32)
+            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
+                              mp, G, EXPERT_MAJOR, TILES)
         else:
-            p_s = s + rows64 * nk + i_k
-        tl.store(p_s, b_sr, mask=m_r)
-        if TILES:
-            b_amax_c = tl.max(tl.abs(b_x), 0)
-            b_sc = tl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)  # [G] one scale per column of the tile
-            b_qc = b_x * tl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]
-            toks = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT; rows past the expert are zeros
-            tl.store(qT + cols.to(tl.int64)[None, :] * P + toks[:, None], b_qc.to(qT.dtype.element_ty),
-                     mask=m_c[None, :])
-            tl.store(sT + g.to(tl.int64) * K + cols, b_sc, mask=m_c)
+            half_k = K // 2
+            m_c = cols < half_k
+            m = m_r[:, None] & m_c[None, :]
+            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
+            p_da = da + rows64[:, None] * stride_dn + cols[None, :]
+            for half in tl.static_range(2):  # the second pass re-reads the tiles from L2
+                b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
+                b_u = tl.load(p_g + half_k, mask=m, other=0.0).to(tl.float32)
+                b_da = tl.load(p_da, mask=m, other=0.0).to(tl.float32)
+                b_dg, b_du = glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
+                if half == 0:
+                    b_x = b_dg.to(x.dtype.element_ty).to(tl.float32)
+                else:
+                    b_x = b_du.to(x.dtype.element_ty).to(tl.float32)
+                _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols + half * half_k, m_c, g,
+                                  i_k + half * (half_k // G), K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR, TILES)
 
 
 @triton.jit
@@ -288,29 +330,68 @@ def quantize_dual(
     expert-major layout (module doc); qT [K, P], sT [G, K] the 128x1 token tiles of quantize_token_tiles
     (None when tiles=False). Rows at or past offs[-1] are not quantised (never read by the GEMMs)."""
     x_NK = x_NK.contiguous()
-    N, K = x_NK.shape
+    return _dual(0, x_NK, None, x_NK.shape[1], offs_E, out_dtype, expert_major, tiles)
+
+
+def quantize_glu_dual(
+    gate_up_N2I: torch.Tensor, offs_E: torch.Tensor, kind: str, beta: float, lin_beta: float,
+    out_dtype: torch.dtype = FP8, expert_major: bool = False, tiles: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """quantize_dual(fused_glu(gate_up)) in one pass: the activation [N, I] is computed per tile (rounded to
+    gate_up's dtype, as triton_activation stores it) and never written. I a multiple of 128."""
+    gu = gate_up_N2I.contiguous()
+    return _dual(1, gu, None, gu.shape[1] // 2, offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
+
+
+def quantize_glu_grad_dual(
+    gate_up_N2I: torch.Tensor, da_NI: torch.Tensor, offs_E: torch.Tensor, kind: str, beta: float, lin_beta: float,
+    out_dtype: torch.dtype = FP8, expert_major: bool = False, tiles: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """quantize_dual(d gate_up) in one pass, d gate_up [N, 2I] = fused_glu's backward from da [N, I] (computed per
+    tile, rounded to gate_up's dtype, never written). I a multiple of 128."""
+    gu, da = gate_up_N2I.contiguous(), da_NI.contiguous()
+    return _dual(2, gu, da, gu.shape[1], offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
+
+
+def fused_sources_ok(inter: int) -> bool:
+    """The fused GLU sources need the gate / up halves to start on a tile: I a multiple of 128."""
+    return inter % GROUP == 0
+
+
+def _dual(src: int, x: torch.Tensor, da: torch.Tensor | None, K: int, offs_E: torch.Tensor, out_dtype: torch.dtype,
+          expert_major: bool, tiles: bool, kind: str = "situ_glu", beta: float = 0.0, lin_beta: float = 0.0):
+    """quantize_dual and its fused sources (module doc): the output is [N, K]; x is the source tensor."""
+    if src and not fused_sources_ok(x.shape[1] // 2):
+        raise ValueError(f"fused GLU quantiser: intermediate size {x.shape[1] // 2} must be a multiple of {GROUP}")
+    if src and kind not in GLU_KINDS:
+        raise ValueError(f"activation must be one of {tuple(GLU_KINDS)}, got {kind!r}")
+    N = x.shape[0]
     E = offs_E.numel()
     nk = triton.cdiv(K, GROUP)
-    qbuf = torch.empty((N + 3, K), device=x_NK.device, dtype=out_dtype)
+    qbuf = torch.empty((N + 3, K), device=x.device, dtype=out_dtype)
     qbuf[N:].zero_()
     if expert_major:
-        s = torch.zeros(nk * (N + 3 * E), device=x_NK.device, dtype=torch.float32)
+        s = torch.zeros(nk * (N + 3 * E), device=x.device, dtype=torch.float32)
     else:
-        s = torch.empty((N, nk), device=x_NK.device, dtype=torch.float32)
+        s = torch.empty((N, nk), device=x.device, dtype=torch.float32)
     G = num_token_tiles(N, E)
     P = G * GROUP
     if tiles:
-        qT = torch.empty((K, P), device=x_NK.device, dtype=out_dtype)
-        sT = torch.empty((G, K), device=x_NK.device, dtype=torch.float32)
+        qT = torch.empty((K, P), device=x.device, dtype=out_dtype)
+        sT = torch.empty((G, K), device=x.device, dtype=torch.float32)
     else:
         qT, sT = qbuf, s  # placeholders, never written (TILES=False)
-    gluon_quant = _gluon_dual(x_NK.device) if x_NK.is_cuda and N else None
+    da_arg = da if da is not None else x
+    glu = (GLU_KINDS.get(kind, 0), float(beta), float(lin_beta))
+    gluon_quant = _gluon_dual(x.device) if x.is_cuda and N else None
     if gluon_quant is not None:
-        gluon_quant.launch(x_NK, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
+        gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles, src=src, da=da_arg, glu=glu, K=K)
     elif N:
-        fp8_quant_dual_kernel[(G, nk)](
-            x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
-            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
+        grid_k = nk // 2 if src == 2 else nk  # SRC 2: one program per gate tile and its up tile
+        fp8_quant_dual_kernel[(G, grid_k)](
+            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), da_arg, da_arg.stride(0),
+            glu[1], glu[2], BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
+            SRC=src, KIND=glu[0],
             num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
 

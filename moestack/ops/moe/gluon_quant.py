@@ -49,6 +49,10 @@ TILE = 128  # fp8_quant.GROUP: the scale groups' edge
 # (warps, columns per thread, qT stores "lines" / "lanes"; module doc): first = default, the others for
 # benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc)
 CONFIGS = ((8, 8, "lines"), (8, 16, "lines"), (8, 4, "lines"), (8, 4, "lanes"))
+# the fused GLU sources' default configs (fp8_quant._dual): 16 warps, as their activation math needs registers; on
+# sm_90a the activation compiles to 64 registers (151 at 8 warps: one program per SM), its gradient to 128 (255 and
+# 796 bytes of spills at 8 warps)
+SOURCE_CONFIGS = {1: (16, 8, "lines"), 2: (16, 8, "lines")}
 
 
 @functools.cache
@@ -105,14 +109,87 @@ def lines_layout(num_warps):
 
 
 @gluon.jit
-def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, BE: gl.constexpr,
-                                EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
-                                COLS: gl.constexpr, LINES: gl.constexpr):
-    """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel."""
+def _tanh(x):
+    # triton_activation._tanh: tanh from one exp, sign-symmetric
+    e = gl.exp(-2.0 * gl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return gl.where(x < 0, -t, t)
+
+
+@gluon.jit
+def _glu_act(b_g, b_u, beta, lin_beta, KIND: gl.constexpr):
+    """triton_activation.glu_act, the same operations in the same order."""
+    b_sig = 1.0 / (1.0 + gl.exp(-b_g))
+    if KIND == 0:
+        b_a = beta * _tanh(b_g / beta) * b_sig * (lin_beta * _tanh(b_u / lin_beta))
+    else:
+        b_a = b_g * b_sig * b_u
+    return b_a
+
+
+@gluon.jit
+def _glu_grad(b_g, b_u, b_da, beta, lin_beta, KIND: gl.constexpr, HALF: gl.constexpr):
+    """triton_activation.glu_grads' d gate (HALF 0) or d up (HALF 1), the same operations in the same order."""
+    b_sig = 1.0 / (1.0 + gl.exp(-b_g))
+    if KIND == 0:
+        b_tg = _tanh(b_g / beta)
+        b_tu = _tanh(b_u / lin_beta)
+        b_actg = beta * b_tg * b_sig
+        if HALF == 0:
+            b_d = b_da * lin_beta * b_tu * ((1.0 - b_tg * b_tg) * b_sig + b_actg * (1.0 - b_sig))
+        else:
+            b_d = b_da * b_actg * (1.0 - b_tu * b_tu)
+    else:
+        if HALF == 0:
+            b_d = b_da * b_u * b_sig * (1.0 + b_g * (1.0 - b_sig))
+        else:
+            b_d = b_da * b_g * b_sig
+    return b_d
+
+
+@gluon.jit
+def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn, base,
+                      mp, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
+                      COLS: gl.constexpr, LINES: gl.constexpr):
+    """Quantise one fp32 [128, 128] tile (layout tile_layout) into both copies and their scales."""
+    G: gl.constexpr = 128
+    NW: gl.constexpr = gl.num_warps()
+    LT: gl.constexpr = lines_layout(NW) if LINES else tile_layout(NW, COLS, True)
+    b_abs = gl.abs(b_x)
+    b_amax_r = gl.max(b_abs, 1)
+    b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
+    # x * (448 / amax): one multiply per element, |q| <= 448 (1 ulp above rounds back to 448), so no clamp
+    b_qr = b_x * gl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
+    gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
+    if EXPERT_MAJOR:
+        p_s = s + base.to(gl.int64) * nk + i_k * mp + local
+    else:
+        p_s = s + rows64 * nk + i_k
+    gl.store(p_s, b_sr, mask=m_r)
+    if TILES:
+        b_amax_c = gl.max(b_abs, 0)
+        b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
+        b_qc = (b_x * gl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]).to(qT.dtype.element_ty)
+        gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
+        b_qc = gl.convert_layout(b_qc, LT)  # lanes: register renaming only; lines: through shared memory
+        toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
+        cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
+        p_qT = qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None]
+        if EVEN_K:
+            gl.store(p_qT, b_qc)
+        else:
+            gl.store(p_qT, b_qc, mask=(cols_t < K)[None, :])
+
+
+@gluon.jit
+def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, da, stride_dn, beta,
+                                lin_beta, BE: gl.constexpr, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr,
+                                EVEN_K: gl.constexpr, COLS: gl.constexpr, LINES: gl.constexpr, SRC: gl.constexpr,
+                                KIND: gl.constexpr):
+    """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel (SRC: its sources)."""
     G: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
     L: gl.constexpr = tile_layout(NW, COLS)
-    LT: gl.constexpr = lines_layout(NW) if LINES else tile_layout(NW, COLS, True)
     g = gl.program_id(0)
     i_k = gl.program_id(1)
     n_tiles, first, cnt, start, base, mp = expert_tile(offs, E, g, BE, NW)
@@ -121,45 +198,50 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
         rows64 = (start + local).to(gl.int64)
         m_r = local < cnt
         cols = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, L))
-        m_c = cols < K
-        # row masks only where K is a multiple of 128: one predicate per row instead of one per element
-        mask = m_r[:, None] if EVEN_K else m_r[:, None] & m_c[None, :]
-        b_x = gl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(gl.float32)
-        b_abs = gl.abs(b_x)
-        b_amax_r = gl.max(b_abs, 1)
-        b_sr = gl.where(b_amax_r > 0, b_amax_r / 448.0, 1.0)
-        # x * (448 / amax): one multiply per element, |q| <= 448 (1 ulp above rounds back to 448), so no clamp
-        b_qr = b_x * gl.where(b_amax_r > 0, 448.0 / b_amax_r, 1.0)[:, None]
-        gl.store(q + rows64[:, None] * stride_qn + cols[None, :], b_qr.to(q.dtype.element_ty), mask=mask)
-        if EXPERT_MAJOR:
-            p_s = s + base.to(gl.int64) * nk + i_k * mp + local
-        else:
-            p_s = s + rows64 * nk + i_k
-        gl.store(p_s, b_sr, mask=m_r)
-        if TILES:
-            b_amax_c = gl.max(b_abs, 0)
-            b_sc = gl.where(b_amax_c > 0, b_amax_c / 448.0, 1.0)
-            b_qc = (b_x * gl.where(b_amax_c > 0, 448.0 / b_amax_c, 1.0)[None, :]).to(qT.dtype.element_ty)
-            gl.store(sT + g.to(gl.int64) * K + cols, b_sc, mask=m_c)
-            b_qc = gl.convert_layout(b_qc, LT)  # lanes: register renaming only; lines: through shared memory
-            toks = g.to(gl.int64) * G + gl.arange(0, G, layout=gl.SliceLayout(1, LT))
-            cols_t = i_k * G + gl.arange(0, G, layout=gl.SliceLayout(0, LT))
-            p_qT = qT + cols_t.to(gl.int64)[None, :] * P + toks[:, None]
-            if EVEN_K:
-                gl.store(p_qT, b_qc)
-            else:
-                gl.store(p_qT, b_qc, mask=(cols_t < K)[None, :])
+        if SRC == 0:
+            m_c = cols < K
+            # row masks only where K is a multiple of 128: one predicate per row instead of one per element
+            mask = m_r[:, None] if EVEN_K else m_r[:, None] & m_c[None, :]
+            b_x = gl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn,
+                              base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
+        elif SRC == 1:  # act(gate, up); x = gate_up [N, 2K] (K a multiple of 128)
+            m_c = cols < K
+            mask = m_r[:, None]
+            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
+            b_g = gl.load(p_g, mask=mask, other=0.0).to(gl.float32)
+            b_u = gl.load(p_g + K, mask=mask, other=0.0).to(gl.float32)
+            b_x = _glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(gl.float32)
+            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn,
+                              base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
+        else:  # d gate and d up of column tile i_k; x = gate_up [N, K], da [N, K / 2] (K / 2 a multiple of 128)
+            half_k = K // 2
+            m_c = cols < half_k
+            mask = m_r[:, None]
+            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
+            p_da = da + rows64[:, None] * stride_dn + cols[None, :]
+            for half in gl.static_range(2):  # the second pass re-reads the three tiles from L2
+                b_g = gl.load(p_g, mask=mask, other=0.0).to(gl.float32)
+                b_u = gl.load(p_g + half_k, mask=mask, other=0.0).to(gl.float32)
+                b_da = gl.load(p_da, mask=mask, other=0.0).to(gl.float32)
+                b_x = _glu_grad(b_g, b_u, b_da, beta, lin_beta, KIND, half).to(x.dtype.element_ty).to(gl.float32)
+                _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols + half * half_k, m_c, mask, g,
+                                  i_k + half * (half_k // G), K, P, nk, stride_qn, base, mp, EXPERT_MAJOR, TILES,
+                                  EVEN_K, COLS, LINES)
 
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
-           config: tuple[int, int, str] | None = None) -> None:
-    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS."""
-    num_warps, cols, qt_stores = config or CONFIGS[0]
-    K = x_NK.shape[1]
+           config: tuple[int, int, str] | None = None, src: int = 0, da: torch.Tensor | None = None,
+           glu: tuple[int, float, float] = (0, 0.0, 0.0), K: int | None = None) -> None:
+    """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS.
+    src, da, glu (kind, beta, linear beta), K (the output width): fp8_quant._dual's fused sources."""
+    num_warps, cols, qt_stores = config or SOURCE_CONFIGS.get(src, CONFIGS[0])
+    K = x_NK.shape[1] if K is None else K
     E = offs_E.numel()
     nk = -(-K // TILE)
     G = P // TILE
-    fp8_quant_dual_gluon_kernel[(G, nk)](
-        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0),
-        BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
-        EVEN_K=K % TILE == 0, COLS=cols, LINES=qt_stores == "lines", num_warps=num_warps)
+    da = x_NK if da is None else da
+    fp8_quant_dual_gluon_kernel[(G, nk // 2 if src == 2 else nk)](
+        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0), da, da.stride(0),
+        glu[1], glu[2], BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
+        EVEN_K=K % TILE == 0, COLS=cols, LINES=qt_stores == "lines", SRC=src, KIND=glu[0], num_warps=num_warps)

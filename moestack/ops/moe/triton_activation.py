@@ -37,6 +37,33 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+@triton.jit
+def glu_act(b_g, b_u, beta, lin_beta, KIND: tl.constexpr):
+    """act(gate, up) in fp32 (module doc); shared with fp8_quant's fused GLU quantiser, so both round alike."""
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    if KIND == 0:
+        b_a = beta * _tanh(b_g / beta) * b_sig * (lin_beta * _tanh(b_u / lin_beta))
+    else:
+        b_a = b_g * b_sig * b_u
+    return b_a
+
+
+@triton.jit
+def glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND: tl.constexpr):
+    """(d act / d gate, d act / d up) times da, fp32 (module doc)."""
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    if KIND == 0:
+        b_tg = _tanh(b_g / beta)
+        b_tu = _tanh(b_u / lin_beta)
+        b_actg = beta * b_tg * b_sig
+        b_dg = b_da * lin_beta * b_tu * ((1.0 - b_tg * b_tg) * b_sig + b_actg * (1.0 - b_sig))
+        b_du = b_da * b_actg * (1.0 - b_tu * b_tu)
+    else:
+        b_dg = b_da * b_u * b_sig * (1.0 + b_g * (1.0 - b_sig))
+        b_du = b_da * b_g * b_sig
+    return b_dg, b_du
+
+
 _CONFIGS = _configs([
     triton.Config({"BN": 4, "BI": 1024}, num_warps=4),
     triton.Config({"BN": 8, "BI": 512}, num_warps=4),
@@ -53,11 +80,7 @@ def glu_fwd_kernel(gu_ptr, a_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: 
     p_g = gu_ptr + o_n.to(tl.int64)[:, None] * (2 * I) + o_i[None, :]
     b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)  # [BN, BI]
     b_u = tl.load(p_g + I, mask=m, other=0.0).to(tl.float32)
-    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
-    if KIND == 0:
-        b_a = beta * _tanh(b_g / beta) * b_sig * (lin_beta * _tanh(b_u / lin_beta))
-    else:
-        b_a = b_g * b_sig * b_u
+    b_a = glu_act(b_g, b_u, beta, lin_beta, KIND)
     tl.store(a_ptr + o_n.to(tl.int64)[:, None] * I + o_i[None, :], b_a.to(a_ptr.dtype.element_ty), mask=m)
 
 
@@ -73,16 +96,7 @@ def glu_bwd_kernel(
     b_g = tl.load(gu_ptr + off_gu, mask=m, other=0.0).to(tl.float32)
     b_u = tl.load(gu_ptr + off_gu + I, mask=m, other=0.0).to(tl.float32)
     b_da = tl.load(da_ptr + o_n.to(tl.int64)[:, None] * I + o_i[None, :], mask=m, other=0.0).to(tl.float32)
-    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
-    if KIND == 0:
-        b_tg = _tanh(b_g / beta)
-        b_tu = _tanh(b_u / lin_beta)
-        b_actg = beta * b_tg * b_sig
-        b_dg = b_da * lin_beta * b_tu * ((1.0 - b_tg * b_tg) * b_sig + b_actg * (1.0 - b_sig))
-        b_du = b_da * b_actg * (1.0 - b_tu * b_tu)
-    else:
-        b_dg = b_da * b_u * b_sig * (1.0 + b_g * (1.0 - b_sig))
-        b_du = b_da * b_g * b_sig
+    b_dg, b_du = glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
     tl.store(dgu_ptr + off_gu, b_dg.to(dgu_ptr.dtype.element_ty), mask=m)
     tl.store(dgu_ptr + off_gu + I, b_du.to(dgu_ptr.dtype.element_ty), mask=m)
 

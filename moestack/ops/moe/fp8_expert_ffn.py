@@ -1,0 +1,125 @@
+"""The FP8 v3 expert FFN as one autograd node: the GLU activation and its gradient live inside the quantisers.
+
+Unfused (Experts.forward on the "fp8" backend: two v3 grouped GEMMs around triton_activation.fused_glu), the
+activation a [N, I] and its input gradient d gate_up [N, 2I] go through memory in bf16 only to be read again by
+quantize_dual. Here fp8_quant.quantize_glu_dual computes a per 128x128 tile from gate_up and writes only its fp8
+copies, and quantize_glu_grad_dual does the same for d gate_up from gate_up and da: at K3 EP16 (131040 rows,
+I = 3072) that is 0.8 GB written + read in the forward and 1.6 GB in the backward less per layer step, and two
+kernel launches fewer. The numbers are the unfused path's: the fused quantisers run the activation's fp32
+operations and round to gate_up's dtype before quantising, so every fp8 byte and scale is the same (GPU test), and
+the GEMMs, weight cache and weight gradients are Fp8GroupedMMv3's (fp8_grouped_gemm.py).
+
+Where it applies (`expert_ffn` returns None otherwise and the caller runs the unfused pair): v3 on, both GEMMs on
+the many-rows path (mean rows per expert >= fp8_scaled_mm.cublas_min_rows(), widths multiples of 512, the
+cuBLAS blockwise probe passed), I a multiple of 128, and not MOESTACK_FP8_TMA_WGRAD=1 (the Triton weight
+gradient is only wired in the unfused path). With MOESTACK_FP8_ROWS_GEMM=gluon the forward / dX GEMMs are the
+Gluon kernel's, as unfused. $MOESTACK_FP8_FUSED_FFN=0 turns it off (benchmarks/moe.py variant fp8v3-unfused).
+Saves for backward what the unfused pair saves: x's token tiles, gate_up, a's token tiles, the two parameters.
+Speed: benchmarks/RESULTS.md (MoE section, session 12).
+
+Legend: N rows, D model (latent) width, I expert intermediate size, E experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moestack.ops.moe import fp8_grouped_gemm as f8
+from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.moe import fp8_scaled_mm as fsm
+from moestack.ops.moe import fp8_weight_cache
+
+ENV = "MOESTACK_FP8_FUSED_FFN"
+
+
+def enabled() -> bool:
+    """$MOESTACK_FP8_FUSED_FFN (read per call): "1" (default) or "0"."""
+    choice = os.environ.get(ENV, "1")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{ENV}={choice!r}: use 1 (fused GLU quantisers, the default) or 0 (unfused)")
+    return choice == "1"
+
+
+def applies(x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tensor) -> bool:
+    """Whether expert_ffn takes these operands (module doc)."""
+    N, D = x_ND.shape
+    E, _, two_i = w_gu_ED2I.shape
+    inter = two_i // 2
+    if not (enabled() and f8.use_v3(None)):
+        return False
+    if N == 0 or N < fsm.cublas_min_rows() * E or not fq.fused_sources_ok(inter):
+        return False
+    if os.environ.get(f8.TMA_WGRAD_ENV, "0") == "1":
+        return False
+    return fsm.shapes_ok(D, two_i) and fsm.shapes_ok(inter, D) and fsm.available(x_ND.device)
+
+
+class Fp8ExpertFFN(torch.autograd.Function):
+    """y [N, D] = (act(x w_gu) ) w_down per expert, v3 GEMMs, activation fused into the quantisers (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_gu_ED2I, w_down_EID, offs_E, kind: str, beta: float, lin_beta: float,
+                q_dtype: torch.dtype = fq.FP8):
+        dtype, qd = x_ND.dtype, q_dtype  # q_dtype float32: unrounded "fp8" for the interpreter tests
+        glu = (kind, float(beta), float(lin_beta))
+        (qwg, swg), (_, swgT) = fp8_weight_cache.pair(w_gu_ED2I, qd)
+        (qwd, swd), (_, swdT) = fp8_weight_cache.pair(w_down_EID, qd)
+        gluon = f8._gluon_rows_gemm(x_ND)
+        ends = None if gluon is not None else fsm.host_offsets(offs_E)
+        tiles_gu, tiles_down = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        qx, sx, qxT, sxT = fq.quantize_dual(x_ND, offs_E, qd, expert_major=True, tiles=tiles_gu)
+        if gluon is not None and not gluon.supported(qx, qwg):
+            gluon, ends = None, fsm.host_offsets(offs_E)
+        gate_up = _rows_mm(gluon, qx, sx, qwg, swg, swgT, offs_E, ends, dtype)
+        qa, sa, qaT, saT = fq.quantize_glu_dual(gate_up, offs_E, *glu, qd, expert_major=True, tiles=tiles_down)
+        y = _rows_mm(gluon, qa, sa, qwd, swd, swdT, offs_E, ends, dtype)
+        ctx.save_for_backward(qxT, sxT, gate_up, qaT, saT, w_gu_ED2I, w_down_EID, offs_E)
+        ctx.glu, ctx.gluon, ctx.ends, ctx.dtype, ctx.q_dtype = glu, gluon, ends, dtype, qd
+        # the weight gradients need the offsets on the host: the Gluon forward did not read them, so copy now
+        ctx.offs_host = f8._offsets_to_host_async(offs_E) if ends is None and (tiles_gu or tiles_down) else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        qxT, sxT, gate_up, qaT, saT, w_gu, w_down, offs_E = ctx.saved_tensors
+        need_dx, need_dwg, need_dwd = ctx.needs_input_grad[:3]
+        gluon, ends, dtype, qd = ctx.gluon, ctx.ends, ctx.dtype, ctx.q_dtype
+        if ends is None and (need_dwg or need_dwd):
+            ends = f8._offsets_from_host(ctx.offs_host, offs_E)
+        qdy, sdy, qdyT, sdyT = fq.quantize_dual(dy_ND, offs_E, qd, expert_major=True, tiles=need_dwd)
+        dx = dw_gu = dw_down = da = None
+        if need_dx or need_dwg:
+            (_, swd), (qwdT, swdT) = fp8_weight_cache.pair(w_down, qd)
+            da = _rows_mm(gluon, qdy, sdy, qwdT, swdT, swd, offs_E, ends, dtype)
+        if need_dwd:
+            dw_down = fsm.wgrad(qaT, saT, qdyT, sdyT, ends, like=w_down)
+        if da is not None:
+            qdg, sdg, qdgT, sdgT = fq.quantize_glu_grad_dual(gate_up, da, offs_E, *ctx.glu, qd, expert_major=True,
+                                                             tiles=need_dwg)
+            if need_dx:
+                (_, swg), (qwgT, swgT) = fp8_weight_cache.pair(w_gu, qd)
+                dx = _rows_mm(gluon, qdg, sdg, qwgT, swgT, swg, offs_E, ends, dtype)
+            if need_dwg:
+                dw_gu = fsm.wgrad(qxT, sxT, qdgT, sdgT, ends, like=w_gu)
+        return dx, dw_gu, dw_down, None, None, None, None, None
+
+
+def _rows_mm(gluon, q, s, qw, sw, swT, offs_E, ends, dtype) -> torch.Tensor:
+    """The v3 forward / dX GEMM on quantize_dual's operands: Gluon's kernel where chosen, else per-expert cuBLAS."""
+    if gluon is not None and gluon.supported(q, qw):
+        return gluon.grouped_mm(q, s, qw, sw, offs_E, dtype)
+    return fsm.rows_mm(q, s, qw, sw, swT, ends if ends is not None else fsm.host_offsets(offs_E), dtype)
+
+
+def expert_ffn(x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tensor, offs_E: torch.Tensor,
+               kind: str, beta: float, lin_beta: float) -> torch.Tensor | None:
+    """act(x w_gu) w_down per expert ([N, D] -> [N, D]; w_gu [E, D, 2I] and w_down [E, I, D] as the grouped GEMM
+    sees them, gate columns then up columns) through Fp8ExpertFFN; None where it does not apply (module doc)."""
+    from moestack.ops.moe.reference import _compute_dtype
+
+    if not applies(x_ND, w_gu_ED2I, w_down_EID):
+        return None
+    dtype = _compute_dtype(x_ND, w_gu_ED2I)
+    return Fp8ExpertFFN.apply(x_ND.to(dtype), w_gu_ED2I, w_down_EID, offs_E.contiguous(), kind, beta, lin_beta)

@@ -66,12 +66,13 @@ def main() -> None:
         del x, ref, out
         torch.cuda.empty_cache()
     if args.glu:
-        glu_sources(offs, N, args.glu, do_bench)
+        glu_sources(offs, N, args.glu, do_bench, args.configs == "all")
 
 
-def glu_sources(offs: torch.Tensor, N: int, inter: int, do_bench) -> None:
+def glu_sources(offs: torch.Tensor, N: int, inter: int, do_bench, all_configs: bool) -> None:
     """The fused GLU sources against the unfused activation kernel + quantize_dual (module doc)."""
     from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.moe import gluon_quant as gq
     from moestack.ops.moe.triton_activation import _FusedGLU, fused_glu
 
     gu = torch.randn(N, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
@@ -87,19 +88,26 @@ def glu_sources(offs: torch.Tensor, N: int, inter: int, do_bench) -> None:
               lambda: fq.quantize_glu_dual(gu, offs, *glu, expert_major=True), N * inter * (4 + 2)),
              ("its gradient", lambda: fq.quantize_dual(glu_bwd(), offs, expert_major=True),
               lambda: fq.quantize_glu_grad_dual(gu, da, offs, *glu, expert_major=True), N * inter * (4 + 2 + 4)))
-    print(f"| fused GLU sources, I = {inter} | source | unfused ms | fused ms | fused TB/s (bytes it must move) | "
-          f"bytes equal |")
-    print("|---|---|---|---|---|---|")
-    for name, unfused, fused in ((c[0], c[1], c[2]) for c in cases):
-        moved = next(c[3] for c in cases if c[0] == name)
-        a, b = unfused(), fused()
-        n_tok = int(sum(-(-int(c) // fq.GROUP) for c in torch.diff(offs, prepend=offs.new_zeros(1)))) * fq.GROUP
-        same = all((torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), torch.equal(a[1], b[1]),
-                    torch.equal(a[2][:, :n_tok].view(torch.uint8), b[2][:, :n_tok].view(torch.uint8)),
-                    torch.equal(a[3][:n_tok // fq.GROUP], b[3][:n_tok // fq.GROUP])))
-        t_u = do_bench(unfused, warmup=20, rep=200)
-        t_f = do_bench(fused, warmup=20, rep=200)
-        print(f"| | {name} | {t_u:.3f} | {t_f:.3f} | {moved / t_f / 1e9:.2f} | {same} |", flush=True)
+    print(f"| fused GLU sources, I = {inter} | source | Gluon config | unfused ms | fused ms | fused TB/s (bytes it "
+          f"must move) | bytes equal |")
+    print("|---|---|---|---|---|---|---|")
+    for src, (name, unfused, fused, moved) in enumerate(cases, start=1):
+        for cfg in gq.SOURCE_CONFIGS[src] if all_configs else gq.SOURCE_CONFIGS[src][:1]:
+            with mock.patch.dict(gq.SOURCE_CONFIGS, {src: (cfg,)}):
+                _glu_row(name, cfg, unfused, fused, moved, offs, do_bench)
+
+
+def _glu_row(name, cfg, unfused, fused, moved, offs, do_bench) -> None:
+    from moestack.ops.moe import fp8_quant as fq
+
+    a, b = unfused(), fused()
+    n_tok = int(sum(-(-int(c) // fq.GROUP) for c in torch.diff(offs, prepend=offs.new_zeros(1)))) * fq.GROUP
+    same = all((torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), torch.equal(a[1], b[1]),
+                torch.equal(a[2][:, :n_tok].view(torch.uint8), b[2][:, :n_tok].view(torch.uint8)),
+                torch.equal(a[3][:n_tok // fq.GROUP], b[3][:n_tok // fq.GROUP])))
+    t_u = do_bench(unfused, warmup=20, rep=200)
+    t_f = do_bench(fused, warmup=20, rep=200)
+    print(f"| | {name} | {cfg} | {t_u:.3f} | {t_f:.3f} | {moved / t_f / 1e9:.2f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

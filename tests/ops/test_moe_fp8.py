@@ -372,6 +372,7 @@ def test_fp8_expert_ffn_applies(monkeypatch):
 def test_experts_take_the_fused_ffn(monkeypatch):
     """Experts.ffn hands the fp8 backend's FFN to moestack.ops.moe.expert_ffn (triton activation, own seam) and runs
     the unfused pair when it returns None or when a seam replaced grouped_mm."""
+    from moestack.model.mlp import glu_activation
     from moestack.model.moe import Experts
     from moestack.ops import moe as moe_ops
     from moestack.ops.moe import fp8_expert_ffn as ffn
@@ -384,11 +385,16 @@ def test_experts_take_the_fused_ffn(monkeypatch):
     monkeypatch.setattr(ffn, "expert_ffn", lambda x, wg, wd, o, kind, b, lb: seen.append((wg.shape, kind)) or x * 2)
     x, offs = torch.randn(5, 8), torch.tensor([2, 5], dtype=torch.int32)
     assert torch.equal(experts(x, offs), x * 2) and seen == [((2, 8, 8), "situ_glu")]
+    # the unfused pair (the eager activation, so this runs on CPU tensors with a GPU present too)
+    monkeypatch.setattr(experts, "glu", lambda gu: glu_activation(*gu.chunk(2, dim=-1), "situ_glu"))
+    gu = grouped_mm_loop(x, experts.w_gate_up.transpose(1, 2), offs)
+    want = grouped_mm_loop(glu_activation(*gu.chunk(2, dim=-1), "situ_glu"), experts.w_down.transpose(1, 2), offs)
     monkeypatch.setattr(ffn, "expert_ffn", lambda *a: None)
-    monkeypatch.setattr(experts, "grouped_mm", lambda x, w, o: moe_ops.grouped_mm(x, w, o, backend="reference"))
-    y_seam = experts(x, offs)  # the seam, not the fp8 backend (absent on CPU)
-    experts.backend = "reference"
-    assert torch.equal(y_seam, experts(x, offs))
+    monkeypatch.setattr(moe_ops, "grouped_mm", lambda x, w, o, backend=None: grouped_mm_loop(x, w, o))
+    assert torch.allclose(experts(x, offs), want)  # expert_ffn declined
+    monkeypatch.setattr(ffn, "expert_ffn", lambda *a: pytest.fail("a replaced seam must bypass the fused FFN"))
+    monkeypatch.setattr(experts, "grouped_mm", lambda x, w, o: grouped_mm_loop(x, w, o))
+    assert torch.allclose(experts(x, offs), want)
 
 
 def test_host_offsets_cached():

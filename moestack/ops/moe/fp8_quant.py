@@ -283,17 +283,15 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
             m = m_r[:, None] & m_c[None, :]
             p_g = x + rows64[:, None] * stride_xn + cols[None, :]
             p_da = da + rows64[:, None] * stride_dn + cols[None, :]
-            for half in tl.static_range(2):  # the second pass re-reads the tiles from L2
-                b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
-                b_u = tl.load(p_g + half_k, mask=m, other=0.0).to(tl.float32)
-                b_da = tl.load(p_da, mask=m, other=0.0).to(tl.float32)
-                b_dg, b_du = glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
-                if half == 0:
-                    b_x = b_dg.to(x.dtype.element_ty).to(tl.float32)
-                else:
-                    b_x = b_du.to(x.dtype.element_ty).to(tl.float32)
-                _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols + half * half_k, m_c, g,
-                                  i_k + half * (half_k // G), K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR, TILES)
+            b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
+            b_u = tl.load(p_g + half_k, mask=m, other=0.0).to(tl.float32)
+            b_da = tl.load(p_da, mask=m, other=0.0).to(tl.float32)
+            b_dg, b_du = glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
+            _quant_store_tile(b_dg.to(x.dtype.element_ty).to(tl.float32), q, s, qT, sT, rows64, local, m_r, cols,
+                              m_c, g, i_k, K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR, TILES)
+            _quant_store_tile(b_du.to(x.dtype.element_ty).to(tl.float32), q, s, qT, sT, rows64, local, m_r,
+                              cols + half_k, m_c, g, i_k + half_k // G, K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR,
+                              TILES)
 
 
 @triton.jit

@@ -39,10 +39,11 @@ def _tanh(x):
 
 @triton.jit
 def glu_act(b_g, b_u, beta, lin_beta, KIND: tl.constexpr):
-    """act(gate, up) in fp32 (module doc); shared with fp8_quant's fused GLU quantiser, so both round alike."""
+    """act(gate, up) in fp32 (module doc); shared with fp8_quant's fused GLU quantiser, so both round alike.
+    x / beta as x * (1 / beta): the divisions (MUFU reciprocals) are what bounds these kernels' instruction rate."""
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     if KIND == 0:
-        b_a = beta * _tanh(b_g / beta) * b_sig * (lin_beta * _tanh(b_u / lin_beta))
+        b_a = beta * _tanh(b_g * (1.0 / beta)) * b_sig * (lin_beta * _tanh(b_u * (1.0 / lin_beta)))
     else:
         b_a = b_g * b_sig * b_u
     return b_a
@@ -53,8 +54,8 @@ def glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND: tl.constexpr):
     """(d act / d gate, d act / d up) times da, fp32 (module doc)."""
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     if KIND == 0:
-        b_tg = _tanh(b_g / beta)
-        b_tu = _tanh(b_u / lin_beta)
+        b_tg = _tanh(b_g * (1.0 / beta))
+        b_tu = _tanh(b_u * (1.0 / lin_beta))
         b_actg = beta * b_tg * b_sig
         b_dg = b_da * lin_beta * b_tu * ((1.0 - b_tg * b_tg) * b_sig + b_actg * (1.0 - b_sig))
         b_du = b_da * b_actg * (1.0 - b_tu * b_tu)

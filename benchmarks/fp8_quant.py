@@ -7,9 +7,9 @@ quantize_dual reads x [N, K] bf16 once and writes its 1x128 row tiles (q, fp8, e
 token tiles (qT, fp8): the FP8 expert GEMMs call it on x and a in the forward and on both output gradients in the
 backward. Per kernel ($MOESTACK_FP8_QUANT=triton / gluon): ms (median of triton.testing.do_bench on random normal
 data), TB/s counting the bf16 read and both fp8 writes, and whether its bytes equal the Triton kernel's.
---glu I: also the expert FFN's fused sources at intermediate size I (fp8_expert_ffn.py): the activation's quantiser
-(quantize_glu_dual) against triton_activation's forward + quantize_dual, and the gradient's (quantize_glu_grad_dual)
-against the activation's backward + quantize_dual; ms, and whether the bytes equal the unfused pair's.
+--glu I: also the expert FFN's fused source at intermediate size I (fp8_expert_ffn.py): the activation inside the
+quantiser (quantize_glu_dual, per config with --configs all) against triton_activation's forward + quantize_dual;
+ms, and whether the bytes equal the unfused pair's.
 """
 
 from __future__ import annotations
@@ -70,34 +70,24 @@ def main() -> None:
 
 
 def glu_sources(offs: torch.Tensor, N: int, inter: int, do_bench, all_configs: bool) -> None:
-    """The fused GLU sources against the unfused activation kernel + quantize_dual (module doc)."""
+    """The fused activation source against the unfused activation kernel + quantize_dual (module doc)."""
     from moestack.ops.moe import fp8_quant as fq
     from moestack.ops.moe import gluon_quant as gq
-    from moestack.ops.moe.triton_activation import _FusedGLU, fused_glu
+    from moestack.ops.moe.triton_activation import fused_glu
 
     gu = torch.randn(N, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
-    da = torch.randn(N, inter, device="cuda", dtype=torch.bfloat16)
     glu = ("situ_glu", 4.0, 25.0)
-
-    def glu_bwd():
-        ctx = type("Ctx", (), {})()
-        ctx.saved_tensors, ctx.cfg = (gu,), glu
-        return _FusedGLU.backward(ctx, da)[0]
-
-    cases = (("activation", lambda: fq.quantize_dual(fused_glu(gu, *glu), offs, expert_major=True),
-              lambda: fq.quantize_glu_dual(gu, offs, *glu, expert_major=True), N * inter * (4 + 2)),
-             ("its gradient", lambda: fq.quantize_dual(glu_bwd(), offs, expert_major=True),
-              lambda: fq.quantize_glu_grad_dual(gu, da, offs, *glu, expert_major=True), N * inter * (4 + 2 + 4)))
-    print(f"| fused GLU sources, I = {inter} | source | Gluon config | unfused ms | fused ms | fused TB/s (bytes it "
-          f"must move) | bytes equal |")
-    print("|---|---|---|---|---|---|---|")
-    for src, (name, unfused, fused, moved) in enumerate(cases, start=1):
-        for cfg in gq.SOURCE_CONFIGS[src] if all_configs else gq.SOURCE_CONFIGS[src][:1]:
-            with mock.patch.dict(gq.SOURCE_CONFIGS, {src: (cfg,)}):
-                _glu_row(name, cfg, unfused, fused, moved, offs, do_bench)
+    print(f"| fused GLU source, I = {inter} | Gluon config | unfused ms | fused ms | fused TB/s (bytes it must move) | "
+          f"bytes equal |")
+    print("|---|---|---|---|---|---|")
+    for cfg in gq.SOURCE_CONFIGS[1] if all_configs else gq.SOURCE_CONFIGS[1][:1]:
+        with mock.patch.dict(gq.SOURCE_CONFIGS, {1: (cfg,)}):
+            _glu_row(cfg, lambda: fq.quantize_dual(fused_glu(gu, *glu), offs, expert_major=True),
+                     lambda: fq.quantize_glu_dual(gu, offs, *glu, expert_major=True), N * inter * (4 + 2), offs,
+                     do_bench)
 
 
-def _glu_row(name, cfg, unfused, fused, moved, offs, do_bench) -> None:
+def _glu_row(cfg, unfused, fused, moved, offs, do_bench) -> None:
     from moestack.ops.moe import fp8_quant as fq
 
     a, b = unfused(), fused()
@@ -107,7 +97,7 @@ def _glu_row(name, cfg, unfused, fused, moved, offs, do_bench) -> None:
                 torch.equal(a[3][:n_tok // fq.GROUP], b[3][:n_tok // fq.GROUP])))
     t_u = do_bench(unfused, warmup=20, rep=200)
     t_f = do_bench(fused, warmup=20, rep=200)
-    print(f"| | {name} | {cfg} | {t_u:.3f} | {t_f:.3f} | {moved / t_f / 1e9:.2f} | {same} |", flush=True)
+    print(f"| | {cfg} | {t_u:.3f} | {t_f:.3f} | {moved / t_f / 1e9:.2f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

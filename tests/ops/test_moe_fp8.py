@@ -117,35 +117,31 @@ def test_quantize_dual_interpreter():
 
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
-def test_quantize_glu_sources_interpreter(kind):
-    """The fused sources (activation, and its gradient) equal quantize_dual of the unfused tensors, every layout."""
+def test_quantize_glu_source_interpreter(kind):
+    """quantize_glu_dual (the activation inside the quantiser) equals quantize_dual of the activation, both
+    layouts of the row scales."""
     if DEV == "cuda":
-        pytest.skip("interpreter case; the GPU runs test_quantize_glu_sources_gpu")
+        pytest.skip("interpreter case; the GPU runs test_moe_gluon_quant.py's test_fused_glu_source_gpu")
     from moestack.model.mlp import glu_activation
 
     counts, inter = [40, 0, 131, 3], 256
     g = torch.Generator().manual_seed(3)
     N = sum(counts) + 2
-    gu = (torch.randn(N, 2 * inter, generator=g) * 3).requires_grad_(True)
-    da = torch.randn(N, inter, generator=g)
+    gu = torch.randn(N, 2 * inter, generator=g) * 3
     offs = offs_from_counts(counts)
     act = glu_activation(gu[:, :inter], gu[:, inter:], kind, 4.0, 25.0)
-    (dgu,) = torch.autograd.grad(act, gu, da)
     used, n_tiles = sum(counts), sum((c + 127) // 128 for c in counts)
     for expert_major in (False, True):
-        cases = ((fq.quantize_glu_dual(gu.detach(), offs, kind, 4.0, 25.0, torch.float32, expert_major), act),
-                 (fq.quantize_glu_grad_dual(gu.detach(), da, offs, kind, 4.0, 25.0, torch.float32, expert_major),
-                  dgu))
-        for got, src in cases:
-            want = fq.quantize_dual(src.detach(), offs, torch.float32, expert_major=expert_major)
-            assert got[0].shape == want[0].shape and got[2].shape == want[2].shape
-            assert rel_err(got[0][:used], want[0][:used]) < 1e-5
-            s_got, s_want = (got[1], want[1]) if expert_major else (got[1][:used], want[1][:used])
-            assert rel_err(s_got, s_want) < 1e-5
-            assert rel_err(got[2][:, :n_tiles * 128], want[2][:, :n_tiles * 128]) < 1e-5
-            assert rel_err(got[3][:n_tiles], want[3][:n_tiles]) < 1e-5
+        got = fq.quantize_glu_dual(gu, offs, kind, 4.0, 25.0, torch.float32, expert_major)
+        want = fq.quantize_dual(act, offs, torch.float32, expert_major=expert_major)
+        assert got[0].shape == want[0].shape and got[2].shape == want[2].shape
+        assert rel_err(got[0][:used], want[0][:used]) < 1e-5
+        s_got, s_want = (got[1], want[1]) if expert_major else (got[1][:used], want[1][:used])
+        assert rel_err(s_got, s_want) < 1e-5
+        assert rel_err(got[2][:, :n_tiles * 128], want[2][:, :n_tiles * 128]) < 1e-5
+        assert rel_err(got[3][:n_tiles], want[3][:n_tiles]) < 1e-5
     with pytest.raises(ValueError, match="multiple of 128"):
-        fq.quantize_glu_dual(gu.detach()[:, :200], offs, kind, 4.0, 25.0, torch.float32)
+        fq.quantize_glu_dual(gu[:, :200], offs, kind, 4.0, 25.0, torch.float32)
 
 
 def test_expert_major_layout():
@@ -302,7 +298,7 @@ def _ffn_unfused(x, w_gu, w_down, offs, kind, q_dtype):
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
 def test_fp8_expert_ffn_emulated(kind, monkeypatch):
-    """The fused FFN (activation inside the quantisers) against the unfused pair of v3 GEMMs around fused_glu, on
+    """The fused FFN (activation inside the down GEMM's quantiser) against the unfused pair of v3 GEMMs around fused_glu, on
     the emulated cuBLAS path with unrounded "fp8": outputs and all three gradients, empty experts, odd counts, tail
     rows; and against the fp64 eager FFN."""
     if DEV == "cuda":

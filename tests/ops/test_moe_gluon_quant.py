@@ -65,10 +65,9 @@ def test_gluon_quant_dual_gpu(K, counts, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
 @pytest.mark.parametrize("inter,counts", [(3072, [2341] * 3 + [0, 130]), (256, [0, 1, 127, 128, 129, 0, 300])])
-def test_fused_glu_sources_gpu(kind, inter, counts, monkeypatch):
-    """quantize_glu_dual / quantize_glu_grad_dual (activation and its gradient inside the quantiser): Gluon and
-    Triton kernels bitwise equal to each other and to quantize_dual of the unfused activation kernels' bf16 output,
-    in every layout the FFN uses."""
+def test_fused_glu_source_gpu(kind, inter, counts, monkeypatch):
+    """quantize_glu_dual (the activation inside the quantiser): Gluon (every config) and Triton kernels bitwise equal
+    to quantize_dual of triton_activation's bf16 output, in every layout."""
     from moestack.ops.moe import gluon_quant
     from moestack.ops.moe.triton_activation import fused_glu
 
@@ -76,25 +75,23 @@ def test_fused_glu_sources_gpu(kind, inter, counts, monkeypatch):
         pytest.skip("sm_90 only")
     g = torch.Generator().manual_seed(inter + len(counts))
     used = sum(counts)
-    gu = (torch.randn(used + 5, 2 * inter, generator=g) * 4).to("cuda", torch.bfloat16).requires_grad_(True)
-    da = (torch.randn(used + 5, inter, generator=g) * torch.rand(used + 5, 1, generator=g)).to("cuda", torch.bfloat16)
+    gu = (torch.randn(used + 5, 2 * inter, generator=g) * 4).to("cuda", torch.bfloat16)
     offs = torch.tensor(counts).cumsum(0).to("cuda", torch.int32)
     act = fused_glu(gu, kind, 4.0, 25.0)
-    (dgu,) = torch.autograd.grad(act, gu, da)
     n_tiles = sum((c + 127) // 128 for c in counts)
     cols = n_tiles * fq.GROUP
-    for em, tiles in ((True, True), (True, False), (False, True)):
-        for fused, plain in ((lambda: fq.quantize_glu_dual(gu.detach(), offs, kind, 4.0, 25.0, expert_major=em,
-                                                           tiles=tiles), act),
-                             (lambda: fq.quantize_glu_grad_dual(gu.detach(), da, offs, kind, 4.0, 25.0, expert_major=em,
-                                                                tiles=tiles), dgu)):
-            want = _run(plain.detach(), offs, em, tiles, "triton", monkeypatch)
-            for quant in ("triton", "gluon"):
-                monkeypatch.setenv(fq.QUANT_ENV, quant)
-                got = fused()
-                assert torch.equal(got[0].view(torch.uint8)[:used], want[0].view(torch.uint8)[:used]), (quant, em)
-                assert torch.equal(got[1] if em else got[1][:used], want[1] if em else want[1][:used]), (quant, em)
-                if tiles:
-                    assert torch.equal(got[2].view(torch.uint8)[:, :cols], want[2].view(torch.uint8)[:, :cols])
-                    assert torch.equal(got[3][:n_tiles], want[3][:n_tiles])
-                assert got[0][:used].float().abs().max() == 448.0  # fp8 of the data, not zeros
+    cases = [(em, tiles, "triton", None) for em, tiles in ((True, True), (False, True), (True, False))]
+    cases += [(True, True, "gluon", c) for c in gluon_quant.SOURCE_CONFIGS[1]] + [(False, False, "gluon", None)]
+    for em, tiles, quant, config in cases:
+        want = _run(act, offs, em, tiles, "triton", monkeypatch)
+        monkeypatch.setenv(fq.QUANT_ENV, quant)
+        if config is not None:
+            monkeypatch.setitem(gluon_quant.SOURCE_CONFIGS, 1, (config,))
+        got = fq.quantize_glu_dual(gu, offs, kind, 4.0, 25.0, expert_major=em, tiles=tiles)
+        monkeypatch.undo()
+        assert torch.equal(got[0].view(torch.uint8)[:used], want[0].view(torch.uint8)[:used]), (quant, em, config)
+        assert torch.equal(got[1] if em else got[1][:used], want[1] if em else want[1][:used]), (quant, em, config)
+        if tiles:
+            assert torch.equal(got[2].view(torch.uint8)[:, :cols], want[2].view(torch.uint8)[:, :cols])
+            assert torch.equal(got[3][:n_tiles], want[3][:n_tiles])
+        assert got[0][:used].float().abs().max() == 448.0  # fp8 of the data, not zeros

@@ -26,7 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()  # a GPU result against a CPU fp64 reference
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 

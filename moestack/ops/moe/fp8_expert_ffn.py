@@ -1,13 +1,15 @@
-"""The FP8 v3 expert FFN as one autograd node: the GLU activation and its gradient live inside the quantisers.
+"""The FP8 v3 expert FFN as one autograd node, with the GLU activation computed inside the down GEMM's quantiser.
 
 Unfused (Experts.forward on the "fp8" backend: two v3 grouped GEMMs around triton_activation.fused_glu), the
-activation a [N, I] and its input gradient d gate_up [N, 2I] go through memory in bf16 only to be read again by
-quantize_dual. Here fp8_quant.quantize_glu_dual computes a per 128x128 tile from gate_up and writes only its fp8
-copies, and quantize_glu_grad_dual does the same for d gate_up from gate_up and da: at K3 EP16 (131040 rows,
-I = 3072) that is 0.8 GB written + read in the forward and 1.6 GB in the backward less per layer step, and two
-kernel launches fewer. The numbers are the unfused path's: the fused quantisers run the activation's fp32
-operations and round to gate_up's dtype before quantising, so every fp8 byte and scale is the same (GPU test), and
-the GEMMs, weight cache and weight gradients are Fp8GroupedMMv3's (fp8_grouped_gemm.py).
+activation a [N, I] goes through memory in bf16 only to be read again by quantize_dual. Here
+fp8_quant.quantize_glu_dual computes a per 128x128 tile from gate_up and writes only its fp8 copies: at K3 EP16
+(131040 rows, I = 3072) 0.8 GB less written and read per layer forward, one kernel launch and the bf16 activation's
+memory less. The numbers are the unfused path's: the fused quantiser runs the activation's fp32 operations and
+rounds to gate_up's dtype before quantising, so every fp8 byte and scale is the same (GPU test), and the GEMMs,
+weight cache and weight gradients are Fp8GroupedMMv3's (fp8_grouped_gemm.py). The backward runs the activation's
+gradient kernel and quantize_dual as unfused: a fused gradient quantiser (d gate and d up of a tile pair from one
+load of gate_up and da) was slower on the H200, 2.6 vs 2.2 ms, as was the fused activation at 8 warps (the math
+is MUFU- and latency-bound once the tile's quantisation shares its registers; benchmarks/RESULTS.md session 12).
 
 Where it applies (`expert_ffn` returns None otherwise and the caller runs the unfused pair): v3 on, both GEMMs on
 the many-rows path (mean rows per expert >= fp8_scaled_mm.cublas_min_rows(), widths multiples of 512, the
@@ -15,7 +17,6 @@ cuBLAS blockwise probe passed), I a multiple of 128, and not MOESTACK_FP8_TMA_WG
 gradient is only wired in the unfused path). With MOESTACK_FP8_ROWS_GEMM=gluon the forward / dX GEMMs are the
 Gluon kernel's, as unfused. $MOESTACK_FP8_FUSED_FFN=0 turns it off (benchmarks/moe.py variant fp8v3-unfused).
 Saves for backward what the unfused pair saves: x's token tiles, gate_up, a's token tiles, the two parameters.
-Speed: benchmarks/RESULTS.md (MoE section, session 12).
 
 Legend: N rows, D model (latent) width, I expert intermediate size, E experts.
 """
@@ -57,7 +58,7 @@ def applies(x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tenso
 
 
 class Fp8ExpertFFN(torch.autograd.Function):
-    """y [N, D] = (act(x w_gu) ) w_down per expert, v3 GEMMs, activation fused into the quantisers (module doc)."""
+    """y [N, D] = act(x w_gu) w_down per expert, v3 GEMMs, the activation inside the down GEMM's quantiser."""
 
     @staticmethod
     def forward(ctx, x_ND, w_gu_ED2I, w_down_EID, offs_E, kind: str, beta: float, lin_beta: float,
@@ -96,14 +97,27 @@ class Fp8ExpertFFN(torch.autograd.Function):
         if need_dwd:
             dw_down = fsm.wgrad(qaT, saT, qdyT, sdyT, ends, like=w_down)
         if da is not None:
-            qdg, sdg, qdgT, sdgT = fq.quantize_glu_grad_dual(gate_up, da, offs_E, *ctx.glu, qd, expert_major=True,
-                                                             tiles=need_dwg)
+            # the activation's gradient stays its own kernel: fused into the quantiser (both halves of a tile pair
+            # from one load) it ran 2.6 ms against 2.2 for the pair (benchmarks/RESULTS.md session 12)
+            dgate_up = _glu_backward(gate_up, da, ctx.glu)
+            qdg, sdg, qdgT, sdgT = fq.quantize_dual(dgate_up, offs_E, qd, expert_major=True, tiles=need_dwg)
+            del dgate_up
             if need_dx:
                 (_, swg), (qwgT, swgT) = fp8_weight_cache.pair(w_gu, qd)
                 dx = _rows_mm(gluon, qdg, sdg, qwgT, swgT, swg, offs_E, ends, dtype)
             if need_dwg:
                 dw_gu = fsm.wgrad(qxT, sxT, qdgT, sdgT, ends, like=w_gu)
         return dx, dw_gu, dw_down, None, None, None, None, None
+
+
+def _glu_backward(gate_up: torch.Tensor, da: torch.Tensor, glu: tuple[str, float, float]) -> torch.Tensor:
+    """d gate_up from triton_activation's backward kernel (the unfused path's, so the same bytes)."""
+    from moestack.ops.moe.triton_activation import KINDS, _grid, glu_bwd_kernel
+
+    N, inter = da.shape
+    dgu = torch.empty_like(gate_up)
+    glu_bwd_kernel[_grid(N, inter)](gate_up, da.contiguous(), dgu, N, inter, glu[1], glu[2], KIND=KINDS[glu[0]])
+    return dgu
 
 
 def _rows_mm(gluon, q, s, qw, sw, swT, offs_E, ends, dtype) -> torch.Tensor:

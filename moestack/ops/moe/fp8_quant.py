@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.moe.triton_activation import KINDS as GLU_KINDS
-from moestack.ops.moe.triton_activation import glu_act, glu_grads
+from moestack.ops.moe.triton_activation import glu_act
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -235,13 +235,12 @@ def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, 
 
 
 @triton.jit
-def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, da, stride_dn, beta, lin_beta,
+def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, beta, lin_beta,
                           BE: tl.constexpr, G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr,
                           SRC: tl.constexpr, KIND: tl.constexpr):
     """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales.
-    SRC (module doc, "Fused sources"): 0 = the tile of x; 1 = act(gate, up) from x = gate_up [N, 2K]; 2 = column
-    tile i_k of d gate and of d up (output columns i_k and K / 2 / G + i_k) from x = gate_up [N, K], da [N, K / 2].
-    Activation values are rounded to x's dtype first, as the unfused activation kernel stores them."""
+    SRC: 0 = the tile of x; 1 = act(gate, up) from x = gate_up [N, 2K], rounded to x's dtype first (as the unfused
+    activation kernel stores it)."""
     g, i_k = tl.program_id(0), tl.program_id(1)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
@@ -261,14 +260,14 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
         b_mp = (b_cnt + 3) // 4 * 4
         base = tl.sum(tl.where(sel, tl.cumsum(b_mp, 0) - b_mp, 0), 0)  # expert-major scale block (EXPERT_MAJOR)
         mp = tl.sum(tl.where(sel, b_mp, 0), 0)
-        cols = i_k * G + tl.arange(0, G)  # [G] output columns (SRC 2: of the gate half)
+        cols = i_k * G + tl.arange(0, G)  # [G] output columns
         if SRC == 0:
             m_c = cols < K
             b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
                           other=0.0).to(tl.float32)  # [G, G]
             _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
                               mp, G, EXPERT_MAJOR, TILES)
-        elif SRC == 1:
+        else:
             m_c = cols < K
             m = m_r[:, None] & m_c[None, :]
             p_g = x + rows64[:, None] * stride_xn + cols[None, :]
@@ -277,21 +276,6 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
             b_x = glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(tl.float32)
             _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
                               mp, G, EXPERT_MAJOR, TILES)
-        else:
-            half_k = K // 2
-            m_c = cols < half_k
-            m = m_r[:, None] & m_c[None, :]
-            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
-            p_da = da + rows64[:, None] * stride_dn + cols[None, :]
-            b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
-            b_u = tl.load(p_g + half_k, mask=m, other=0.0).to(tl.float32)
-            b_da = tl.load(p_da, mask=m, other=0.0).to(tl.float32)
-            b_dg, b_du = glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
-            _quant_store_tile(b_dg.to(x.dtype.element_ty).to(tl.float32), q, s, qT, sT, rows64, local, m_r, cols,
-                              m_c, g, i_k, K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR, TILES)
-            _quant_store_tile(b_du.to(x.dtype.element_ty).to(tl.float32), q, s, qT, sT, rows64, local, m_r,
-                              cols + half_k, m_c, g, i_k + half_k // G, K, P, nk, stride_qn, base, mp, G, EXPERT_MAJOR,
-                              TILES)
 
 
 @triton.jit
@@ -328,7 +312,7 @@ def quantize_dual(
     expert-major layout (module doc); qT [K, P], sT [G, K] the 128x1 token tiles of quantize_token_tiles
     (None when tiles=False). Rows at or past offs[-1] are not quantised (never read by the GEMMs)."""
     x_NK = x_NK.contiguous()
-    return _dual(0, x_NK, None, x_NK.shape[1], offs_E, out_dtype, expert_major, tiles)
+    return _dual(0, x_NK, x_NK.shape[1], offs_E, out_dtype, expert_major, tiles)
 
 
 def quantize_glu_dual(
@@ -338,27 +322,17 @@ def quantize_glu_dual(
     """quantize_dual(fused_glu(gate_up)) in one pass: the activation [N, I] is computed per tile (rounded to
     gate_up's dtype, as triton_activation stores it) and never written. I a multiple of 128."""
     gu = gate_up_N2I.contiguous()
-    return _dual(1, gu, None, gu.shape[1] // 2, offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
-
-
-def quantize_glu_grad_dual(
-    gate_up_N2I: torch.Tensor, da_NI: torch.Tensor, offs_E: torch.Tensor, kind: str, beta: float, lin_beta: float,
-    out_dtype: torch.dtype = FP8, expert_major: bool = False, tiles: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """quantize_dual(d gate_up) in one pass, d gate_up [N, 2I] = fused_glu's backward from da [N, I] (computed per
-    tile, rounded to gate_up's dtype, never written). I a multiple of 128."""
-    gu, da = gate_up_N2I.contiguous(), da_NI.contiguous()
-    return _dual(2, gu, da, gu.shape[1], offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
+    return _dual(1, gu, gu.shape[1] // 2, offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
 
 
 def fused_sources_ok(inter: int) -> bool:
-    """The fused GLU sources need the gate / up halves to start on a tile: I a multiple of 128."""
+    """quantize_glu_dual needs the up half to start on a tile: I a multiple of 128."""
     return inter % GROUP == 0
 
 
-def _dual(src: int, x: torch.Tensor, da: torch.Tensor | None, K: int, offs_E: torch.Tensor, out_dtype: torch.dtype,
-          expert_major: bool, tiles: bool, kind: str = "situ_glu", beta: float = 0.0, lin_beta: float = 0.0):
-    """quantize_dual and its fused sources (module doc): the output is [N, K]; x is the source tensor."""
+def _dual(src: int, x: torch.Tensor, K: int, offs_E: torch.Tensor, out_dtype: torch.dtype, expert_major: bool,
+          tiles: bool, kind: str = "situ_glu", beta: float = 0.0, lin_beta: float = 0.0):
+    """quantize_dual (src 0) and quantize_glu_dual (src 1): the output is [N, K]; x is the source tensor."""
     if src and not fused_sources_ok(x.shape[1] // 2):
         raise ValueError(f"fused GLU quantiser: intermediate size {x.shape[1] // 2} must be a multiple of {GROUP}")
     if src and kind not in GLU_KINDS:
@@ -379,16 +353,13 @@ def _dual(src: int, x: torch.Tensor, da: torch.Tensor | None, K: int, offs_E: to
         sT = torch.empty((G, K), device=x.device, dtype=torch.float32)
     else:
         qT, sT = qbuf, s  # placeholders, never written (TILES=False)
-    da_arg = da if da is not None else x
     glu = (GLU_KINDS.get(kind, 0), float(beta), float(lin_beta))
     gluon_quant = _gluon_dual(x.device) if x.is_cuda and N else None
     if gluon_quant is not None:
-        gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles, src=src, da=da_arg, glu=glu, K=K)
+        gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles, src=src, glu=glu, K=K)
     elif N:
-        grid_k = nk // 2 if src == 2 else nk  # SRC 2: one program per gate tile and its up tile
-        fp8_quant_dual_kernel[(G, grid_k)](
-            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), da_arg, da_arg.stride(0),
-            glu[1], glu[2], BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
+        fp8_quant_dual_kernel[(G, nk)](
+            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), glu[1], glu[2], BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
             SRC=src, KIND=glu[0],
             num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)

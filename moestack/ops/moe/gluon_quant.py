@@ -49,12 +49,11 @@ TILE = 128  # fp8_quant.GROUP: the scale groups' edge
 # (warps, columns per thread, qT stores "lines" / "lanes"; module doc): first = default, the others for
 # benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc)
 CONFIGS = ((8, 8, "lines"), (8, 16, "lines"), (8, 4, "lines"), (8, 4, "lanes"))
-# the fused GLU sources (fp8_quant._dual): (warps, columns per thread, qT stores, register cap or 0), first = default.
-# 16 warps, as the activation math needs registers: on sm_90a the activation compiles to 101 registers at 16 warps
-# (64 under the cap, no spills: two programs per SM), 219 at 8; the gradient (both halves from one load) to 128 at
-# 16 warps (24 bytes of spills), 255 and 436 bytes of spills at 8
-SOURCE_CONFIGS = {1: ((16, 8, "lines", 64), (16, 8, "lines", 0), (8, 8, "lines", 128)),
-                  2: ((16, 8, "lines", 0), (16, 4, "lines", 0), (8, 8, "lines", 0))}
+# quantize_glu_dual's configs (warps, columns per thread, qT stores, register cap or 0), first = default. The
+# activation's math needs registers: on sm_90a it compiles to 219 registers at 8 warps, 101 at 16 (64 under the cap,
+# no spills: two programs per SM). H200, K3 EP16 (benchmarks/fp8_quant.py --glu 3072 --configs all): 1.31 / 1.83 /
+# 1.71 ms, against 1.37 for triton_activation's kernel + quantize_dual
+SOURCE_CONFIGS = {1: ((16, 8, "lines", 64), (16, 8, "lines", 0), (8, 8, "lines", 128))}
 
 
 @functools.cache
@@ -130,22 +129,6 @@ def _glu_act(b_g, b_u, beta, lin_beta, KIND: gl.constexpr):
 
 
 @gluon.jit
-def _glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND: gl.constexpr):
-    """triton_activation.glu_grads: (d gate, d up), the same operations in the same order."""
-    b_sig = 1.0 / (1.0 + gl.exp(-b_g))
-    if KIND == 0:
-        b_tg = _tanh(b_g * (1.0 / beta))
-        b_tu = _tanh(b_u * (1.0 / lin_beta))
-        b_actg = beta * b_tg * b_sig
-        b_dg = b_da * lin_beta * b_tu * ((1.0 - b_tg * b_tg) * b_sig + b_actg * (1.0 - b_sig))
-        b_du = b_da * b_actg * (1.0 - b_tu * b_tu)
-    else:
-        b_dg = b_da * b_u * b_sig * (1.0 + b_g * (1.0 - b_sig))
-        b_du = b_da * b_g * b_sig
-    return b_dg, b_du
-
-
-@gluon.jit
 def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn, base,
                       mp, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
                       COLS: gl.constexpr, LINES: gl.constexpr):
@@ -180,8 +163,8 @@ def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g,
 
 
 @gluon.jit
-def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, da, stride_dn, beta,
-                                lin_beta, BE: gl.constexpr, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr,
+def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, beta, lin_beta,
+                                BE: gl.constexpr, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr,
                                 EVEN_K: gl.constexpr, COLS: gl.constexpr, LINES: gl.constexpr, SRC: gl.constexpr,
                                 KIND: gl.constexpr):
     """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel (SRC: its sources)."""
@@ -203,7 +186,7 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
             b_x = gl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(gl.float32)
             _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn,
                               base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
-        elif SRC == 1:  # act(gate, up); x = gate_up [N, 2K] (K a multiple of 128)
+        else:  # act(gate, up); x = gate_up [N, 2K] (K a multiple of 128)
             m_c = cols < K
             mask = m_r[:, None]
             p_g = x + rows64[:, None] * stride_xn + cols[None, :]
@@ -212,39 +195,21 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
             b_x = _glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(gl.float32)
             _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn,
                               base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
-        else:  # d gate and d up of column tile i_k; x = gate_up [N, K], da [N, K / 2] (K / 2 a multiple of 128)
-            half_k = K // 2
-            m_c = cols < half_k
-            mask = m_r[:, None]
-            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
-            p_da = da + rows64[:, None] * stride_dn + cols[None, :]
-            b_g = gl.load(p_g, mask=mask, other=0.0).to(gl.float32)
-            b_u = gl.load(p_g + half_k, mask=mask, other=0.0).to(gl.float32)
-            b_da = gl.load(p_da, mask=mask, other=0.0).to(gl.float32)
-            b_dg, b_du = _glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND)
-            _quant_store_tile(b_dg.to(x.dtype.element_ty).to(gl.float32), q, s, qT, sT, rows64, local, m_r, cols,
-                              m_c, mask, g, i_k, K, P, nk, stride_qn, base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS,
-                              LINES)
-            _quant_store_tile(b_du.to(x.dtype.element_ty).to(gl.float32), q, s, qT, sT, rows64, local, m_r,
-                              cols + half_k, m_c, mask, g, i_k + half_k // G, K, P, nk, stride_qn, base, mp,
-                              EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
 
 
 def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: bool,
-           config: tuple[int, int, str] | None = None, src: int = 0, da: torch.Tensor | None = None,
-           glu: tuple[int, float, float] = (0, 0.0, 0.0), K: int | None = None) -> None:
+           config: tuple[int, int, str] | None = None, src: int = 0, glu: tuple[int, float, float] = (0, 0.0, 0.0),
+           K: int | None = None) -> None:
     """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS
-    (as SOURCE_CONFIGS for src > 0). src, da, glu (kind, beta, linear beta), K (the output width): fp8_quant._dual's
-    fused sources."""
+    (as SOURCE_CONFIGS for src > 0). src, glu (kind, beta, linear beta), K (the output width): fp8_quant._dual's
+    source (1: quantize_glu_dual)."""
     num_warps, cols, qt_stores, *cap = config or (SOURCE_CONFIGS[src][0] if src else CONFIGS[0])
     cap = {"maxnreg": cap[0]} if cap and cap[0] else {}
     K = x_NK.shape[1] if K is None else K
     E = offs_E.numel()
     nk = -(-K // TILE)
     G = P // TILE
-    da = x_NK if da is None else da
-    fp8_quant_dual_gluon_kernel[(G, nk // 2 if src == 2 else nk)](
-        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0), da, da.stride(0),
-        glu[1], glu[2], BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
+    fp8_quant_dual_gluon_kernel[(G, nk)](
+        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0), glu[1], glu[2], BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
         EVEN_K=K % TILE == 0, COLS=cols, LINES=qt_stores == "lines", SRC=src, KIND=glu[0], num_warps=num_warps,
         **cap)

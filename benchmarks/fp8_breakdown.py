@@ -9,7 +9,7 @@ the weight gradients) and with rowwise scales, against bf16 mm, at K3 EP16's per
 expert), the latent projections, all rows as one GEMM, and the 56-expert grouped GEMMs (torch._grouped_mm vs
 torch._scaled_grouped_mm rowwise). Random data, triton.testing.do_bench medians, TFLOP/s.
 profile [--variants a,b]: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant
-(default bf16, FP8 v3 + projections, the same with the unfused expert FFN); kernel time per iteration, the largest
+(default bf16, FP8 v3 + projections, the same with the fused expert FFN); kernel time per iteration, the largest
 kernels first, and the wall time per iteration. Gradients accumulate between the profiled iterations (no zeroing), so the
 bf16 "add" kernels there are the accumulation, which the timed benchmark (grad_to_none) does not run.
 """
@@ -102,7 +102,7 @@ def gemms() -> None:
     grouped_row(56, 2340, 3072, 3584, "grouped down fwd")
 
 
-PROFILE_VARIANTS = ("bf16", "fp8v3-proj", "fp8v3-unfused-proj")
+PROFILE_VARIANTS = ("bf16", "fp8v3-proj", "fp8v3-fusedffn-proj")
 
 
 def profile(iterations: int = 3, top: int = 14, variants: tuple[str, ...] = PROFILE_VARIANTS) -> None:

@@ -19,8 +19,9 @@ the same recipe as one-expert v3 GEMMs; reverted after the variant, so the bf16 
 fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections. fp8v3-gluonrows(-proj): v3's
 forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROWS_GEMM=gluon) instead of cuBLAS;
 fp8v3-syncfree(-proj): the same with fp8_tma's weight gradient (MOESTACK_FP8_TMA_WGRAD=1), no host read at all.
-fp8v3-1s(-proj): the weight gradients on one CUDA stream; fp8v3-unfused(-proj): the expert FFN as two grouped GEMMs
-around the activation (MOESTACK_FP8_FUSED_FFN=0) instead of fp8_expert_ffn.py's fused GLU quantisers.
+fp8v3-1s(-proj): the weight gradients on one CUDA stream; fp8v3-fusedffn(-proj): the expert FFN as one node with the
+activation inside the down GEMM's quantiser (fp8_expert_ffn.py, MOESTACK_FP8_FUSED_FFN=1); fp8v3-unfused(-proj):
+the same switch at 0 (the default: two grouped GEMMs around the activation).
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -265,11 +266,12 @@ FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
 # variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
 # v3's per-expert cuBLAS weight gradients on one CUDA stream (before session 11's default of two)
 FP8_VARIANTS["fp8v3-1s"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_WGRAD_STREAMS": "1"})
-# v3's expert FFN as two grouped GEMMs around the activation (before session 12's fused GLU quantisers)
+# v3's expert FFN with the activation inside the down GEMM's quantiser (fp8_expert_ffn.py, opt-in) / explicitly not
+FP8_VARIANTS["fp8v3-fusedffn"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "1"})
 FP8_VARIANTS["fp8v3-unfused"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "0"})
 PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
                  "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-1s-proj": "fp8v3-1s",
-                 "fp8v3-unfused-proj": "fp8v3-unfused"}
+                 "fp8v3-unfused-proj": "fp8v3-unfused", "fp8v3-fusedffn-proj": "fp8v3-fusedffn"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -309,6 +309,7 @@ def test_fp8_expert_ffn_emulated(kind, monkeypatch):
     monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
     monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", "0")
     monkeypatch.setenv(f8.V3_ENV, "1")
+    monkeypatch.setenv(ffn.ENV, "1")
     counts, D, inter = [37, 0, 130, 1, 6], 512, 512
     g = torch.Generator().manual_seed(21)
     x = torch.randn(sum(counts) + 2, D, generator=g)
@@ -345,12 +346,14 @@ def test_fp8_expert_ffn_emulated(kind, monkeypatch):
 
 
 def test_fp8_expert_ffn_applies(monkeypatch):
-    """Where the fused FFN steps aside: v3 off, the env switch, few rows per expert, an intermediate size off the
+    """Where the fused FFN steps aside: off by default, v3 off, the env switch at 0, few rows per expert, an intermediate size off the
     tile grid, the Triton weight gradient; a bad switch value names the variable."""
     from moestack.ops.moe import fp8_expert_ffn as ffn
 
     monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
     monkeypatch.setenv(f8.V3_ENV, "1")
+    assert not ffn.applies(torch.zeros(4096, 512), torch.zeros(4, 512, 1024), torch.zeros(4, 512, 512))  # opt-in
+    monkeypatch.setenv(ffn.ENV, "1")
     x = torch.zeros(4096, 512)
     w_gu, w_down = torch.zeros(4, 512, 1024), torch.zeros(4, 512, 512)
     assert ffn.applies(x, w_gu, w_down)

@@ -15,8 +15,13 @@ Where it applies (`expert_ffn` returns None otherwise and the caller runs the un
 the many-rows path (mean rows per expert >= fp8_scaled_mm.cublas_min_rows(), widths multiples of 512, the
 cuBLAS blockwise probe passed), I a multiple of 128, and not MOESTACK_FP8_TMA_WGRAD=1 (the Triton weight
 gradient is only wired in the unfused path). With MOESTACK_FP8_ROWS_GEMM=gluon the forward / dX GEMMs are the
-Gluon kernel's, as unfused. $MOESTACK_FP8_FUSED_FFN=0 turns it off (benchmarks/moe.py variant fp8v3-unfused).
-Saves for backward what the unfused pair saves: x's token tiles, gate_up, a's token tiles, the two parameters.
+Gluon kernel's, as unfused. Saves for backward what the unfused pair saves: x's token tiles, gate_up, a's token
+tiles, the two parameters.
+
+Opt-in ($MOESTACK_FP8_FUSED_FFN=1; benchmarks/moe.py variant fp8v3-fusedffn(-proj)): the fused quantiser is 5%
+faster than the activation kernel + quantize_dual it replaces (1.31-1.32 vs 1.37-1.38 ms at K3 EP16), but the K3
+EP16 layer ran 0.6-0.7 ms slower fwd+bwd with it in both paired runs (its forward the same), for a reason not
+found (benchmarks/RESULTS.md session 12).
 
 Legend: N rows, D model (latent) width, I expert intermediate size, E experts.
 """
@@ -36,10 +41,10 @@ ENV = "MOESTACK_FP8_FUSED_FFN"
 
 
 def enabled() -> bool:
-    """$MOESTACK_FP8_FUSED_FFN (read per call): "1" (default) or "0"."""
-    choice = os.environ.get(ENV, "1")
+    """$MOESTACK_FP8_FUSED_FFN (read per call): "1" or "0" (default: measured slower in the layer, module doc)."""
+    choice = os.environ.get(ENV, "0")
     if choice not in ("0", "1"):
-        raise ValueError(f"{ENV}={choice!r}: use 1 (fused GLU quantisers, the default) or 0 (unfused)")
+        raise ValueError(f"{ENV}={choice!r}: use 1 (the activation inside the quantiser) or 0 (unfused, the default)")
     return choice == "1"
 
 

@@ -61,7 +61,8 @@ def main() -> None:
                             torch.equal(out[1], ref[1]),
                             torch.equal(out[2][:, :n_tok].view(torch.uint8), ref[2][:, :n_tok].view(torch.uint8)),
                             torch.equal(out[3][:n_tok // fq.GROUP], ref[3][:n_tok // fq.GROUP])))
-            label = kernel if cfg is None else f"{kernel} {cfg[0]} warps, {cfg[1]} columns, qT {cfg[2]}"
+            label = kernel if cfg is None else f"{kernel} {cfg[0]} warps, {cfg[1]} columns, qT {cfg[2]}" + (
+                f", at most {cfg[3]} registers" if len(cfg) > 3 else "")
             print(f"| | {K} | {label} | {t:.3f} | {moved / t / 1e9:.2f} | {same} |", flush=True)
         del x, ref, out
         torch.cuda.empty_cache()

@@ -21,7 +21,8 @@ forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROW
 fp8v3-syncfree(-proj): the same with fp8_tma's weight gradient (MOESTACK_FP8_TMA_WGRAD=1), no host read at all.
 fp8v3-1s(-proj): the weight gradients on one CUDA stream; fp8v3-fusedffn(-proj): the expert FFN as one node with the
 activation inside the down GEMM's quantiser (fp8_expert_ffn.py, MOESTACK_FP8_FUSED_FFN=1); fp8v3-unfused(-proj):
-the same switch at 0 (the default: two grouped GEMMs around the activation).
+the same switch at 0 (the default: two grouped GEMMs around the activation). fp8v3-q16w(-proj) / fp8v3-q3cta(-proj):
+the activation quantiser's launch configs 4 / 6 (gluon_quant.CONFIGS, MOESTACK_FP8_QUANT_CONFIG).
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -269,9 +270,13 @@ FP8_VARIANTS["fp8v3-1s"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_WG
 # v3's expert FFN with the activation inside the down GEMM's quantiser (fp8_expert_ffn.py, opt-in) / explicitly not
 FP8_VARIANTS["fp8v3-fusedffn"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "1"})
 FP8_VARIANTS["fp8v3-unfused"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "0"})
+# v3 with other launch configs of the Gluon activation quantiser (gluon_quant.CONFIGS[4] / [6])
+FP8_VARIANTS["fp8v3-q16w"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "4"})
+FP8_VARIANTS["fp8v3-q3cta"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "6"})
 PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
                  "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-1s-proj": "fp8v3-1s",
-                 "fp8v3-unfused-proj": "fp8v3-unfused", "fp8v3-fusedffn-proj": "fp8v3-fusedffn"}
+                 "fp8v3-unfused-proj": "fp8v3-unfused", "fp8v3-fusedffn-proj": "fp8v3-fusedffn",
+                 "fp8v3-q16w-proj": "fp8v3-q16w", "fp8v3-q3cta-proj": "fp8v3-q3cta"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -21,6 +21,16 @@ def test_quant_env_rejects_unknown(monkeypatch):
         fq._gluon_dual(torch.device("cuda", 0))
 
 
+def test_quant_config_env(monkeypatch):
+    from moestack.ops.moe import gluon_quant
+
+    monkeypatch.setenv(gluon_quant.CONFIG_ENV, str(len(gluon_quant.CONFIGS)))
+    with pytest.raises(ValueError, match="MOESTACK_FP8_QUANT_CONFIG"):
+        gluon_quant.config_index()
+    monkeypatch.setenv(gluon_quant.CONFIG_ENV, "1")
+    assert gluon_quant.config_index() == 1
+
+
 def _run(x, offs, em, tiles, kind, monkeypatch):
     monkeypatch.setenv(fq.QUANT_ENV, kind)
     return fq.quantize_dual(x, offs, expert_major=em, tiles=tiles)

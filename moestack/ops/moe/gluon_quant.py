@@ -40,20 +40,34 @@ Requirements (`supported`): sm_90 (CUDA), Triton's Gluon, contiguous rows. Legen
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
-# (warps, columns per thread, qT stores "lines" / "lanes"; module doc): first = default, the others for
-# benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc)
-CONFIGS = ((8, 8, "lines"), (8, 16, "lines"), (8, 4, "lines"), (8, 4, "lanes"))
+# (warps, columns per thread, qT stores "lines" / "lanes"[, register cap]; module doc): first = default, the others
+# for benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc). With a cap of 64 registers 16 warps
+# compile without spills (two programs, 32 warps per SM); 8 warps at 80 spill 68 bytes (three programs per SM)
+CONFIGS = ((8, 8, "lines"), (8, 16, "lines"), (8, 4, "lines"), (8, 4, "lanes"), (16, 8, "lines", 64),
+           (16, 16, "lines", 64), (8, 8, "lines", 80))
 # quantize_glu_dual's configs (warps, columns per thread, qT stores, register cap or 0), first = default. The
 # activation's math needs registers: on sm_90a it compiles to 219 registers at 8 warps, 101 at 16 (64 under the cap,
 # no spills: two programs per SM). H200, K3 EP16 (benchmarks/fp8_quant.py --glu 3072 --configs all): 1.31 / 1.83 /
 # 1.71 ms, against 1.37 for triton_activation's kernel + quantize_dual
 SOURCE_CONFIGS = {1: ((16, 8, "lines", 64), (16, 8, "lines", 0), (8, 8, "lines", 128))}
+
+
+CONFIG_ENV = "MOESTACK_FP8_QUANT_CONFIG"  # index into CONFIGS for quantize_dual's launches (benchmarks); default 0
+
+
+def config_index() -> int:
+    """$MOESTACK_FP8_QUANT_CONFIG (read per launch): which of CONFIGS quantize_dual launches; default 0."""
+    choice = os.environ.get(CONFIG_ENV, "0")
+    if not choice.isdigit() or int(choice) >= len(CONFIGS):
+        raise ValueError(f"{CONFIG_ENV}={choice!r}: use an index into gluon_quant.CONFIGS, 0..{len(CONFIGS) - 1}")
+    return int(choice)
 
 
 @functools.cache
@@ -203,7 +217,7 @@ def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: boo
     """The quantize_dual launch (same arguments as its Triton kernel's; the caller allocates). config: as CONFIGS
     (as SOURCE_CONFIGS for src > 0). src, glu (kind, beta, linear beta), K (the output width): fp8_quant._dual's
     source (1: quantize_glu_dual)."""
-    num_warps, cols, qt_stores, *cap = config or (SOURCE_CONFIGS[src][0] if src else CONFIGS[0])
+    num_warps, cols, qt_stores, *cap = config or (SOURCE_CONFIGS[src][0] if src else CONFIGS[config_index()])
     cap = {"maxnreg": cap[0]} if cap and cap[0] else {}
     K = x_NK.shape[1] if K is None else K
     E = offs_E.numel()

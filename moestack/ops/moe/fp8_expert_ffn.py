@@ -20,8 +20,8 @@ tiles, the two parameters.
 
 Opt-in ($MOESTACK_FP8_FUSED_FFN=1; benchmarks/moe.py variant fp8v3-fusedffn(-proj)): the fused quantiser is 5%
 faster than the activation kernel + quantize_dual it replaces (1.31-1.32 vs 1.37-1.38 ms at K3 EP16), but the K3
-EP16 layer ran 0.6-0.7 ms slower fwd+bwd with it in both paired runs (its forward the same), for a reason not
-found (benchmarks/RESULTS.md session 12).
+EP16 layer showed no measurable change (+0.6 and -0.5 ms fwd+bwd in two paired runs; benchmarks/RESULTS.md
+session 12).
 
 Legend: N rows, D model (latent) width, I expert intermediate size, E experts.
 """

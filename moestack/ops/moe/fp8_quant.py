@@ -19,7 +19,8 @@ writes both the 1x128 row tiles (forward / dX operand) and the 128x1 token tiles
 reduction dim contiguous). `quantize_dual(expert_major=True)` writes the row scales expert by expert, each
 expert's block [ceil(K/128), Mp_e] contiguous (Mp_e = its row count rounded up to 4, blocks in expert order
 starting at ceil(K/128) * sum of the earlier Mp): the "outer-dim-major" layout torch._scaled_mm's 1x128 recipe
-takes for one expert's rows (fp8_scaled_mm.py); padding entries are zero.
+takes for one expert's rows (fp8_scaled_mm.py); padding entries are zero. `quantize_glu_dual` is quantize_dual of
+the GLU activation computed per tile from gate_up (fp8_expert_ffn.py): the activation is never written.
 
 `*_ref` functions are the torch spec (loop-clear, CPU-testable). `out_dtype=torch.float32` makes the Triton
 kernels write the unrounded x / scale (used by the interpreter tests, whose fp8 casts round wrongly).

@@ -28,7 +28,10 @@ session 11), ms at K = 3584 / 3072 / 6144, TB/s counting the bf16 read and both 
   warps x 8 columns 17% slower. All of them run two programs per SM (107-124 registers at 8 warps): the store
   pattern, not occupancy, was the limit.
 In the layer's profile the eight calls per step take 3.67 ms (5.0 before). Session 9 also measured a persistent
-cp.async ring (1.0 TB/s, removed) and 16 / 4 warps with the old layout (slower).
+cp.async ring (1.0 TB/s, removed) and 16 / 4 warps with the old layout (slower). Session 12: 8 warps at a cap of 80
+registers (three programs per SM, 68 bytes of spills) 0.67 / 0.57 / 1.13 ms (2.82 TB/s), 7% faster alone but not
+measurably in the layer; 16 warps at 64 registers (no spills) 0.85 / 0.73 / 1.44. SRC 1 (quantize_glu_dual): the
+GLU activation computed from gate_up inside the tile load (SOURCE_CONFIGS).
 
 Both kernels scale by one multiply, x * (448 / amax), and skip the clamp (|q| <= 448 up to one ulp, which the fp8
 cast rounds back to 448): the divide and clamp per element had made the kernel instruction-bound (2032 SASS

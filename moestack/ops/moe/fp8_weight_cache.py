@@ -20,6 +20,12 @@ miss every time: still correct, no gain. Inference tensors have no version count
 
 Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together. `pair` (v3) fills
 both layouts from one read of the weight.
+
+Under FSDP2 the cache is correct but rarely hits: every all-gather makes a new unsharded tensor, so each forward
+quantises again (tests/parallel/test_fp8_cache_fsdp.py: bitwise the same run with the cache on and off under ZeRO-3;
+1-2 hits of 16 lookups per rank with ZeRO-3, 9 of 16 with ZeRO-2, where the backward reuses its forward's copy). A
+cache that serves the micro-batches of one step under FSDP2 would have to key on the sharded parameter and keep
+its own unsharded fp8 copy (the planner would have to count that memory); not done.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ fp8v3-syncfree(-proj): the same with fp8_tma's weight gradient (MOESTACK_FP8_TMA
 fp8v3-1s(-proj): the weight gradients on one CUDA stream; fp8v3-fusedffn(-proj): the expert FFN as one node with the
 activation inside the down GEMM's quantiser (fp8_expert_ffn.py, MOESTACK_FP8_FUSED_FFN=1); fp8v3-unfused(-proj):
 the same switch at 0 (the default: two grouped GEMMs around the activation). fp8v3-q16w(-proj) / fp8v3-q3cta(-proj):
-the activation quantiser's launch configs 4 / 6 (gluon_quant.CONFIGS, MOESTACK_FP8_QUANT_CONFIG).
+the activation quantiser's launch configs 4 / 6 (gluon_quant.CONFIGS, MOESTACK_FP8_QUANT_CONFIG). fp8v3-nocache(-proj):
+the fp8 weight cache off (MOESTACK_FP8_CACHE=0), i.e. the weights requantised on every call, as under FSDP2.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -273,10 +274,14 @@ FP8_VARIANTS["fp8v3-unfused"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_F
 # v3 with other launch configs of the Gluon activation quantiser (gluon_quant.CONFIGS[4] / [6])
 FP8_VARIANTS["fp8v3-q16w"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "4"})
 FP8_VARIANTS["fp8v3-q3cta"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "6"})
+# v3 with the fp8 weight cache off: every call requantises its weights, as v3 does under FSDP2 (each all-gather is a
+# new tensor; fp8_weight_cache.py)
+FP8_VARIANTS["fp8v3-nocache"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_CACHE": "0"})
 PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
                  "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-1s-proj": "fp8v3-1s",
                  "fp8v3-unfused-proj": "fp8v3-unfused", "fp8v3-fusedffn-proj": "fp8v3-fusedffn",
-                 "fp8v3-q16w-proj": "fp8v3-q16w", "fp8v3-q3cta-proj": "fp8v3-q3cta"}
+                 "fp8v3-q16w-proj": "fp8v3-q16w", "fp8v3-q3cta-proj": "fp8v3-q3cta",
+                 "fp8v3-nocache-proj": "fp8v3-nocache"}
 FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 

@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -432,6 +433,14 @@ def _check_head_read(path: Path, state: dict[str, Any], head: torch.Tensor) -> N
                               "of a tied model, or set tie_word_embeddings: false if it was trained untied")
 
 
+def forget_fp8_weights() -> None:
+    """Drop the FP8 expert-weight cache (moestack.ops.moe.fp8_weight_cache) if it was loaded: under FSDP2 a load
+    reaches the weights' gathered copies without moving the version counter the cache watches."""
+    cache = sys.modules.get("moestack.ops.moe.fp8_weight_cache")
+    if cache is not None:
+        cache.clear()
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     partial: bool = False) -> dict:
     """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
@@ -479,6 +488,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         warnings.warn(f"checkpoint {path}: rounding noise restarts: checkpoint predates the optimizer's "
                       f"rounding-noise state ('{ROUNDING_RNG_KEY}'), so the resumed run is not bitwise the "
                       "uninterrupted one", stacklevel=2)
+    forget_fp8_weights()
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -294,6 +294,9 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, family: str | None = N
     for name, t in iter_hf_tensors(hf_dir, nmap, skip=skip):
         targets[name].copy_(t)
         done += 1
+    from moestack.train.checkpoint import forget_fp8_weights
+
+    forget_fp8_weights()
     return done
 
 

@@ -229,6 +229,19 @@ def test_weight_cache_follows_optimizer_step(opt_kw):
     wc.clear()
 
 
+def test_checkpoint_loads_forget_fp8_weights():
+    """load_checkpoint / load_hf_weights empty the FP8 weight cache (under FSDP2 they reach the gathered weights
+    without a version bump); the helper is a no-op while the cache module is not loaded."""
+    from moestack.train.checkpoint import forget_fp8_weights
+
+    wc.clear()
+    w = torch.randn(2, 256, 128, device=DEV)
+    wc.pair(w, torch.float32)
+    assert len(wc._entries) == 2
+    forget_fp8_weights()
+    assert not wc._entries
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # v3 GEMMs (interpreter / emulation)
 

@@ -1,14 +1,13 @@
 """The FP8 weight cache (fp8_weight_cache.py) under FSDP2 ZeRO-3 on 2 gloo ranks: the same training run with the
-cache on and off gives bitwise the same losses, gradients and parameters.
+cache on and off gives bitwise the same losses, gradients and parameters, with one quantisation per weight and
+optimizer step; the same run without the cache's optimizer-step hook (the control) differs from the second step on.
 
-FSDP2 gathers the unsharded expert weights into storage whose version counter the optimizer's fused update does not
-move, and ZeRO-3 frees it after each use, so one layer's weights can land where another's were: the cache keys on
-the owning tensor, so it must neither serve one layer's fp8 copy to the next nor a step's to the following one. Two
-MoE layers, 2 optimizer steps of 2 micro-batches each (gradient accumulation). The experts run the "fp8" backend's v3
+FSDP2 gathers the unsharded expert weights into new storage for every forward and (ZeRO-3) backward, without moving
+their version counter, and the fused optimizer update does not move it either: the cache keys on the unsharded
+parameter object and is emptied at every optimizer step. Two MoE layers (their gathers may reuse each other's
+storage), 2 optimizer steps of 2 micro-batches each (gradient accumulation). The experts run the "fp8" backend's v3
 path (on CPU its Triton kernels in the interpreter; the backend is registered as available inside the ranks for
-this job only). What this run also showed (session 12): under FSDP2 the cache rarely hits, since every gather is a
-new tensor: 1-2 of 16 lookups per rank with ZeRO-3 (one MoE layer), 9 of 16 with ZeRO-2 (the backward reuses its
-forward's copy); without its optimizer-step hook the losses stayed the same, because no entry outlived its gather.
+this job only). Before session 12 the key held the data pointer, which changes with every gather: 1-2 hits of 16.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ def _worker(rank: int, world: int) -> dict:
     import os
 
     from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from moestack.config.model_spec import ModelSpec
     from moestack.config.plan import make_plan
@@ -48,8 +48,10 @@ def _worker(rank: int, world: int) -> dict:
     moe_ops.register_backend("fp8", fp8_entry[0], lambda: True)  # CPU: the interpreter runs its Triton path
     out = {}
     try:
-        for cache in ("1", "0"):
-            os.environ["MOESTACK_FP8_CACHE"] = cache
+        for cache in ("1", "0", "stale"):  # stale: the cache without its optimizer-step hook (the control)
+            os.environ["MOESTACK_FP8_CACHE"] = "0" if cache == "0" else "1"
+            if cache == "stale":
+                wc._step_hook.remove()
             wc.clear()
             wc.stats.update(hits=0, misses=0)
             plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=world * ROWS,
@@ -77,6 +79,8 @@ def _worker(rank: int, world: int) -> dict:
                       for n, p in model.named_parameters()}
             out[cache] = {"losses": losses, "grads": grads, "params": params, "stats": dict(wc.stats), "init": init}
     finally:
+        if cache == "stale":
+            wc._step_hook = register_optimizer_step_post_hook(wc._after_optimizer_step)
         moe_ops.register_backend("fp8", *fp8_entry)
         os.environ.pop("MOESTACK_FP8_CACHE", None)
         os.environ.pop("MOESTACK_FP8_V3", None)
@@ -90,7 +94,9 @@ def test_fp8_weight_cache_under_fsdp2(monkeypatch):
     for rank, out in enumerate(results):
         on, off = out["1"], out["0"]
         assert off["stats"]["hits"] == off["stats"]["misses"] == 0  # MOESTACK_FP8_CACHE=0: never consulted
-        assert on["stats"]["hits"] + on["stats"]["misses"] >= STEPS * MICRO * (LAYERS - 1) * 2, on["stats"]
+        # per step and weight one quantisation: the second micro-batch and every backward (ZeRO-3 gathers again) hit
+        lookups = STEPS * MICRO * (LAYERS - 1) * 4  # forward: gate/up and down; backward: the same for dX
+        assert on["stats"] == {"hits": lookups - STEPS * (LAYERS - 1) * 2, "misses": STEPS * (LAYERS - 1) * 2}
         assert on["losses"] == off["losses"], (rank, on["losses"], off["losses"])
         assert on["grads"].keys() == off["grads"].keys() and len(on["grads"]) == 2 * (LAYERS - 1)
         for name in on["grads"]:
@@ -98,3 +104,6 @@ def test_fp8_weight_cache_under_fsdp2(monkeypatch):
         for name in on["params"]:
             assert torch.equal(on["params"][name], off["params"][name]), (rank, name)
         assert all(not torch.equal(on["params"][n], p) for n, p in on["init"].items())  # the experts did train
+        stale = out["stale"]["losses"]
+        assert stale[:MICRO] == off["losses"][:MICRO] and stale[MICRO:] != off["losses"][MICRO:], \
+            "without the step hook the second step must run on the first step's fp8 weights"

@@ -12,8 +12,8 @@ forward used frozen expert weights while the optimizer moved the parameters). En
 tensor (the parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, strides and dtypes, so
 the forward layout and the transposed dX layout are two entries of one parameter.
 
-Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` by hand). Call
-clear() after such writes. clear_after_steps(optimizer) is kept for callers (the global hook already does it).
+Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` or `p.data = ...`
+by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes. clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 `MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
@@ -21,11 +21,14 @@ miss every time: still correct, no gain. Inference tensors have no version count
 Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together. `pair` (v3) fills
 both layouts from one read of the weight.
 
-Under FSDP2 the cache is correct but rarely hits: every all-gather makes a new unsharded tensor, so each forward
-quantises again (tests/parallel/test_fp8_cache_fsdp.py: bitwise the same run with the cache on and off under ZeRO-3;
-1-2 hits of 16 lookups per rank with ZeRO-3, 9 of 16 with ZeRO-2, where the backward reuses its forward's copy). A
-cache that serves the micro-batches of one step under FSDP2 would have to key on the sharded parameter and keep
-its own unsharded fp8 copy (the planner would have to count that memory); not done.
+Under FSDP2 the unsharded parameter a forward sees is one tensor object for the whole run, refilled by every
+all-gather into new storage without a version bump: the key is that object and the view's offset, shape and strides
+(not its data pointer, which changes with every gather), so all micro-batches of a step and their backward use one
+quantisation (tests/parallel/test_fp8_cache_fsdp.py: ZeRO-3, bitwise the same run with the cache on and off, one
+quantisation per weight and step; with a pointer in the key it had hit 1-2 of 16 lookups, and benchmarks/moe.py's
+fp8v3-nocache variant shows what that costs: the K3 EP16 layer 49.5 vs 41.5 ms). Writes that reach the unsharded
+parameter only through its shards (a checkpoint load, an HF import) must clear(): load_checkpoint and
+load_hf_weights do.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def _purge_dead() -> None:
 
 
 def _key(w: torch.Tensor, q_dtype: torch.dtype) -> tuple:
-    return (id(_owner(w)), w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, q_dtype, w.device)
+    # the owner and the view's place in it, not its data pointer: FSDP2 gathers the same unsharded parameter into new
+    # storage for every forward and (ZeRO-3) backward, so a pointer in the key missed on nearly every call
+    return (id(_owner(w)), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype, q_dtype, w.device)
 
 
 def _lookup(w: torch.Tensor, q_dtype: torch.dtype, version: int):

@@ -311,9 +311,9 @@ def _ffn_unfused(x, w_gu, w_down, offs, kind, q_dtype):
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
 def test_fp8_expert_ffn_emulated(kind, monkeypatch):
-    """The fused FFN (activation inside the down GEMM's quantiser) against the unfused pair of v3 GEMMs around fused_glu, on
-    the emulated cuBLAS path with unrounded "fp8": outputs and all three gradients, empty experts, odd counts, tail
-    rows; and against the fp64 eager FFN."""
+    """The fused FFN (activation inside the down GEMM's quantiser) against the unfused pair of v3 GEMMs around
+    fused_glu, on the emulated cuBLAS path with unrounded "fp8": outputs and all three gradients, empty experts, odd
+    counts, tail rows; and against the fp64 eager FFN."""
     if DEV == "cuda":
         pytest.skip("emulation case; the GPU runs test_fp8_expert_ffn_gpu")
     from moestack.model.mlp import glu_activation
@@ -359,8 +359,8 @@ def test_fp8_expert_ffn_emulated(kind, monkeypatch):
 
 
 def test_fp8_expert_ffn_applies(monkeypatch):
-    """Where the fused FFN steps aside: off by default, v3 off, the env switch at 0, few rows per expert, an intermediate size off the
-    tile grid, the Triton weight gradient; a bad switch value names the variable."""
+    """Where the fused FFN steps aside: off by default, v3 off, the env switch at 0, few rows per expert, an
+    intermediate size off the tile grid, the Triton weight gradient; a bad switch value names the variable."""
     from moestack.ops.moe import fp8_expert_ffn as ffn
 
     monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)

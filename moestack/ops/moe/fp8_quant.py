@@ -360,8 +360,8 @@ def _dual(src: int, x: torch.Tensor, K: int, offs_E: torch.Tensor, out_dtype: to
         gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles, src=src, glu=glu, K=K)
     elif N:
         fp8_quant_dual_kernel[(G, nk)](
-            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), glu[1], glu[2], BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
-            SRC=src, KIND=glu[0],
+            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), glu[1], glu[2],
+            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles, SRC=src, KIND=glu[0],
             num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
 

@@ -13,7 +13,8 @@ tensor (the parameter behind a view such as w.transpose(1, 2)), the view's point
 the forward layout and the transposed dX layout are two entries of one parameter.
 
 Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` or `p.data = ...`
-by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes. clear_after_steps(optimizer) is kept for callers (the global hook already does it).
+by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes.
+clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 `MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.

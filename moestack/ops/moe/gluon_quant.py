@@ -184,7 +184,8 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
                                 BE: gl.constexpr, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr,
                                 EVEN_K: gl.constexpr, COLS: gl.constexpr, LINES: gl.constexpr, SRC: gl.constexpr,
                                 KIND: gl.constexpr):
-    """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel (SRC: its sources)."""
+    """One [128 tokens of one expert, 128 columns] tile, as fp8_quant.fp8_quant_dual_kernel (SRC 0: x's tile;
+    1: the GLU activation of gate_up's)."""
     G: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
     L: gl.constexpr = tile_layout(NW, COLS)
@@ -227,6 +228,6 @@ def launch(x_NK, qbuf, s, qT, sT, offs_E, P: int, expert_major: bool, tiles: boo
     nk = -(-K // TILE)
     G = P // TILE
     fp8_quant_dual_gluon_kernel[(G, nk)](
-        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0), glu[1], glu[2], BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles,
-        EVEN_K=K % TILE == 0, COLS=cols, LINES=qt_stores == "lines", SRC=src, KIND=glu[0], num_warps=num_warps,
-        **cap)
+        x_NK, qbuf, s, qT, sT, offs_E, K, E, P, nk, x_NK.stride(0), qbuf.stride(0), glu[1], glu[2],
+        BE=max(32, 1 << (E - 1).bit_length()), EXPERT_MAJOR=expert_major, TILES=tiles, EVEN_K=K % TILE == 0,
+        COLS=cols, LINES=qt_stores == "lines", SRC=src, KIND=glu[0], num_warps=num_warps, **cap)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,6 +90,8 @@ def _worker(rank: int, world: int) -> dict:
 
 
 def test_fp8_weight_cache_under_fsdp2(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU ranks with the fp8 kernels in the interpreter (a GPU session has no TRITON_INTERPRET)")
     monkeypatch.setenv("MOESTACK_FP8_V3", "1")
     results = run_ranks(__file__, "_worker", world_size=2, timeout=900)
     for rank, out in enumerate(results):

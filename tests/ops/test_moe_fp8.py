@@ -309,7 +309,7 @@ def _ffn_unfused(x, w_gu, w_down, offs, kind, q_dtype):
     return f8.Fp8GroupedMMv3.apply(fused_glu(gu, kind, 4.0, 25.0), w_down.transpose(1, 2), offs, q_dtype, None, 0)
 
 
-@pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
+@pytest.mark.parametrize("kind", ["situ_glu"])  # swiglu's source: test_quantize_glu_source_interpreter (CI time)
 def test_fp8_expert_ffn_emulated(kind, monkeypatch):
     """The fused FFN (activation inside the down GEMM's quantiser) against the unfused pair of v3 GEMMs around
     fused_glu, on the emulated cuBLAS path with unrounded "fp8": outputs and all three gradients, empty experts, odd

@@ -139,11 +139,17 @@ def _pp2_worker(rank: int, world: int, model_path: str, plan_path: str, fresh: s
     return out
 
 
-@pytest.mark.slow
-def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
+def _tied_model_file(tmp_path: Path):
+    """The tied model's spec and the YAML file the ranks read it from."""
     model_spec = _tied_spec()
     model_path = tmp_path / "model.yaml"
     dump_yaml(model_spec, model_path)
+    return model_spec, model_path
+
+
+@pytest.mark.slow
+def test_tied_checkpoint_resumes_across_pp(tmp_path, one_thread):
+    model_spec, model_path = _tied_model_file(tmp_path)
 
     # the reference: one process, uninterrupted; its step-SAVED_AT checkpoint is case (a)'s
     ref_trainer = Trainer(_single_spec(tmp_path / "ref"), model_spec, log=lambda *a: None)
@@ -229,9 +235,7 @@ def _layouts_worker(rank: int, world: int, model_path: str, plans: dict[str, str
 
 @pytest.mark.slow
 def test_tied_checkpoint_resumes_across_layouts(tmp_path, one_thread):
-    model_spec = _tied_spec()
-    model_path = tmp_path / "model.yaml"
-    dump_yaml(model_spec, model_path)
+    model_spec, model_path = _tied_model_file(tmp_path)
     ref = Trainer(_single_spec(tmp_path / "ref"), model_spec, log=lambda *a: None).fit()["losses"]
     saved = tmp_path / "ref" / "checkpoints" / f"step_{SAVED_AT:08d}"
     plans = {}

@@ -36,6 +36,7 @@ from moestack.ops.moe import fp8_grouped_gemm as f8
 from moestack.ops.moe import fp8_quant as fq
 from moestack.ops.moe import fp8_scaled_mm as fsm
 from moestack.ops.moe import fp8_weight_cache
+from moestack.ops.moe.triton_activation import glu_backward
 
 ENV = "MOESTACK_FP8_FUSED_FFN"
 
@@ -105,7 +106,7 @@ class Fp8ExpertFFN(torch.autograd.Function):
         if da is not None:
             # the activation's gradient stays its own kernel: fused into the quantiser (both halves of a tile pair
             # from one load) it ran 2.6 ms against 2.2 for the pair (benchmarks/RESULTS.md session 12)
-            dgate_up = _glu_backward(gate_up, da, ctx.glu)
+            dgate_up = glu_backward(gate_up, da, *ctx.glu)  # the unfused path's kernel, so the same bytes
             qdg, sdg, qdgT, sdgT = fq.quantize_dual(dgate_up, offs_E, qd, expert_major=True, tiles=need_dwg)
             del dgate_up
             if need_dx:
@@ -114,16 +115,6 @@ class Fp8ExpertFFN(torch.autograd.Function):
             if need_dwg:
                 dw_gu = fsm.wgrad(qxT, sxT, qdgT, sdgT, ends, like=w_gu)
         return dx, dw_gu, dw_down, None, None, None, None, None
-
-
-def _glu_backward(gate_up: torch.Tensor, da: torch.Tensor, glu: tuple[str, float, float]) -> torch.Tensor:
-    """d gate_up from triton_activation's backward kernel (the unfused path's, so the same bytes)."""
-    from moestack.ops.moe.triton_activation import KINDS, _grid, glu_bwd_kernel
-
-    N, inter = da.shape
-    dgu = torch.empty_like(gate_up)
-    glu_bwd_kernel[_grid(N, inter)](gate_up, da.contiguous(), dgu, N, inter, glu[1], glu[2], KIND=KINDS[glu[0]])
-    return dgu
 
 
 def _rows_mm(gluon, q, s, qw, sw, swT, offs_E, ends, dtype) -> torch.Tensor:

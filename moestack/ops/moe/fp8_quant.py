@@ -335,7 +335,8 @@ def _dual(src: int, x: torch.Tensor, K: int, offs_E: torch.Tensor, out_dtype: to
           tiles: bool, kind: str = "situ_glu", beta: float = 0.0, lin_beta: float = 0.0):
     """quantize_dual (src 0) and quantize_glu_dual (src 1): the output is [N, K]; x is the source tensor."""
     if src and not fused_sources_ok(x.shape[1] // 2):
-        raise ValueError(f"fused GLU quantiser: intermediate size {x.shape[1] // 2} must be a multiple of {GROUP}")
+        raise ValueError(f"fused GLU quantiser: intermediate size {x.shape[1] // 2} must be a multiple of {GROUP}; "
+                         "quantise the activation with quantize_dual instead")
     if src and kind not in GLU_KINDS:
         raise ValueError(f"activation must be one of {tuple(GLU_KINDS)}, got {kind!r}")
     N = x.shape[0]

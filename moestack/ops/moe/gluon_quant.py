@@ -49,6 +49,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from moestack.ops.moe.triton_activation import glu_act
+
 TILE = 128  # fp8_quant.GROUP: the scale groups' edge
 # (warps, columns per thread, qT stores "lines" / "lanes"[, register cap]; module doc): first = default, the others
 # for benchmarks/fp8_quant.py --configs all (H200 numbers in the module doc). With a cap of 64 registers 16 warps
@@ -127,25 +129,6 @@ def lines_layout(num_warps):
 
 
 @gluon.jit
-def _tanh(x):
-    # triton_activation._tanh: tanh from one exp, sign-symmetric
-    e = gl.exp(-2.0 * gl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return gl.where(x < 0, -t, t)
-
-
-@gluon.jit
-def _glu_act(b_g, b_u, beta, lin_beta, KIND: gl.constexpr):
-    """triton_activation.glu_act, the same operations in the same order."""
-    b_sig = 1.0 / (1.0 + gl.exp(-b_g))
-    if KIND == 0:
-        b_a = beta * _tanh(b_g * (1.0 / beta)) * b_sig * (lin_beta * _tanh(b_u * (1.0 / lin_beta)))
-    else:
-        b_a = b_g * b_sig * b_u
-    return b_a
-
-
-@gluon.jit
 def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn, base,
                       mp, EXPERT_MAJOR: gl.constexpr, TILES: gl.constexpr, EVEN_K: gl.constexpr,
                       COLS: gl.constexpr, LINES: gl.constexpr):
@@ -210,7 +193,7 @@ def fp8_quant_dual_gluon_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, s
             p_g = x + rows64[:, None] * stride_xn + cols[None, :]
             b_g = gl.load(p_g, mask=mask, other=0.0).to(gl.float32)
             b_u = gl.load(p_g + K, mask=mask, other=0.0).to(gl.float32)
-            b_x = _glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(gl.float32)
+            b_x = glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(gl.float32)
             _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, mask, g, i_k, K, P, nk, stride_qn,
                               base, mp, EXPERT_MAJOR, TILES, EVEN_K, COLS, LINES)
 

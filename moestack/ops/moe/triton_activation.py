@@ -39,7 +39,7 @@ def _tanh(x):
 
 @triton.jit
 def glu_act(b_g, b_u, beta, lin_beta, KIND: tl.constexpr):
-    """act(gate, up) in fp32 (module doc); shared with fp8_quant's fused GLU quantiser, so both round alike.
+    """act(gate, up) in fp32 (module doc); the fused GLU quantisers (fp8_quant, gluon_quant) call it too, so all round alike.
     x / beta as x * (1 / beta): the divisions (MUFU reciprocals) are what bounds these kernels' instruction rate."""
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     if KIND == 0:
@@ -120,11 +120,17 @@ class _FusedGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da_NI):
         (gu,) = ctx.saved_tensors
-        kind, beta, lin_beta = ctx.cfg
-        N, I = gu.shape[0], gu.shape[1] // 2
-        dgu = torch.empty_like(gu)
-        glu_bwd_kernel[_grid(N, I)](gu, da_NI.contiguous(), dgu, N, I, beta, lin_beta, KIND=KINDS[kind])
-        return dgu, None, None, None
+        return glu_backward(gu, da_NI, *ctx.cfg), None, None, None
+
+
+def glu_backward(gate_up_N2I: torch.Tensor, da_NI: torch.Tensor, kind: str, beta: float,
+                 lin_beta: float) -> torch.Tensor:
+    """d gate_up [N, 2I] from gate_up (contiguous) and da [N, I]: fused_glu's backward kernel."""
+    N, I = gate_up_N2I.shape[0], gate_up_N2I.shape[1] // 2
+    dgu = torch.empty_like(gate_up_N2I)
+    glu_bwd_kernel[_grid(N, I)](gate_up_N2I, da_NI.contiguous(), dgu, N, I, float(beta), float(lin_beta),
+                                KIND=KINDS[kind])
+    return dgu
 
 
 def fused_glu(gate_up_N2I: torch.Tensor, kind: str = "situ_glu", beta: float = 4.0,

@@ -170,6 +170,18 @@ def test_quantize_blocks_pair_interpreter(w_dtype):
     assert sT.is_contiguous() and torch.equal(sT, s.transpose(1, 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32])
+def test_transpose_bytes(dtype):
+    """The byte transpose behind quantize_blocks_pair's fp32 path, against torch, at shapes off its tile grid."""
+    g = torch.Generator().manual_seed(7)
+    for E, R, C in ((3, 37, 50), (1, 130, 17), (2, 0, 5)):
+        src = torch.randn(E, R, C, generator=g).mul(40).to(DEV).to(dtype)
+        dst = torch.full((E, C, R), 1.0, device=DEV).to(dtype)
+        fq.transpose_bytes(src, dst)
+        assert torch.equal(dst.view(torch.uint8) if dtype.itemsize == 1 else dst,
+                           (src.view(torch.uint8) if dtype.itemsize == 1 else src).transpose(1, 2))
+
+
 def test_quantize_blocks_fp32_transposing_view_interpreter():
     """quantize_blocks from an fp32 view whose F is contiguous (v2's dX weights) goes through w^T's own layout."""
     if DEV == "cuda":
@@ -197,6 +209,36 @@ def test_weight_cache_pair_hits_blocks():
         param.mul_(2.0)
     fwd2, _ = wc.pair(w, torch.float32)
     assert wc.stats["misses"] == misses + 1 and rel_err(fwd2[1], 2 * fwd[1]) < 1e-6
+    wc.clear()
+
+
+@pytest.mark.parametrize("mode", ["1", "step"])
+def test_weight_cache_drops_freed_weights(mode, monkeypatch):
+    """FSDP2 frees a gathered weight after use by resizing its storage to 0 (and refills it at the next gather). By
+    default the next miss drops such an entry, so the cache holds only what is gathered now; MOESTACK_FP8_CACHE=step
+    keeps it until the optimizer step. peak_bytes is the most held at once; a bad mode names the variable."""
+    if DEV == "cuda":
+        pytest.skip("interpreter case")
+    monkeypatch.setenv("MOESTACK_FP8_CACHE", mode)
+    wc.clear()
+    wc.stats["peak_bytes"] = 0
+    layers = [torch.nn.Parameter(make_case([1], 136, 130, torch.float32, seed=s)[1]) for s in (5, 6)]
+    values = [p.detach().clone() for p in layers]
+    one = sum(t.nbytes for layout in wc.pair(layers[0].transpose(1, 2), torch.float32) for t in layout)
+    layers[0].untyped_storage().resize_(0)  # layer 0 resharded
+    wc.pair(layers[1].transpose(1, 2), torch.float32)  # a miss: the purge runs
+    assert len(wc._entries) == (2 if mode == "1" else 4)
+    assert wc.stats["peak_bytes"] == (one if mode == "1" else 2 * one)
+    layers[0].untyped_storage().resize_(values[0].nbytes)  # gathered again, same values (same optimizer step)
+    layers[0].data.copy_(values[0])  # as FSDP's copy-out: through another tensor, no version bump
+    misses = wc.stats["misses"]
+    (q, s), _ = wc.pair(layers[0].transpose(1, 2), torch.float32)
+    assert wc.stats["misses"] == misses + (mode == "1")
+    want = fq.quantize_blocks_ref(values[0].transpose(1, 2), torch.float32)
+    assert rel_err(fq.dequantize_blocks(q, s), fq.dequantize_blocks(*want)) < 1e-6
+    monkeypatch.setenv("MOESTACK_FP8_CACHE", "always")
+    with pytest.raises(ValueError, match="MOESTACK_FP8_CACHE='always'"):
+        wc.pair(layers[1].transpose(1, 2), torch.float32)
     wc.clear()
 
 
@@ -372,7 +414,7 @@ def test_fp8_expert_ffn_applies(monkeypatch):
     assert ffn.applies(x, w_gu, w_down)
     assert not ffn.applies(x[:100], w_gu, w_down)  # mean rows per expert below the cuBLAS threshold
     assert not ffn.applies(torch.zeros(4096, 640), torch.zeros(4, 640, 1280), torch.zeros(4, 640, 640))
-    for env, value in ((f8.V3_ENV, "0"), (ffn.ENV, "0"), (f8.TMA_WGRAD_ENV, "1")):
+    for env, value in ((f8.V3_ENV, "0"), (f8.V2_ENV, "0"), (ffn.ENV, "0"), (f8.TMA_WGRAD_ENV, "1")):
         with monkeypatch.context() as m:
             m.setenv(env, value)
             assert not ffn.applies(x, w_gu, w_down), env
@@ -418,15 +460,25 @@ def test_host_offsets_cached():
 
 
 def test_registry_v3_env(monkeypatch):
-    """MOESTACK_FP8_V3=1 turns v3 on for the registry call (v2=None); an explicit v2=False keeps v1."""
-    monkeypatch.setenv(f8.V3_ENV, "1")
+    """v3 is the default of the registry call (v2=None, v3=None); MOESTACK_FP8_V3=0 gives v2, MOESTACK_FP8_V2=0 or
+    an explicit v2=False v1, and a value other than 0 / 1 is refused with the variable's name."""
+    monkeypatch.delenv(f8.V2_ENV, raising=False)
+    monkeypatch.delenv(f8.V3_ENV, raising=False)
     seen = []
     monkeypatch.setattr(f8.Fp8GroupedMMv3, "apply", lambda *a: seen.append("v3") or a[0].new_zeros(1))
-    monkeypatch.setattr(f8.Fp8GroupedMM, "apply", lambda *a: seen.append("v1/v2") or a[0].new_zeros(1))
+    monkeypatch.setattr(f8.Fp8GroupedMM, "apply", lambda *a: seen.append(f"v{1 + a[4]}") or a[0].new_zeros(1))
     x, param, offs = make_case([2, 3], 8, 8, torch.float32, device="cpu")
     f8.grouped_mm(x, param.transpose(1, 2), offs)
     f8.grouped_mm(x, param.transpose(1, 2), offs, v2=False)
-    assert seen == ["v3", "v1/v2"]
+    monkeypatch.setenv(f8.V3_ENV, "0")
+    f8.grouped_mm(x, param.transpose(1, 2), offs)
+    monkeypatch.setenv(f8.V3_ENV, "1")
+    monkeypatch.setenv(f8.V2_ENV, "0")
+    f8.grouped_mm(x, param.transpose(1, 2), offs)
+    assert seen == ["v3", "v1", "v2", "v1"]
+    monkeypatch.setenv(f8.V2_ENV, "yes")
+    with pytest.raises(ValueError, match="MOESTACK_FP8_V2='yes'"):
+        f8.grouped_mm(x, param.transpose(1, 2), offs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -689,12 +741,14 @@ def test_v3_layer_gpu(min_rows, tma, monkeypatch):
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_quantize_blocks_pair_gpu(w_dtype):
     """Both weight layouts against the torch spec at the proxy's expert shapes, from fp32 weights (the trainer's
-    parameters; the fused transposed store gave a wrong w^T from fp32 on the H200) and from bf16."""
+    parameters; the fused transposed store gave a wrong w^T from fp32 on the H200, so fp32 goes through
+    quantize_blocks and a byte transpose, checked bitwise against torch's) and from bf16."""
     g = torch.Generator().manual_seed(5)
     for E, F, D in ((128, 1280, 768), (128, 768, 640), (56, 1024, 1024)):
         param = torch.randn(E, F, D, generator=g).mul(0.02).to(DEV, w_dtype)  # Experts' layout
         w = param.transpose(1, 2)
         (q, s), (qT, sT) = fq.quantize_blocks_pair(w)
+        assert torch.equal(qT.view(torch.uint8), q.view(torch.uint8).transpose(1, 2)), (E, F, D, w_dtype)
         for (a, sa), ref in (((q, s), w), ((qT, sT), param)):
             qr, sr = fq.quantize_blocks_ref(ref)
             assert rel_err(sa, sr) < 1e-6, (E, F, D, w_dtype)

@@ -8,7 +8,8 @@ reference.py, shared by every backend). Backends:
     "triton":    Triton grouped GEMM (triton_grouped_gemm.py), persistent, no host sync; CUDA or TRITON_INTERPRET=1.
     "auto":      triton at or below the measured crossover of mean rows per expert, else torch (gemm_select.py).
     "fp8":       e4m3 blockwise-scaled expert GEMMs, 1x128 activation tiles, 128x128 weight blocks
-                 (fp8_grouped_gemm.py); CUDA sm90 only, never chosen by default.
+                 (fp8_grouped_gemm.py); sm_89+ GPUs (TRITON_INTERPRET=1 on CPU), never chosen by default
+                 (precision fp8 sets it: moestack/train/fp8.py).
 Selection: explicit `backend` argument > env MOESTACK_MOE_BACKEND > first available of PREFERENCE
 ("auto" leads only on CUDA; triton and fp8 are chosen by name or through auto).
 """
@@ -110,8 +111,12 @@ def _triton_available() -> bool:
 
 
 def _fp8_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available() and \
-        torch.cuda.get_device_capability() >= (8, 9)
+    """sm_89+ GPUs; on CPU only under TRITON_INTERPRET=1 (slow checks of the kernels' logic)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability() >= (8, 9)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 register_backend("triton", _lazy("moestack.ops.moe.triton_grouped_gemm", "grouped_mm"), _triton_available)

@@ -54,7 +54,7 @@ def applies(x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tenso
     N, D = x_ND.shape
     E, _, two_i = w_gu_ED2I.shape
     inter = two_i // 2
-    if not (enabled() and f8.use_v3(None)):
+    if not (enabled() and f8.use_v3(None) and f8.use_v2(None)):
         return False
     if N == 0 or N < fsm.cublas_min_rows() * E or not fq.fused_sources_ok(inter):
         return False

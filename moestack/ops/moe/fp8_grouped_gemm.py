@@ -15,18 +15,20 @@ x, and exactly what wgrad reads, so no dequantise / requantise), w (the paramete
 requantises w^T, whose blocks and scales equal the forward's), offs. This replaces memory/precision.py's per-row
 FP8 storage for this backend (it also composes with it: ExpertSeam then saves its own copy).
 
-v1 (default) requantises the weights on every call (one bf16 read of w and one fp8 write, three times the bytes
-the GEMM itself then reads: at few rows per expert the GEMM streams weights, so this alone made fp8 ~0.4x of bf16).
-v2 (`MOESTACK_FP8_V2=1`, or v2=True): fp8_weight_cache.py keeps each weight's fp8 blocks and scales (forward and
-dX layouts) until the next optimizer step (a global step hook: fused AdamW does not bump version counters) or
-until the parameter's version counter moves (other in-place updates), so all micro-batches of one step quantise
-once; and the forward kernel applies the weight scale as one scalar per tile when BN divides 128 (one 128x128
-block column) instead of a [BN] vector per 128-slice; and at few rows per expert
-(mean <= MOESTACK_FP8_SWAP_MAX_ROWS, default 64) forward and dX run swap-AB (y^T = w^T x^T: the weight's 128
-output columns are the MMA's M side, BT = 16..64 token rows its N side; both operands stay K-major, as fp8 wgmma
-needs), so no MMA work goes to padding rows.
+Versions: v3 is the default (session 13; the older ones stay selectable for comparison and tests).
+v1 (`MOESTACK_FP8_V2=0`, or v2=False) requantises the weights on every call (one bf16 read of w and one fp8 write,
+three times the bytes the GEMM itself then reads: at few rows per expert the GEMM streams weights, so this alone
+made fp8 ~0.4x of bf16).
+v2 (`MOESTACK_FP8_V3=0`, or v2=True, v3=False): fp8_weight_cache.py keeps each weight's fp8 blocks and scales
+(forward and dX layouts) until the next optimizer step (a global step hook: fused AdamW does not bump version
+counters) or until the parameter's version counter moves (other in-place updates), so all micro-batches of one
+step quantise once; and the forward kernel applies the weight scale as one scalar per tile when BN divides 128 (one
+128x128 block column) instead of a [BN] vector per 128-slice; and at few rows per expert (mean <=
+MOESTACK_FP8_SWAP_MAX_ROWS, default 64) forward and dX run swap-AB (y^T = w^T x^T: the weight's 128 output columns
+are the MMA's M side, BT = 16..64 token rows its N side; both operands stay K-major, as fp8 wgmma needs), so no MMA
+work goes to padding rows.
 
-v3 (`MOESTACK_FP8_V3=1`, or v3=True; implies v2's weight cache and kernels): activations quantised by one fused
+v3 (default; implies v2's weight cache and kernels): activations quantised by one fused
 pass per operand (fp8_quant.quantize_dual: x read once for both its 1x128 row tiles and its saved 128x1 token
 tiles; dy likewise for dX and dW), both weight layouts from one read of the weight (fp8_weight_cache.pair), and
 at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS (512) with K, F multiples of 512 on sm90 the three GEMMs
@@ -62,8 +64,8 @@ from moestack.ops.moe.triton_grouped_gemm import (
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-V2_ENV = "MOESTACK_FP8_V2"  # "1": cached weights + per-tile weight scale (v2); default "0" (v1)
-V3_ENV = "MOESTACK_FP8_V3"  # "1": v2 + fused quantisers + per-expert cuBLAS at many rows (v3); default "0"
+V2_ENV = "MOESTACK_FP8_V2"  # "0" (with V3 "0"): v1, weights requantised every call; default "1"
+V3_ENV = "MOESTACK_FP8_V3"  # "0": v2 only (no fused quantisers, no per-expert cuBLAS); default "1" (v3)
 TMA_ENV = "MOESTACK_FP8_TMA"  # "1": v3's Triton forward / dX through fp8_tma.py (TMA descriptors); default "0"
 TMA_WGRAD_ENV = "MOESTACK_FP8_TMA_WGRAD"  # "1": v3's Triton weight gradient through fp8_tma.py; default "0"
 # v3's GEMMs at many rows per expert: "cublas" (default: fp8_scaled_mm, one torch._scaled_mm per expert, after a
@@ -77,12 +79,19 @@ SWAP_MAX_ROWS = int(os.environ.get("MOESTACK_FP8_SWAP_MAX_ROWS", "64"))  # v2: s
 SWAP_BT_MAX = 64  # token tile cap: [128, BT] accumulator + the slice product fit 4 warps' registers up to 64
 
 
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: use 1 (default) or 0 (the older fp8 recipe versions, module doc)")
+    return value == "1"
+
+
 def use_v2(v2: bool | None) -> bool:
-    return os.environ.get(V2_ENV, "0") == "1" if v2 is None else bool(v2)
+    return _env_flag(V2_ENV) if v2 is None else bool(v2)
 
 
 def use_v3(v3: bool | None) -> bool:
-    return os.environ.get(V3_ENV, "0") == "1" if v3 is None else bool(v3)
+    return _env_flag(V3_ENV) if v3 is None else bool(v3)
 
 
 def _gluon_rows_gemm(x: torch.Tensor):
@@ -488,14 +497,14 @@ def grouped_mm(
     """The "fp8" backend: same contract as reference.grouped_mm; output in the autocast dtype inside autocast,
     else x's dtype (bf16 in practice). Differentiable in x and w (gradients from the FP8 recipe).
     v2: cached weights + per-tile weight scale + swap-AB at few rows (module doc); None = $MOESTACK_FP8_V2 (default
-    off). swap_max_rows (v2 only): None = $MOESTACK_FP8_SWAP_MAX_ROWS (64); 0 = never swap.
-    v3 (None = $MOESTACK_FP8_V3, default off; includes v2, not taken when v2=False is passed): fused quantisers, per-expert cuBLAS at mean rows >=
-    cublas_min_rows (None = $MOESTACK_FP8_CUBLAS_MIN_ROWS, 512)."""
+    on; 0 = v1). swap_max_rows (v2 only): None = $MOESTACK_FP8_SWAP_MAX_ROWS (64); 0 = never swap.
+    v3 (None = $MOESTACK_FP8_V3, default on; includes v2, not taken when v2 is off): fused quantisers, per-expert
+    cuBLAS at mean rows >= cublas_min_rows (None = $MOESTACK_FP8_CUBLAS_MIN_ROWS, 512)."""
     from moestack.ops.moe.reference import _compute_dtype
 
     _check(x_ND, w_EDF, offs_E)
     dtype = _compute_dtype(x_ND, w_EDF)
-    if use_v3(v3) and (v2 is None or v2):  # v3 includes v2; an explicit v2=False keeps v1
+    if use_v3(v3) and use_v2(v2):  # v3 includes v2; v2 off (argument or environment) keeps v1
         return Fp8GroupedMMv3.apply(x_ND.to(dtype), w_EDF, offs_E.contiguous(), fq.FP8, swap_max_rows,
                                     cublas_min_rows)
     if use_v2(v2):

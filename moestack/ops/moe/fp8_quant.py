@@ -41,6 +41,8 @@ import triton.language as tl
 from moestack.ops.moe.triton_activation import KINDS as GLU_KINDS
 from moestack.ops.moe.triton_activation import glu_act
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # tile / block edge of every grouping
@@ -404,10 +406,12 @@ def quantize_blocks_pair(
     if w_EKF.element_size() != 2:
         # The fused transposed store is for 16-bit weights only: from fp32 weights it wrote a wrong qT on the H200
         # (Triton 3.6; dequantised w^T off by 1.66 relative, q and the interpreter exact: issue #7's diverging v3
-        # proxy run, whose parameters are fp32). There quantize_blocks gives w's layout and qT / sT are torch
-        # copies of it (one more read + write of 1 B per weight, once per optimizer step).
+        # proxy run, whose parameters are fp32). There quantize_blocks gives w's layout and qT is its byte transpose
+        # (transpose_bytes: a tiled kernel; torch's strided copy of the 1-byte values had taken ~27 ms per K3-slice
+        # step, session 13), sT the scales' transpose.
         q, s = quantize_blocks(w_EKF, out_dtype)
-        qT.transpose(1, 2).copy_(q)
+        # q [E, K, F] is a view of a contiguous [E, F, K]; qT's storage is the contiguous [E, K, F]
+        transpose_bytes(q.transpose(1, 2), qT.transpose(1, 2))
         sT.copy_(s.transpose(1, 2))
         return (q, s), (qT, sT)
     q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
@@ -418,6 +422,29 @@ def quantize_blocks_pair(
             w_EKF, q, s, qT, sT, K, F, *w_EKF.stride(), *q.stride(), *qTv.stride(), G=GROUP,
             num_warps=16)  # sm_90a: 120 registers from bf16, no spills (211 at 8 warps)
     return (q, s), (qT, sT)
+
+
+@triton.jit
+def transpose_bytes_kernel(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """dst[e, c, r] = src[e, r, c] for contiguous [E, R, C] / [E, C, R] tensors of 1- or 4-byte elements."""
+    pid_r, pid_c, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = pid_r * BR + tl.arange(0, BR)
+    c = pid_c * BC + tl.arange(0, BC)
+    base = e.to(tl.int64) * R * C
+    m = (r[:, None] < R) & (c[None, :] < C)
+    tile = tl.load(src + base + r[:, None] * C + c[None, :], mask=m)
+    tl.store(dst + base + c[:, None] * R + r[None, :], tl.trans(tile), mask=tl.trans(m))
+
+
+def transpose_bytes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst = src^T per leading index, both contiguous 3-D ([E, R, C] -> [E, C, R]); fp8 values move as bytes."""
+    E, R, C = src.shape
+    assert src.is_contiguous() and dst.is_contiguous() and dst.shape == (E, C, R) and src.dtype == dst.dtype
+    if not (E and R and C):
+        return
+    a, b = (src.view(torch.uint8), dst.view(torch.uint8)) if src.element_size() == 1 else (src, dst)
+    BR = BC = 16 if INTERPRET else 128
+    transpose_bytes_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC), E)](a, b, R, C, BR=BR, BC=BC, num_warps=8)
 
 
 def quantize_rows(x_NK: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,13 @@ Not seen: writes outside an optimizer step that bypass the version counter (`p.d
 by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes.
 clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 `MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
+
+Memory under FSDP2: an entry whose weight FSDP has freed (resharded: its storage resized to 0) is dropped at the next
+miss, so the cache holds fp8 copies of only the weights gathered now (ZeRO-3: about one layer), not of every layer:
+ZeRO-3's memory bound holds, at the price of quantising a weight again when it is gathered again (its backward, the
+next micro-batch). `MOESTACK_FP8_CACHE=step` keeps them until the optimizer step instead (one quantisation per weight
+and step; the fp8 copies of every gathered layer stay, i.e. the size of the unsharded bf16 weights).
+`stats["peak_bytes"]` is the most the cache held at once.
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
 
@@ -43,16 +50,26 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from moestack.ops.moe import fp8_quant as fq
 
 _entries: dict[tuple, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
-stats = {"hits": 0, "misses": 0}
+stats = {"hits": 0, "misses": 0, "peak_bytes": 0}
+MODES = ("1", "step", "0")
 
 
 def _owner(w: torch.Tensor) -> torch.Tensor:
     return w._base if w._base is not None else w
 
 
+def mode() -> str:
+    """$MOESTACK_FP8_CACHE (read per call): "1" (default), "step" or "0" (module doc)."""
+    value = os.environ.get("MOESTACK_FP8_CACHE", "1")
+    if value not in MODES:
+        raise ValueError(f"MOESTACK_FP8_CACHE={value!r}: use 1 (default: until the optimizer step or until FSDP frees "
+                         f"the weight), step (until the optimizer step) or 0 (off)")
+    return value
+
+
 def _version(w: torch.Tensor) -> int | None:
     """The key's version, None = do not cache (inference tensors; MOESTACK_FP8_CACHE=0 turns the cache off)."""
-    if w.is_inference() or os.environ.get("MOESTACK_FP8_CACHE", "1") == "0":
+    if w.is_inference() or mode() == "0":
         return None
     return w._version
 
@@ -76,9 +93,23 @@ def _after_optimizer_step(*_) -> None:
 _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def _purge_dead() -> None:
-    for key in [k for k, v in _entries.items() if v[0]() is None]:
+def _stale(owner: torch.Tensor | None, keep_freed: bool) -> bool:
+    # gone, or (unless kept) freed by FSDP2's reshard (its storage resized to 0; a new gather refills it)
+    return owner is None or (not keep_freed and owner.numel() > 0 and owner.untyped_storage().size() == 0)
+
+
+def _purge() -> None:
+    """Drop the entries of dead weights and (mode "1") of weights FSDP freed. O(entries), run on misses only."""
+    keep_freed = mode() == "step"
+    for key in [k for k, v in _entries.items() if _stale(v[0](), keep_freed)]:
         del _entries[key]
+
+
+def _insert(w: torch.Tensor, q_dtype: torch.dtype, ref: weakref.ref, version: int, q: torch.Tensor,
+            s: torch.Tensor) -> None:
+    _entries[_key(w, q_dtype)] = (ref, version, q, s)
+    held = sum(e[2].nbytes + e[3].nbytes for e in _entries.values())
+    stats["peak_bytes"] = max(stats["peak_bytes"], held)
 
 
 def _key(w: torch.Tensor, q_dtype: torch.dtype) -> tuple:
@@ -104,10 +135,10 @@ def blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8) -> tuple[torch.Te
         stats["hits"] += 1
         return hit
     stats["misses"] += 1
-    _purge_dead()
+    _purge()
     with torch.no_grad():
         q, s = fq.quantize_blocks(w_EKF, q_dtype)
-    _entries[_key(w_EKF, q_dtype)] = (weakref.ref(_owner(w_EKF)), version, q, s)
+    _insert(w_EKF, q_dtype, weakref.ref(_owner(w_EKF)), version, q, s)
     return q, s
 
 
@@ -123,10 +154,10 @@ def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8):
         stats["hits"] += 1
         return fwd, bwd
     stats["misses"] += 1
-    _purge_dead()
+    _purge()
     with torch.no_grad():
         fwd, bwd = fq.quantize_blocks_pair(w_EKF, q_dtype)
     ref = weakref.ref(_owner(w_EKF))
-    _entries[_key(w_EKF, q_dtype)] = (ref, version, *fwd)
-    _entries[_key(wT, q_dtype)] = (ref, version, *bwd)
+    _insert(w_EKF, q_dtype, ref, version, *fwd)
+    _insert(wT, q_dtype, ref, version, *bwd)
     return fwd, bwd

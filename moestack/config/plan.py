@@ -93,7 +93,8 @@ class Plan(StrictModel):
     schedule: Schedule = "1f1b"
     recompute: RecomputePolicy = RecomputePolicy()
     offload: OffloadPolicy = OffloadPolicy()
-    precision: Literal["bf16", "fp8"] = "bf16"  # fp8: GEMMs of linear layers and experts in FP8 (rowwise scales)
+    # fp8: the FP8 recipe (moestack/train/fp8.py: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
+    precision: Literal["bf16", "fp8"] = "bf16"
     optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
     dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)
     # flat dispatcher transfer order: one all_to_all_single ("backend"), or point-to-point with the largest chunks

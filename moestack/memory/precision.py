@@ -2,10 +2,10 @@
 
 Format: float8 e4m3 (max 448) with one fp32 scale per row, scale = amax(|row|) / 448. Round trip: every element is
 within 2^-4 relative of the original (3 mantissa bits, round to nearest), elements below the row's
-amax * 2^-9 / 448 lose more (e4m3 subnormals), rows of zeros stay zero. When the expert GEMMs already run in FP8
-(Plan.precision "fp8", the MoE FP8 seam), the forward GEMM read exactly these values, so storing them costs
-nothing further; in a bf16 run it is a lossy saving (half the bytes of bf16) that only touches the weight
-gradient of the experts.
+amax * 2^-9 / 448 lose more (e4m3 subnormals), rows of zeros stay zero. This is for experts on a bf16 backend: a
+lossy saving (half the bytes of bf16) that only touches the experts' weight gradient. Under precision "fp8"
+(moestack/train/fp8.py) the experts run the fp8 backend, which saves its own FP8 copies, and memory/apply.py leaves
+this storage out.
 
 `enable_fp8_expert_inputs(experts)` installs it on one Experts module (both grouped GEMMs: dispatched input and
 activation output), through the expert GEMM seam of moestack.memory.offload.

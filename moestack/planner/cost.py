@@ -1651,6 +1651,15 @@ class CostModel:
             if plan.zero_stage == 3 and not held:  # held: the whole gathered copy is in "weights"
                 per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
                 buffers += 2 * per_layer * BF16
+            if plan.precision == "fp8" and "fp8" in self.cluster.device.peak_tflops:
+                # the fp8 weight cache (moestack/ops/moe/fp8_weight_cache.py): both layouts, 1 byte each, of the
+                # FP8 GEMMs' weights (all but embedding / head) until the optimizer step; under ZeRO-3 only those of
+                # the layer gathered now (it drops what FSDP frees)
+                vocab = spec.vocab_size * spec.hidden_size / plan.tp
+                ends = (r == 0) + (r == head_rank and not spec.tie_word_embeddings)
+                fp8_params = max(0.0, d - ends * vocab) + e_dev
+                per_layer = 2 * fp8_params / max(1, len(self.work.layers) / plan.pp)
+                mem["fp8_weights"] = per_layer if plan.zero_stage == 3 and not held else 2 * fp8_params
             expert_ws = 0.0
             if plan.offload.experts:  # one layer's fetched bf16 weights, the next GEMM's prefetch, the fp32 dW
                 per_layer_e = e / max(1, len(self.work.layers) / plan.pp)

@@ -13,7 +13,7 @@ from moestack.planner.search import SearchResult
 
 TIME_ORDER = ("gemm", "attention", "kda", "elementwise", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
               "pp_p2p", "dp_comm", "optimizer", "offload")
-MEMORY_ORDER = ("weights", "gradients", "optimizer", "activations", "buffers", "reserved")
+MEMORY_ORDER = ("weights", "fp8_weights", "gradients", "optimizer", "activations", "buffers", "reserved")
 
 
 def plan_label(c: PlanCost) -> str:

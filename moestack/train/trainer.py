@@ -80,7 +80,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def uses_bf16(spec: TrainSpec, device: torch.device) -> bool:
-    return spec.precision == "bf16" or (spec.precision == "auto" and device.type == "cuda")
+    return spec.precision in ("bf16", "fp8") or (spec.precision == "auto" and device.type == "cuda")
 
 
 def autocast_context(spec: TrainSpec, device: torch.device):
@@ -173,9 +173,15 @@ def _ep_domain_size(plan: Plan) -> int | None:
 
 def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
-    pipeline schedule's micro-batches when pp > 1) and sequence length."""
+    pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
+    recipe (moestack/train/fp8.py)."""
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
               "seq_len": plan.seq_len}
+    if plan.precision == "fp8":
+        if spec.precision == "fp32":
+            raise ConfigError("precision: the plan says fp8 but the train spec says fp32; drop --precision fp32 or "
+                              "plan with --precision bf16")
+        update["precision"] = "fp8"
     return spec.model_copy(update=update)
 
 
@@ -275,9 +281,15 @@ class Trainer:
                 p.requires_grad_(".indexer." in name)
 
     def _configure_fp8(self, model: Transformer) -> None:
-        """$MOESTACK_FP8_PROJ=1: the LatentMoE's down / up projections in FP8 (moestack/ops/moe/fp8_linear.py, the
-        expert GEMMs' blockwise recipe), next to the FP8 expert GEMMs MOESTACK_MOE_BACKEND=fp8 selects. Applied to
-        the whole model before any parallelism (the conversion keeps every Parameter object)."""
+        """precision fp8: the FP8 recipe (moestack/train/fp8.py: routed experts and the large projections in e4m3).
+        Otherwise $MOESTACK_FP8_PROJ=1 runs only the LatentMoE's down / up projections in FP8 (next to the FP8
+        expert GEMMs MOESTACK_MOE_BACKEND=fp8 selects). Applied to the whole model before any parallelism (the
+        conversions keep every Parameter object)."""
+        if self.spec.precision == "fp8":
+            from moestack.train.fp8 import apply_fp8_recipe
+
+            self.log(apply_fp8_recipe(model, self.device).summary())
+            return
         choice = os.environ.get(FP8_PROJ_ENV, "0")
         if choice not in ("0", "1"):
             raise ConfigError(f"{FP8_PROJ_ENV}={choice!r}: use 1 (FP8 latent projections) or 0 (bf16)")

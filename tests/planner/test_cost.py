@@ -182,6 +182,21 @@ def test_memory_responds_to_sharding_recompute_offload():
     assert off.memory["weights"] == pytest.approx(base.memory["weights"] / 2, rel=0.01)  # bf16 copy only
 
 
+def test_fp8_weight_cache_memory():
+    """precision fp8 holds both fp8 layouts (2 bytes per parameter) of every FP8 GEMM's weight until the optimizer
+    step; under ZeRO-3 only the gathered layer's (the cache drops what FSDP frees)."""
+    cm = _model(devices=8)
+    bf16 = cm.evaluate(_plan(dp_shard=8, zero_stage=1))
+    fp8 = cm.evaluate(_plan(dp_shard=8, zero_stage=1, precision="fp8"))
+    work = cm.work
+    gemm_params = sum(sum(cm._part_params_local(p, _plan(dp_shard=8, zero_stage=1))) for lw in work.layers
+                      for p in lw.parts)
+    assert fp8.memory["fp8_weights"] == pytest.approx(2 * gemm_params, rel=0.02) and "fp8_weights" not in bf16.memory
+    assert fp8.memory["weights"] == bf16.memory["weights"]
+    z3 = cm.evaluate(_plan(dp_shard=8, zero_stage=3, precision="fp8"))
+    assert z3.memory["fp8_weights"] == pytest.approx(2 * gemm_params / len(work.layers), rel=0.02)
+
+
 def test_ep_and_tp_split_memory():
     cm = _model(devices=8)
     e1 = cm.evaluate(_plan(dp_shard=8, zero_stage=1))

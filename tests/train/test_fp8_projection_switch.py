@@ -18,7 +18,8 @@ from moestack.train.trainer import FP8_PROJ_ENV, Trainer
 
 def _configure(model, device="cpu"):
     logs: list[str] = []
-    Trainer._configure_fp8(SimpleNamespace(device=torch.device(device), log=logs.append), model)
+    trainer = SimpleNamespace(device=torch.device(device), log=logs.append, spec=SimpleNamespace(precision="auto"))
+    Trainer._configure_fp8(trainer, model)
     return logs
 
 

@@ -1,0 +1,107 @@
+"""The FP8 training recipe, applied to a model from outside: `precision: fp8` (TrainSpec, `moestack train --precision
+fp8`, or a plan with `precision: fp8`, which sets it).
+
+What runs in e4m3 with DeepSeek-V3's fine-grained scales (1x128 activation tiles, 128x128 weight blocks, fp32
+accumulation; forward, dX and dW):
+    routed experts   the "fp8" grouped GEMM backend (moestack/ops/moe/fp8_grouped_gemm.py, v3)
+    Linear layers    every projection the planner's cost model prices in FP8 (moestack/planner/cost.py, Gemm.fp8):
+                     KDA q / k / v / f / g / o, MLA q_a / q_b / q / kv_a / kv_b / g / o, GQA q / k / v / g / o,
+                     dense and shared-expert GLU MLPs, LatentMoE down / up (moestack/ops/moe/fp8_linear.py)
+What stays bf16 (as in DeepSeek-V3 and the cost model): embedding, LM head, MoE router, DSA lightning indexer, KDA's
+beta and low-rank gate projections, attention and recurrence cores, norms; and a Linear with a bias (Fp8Linear has
+none), which the report names.
+
+The conversions keep every Parameter object, so optimizer state, FSDP2, tensor parallelism (its units swap in the
+local shards before the Linear's forward), checkpoints and state_dict keys are unchanged. The expert inputs that
+the backward needs are then already stored in FP8 by the backend, so the plan's FP8 activation storage
+(moestack/memory/precision.py) is not added on top (memory/apply.py skips experts on the fp8 backend).
+
+Needs an FP8 GPU (sm_89 or newer; the per-expert cuBLAS path sm_90) or, for a slow CPU check of the logic,
+TRITON_INTERPRET=1; anything else is a ConfigError naming the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moestack.config.base import ConfigError
+
+# per module class: its Linear attributes that run in FP8 (the cost model's fp8 GEMMs); the others stay bf16
+FP8_LINEARS: dict[str, tuple[str, ...]] = {
+    "KDAAttention": ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "o_proj"),
+    "GatedMLA": ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "kv_b_proj", "g_proj", "o_proj"),
+    "GQAAttention": ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj"),
+    "GLUMLP": ("gate_proj", "up_proj", "down_proj"),
+    "MoE": ("down_proj", "up_proj"),
+}
+
+
+@dataclass
+class Fp8Report:
+    moe_layers: int = 0  # MoE layers whose routed experts run the fp8 backend
+    linears: list[str] = field(default_factory=list)  # qualified names converted to Fp8Linear
+    kept_bf16: list[str] = field(default_factory=list)  # listed projections left in bf16, with the reason
+
+    def summary(self) -> str:
+        text = (f"FP8 recipe: routed experts of {self.moe_layers} MoE layers on the fp8 backend, {len(self.linears)} "
+                f"Linear layers in FP8 (1x128 / 128x128 scales); bf16: embedding, LM head, routers, DSA indexers, "
+                f"KDA beta / low-rank gates")
+        return text + (f"; also bf16: {', '.join(self.kept_bf16)}" if self.kept_bf16 else "")
+
+
+def fp8_unavailable_reason(device: torch.device) -> str | None:
+    """Why the FP8 kernels cannot run on `device` (None = they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores (sm_89+)"
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    return f"the device is {device.type}: the FP8 kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow check)"
+
+
+def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the Linear layers the recipe converts, "name (reason)" of listed ones it leaves in bf16)."""
+    chosen, kept = [], []
+    for prefix, module in model.named_modules():
+        for attr in FP8_LINEARS.get(type(module).__name__, ()):
+            linear = getattr(module, attr, None)
+            if linear is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if not isinstance(linear, nn.Linear):
+                kept.append(f"{name} (a {type(linear).__name__}, not a Linear)")
+            elif linear.bias is not None:
+                kept.append(f"{name} (has a bias)")
+            else:
+                chosen.append(name)
+    return chosen, kept
+
+
+def apply_fp8_recipe(model: nn.Module, device: torch.device) -> Fp8Report:
+    """Put `model` (a Transformer or a pipeline stage of one, before any parallelism) on the FP8 recipe in place."""
+    from moestack.model.moe import MoE
+    from moestack.ops import moe as moe_ops
+    from moestack.ops.moe.fp8_linear import convert_to_fp8_linear
+
+    reason = fp8_unavailable_reason(device)
+    if reason is not None:
+        raise ConfigError(f"precision: fp8 cannot run here: {reason}; use precision bf16")
+    if "fp8" not in moe_ops.available_backends():
+        raise ConfigError("precision: fp8 cannot run here: the fp8 MoE backend is not available; use precision bf16")
+    report = Fp8Report()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.experts.backend = "fp8"
+            report.moe_layers += 1
+    report.linears, report.kept_bf16 = fp8_linear_names(model)
+    convert_to_fp8_linear(model, report.linears)
+    return report

@@ -177,7 +177,7 @@ def test_transpose_bytes(dtype):
     for E, R, C in ((3, 37, 50), (1, 130, 17), (2, 0, 5)):
         src = torch.randn(E, R, C, generator=g).mul(40).to(DEV).to(dtype)
         dst = torch.full((E, C, R), 1.0, device=DEV).to(dtype)
-        fq.transpose_bytes(src, dst)
+        fq.transpose_bytes(src, dst, kernel=True)
         assert torch.equal(dst.view(torch.uint8) if dtype.itemsize == 1 else dst,
                            (src.view(torch.uint8) if dtype.itemsize == 1 else src).transpose(1, 2))
 

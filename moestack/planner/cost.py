@@ -1607,6 +1607,9 @@ class CostModel:
             g_shard_e = se if plan.zero_stage >= 2 and not held else 1
             mem: dict[str, float] = {}
             e_dev = 0.0 if plan.offload.experts else e
+            # embedding / LM head parameters on this rank (in d): AdamW under Muon, bf16 under the fp8 recipe
+            vocab_params = ((r == 0) + (r == head_rank and not spec.tie_word_embeddings)) * \
+                spec.vocab_size * spec.hidden_size / plan.tp
             if plan.offload.optimizer:
                 # the device keeps a bf16 copy for compute (distributed plans: FSDP2 bf16 params); the one-device
                 # trainer keeps its fp32 parameters under autocast (moestack.train.optimizers.CPUOffloadAdamW leaves
@@ -1620,9 +1623,7 @@ class CostModel:
                 mem["weights"] = d * FP32 / w_shard_d + e_dev * FP32 / w_shard_e
                 mem["optimizer"] = d * opt_b / sd + e_dev * opt_b / se
                 if plan.optimizer == "muon":  # Muon leaves the embedding and the LM head to AdamW (8 bytes)
-                    vocab = spec.vocab_size * spec.hidden_size / plan.tp
-                    ends = (r == 0) + (r == head_rank and not spec.tie_word_embeddings)
-                    mem["optimizer"] += ends * vocab * (optimizer_bytes_per_param("adamw") - opt_b) / sd
+                    mem["optimizer"] += vocab_params * (optimizer_bytes_per_param("adamw") - opt_b) / sd
             if plan.devices > 1 and (plan.zero_stage < 3 or held) and not plan.offload.optimizer:
                 # FSDP2 (moestack/parallel/fsdp.py) computes with a bf16 copy of the parameters gathered in forward
                 # and kept until backward under ZeRO 0-2; with one shard (ZeRO-0, or dp_shard = 1, e.g. pure TP)
@@ -1655,11 +1656,9 @@ class CostModel:
                 # the fp8 weight cache (moestack/ops/moe/fp8_weight_cache.py): both layouts, 1 byte each, of the
                 # FP8 GEMMs' weights (all but embedding / head) until the optimizer step; under ZeRO-3 only those of
                 # the layer gathered now (it drops what FSDP frees)
-                vocab = spec.vocab_size * spec.hidden_size / plan.tp
-                ends = (r == 0) + (r == head_rank and not spec.tie_word_embeddings)
-                fp8_params = max(0.0, d - ends * vocab) + e_dev
-                per_layer = 2 * fp8_params / max(1, len(self.work.layers) / plan.pp)
-                mem["fp8_weights"] = per_layer if plan.zero_stage == 3 and not held else 2 * fp8_params
+                fp8_bytes = 2 * (max(0.0, d - vocab_params) + e_dev)
+                gathered = plan.zero_stage == 3 and not held
+                mem["fp8_weights"] = fp8_bytes / max(1, len(self.work.layers) / plan.pp) if gathered else fp8_bytes
             expert_ws = 0.0
             if plan.offload.experts:  # one layer's fetched bf16 weights, the next GEMM's prefetch, the fp32 dW
                 per_layer_e = e / max(1, len(self.work.layers) / plan.pp)

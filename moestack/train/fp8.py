@@ -22,14 +22,13 @@ TRITON_INTERPRET=1; anything else is a ConfigError naming the fix.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from moestack.config.base import ConfigError
+from moestack.ops.moe import fp8_unavailable_reason
 
 # per module class: its Linear attributes that run in FP8 (the cost model's fp8 GEMMs); the others stay bf16
 FP8_LINEARS: dict[str, tuple[str, ...]] = {
@@ -54,20 +53,6 @@ class Fp8Report:
         return text + (f"; also bf16: {', '.join(self.kept_bf16)}" if self.kept_bf16 else "")
 
 
-def fp8_unavailable_reason(device: torch.device) -> str | None:
-    """Why the FP8 kernels cannot run on `device` (None = they can)."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install triton)"
-    if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores (sm_89+)"
-        return None
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return None
-    return f"the device is {device.type}: the FP8 kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow check)"
-
-
 def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     """(names of the Linear layers the recipe converts, "name (reason)" of listed ones it leaves in bf16)."""
     chosen, kept = [], []
@@ -89,14 +74,11 @@ def fp8_linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
 def apply_fp8_recipe(model: nn.Module, device: torch.device) -> Fp8Report:
     """Put `model` (a Transformer or a pipeline stage of one, before any parallelism) on the FP8 recipe in place."""
     from moestack.model.moe import MoE
-    from moestack.ops import moe as moe_ops
     from moestack.ops.moe.fp8_linear import convert_to_fp8_linear
 
     reason = fp8_unavailable_reason(device)
     if reason is not None:
         raise ConfigError(f"precision: fp8 cannot run here: {reason}; use precision bf16")
-    if "fp8" not in moe_ops.available_backends():
-        raise ConfigError("precision: fp8 cannot run here: the fp8 MoE backend is not available; use precision bf16")
     report = Fp8Report()
     for module in model.modules():
         if isinstance(module, MoE):

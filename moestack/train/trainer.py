@@ -295,10 +295,12 @@ class Trainer:
             raise ConfigError(f"{FP8_PROJ_ENV}={choice!r}: use 1 (FP8 latent projections) or 0 (bf16)")
         if choice == "0":
             return
-        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ConfigError(f"{FP8_PROJ_ENV}=1 needs a CUDA GPU (its kernels are Triton / cuBLAS FP8); unset it "
-                              f"on {self.device.type}, or set TRITON_INTERPRET=1 for a slow CPU check")
+        from moestack.ops.moe import fp8_unavailable_reason
         from moestack.ops.moe.fp8_linear import enable_fp8_latent_projections
+
+        reason = fp8_unavailable_reason(self.device)
+        if reason is not None:
+            raise ConfigError(f"{FP8_PROJ_ENV}=1 needs a CUDA GPU with FP8 tensor cores ({reason}); unset it")
 
         self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
 

@@ -110,13 +110,25 @@ def _triton_available() -> bool:
     return has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-def _fp8_available() -> bool:
-    """sm_89+ GPUs; on CPU only under TRITON_INTERPRET=1 (slow checks of the kernels' logic)."""
+def fp8_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the FP8 kernels cannot run on `device` (default: the current GPU, else the CPU); None = they can: sm_89+
+    GPUs, and on CPU only under TRITON_INTERPRET=1 (slow checks of the kernels' logic)."""
     if importlib.util.find_spec("triton") is None:
-        return False
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_capability() >= (8, 9)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        return "Triton is not installed (pip install triton)"
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores (sm_89+)"
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    return f"the device is {device.type}: the FP8 kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow check)"
+
+
+def _fp8_available() -> bool:
+    return fp8_unavailable_reason() is None
 
 
 register_backend("triton", _lazy("moestack.ops.moe.triton_grouped_gemm", "grouped_mm"), _triton_available)
@@ -129,6 +141,7 @@ __all__ = [
     "Permutation",
     "available_backends",
     "expert_ffn",
+    "fp8_unavailable_reason",
     "gather_sorted",
     "grouped_mm",
     "grouped_mm_loop",

@@ -474,7 +474,7 @@ def quantize_blocks(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[
         # (quantize_blocks_pair): quantise w^T in its own layout, then copy the blocks across in torch
         qa, sa = quantize_blocks(w_EKF.transpose(1, 2), out_dtype)
         q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
-        q.copy_(qa.transpose(1, 2))
+        transpose_bytes(qa.transpose(1, 2), q.transpose(1, 2))  # contiguous [E, K, F] -> contiguous [E, F, K]
         return q, sa.transpose(1, 2).contiguous()
     q = torch.empty((E, F, K), device=w_EKF.device, dtype=out_dtype).transpose(1, 2)
     nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)

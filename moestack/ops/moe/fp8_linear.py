@@ -41,16 +41,17 @@ from moestack.ops.moe.fp8_grouped_gemm import Fp8GroupedMMv3
 NameFilter = Callable[[str, nn.Module], bool]
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, q_dtype: torch.dtype = fq.FP8,
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, q_dtype: torch.dtype | None = None,
                cublas_min_rows: int | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T in FP8 (module doc), differentiable in x and weight. Output in the autocast
     dtype inside autocast, else the promoted dtype of x and weight (x's in practice), as fp8_grouped_gemm.grouped_mm.
-    q_dtype float32 runs the same kernels on unrounded scaled values (interpreter tests); cublas_min_rows None =
-    $MOESTACK_FP8_CUBLAS_MIN_ROWS."""
+    q_dtype None = fp8_quant.FP8 (looked up per call, as the expert backend does); float32 runs the same kernels on
+    unrounded scaled values (interpreter tests); cublas_min_rows None = $MOESTACK_FP8_CUBLAS_MIN_ROWS."""
     from moestack.ops.moe.reference import _compute_dtype
 
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} [out, in]")
+    q_dtype = fq.FP8 if q_dtype is None else q_dtype
     dtype = _compute_dtype(x, weight)
     x_ND = x.reshape(-1, x.shape[-1]).to(dtype)
     N = x_ND.shape[0]

@@ -3,12 +3,13 @@
 # seed: ROUNDS interleaved runs of STEPS steps each; prints per run the losses and the median tokens/s over steps
 # >= 5 (earlier steps compile and autotune), then the ratio of the medians. Default model: two Kimi K3 layers at full
 # width with an EP16 rank's 56 experts (benchmarks/configs/k3-ep16-slice.yaml; ~90 GiB peak on one H200).
-# Usage on the device machine:  bash benchmarks/fp8_train_step.sh   [MODEL=... SEQ=4096 STEPS=14 ROUNDS=2 OUT=/tmp]
+# Usage on the device machine:  bash benchmarks/fp8_train_step.sh   [MODEL=... SEQ=4096 B=1 STEPS=14 ROUNDS=2 OUT=/tmp]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${MODEL:-benchmarks/configs/k3-ep16-slice.yaml}
 SEQ=${SEQ:-4096}
+B=${B:-1}
 STEPS=${STEPS:-14}
 ROUNDS=${ROUNDS:-2}
 DEST=${OUT:-/tmp}
@@ -17,7 +18,7 @@ for round in $(seq "$ROUNDS"); do
   for prec in bf16 fp8; do
     run=$DEST/fp8step_${prec}_$round
     rm -rf "$run"
-    "$PY" -m moestack train --model "$MODEL" --seq-len "$SEQ" -b 1 --steps "$STEPS" --precision "$prec" \
+    "$PY" -m moestack train --model "$MODEL" --seq-len "$SEQ" -b "$B" --steps "$STEPS" --precision "$prec" \
       --set logging.every=1 --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false \
       --set logging.progress=false --set logging.tensorboard=false --set schedule.warmup_steps=4 \
       --set optimizer.lr=3e-4 --out "$run" > "$run.log" 2>&1 || { echo "$prec round $round failed: $run.log"; exit 1; }

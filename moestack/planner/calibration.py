@@ -94,6 +94,9 @@ class CommCalibration(StrictModel):
     collectives: dict[Literal["ar", "rs", "ag", "a2a"], CollectiveCalibration]
 
 
+FP8_LAYER_S = 0.0084  # HostCalibration's docstring says where it comes from
+
+
 class HostCalibration(StrictModel):
     """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
     backward together; planner/cost.py `host_times` splits them 1 : 2 like the kernels they launch). The device
@@ -122,17 +125,30 @@ class HostCalibration(StrictModel):
     machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
     runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
 
-    The defaults above are that 2 x H200 fit. `moestack tune --measure-host` (opt-in) replaces layer_s with the
-    local machine's measurement (planner/measure_host.py): the wall time of the whole model's forward + backward of
-    one 256-token micro-batch (host-bound: the device idles), divided by the layers cost.py charges, and says how
-    in `source`. It covers the embedding, blocks, head and loss, not the optimizer step (priced on its own), FSDP2's
-    hooks or DTensor dispatch, which the fitted default absorbed: on 2 x H200 (session 7) it measured 13.6 ms, and
-    with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their measured step times (the fit: +6 / -20 / -25%).
-    ep_moe_s and tp_layer_s keep their defaults (they need several GPUs)."""
+      fp8_layer_s 0.0084 s extra per layer per micro-batch under the FP8 recipe (precision fp8). Measured, not
+                  fitted: planner/measure_host.py on the proxy (16 layers, one H200, session 14), bf16 then the
+                  recipe, twice: 11.5 / 20.2 and 14.5 / 22.6 ms per layer (+8.7 / +8.0 ms; at 2x tokens +10% /
+                  +3%: host-bound). With it the planner puts the proxy's one-GPU fp8 step (2 x 2048 tokens) at
+                  8,312 tokens/s against 7,690 measured (benchmarks/fp8_train_step.sh, the same session); without
+                  it at 10,784, above the bf16 prediction, where FP8 ran at 0.57x bf16. (A K3-width layer is not
+                  host-bound at 256 tokens, so it cannot give this number: its device time leaks in.)
+
+    The defaults above are that 2 x H200 fit (fp8_layer_s: the measurement). `moestack tune --measure-host`
+    (opt-in) replaces layer_s with the local machine's measurement (planner/measure_host.py): the wall time of the
+    whole model's forward + backward of one 256-token micro-batch (host-bound: the device idles), divided by the
+    layers cost.py charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
+    optimizer step (priced on its own), FSDP2's hooks or DTensor dispatch, which the fitted default absorbed: on 2 x
+    H200 (session 7) it measured 13.6 ms, and with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their
+    measured step times (the fit: +6 / -20 / -25%). On a GPU with FP8 it measures fp8_layer_s too (the recipe's
+    pass minus the bf16 one). ep_moe_s and tp_layer_s keep their defaults (they need several GPUs)."""
 
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
+    # extra per layer per micro-batch under the FP8 recipe (precision fp8): each FP8 GEMM adds quantiser launches,
+    # weight-cache lookups and its own autograd Function (cost.py adds it to every layer of an fp8 plan). Default
+    # FP8_LAYER_S, measured; `moestack tune --measure-host` measures it again where the GPU has FP8
+    fp8_layer_s: float = Field(default=FP8_LAYER_S, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 
 

@@ -1368,18 +1368,19 @@ class CostModel:
     def host_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
                    ) -> tuple[list[float], list[float]]:
         """Host seconds per rank of one micro-batch's forward and backward (Calibration.host: per layer per
-        micro-batch, + per MoE layer under EP, + per layer under TP), split 1 : 2 between them as the kernels they
-        launch (backward: data and weight gradients). The head and loss are inside layer_s (the fitted default also
+        micro-batch, + per MoE layer under EP, + per layer under TP and under the FP8 recipe), split 1 : 2 between
+        them as the kernels they launch (backward: data and weight gradients). The head and loss are inside layer_s (the fitted default also
         holds the per-step optimizer and clipping host time; a `moestack tune --measure-host` value does not).
         Recompute launches forward work again inside backward: a part under full recompute adds its share of the
         layer's forward host time, under selective half of it (an assumption: not measured)."""
         hc = self.cal.host
+        fp8 = plan.precision == "fp8" and "fp8" in self.cluster.device.peak_tflops  # the recipe runs (else bf16)
         redo = {"none": 0.0, "selective": 0.5, "full": 1.0}
         fwd, bwd = [], []
         for counts in rank_counts:
             h_f = h_b = 0.0
             for k_id, count in counts.items():
-                per = hc.layer_s + (hc.tp_layer_s if plan.tp > 1 else 0.0)
+                per = hc.layer_s + (hc.tp_layer_s if plan.tp > 1 else 0.0) + (hc.fp8_layer_s if fp8 else 0.0)
                 if kind_layer[k_id].kind.ffn == "moe" and plan.ep * plan.etp > 1:
                     per += hc.ep_moe_s
                 parts = kind_layer[k_id].parts

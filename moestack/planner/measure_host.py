@@ -104,9 +104,11 @@ def _layers_that_fit(spec: ModelSpec, device: torch.device) -> int:
 
 
 def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch.device | str = "cuda",
-                 warmup: int = 2, reps: int = 7, budget_s: float = 15.0, seed: int = 0) -> HostTiming:
+                 warmup: int = 2, reps: int = 7, budget_s: float = 15.0, seed: int = 0,
+                 precision: str = "bf16") -> HostTiming:
     """Median wall seconds of one micro-batch forward + backward of `spec`'s model at 1 x seq_len tokens (capped at
-    max_seq_len), and at 2 x seq_len tokens as the host-bound check.
+    max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
+    (moestack/train/fp8.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
 
     The experts are one EP rank's (planner/measure_parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what
@@ -123,6 +125,12 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
     seq = min(seq_len, spec.max_seq_len)
     run_spec = sampled_spec(spec, _layers_that_fit(spec, device))
     model = build_model(run_spec, device, seed=seed)
+    if precision == "fp8":
+        from moestack.train.fp8 import apply_fp8_recipe
+
+        apply_fp8_recipe(model, device)
+    elif precision != "bf16":
+        raise ValueError(f"measure_host: precision {precision!r}; use bf16 or fp8")
     model.train()
     set_aux_loss_scale(1.0)  # one accumulation step
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -159,7 +167,7 @@ def _median_pass(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Te
         model.zero_grad(set_to_none=True)  # the trainer's zero_grad: backward allocates fresh gradients
         sync()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, torch.bfloat16, enabled=cuda):  # trainer: precision auto
+        with torch.autocast(device.type, torch.bfloat16, enabled=cuda):  # trainer: precision auto (fp8: the same)
             loss = model(inputs, targets)
         loss.backward()
         t_issued = time.perf_counter()

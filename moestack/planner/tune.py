@@ -11,7 +11,8 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
   host floor      with --measure-host: the whole model's forward + backward of one 256-token micro-batch, wall
                   clock, over its layers -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep
-                  their defaults; opt-in until checked on a GPU)
+                  their defaults; opt-in until checked on a GPU); on an FP8 GPU the same pass on the FP8 recipe
+                  -> host.fp8_layer_s (the difference per layer)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
@@ -230,8 +231,9 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
 
 def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda") -> tuple[HostCalibration, str]:
     """`base` with layer_s measured on this machine (planner/measure_host.py) and its provenance in `source`, and
-    one line for tune's output. On CPU, or when the measurement fails, `base` unchanged and a line that says so.
-    ep_moe_s and tp_layer_s stay: they need several GPUs."""
+    one line for tune's output; where the GPU runs FP8, fp8_layer_s too (the FP8 recipe's pass minus the bf16
+    one). On CPU, or when the measurement fails, `base` unchanged and a line that says so. ep_moe_s and tp_layer_s
+    stay: they need several GPUs."""
     import datetime
 
     import torch
@@ -252,13 +254,27 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
              if t.growth_2x > HOST_BOUND_GROWTH else f"; host-bound (+{t.growth_2x:.0%} at 2x tokens)")
     source = (f"moestack tune {datetime.date.today().isoformat()} {name}: median of {t.reps} fwd+bwd at {t.tokens} "
               f"tokens = {t.wall_s:.4f} s over {t.layers:g} layers{sampled}{bound}")
-    host = base.model_copy(update={"layer_s": t.layer_s, "source": source})
+    update = {"layer_s": t.layer_s, "source": source}
     pace = ("large: the kernels, not the host, set the pace" if t.tail_s > 0.1 * t.wall_s  # a tenth of the pass
             else "small: the host sets the pace")
     line = (f"host floor: {t.layer_s * 1e3:.2f} ms per layer per micro-batch (default {base.layer_s * 1e3:.2f}): "
             f"{t.wall_s * 1e3:.1f} ms fwd+bwd at {t.tokens} tokens over {t.layers:g} layers{sampled}{bound}; the "
             f"device finished {t.tail_s * 1e3:.1f} ms after the host ({pace})")
-    return host, line
+    from moestack.ops.moe import fp8_unavailable_reason
+
+    try:  # the FP8 recipe's extra host time: the same pass on the recipe, minus the bf16 one
+        reason = fp8_unavailable_reason(torch.device(device))
+        if reason is not None:
+            line += f"; FP8 recipe not measured ({reason})"
+        else:
+            t8 = measure_host(spec, ep=ep, device=device, precision="fp8")
+            update["fp8_layer_s"] = max(0.0, t8.layer_s - t.layer_s)
+            update["source"] += f"; fp8 recipe {t8.wall_s:.4f} s"
+            line += (f"; FP8 recipe +{update['fp8_layer_s'] * 1e3:.2f} ms per layer (default "
+                     f"{base.fp8_layer_s * 1e3:.2f})")
+    except Exception as err:  # noqa: BLE001 - the bf16 measurement stands
+        line += f"; FP8 recipe not measured ({type(err).__name__}: {err}), default fp8_layer_s kept"
+    return base.model_copy(update=update), line
 
 
 def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float]:

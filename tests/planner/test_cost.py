@@ -388,17 +388,19 @@ def test_bwd_ws_factors_scale_the_end_of_backward_and_are_validated():
         validate(Calibration, {**base.model_dump(), "bwd_ws_factors": {"kda/mamba": 1.1}}, "test")
 
 
-def _proxy_cost(cal, devices, fix):
+def _proxy_cost(cal, devices, fix, precision="bf16"):
     from moestack.planner.search import evaluate_fixed, load_problem, parse_fix
     import dataclasses
-    prob = load_problem("proxy", "h200-cluster", devices, 2048, 8192 if devices > 1 or "mbs=2" not in fix else 4096)
+    prob = load_problem("proxy", "h200-cluster", devices, 2048, 8192 if devices > 1 or "mbs=2" not in fix else 4096,
+                        precision=precision)
     prob = dataclasses.replace(prob, cal=cal)
     return evaluate_fixed(prob, parse_fix(fix)).best
 
 
 def test_host_floor_binds_only_when_the_device_is_faster():
     """Calibration.host: max(device, host) per rank and pass; one GPU at 4 x 2048 tokens stays device-bound, at
-    2 x 2048 the host sets the step; EP adds ep_moe_s per MoE layer (15 of the proxy's 16 layers)."""
+    2 x 2048 the host sets the step; EP adds ep_moe_s per MoE layer (15 of the proxy's 16 layers), the FP8 recipe
+    fp8_layer_s per layer."""
     from moestack.planner.calibration import HostCalibration
     cal = load_calibration("benchmarks/calibration-proxy-h200.json")  # the proxy's tune on one H200
     off = cal.model_copy(update={"host": HostCalibration(layer_s=0.0, ep_moe_s=0.0, tp_layer_s=0.0)})
@@ -412,6 +414,11 @@ def test_host_floor_binds_only_when_the_device_is_faster():
     ep_cost = _proxy_cost(ep, 2, "dp=2,ep=2,zero=1,mbs=2")
     assert ep_cost.step_time_s - ep_cost.time["optimizer"] - ep_cost.time.get("dp_comm", 0.0) == pytest.approx(
         16 * 1.0 + 15 * 0.5)
+    # the FP8 recipe adds fp8_layer_s to every layer (its quantisers, cache lookups, autograd Functions); bf16 not
+    fp8 = cal.model_copy(update={"host": HostCalibration(layer_s=1.0, ep_moe_s=0.0, tp_layer_s=0.0, fp8_layer_s=0.25)})
+    fp8_cost = _proxy_cost(fp8, 1, "dp=1,zero=0,mbs=2", precision="fp8")
+    assert fp8_cost.step_time_s == pytest.approx(16 * 1.25 + fp8_cost.time["optimizer"])
+    assert _proxy_cost(fp8, 1, "dp=1,zero=0,mbs=2").step_time_s == pytest.approx(16 * 1.0 + two.time["optimizer"])
 
 
 def test_fsdp_grads_build_up():

@@ -81,7 +81,7 @@ def test_calibrate_host_keeps_the_default_on_cpu_and_on_failure(monkeypatch):
 def test_calibrate_host_writes_layer_s_and_source_into_the_calibration(monkeypatch, tmp_path):
     t = HostTiming(wall_s=0.24, wall_2x_s=0.25, tail_s=0.001, tokens=256, reps=7, layers_built=4,
                    layers_trained=4, layers_priced=4)
-    monkeypatch.setattr(mh, "measure_host", lambda spec, ep=1, device="cuda": t)
+    monkeypatch.setattr(mh, "measure_host", lambda spec, ep=1, device="cuda", precision="bf16": t)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     base = load_calibration()
     host, line = calibrate_host(load_model_spec("tiny"), base.host, device="cuda")
@@ -96,6 +96,33 @@ def test_calibrate_host_writes_layer_s_and_source_into_the_calibration(monkeypat
     t.wall_2x_s = 0.36
     host, line = calibrate_host(load_model_spec("tiny"), base.host, device="cuda")
     assert "upper bound" in host.source and "upper bound" in line
+
+
+def test_calibrate_host_measures_the_fp8_recipe_where_it_runs(monkeypatch):
+    """Where FP8 runs, the same pass on the FP8 recipe: fp8_layer_s = its layer_s minus the bf16 one (>= 0)."""
+    import moestack.ops.moe as moe_ops
+
+    timings = {prec: HostTiming(wall_s=wall, wall_2x_s=wall, tail_s=0.0, tokens=256, reps=7, layers_built=4,
+                                layers_trained=4, layers_priced=4) for prec, wall in (("bf16", 0.24), ("fp8", 0.36))}
+    asked = []
+
+    def fake(spec, ep=1, device="cuda", precision="bf16"):
+        asked.append(precision)
+        return timings[precision]
+
+    monkeypatch.setattr(mh, "measure_host", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(moe_ops, "fp8_unavailable_reason", lambda device=None: None)
+    host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
+    assert asked == ["bf16", "fp8"]
+    assert host.layer_s == pytest.approx(0.06) and host.fp8_layer_s == pytest.approx(0.03)
+    assert "FP8 recipe +30.00 ms per layer" in line and "fp8 recipe 0.3600 s" in host.source
+    timings["fp8"].wall_s = 0.2  # faster than bf16 (device time leaking in): no negative extra
+    assert calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")[0].fp8_layer_s == 0.0
+    monkeypatch.setattr(moe_ops, "fp8_unavailable_reason", lambda device=None: "sm_80 has no FP8")
+    asked.clear()
+    host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
+    assert asked == ["bf16"] and host.fp8_layer_s == HostCalibration().fp8_layer_s and "sm_80 has no FP8" in line
 
 
 def test_calibration_files_without_host_source_still_load(tmp_path):

@@ -46,7 +46,7 @@ def run_case(model, cluster, devices, seq, fix):
     problem = load_problem(model, cluster, devices, seq)
     # these are Megatron-LM runs: Calibration.host prices moestack's eager trainer (its Python and launches per
     # layer), not Megatron's fused, graph-captured steps, whose host time the publications do not show
-    no_host = HostCalibration(layer_s=0.0, ep_moe_s=0.0, tp_layer_s=0.0)
+    no_host = HostCalibration(layer_s=0.0, ep_moe_s=0.0, tp_layer_s=0.0, fp8_layer_s=0.0)
     problem = dataclasses.replace(problem, cal=problem.cal.model_copy(update={"host": no_host}))
     result = evaluate_fixed(problem, parse_fix(fix))
     assert result.best is not None

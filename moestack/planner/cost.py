@@ -1369,8 +1369,9 @@ class CostModel:
                    ) -> tuple[list[float], list[float]]:
         """Host seconds per rank of one micro-batch's forward and backward (Calibration.host: per layer per
         micro-batch, + per MoE layer under EP, + per layer under TP and under the FP8 recipe), split 1 : 2 between
-        them as the kernels they launch (backward: data and weight gradients). The head and loss are inside layer_s (the fitted default also
-        holds the per-step optimizer and clipping host time; a `moestack tune --measure-host` value does not).
+        them as the kernels they launch (backward: data and weight gradients). The head and loss are inside layer_s
+        (the fitted default also holds the per-step optimizer and clipping host time; a `moestack tune
+        --measure-host` value does not).
         Recompute launches forward work again inside backward: a part under full recompute adds its share of the
         layer's forward host time, under selective half of it (an assumption: not measured)."""
         hc = self.cal.host

@@ -433,3 +433,22 @@ def test_fsdp_grads_build_up():
     assert cost.memory["gradients"] < cost.forward_activations / 10  # only the head's at the loss-phase peak
     accum = cm.evaluate(ep.model_copy(update={"global_batch_size": 8}))  # 2 micro-batches: gradients persist
     assert accum.memory["gradients"] > 5 * 2**30
+
+
+def test_gemm_efficiency_uses_measured_points_and_scales_bf16_ones_for_fp8():
+    """A measured point within 25% wins over the analytic curve; an fp8 GEMM without an fp8 point takes the bf16
+    point of its shape times fp8_gemm_factor (tune measures bf16 points and the recipe's factor), not the curve."""
+    from moestack.planner.calibration import GemmPoint
+
+    base = load_calibration().model_copy(update={"fp8_gemm_factor": 0.7})
+    curve_bf16, curve_fp8 = base.gemm_efficiency(4096, 7168, 3584), base.gemm_efficiency(4096, 7168, 3584, "fp8")
+    assert curve_fp8 == pytest.approx(0.7 * curve_bf16)
+    cal = base.model_copy(update={"gemm_points": [GemmPoint(tokens=4096, n=7168, k=3584, efficiency=0.5)]})
+    assert cal.gemm_efficiency(4500, 7168, 3584) == 0.5  # within 25%
+    assert cal.gemm_efficiency(4500, 7168, 3584, "fp8") == pytest.approx(0.35)
+    assert not base.gemm_points  # the default calibration: the curve only
+    assert cal.gemm_efficiency(8192, 7168, 3584, "fp8") == base.gemm_efficiency(8192, 7168, 3584, "fp8")  # too far
+    assert cal.gemm_efficiency(4096, 7168, 3584, "fp8", grouped=True) != pytest.approx(0.35)  # dense point only
+    fp8_point = GemmPoint(tokens=4096, n=7168, k=3584, dtype="fp8", efficiency=0.45)
+    cal = cal.model_copy(update={"gemm_points": [*cal.gemm_points, fp8_point]})
+    assert cal.gemm_efficiency(4096, 7168, 3584, "fp8") == 0.45  # a measured fp8 point wins

@@ -117,8 +117,11 @@ def test_calibrate_host_measures_the_fp8_recipe_where_it_runs(monkeypatch):
     assert asked == ["bf16", "fp8"]
     assert host.layer_s == pytest.approx(0.06) and host.fp8_layer_s == pytest.approx(0.03)
     assert "FP8 recipe +30.00 ms per layer" in line and "fp8 recipe 0.3600 s" in host.source
-    timings["fp8"].wall_s = 0.2  # faster than bf16 (device time leaking in): no negative extra
+    timings["fp8"].wall_s = timings["fp8"].wall_2x_s = 0.2  # faster than bf16: no negative extra
     assert calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")[0].fp8_layer_s == 0.0
+    timings["fp8"].wall_2x_s = 0.3  # device time leaks in (a wide model): the difference is not the host's
+    host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
+    assert host.fp8_layer_s == HostCalibration().fp8_layer_s and "not host-bound" in line
     monkeypatch.setattr(moe_ops, "fp8_unavailable_reason", lambda device=None: "sm_80 has no FP8")
     asked.clear()
     host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")

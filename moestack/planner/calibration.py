@@ -94,9 +94,6 @@ class CommCalibration(StrictModel):
     collectives: dict[Literal["ar", "rs", "ag", "a2a"], CollectiveCalibration]
 
 
-FP8_LAYER_S = 0.0084  # HostCalibration's docstring says where it comes from
-
-
 class HostCalibration(StrictModel):
     """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
     backward together; planner/cost.py `host_times` splits them 1 : 2 like the kernels they launch). The device
@@ -145,10 +142,9 @@ class HostCalibration(StrictModel):
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
-    # extra per layer per micro-batch under the FP8 recipe (precision fp8): each FP8 GEMM adds quantiser launches,
-    # weight-cache lookups and its own autograd Function (cost.py adds it to every layer of an fp8 plan). Default
-    # FP8_LAYER_S, measured; `moestack tune --measure-host` measures it again where the GPU has FP8
-    fp8_layer_s: float = Field(default=FP8_LAYER_S, ge=0)
+    # extra per layer under the FP8 recipe: each FP8 GEMM adds quantiser launches, a weight-cache lookup and its own
+    # autograd Function (cost.py adds it to every layer of an fp8 plan)
+    fp8_layer_s: float = Field(default=0.0084, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 
 

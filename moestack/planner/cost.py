@@ -422,9 +422,14 @@ def gemm_time(g: Gemm, rows: float, rows_per_gemm: float, tp: int, etp: int, pre
         dtype = "tf32" if "tf32" in peaks else "fp32"
         eff = cal.gemm_efficiency(rows_per_gemm, n, k, "bf16", grouped=g.expert)
     else:
-        dtype = "fp8" if (precision == "fp8" and g.fp8 and "fp8" in peaks) else "bf16"
+        dtype = "fp8" if g.fp8 and fp8_recipe_runs(precision, cluster) else "bf16"
         eff = cal.gemm_efficiency(rows_per_gemm, n, k, dtype, grouped=g.expert)
     return 2.0 * rows * n * k / (cluster.device.peak_flops(dtype) * eff)
+
+
+def fp8_recipe_runs(precision: str, cluster: ClusterSpec) -> bool:
+    """Whether a plan of this precision runs the FP8 recipe on this cluster (else its GEMMs are priced in bf16)."""
+    return precision == "fp8" and "fp8" in cluster.device.peak_tflops
 
 
 def fp8_cast_bytes(g: Gemm, rows: float, tp: int, etp: int) -> tuple[float, float]:
@@ -751,7 +756,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         g_fwd += t
         if g.selective:
             sel_fwd += t
-        if plan.precision == "fp8" and g.fp8 and "fp8" in cluster.device.peak_tflops:
+        if g.fp8 and fp8_recipe_runs(plan.precision, cluster):
             cf, cb = fp8_cast_bytes(g, rows, tp, etp)
             cast_f += cf
             cast_b += cb
@@ -1375,7 +1380,7 @@ class CostModel:
         Recompute launches forward work again inside backward: a part under full recompute adds its share of the
         layer's forward host time, under selective half of it (an assumption: not measured)."""
         hc = self.cal.host
-        fp8 = plan.precision == "fp8" and "fp8" in self.cluster.device.peak_tflops  # the recipe runs (else bf16)
+        fp8 = fp8_recipe_runs(plan.precision, self.cluster)
         redo = {"none": 0.0, "selective": 0.5, "full": 1.0}
         fwd, bwd = [], []
         for counts in rank_counts:
@@ -1654,7 +1659,7 @@ class CostModel:
             if plan.zero_stage == 3 and not held:  # held: the whole gathered copy is in "weights"
                 per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
                 buffers += 2 * per_layer * BF16
-            if plan.precision == "fp8" and "fp8" in self.cluster.device.peak_tflops:
+            if fp8_recipe_runs(plan.precision, self.cluster):
                 # the fp8 weight cache (moestack/ops/moe/fp8_weight_cache.py): both layouts, 1 byte each, of the
                 # FP8 GEMMs' weights (all but embedding / head) until the optimizer step; under ZeRO-3 only those of
                 # the layer gathered now (it drops what FSDP frees)

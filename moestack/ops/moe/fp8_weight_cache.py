@@ -105,9 +105,8 @@ def _purge() -> None:
         del _entries[key]
 
 
-def _insert(w: torch.Tensor, q_dtype: torch.dtype, ref: weakref.ref, version: int, q: torch.Tensor,
-            s: torch.Tensor) -> None:
-    _entries[_key(w, q_dtype)] = (ref, version, q, s)
+def _note_peak() -> None:
+    """stats["peak_bytes"] after a miss added its entries (misses only: O(entries), like _purge)."""
     held = sum(e[2].nbytes + e[3].nbytes for e in _entries.values())
     stats["peak_bytes"] = max(stats["peak_bytes"], held)
 
@@ -138,7 +137,8 @@ def blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8) -> tuple[torch.Te
     _purge()
     with torch.no_grad():
         q, s = fq.quantize_blocks(w_EKF, q_dtype)
-    _insert(w_EKF, q_dtype, weakref.ref(_owner(w_EKF)), version, q, s)
+    _entries[_key(w_EKF, q_dtype)] = (weakref.ref(_owner(w_EKF)), version, q, s)
+    _note_peak()
     return q, s
 
 
@@ -158,6 +158,7 @@ def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8):
     with torch.no_grad():
         fwd, bwd = fq.quantize_blocks_pair(w_EKF, q_dtype)
     ref = weakref.ref(_owner(w_EKF))
-    _insert(w_EKF, q_dtype, ref, version, *fwd)
-    _insert(wT, q_dtype, ref, version, *bwd)
+    _entries[_key(w_EKF, q_dtype)] = (ref, version, *fwd)
+    _entries[_key(wT, q_dtype)] = (ref, version, *bwd)
+    _note_peak()
     return fwd, bwd

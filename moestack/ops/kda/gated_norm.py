@@ -58,8 +58,10 @@ def gated_rmsnorm_fwd_kernel(o, z, w, y, R, eps, V: tl.constexpr, BV: tl.constex
     tl.store(y + off, (b_o * r[:, None] * b_w[None, :] * g).to(y.dtype.element_ty), mask=m)
 
 
+# reset_to_zero: pdw has a row per 32-row block; a BR=64 run writes only the first half, so rows an earlier
+# autotuning run (BR=32) wrote must not survive into the caller's sum.
 @triton.autotune(configs=_configs([triton.Config({"BR": 32}, num_warps=4), triton.Config({"BR": 64}, num_warps=8)]),
-                 key=["V", "ACT"])
+                 key=["V", "ACT"], reset_to_zero=["pdw"])
 @triton.jit
 def gated_rmsnorm_bwd_kernel(o, z, w, dy, do, dz, pdw, R, eps, V: tl.constexpr, BV: tl.constexpr,
                              ACT: tl.constexpr, BR: tl.constexpr):

@@ -80,8 +80,11 @@ def short_conv_silu_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.
              (z * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
 
 
+# reset_to_zero: pdw has a row block per 32 rows; a BT=64 run writes only the first half, so rows an earlier
+# autotuning run (BT=32) wrote must not survive into the caller's sum.
 @triton.autotune(configs=_configs([triton.Config({"BT": 64, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"])
+                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"],
+                 reset_to_zero=["pdw"])
 @triton.jit
 def short_conv_silu_bwd_kernel(x, w, pos, dy, dx, pdw, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                BT: tl.constexpr, BC: tl.constexpr):

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moestack.config.base import ConfigError, StrictModel, dump_yaml, read_yaml, validate
+from moestack.config.kernel_spec import KernelSpec
 
 RecomputeMode = Literal["none", "selective", "full"]
 Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
@@ -110,6 +111,7 @@ class Plan(StrictModel):
     # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
     tp_grad_reduce: Literal["eager", "deferred"] = "eager"
     ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    kernels: KernelSpec = KernelSpec()  # kernel choices; a TrainSpec's explicit ones win (config/kernel_spec.py)
     predicted: PlanPrediction | None = None
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from moestack.config.base import StrictModel, read_yaml, validate
+from moestack.config.kernel_spec import KernelSpec
 
 
 class DataSpec(StrictModel):
@@ -83,6 +84,7 @@ class TrainSpec(StrictModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     logging: LoggingSpec = LoggingSpec()
     dsa: DSATrainSpec = DSATrainSpec()
+    kernels: KernelSpec = KernelSpec()  # which implementation runs each hot op (config/kernel_spec.py)
     # "A:B": torch.profiler over the 1-based steps A..B-1 (steps before A warm up); per-rank tables and a chrome
     # trace land in out_dir as profile_rank{r}.txt / .json.gz (moestack/train/step_profile.py). Quote it in YAML.
     profile_steps: str | None = None

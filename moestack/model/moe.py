@@ -43,7 +43,7 @@ class Router(nn.Module):
         bias = torch.zeros(num_experts, dtype=torch.float32) if spec.selection_bias else None
         self.register_buffer("selection_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = by device / env
+        self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast)."""
@@ -110,12 +110,13 @@ class Experts(nn.Module):
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
-        self.backend: str | None = None  # grouped GEMM backend; None = registry default (moestack.ops.moe)
-        self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = by device / env
+        self.backend: str | None = None  # KernelSpec.moe.gemm (moestack/model/kernels.py); None = auto
+        self.gemm_table = None  # KernelSpec.moe.crossover's table (gemm_select.CrossoverTable); None = built in
+        self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = auto (by device)
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
-        return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend)
+        return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend, table=self.gemm_table)
 
     def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
@@ -228,7 +229,7 @@ class MoE(nn.Module):
     @property
     def routing_backend(self) -> str | None:
         """Backend of the token path (moestack.ops.moe.routing): router, dispatch, gather, combine and the
-        experts' activation. None = by device / env MOESTACK_MOE_ROUTING_BACKEND."""
+        experts' activation (KernelSpec.moe.routing). None = auto (by device)."""
         return self.router.backend
 
     @routing_backend.setter

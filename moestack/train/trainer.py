@@ -27,11 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from moestack.config.base import ConfigError, dump_yaml
+from moestack.config.kernel_spec import merge as merge_kernels
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan
+from moestack.config.settings import ep_domain_size
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
+from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
@@ -154,7 +157,7 @@ def _ep_domain_size(plan: Plan) -> int | None:
     network tier of the plan's cluster, else the ranks per node (LOCAL_WORLD_SIZE); capped at ep."""
     if plan.dispatcher != "hierarchical":
         return None
-    size = os.environ.get("MOESTACK_EP_DOMAIN_SIZE")
+    size = ep_domain_size()
     if size is None:
         try:
             from moestack.config.cluster import load_cluster_spec
@@ -174,9 +177,9 @@ def _ep_domain_size(plan: Plan) -> int | None:
 def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
-    recipe (moestack/train/fp8.py)."""
+    recipe (moestack/train/fp8.py); the plan's kernel choices apply where the train spec leaves "auto"."""
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
-              "seq_len": plan.seq_len}
+              "seq_len": plan.seq_len, "kernels": merge_kernels(spec.kernels, plan.kernels)}
     if plan.precision == "fp8":
         if spec.precision == "fp32":
             raise ConfigError("precision: the plan says fp8 but the train spec says fp32; drop --precision fp32 or "
@@ -198,9 +201,6 @@ def adapt_sampler_state(state: dict, batch_size: int, world_size: int) -> dict:
         raise ConfigError(f"resume: the checkpoint consumed {consumed} sequences of this epoch, not a multiple of "
                           f"micro_batch_size*dp = {rows}; resume with a global batch layout that divides it")
     return {**state, "batch_size": batch_size, "world_size": world_size, "position": consumed // rows}
-
-
-FP8_PROJ_ENV = "MOESTACK_FP8_PROJ"  # "1": LatentMoE projections in FP8 (Trainer._configure_fp8)
 
 
 class Trainer:
@@ -249,6 +249,7 @@ class Trainer:
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._configure_dsa()
             self._configure_fp8(self.model)
+            self._configure_kernels(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
         else:
             self.model = self._build_parallel_model()
@@ -282,27 +283,17 @@ class Trainer:
 
     def _configure_fp8(self, model: Transformer) -> None:
         """precision fp8: the FP8 recipe (moestack/train/fp8.py: routed experts and the large projections in e4m3).
-        Otherwise $MOESTACK_FP8_PROJ=1 runs only the LatentMoE's down / up projections in FP8 (next to the FP8
-        expert GEMMs MOESTACK_MOE_BACKEND=fp8 selects). Applied to the whole model before any parallelism (the
-        conversions keep every Parameter object)."""
+        Applied to the whole model before any parallelism (the conversions keep every Parameter object)."""
         if self.spec.precision == "fp8":
             from moestack.train.fp8 import apply_fp8_recipe
 
             self.log(apply_fp8_recipe(model, self.device).summary())
-            return
-        choice = os.environ.get(FP8_PROJ_ENV, "0")
-        if choice not in ("0", "1"):
-            raise ConfigError(f"{FP8_PROJ_ENV}={choice!r}: use 1 (FP8 latent projections) or 0 (bf16)")
-        if choice == "0":
-            return
-        from moestack.ops.moe import fp8_unavailable_reason
-        from moestack.ops.moe.fp8_linear import enable_fp8_latent_projections
 
-        reason = fp8_unavailable_reason(self.device)
-        if reason is not None:
-            raise ConfigError(f"{FP8_PROJ_ENV}=1 needs a CUDA GPU with FP8 tensor cores ({reason}); unset it")
-
-        self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
+    def _configure_kernels(self, model: Transformer) -> None:
+        """spec.kernels (with the documented environment overrides) resolved for this device once, set on the
+        model's modules (moestack/model/kernels.py); recorded in out_dir/kernels.json by fit()."""
+        self.kernels = apply_kernels(model, self.spec.kernels, self.device)
+        self.log(self.kernels.summary())
 
     def _build_parallel_model(self) -> Transformer:
         """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
@@ -316,6 +307,7 @@ class Trainer:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
         self._configure_dsa(model)
         self._configure_fp8(model)
+        self._configure_kernels(model)
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:
@@ -559,6 +551,7 @@ class Trainer:
             dump_yaml(self.model_spec, self.out_dir / "model.yaml")
             if self.plan is not None:
                 dump_yaml(self.plan, self.out_dir / "plan.yaml")
+            self._write_kernels()
         profiler = StepProfiler.maybe(spec.profile_window, self.out_dir, self.device,
                                       self.dist.rank if self.dist is not None else 0)
         try:
@@ -570,10 +563,17 @@ class Trainer:
         if profiler is not None:
             profiler.finish()  # a window reaching past the last step (e.g. after --resume) ends with the run
         self.metrics.close()
+        self._write_kernels()  # again: with the `moestack tune` cache entries the run followed
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))
         return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
                 "expert_load": load}
+
+    def _write_kernels(self) -> None:
+        """out_dir/kernels.json: the resolved kernel choices (and tune-cache hits so far), rank 0 only."""
+        if self.is_main and getattr(self, "kernels", None) is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.kernels.write(self.out_dir / "kernels.json")
 
     def _loop(self, progress, profiler: StepProfiler | None) -> tuple[list[float], Path | None]:
         spec = self.spec
@@ -605,6 +605,8 @@ class Trainer:
                 continue
             bad_steps = 0
             self.step += 1
+            if self.step == 1:
+                self._write_kernels()  # the first step's tune-cache hits (a later crash keeps them)
             history.append(stats.loss)
             record = {"loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                       "tokens_per_s": stats.tokens_per_s, **stats.aux}

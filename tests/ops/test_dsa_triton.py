@@ -260,7 +260,7 @@ def test_gated_dsa_layer_triton_backend_matches_reference(monkeypatch):
     x = torch.randn(1, 20, 32)
     runs = {}
     for name in ("triton", "reference"):
-        monkeypatch.setenv(dsa_ops.ENV_VAR, name)
+        layer.dsa_backend = name
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         y = layer(xi, cu_seqlens=torch.tensor([0, 7, 20]))
@@ -324,7 +324,7 @@ def test_indexer_topk_gpu(cu):
 @pytest.mark.gpu
 def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
     """The Gated DSA layer (proxy dims: 20 heads, latent 512 + 64, indexer 32 x 128) in sparse mode, bf16 autocast:
-    the "triton" backend (picked by default on CUDA) against MOESTACK_DSA_BACKEND=reference, output and grads."""
+    the "triton" backend (picked by default on CUDA) against backend "reference", output and grads."""
     from moestack.config.model_spec import IndexerSpec, MLASpec
     from moestack.model.dsa import GatedMLA
 
@@ -338,7 +338,7 @@ def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
     x = torch.randn(1, 1024, 1536, device="cuda")
     runs = {}
     for name in ("triton", "reference"):
-        monkeypatch.setenv(dsa_ops.ENV_VAR, name)
+        layer.dsa_backend = name
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):

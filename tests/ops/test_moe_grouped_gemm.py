@@ -160,10 +160,10 @@ def test_triton_bad_inputs():
         tgg.grouped_mm(x[:, :4], w, offs)
 
 
-def test_registry_has_triton_auto_fp8():
-    names = moe_ops.available_backends()
-    assert "triton" in names and "auto" in names
-    assert moe_ops.PREFERENCE[0] == ("auto" if torch.cuda.is_available() else "torch")
+def test_registry_has_triton_crossover():
+    names = moe_ops.REGISTRY.names()
+    assert "triton" in names and "crossover" in names
+    assert moe_ops.REGISTRY.auto_for_device(torch.device("cpu")) == "torch"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_crossover_table_choice_and_json(tmp_path):
 
 def test_auto_on_cpu_matches_torch():
     x, w, offs = make_case([3, 0, 5], 8, 12, torch.float32)
-    y = moe_ops.grouped_mm(x, w, offs, backend="auto")
+    y = moe_ops.grouped_mm(x, w, offs, backend="crossover")
     assert rel_err(y, loop_fp64(x, w, offs)) < 1e-6
 
 
@@ -306,13 +306,13 @@ def test_auto_gpu_no_host_sync():
     x, w, offs = make_case([64] * 56, 1024, 1024, torch.bfloat16)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    for backend in ("fp8", "triton", "auto"):  # warm-up: autotuning synchronises, the tuned launches must not
+    for backend in ("fp8", "triton", "crossover"):  # warm-up: autotuning synchronises, the tuned launches must not
         y = moe_ops.grouped_mm(x, w, offs, backend=backend)
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for backend in ("fp8", "triton", "auto"):
+        for backend in ("fp8", "triton", "crossover"):
             y = moe_ops.grouped_mm(x, w, offs, backend=backend)
             y.backward(torch.ones_like(y))
     finally:

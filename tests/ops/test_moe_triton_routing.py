@@ -208,9 +208,8 @@ def test_bad_inputs_one_line_errors(monkeypatch):
         routing.dispatch(torch.zeros(2, 1, dtype=torch.int64), 4, align=0)
     with pytest.raises(ValueError, match="priority_TK"):
         routing.dispatch(torch.zeros(2, 1, dtype=torch.int64), 4, capacity=2)
-    monkeypatch.setenv(routing.ENV_VAR, "cutlass")
-    with pytest.raises(ValueError, match="MOESTACK_MOE_ROUTING_BACKEND"):
-        routing.resolve_backend(None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernels.moe.routing"):
+        routing.resolve_backend("cutlass", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])

@@ -27,3 +27,8 @@ def set_autotune(on: bool) -> None:
 
 def autotune_enabled() -> bool:
     return _AUTOTUNE[0]
+
+
+def prune_recurrence(configs, named_args, **kwargs):
+    """KDA's state recurrences (forward K2, backward B2): placeholder, replaced by the shared-memory pruning."""
+    return configs[:1] if not autotune_enabled() else configs

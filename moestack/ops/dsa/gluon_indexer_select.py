@@ -179,11 +179,11 @@ def _add(a, b):
     return a + b
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
-    """sm_90, bf16 / fp16 scoring (not the fp8 variant), head dim a power of two in 64..256, an even head count
-    (the heads go at least in pairs)."""
+def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """sm_90, bf16 / fp16 scoring, head dim a power of two in 64..256, an even head count (the heads go at least in
+    pairs)."""
     Hi, Di = q.shape[-2:]
-    return (q.is_cuda and kscale is None and q.dtype in (torch.bfloat16, torch.float16)
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and k.dtype == q.dtype and Di in (64, 128, 256) and Hi % 2 == 0
             and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
 

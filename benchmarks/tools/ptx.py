@@ -20,10 +20,10 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 
 def jit_fn(kern):
-    """The JITFunction under an autotuner (or the kernel itself)."""
-    from triton.runtime.autotuner import Autotuner
-
-    return kern.fn if isinstance(kern, Autotuner) else kern
+    """The JITFunction under @autotune / @heuristics (or the kernel itself)."""
+    while not isinstance(kern, triton.runtime.JITFunction):
+        kern = kern.fn
+    return kern
 
 
 def compile_sm90(kern, signature: dict, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None = None,

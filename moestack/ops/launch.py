@@ -125,11 +125,19 @@ def _smem_kda_recurrence(kw: dict, warps: int, stages: int, a: dict) -> int:
     return e * (stages * (3 * BT * BK + 2 * BT * BV + BT * BT) + BK * BV)
 
 
-def _smem_tiles(kw: dict, warps: int, stages: int, a: dict, m: str, n: str, k: str, elt_arg: str) -> int:
-    """A GEMM tile loop: per stage an [M, K] and a [K, N] operand tile, plus the [M, N] fp32 epilogue tile."""
-    e = _elt(a, elt_arg)
-    M, N, K = kw[m], kw[n], kw[k]
-    return e * stages * (M * K + K * N) + 4 * M * N
+def _smem_gg_swap(kw: dict, warps: int, stages: int, a: dict) -> int:
+    """bf16 grouped GEMM, swap-AB (pointer or TMA loads): per stage a weight tile [BF, BK] and a token tile
+    [BT, BK]; the [BF, BT] fp32 accumulator's transposing store."""
+    e = _elt(a, "x", _elt(a, "y"))
+    BF, BK, BT = kw["BF"], kw["BK"], kw.get("BT", a.get("BT", 128))
+    return e * stages * (BF + BT) * BK + 4 * BF * BT
+
+
+def _smem_gg_wgrad(kw: dict, warps: int, stages: int, a: dict) -> int:
+    """bf16 grouped weight gradient: per stage a row chunk of both operands [rows, BA + BB]; the fp32 tile."""
+    e = _elt(a, "p")
+    rows = a.get("BT", a.get("RMAX", 64))
+    return e * stages * rows * (kw["BA"] + kw["BB"]) + 4 * kw["BA"] * kw["BB"]
 
 
 SMEM: dict[str, Callable[[dict, int, int, dict], int]] = {
@@ -138,6 +146,9 @@ SMEM: dict[str, Callable[[dict, int, int, dict], int]] = {
     "dsa_dq": _smem_dsa_dq,
     "indexer": _smem_indexer,
     "kda_recurrence": _smem_kda_recurrence,
+    "gg_swap": _smem_gg_swap,
+    "gg_tma_fwd": _smem_gg_swap,
+    "gg_wgrad": _smem_gg_wgrad,
 }
 
 

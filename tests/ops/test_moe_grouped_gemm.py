@@ -64,17 +64,22 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["persistent", "swap", "tma", "tma-p"])
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
 @pytest.mark.parametrize("counts,D,F,tail", CPU_CASES)
-def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
-    """tma / tma-p: TMA descriptors where widths allow (D = 18 falls back: rows not 16-byte aligned; dX needs
-    F % 16 == 0 in the interpreter's configs), forward F tiles that run past an expert's weight rows (F = 40, 36)."""
+def test_triton_forward_backward_interpreter(counts, D, F, tail, loads, monkeypatch):
+    """TMA descriptors where widths allow (D = 18 falls back: rows not 16-byte aligned; dX needs F % 16 == 0 in the
+    interpreter's configs), forward F tiles that run past an expert's weight rows (F = 40, 36); "pointer": the
+    fallback kernel everywhere."""
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_triton_bf16_gpu")
+    if loads == "pointer":
+        from moestack.ops.moe import gg_tma
+
+        monkeypatch.setattr(gg_tma, "fwd_supported", lambda x, w: False)
     x, w, offs = make_case(counts, D, F, torch.float32, seed=len(counts) + D, tail=tail)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs, variant=variant)
+    y = tgg.grouped_mm(x, w, offs)
     used = int(offs[-1])
     y_ref = loop_fp64(x, w, offs)
     assert torch.isfinite(y).all()
@@ -93,11 +98,10 @@ def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
     assert dw.stride() == w.stride(), "the weight gradient is written in w's layout"
 
 
-@pytest.mark.parametrize("tma_store", [False, True, "resident"])
-def test_tma_kernels_interpreter(tma_store):
-    """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts (TMA store or plain), against
-    the fp64 loop; hot expert with several token tiles, empty experts, tail rows; the kernels are the ones taken
-    (fwd_supported), not the fallback."""
+def test_tma_kernels_interpreter():
+    """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts, against the fp64 loop; hot
+    expert with several token tiles, empty experts, tail rows; the kernels are the ones taken (fwd_supported), not
+    the fallback. Also the large-expert weight-gradient kernel of the Gluon path (SKIP_ROWS 0: every expert)."""
     if DEV == "cuda":
         pytest.skip("interpreter case")
     from moestack.ops.moe import gg_tma
@@ -110,16 +114,21 @@ def test_tma_kernels_interpreter(tma_store):
     wt = w.transpose(1, 2)  # [E, F, D] contiguous: the dX operand
     assert gg_tma.fwd_supported(x, w) and gg_tma.fwd_supported(dy, wt)
     y = gg_tma.grouped_mm_fwd(x, w, offs, BT_MAX=16)
-    dx = gg_tma.grouped_mm_fwd(dy, wt, offs, BT_MAX=16, persistent=True)
+    dx = gg_tma.grouped_mm_fwd(dy, wt, offs, BT_MAX=16)
     assert rel_err(y[:used], loop_fp64(x, w, offs)[:used]) < 2e-6 and (y[used:] == 0).all()
     assert rel_err(dx[:used], loop_fp64(dy, wt, offs)[:used]) < 2e-6 and (dx[used:] == 0).all()
+    dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
+                          zip([0, *offs[:-1].tolist()], offs.tolist())])
     for like in (w, w.contiguous()):  # the parameter's transposed view, and a contiguous [E, D, F]
-        kernel = "resident" if tma_store == "resident" else "chunked"  # resident: rows 37 > 16, its fallback too
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store is True, kernel=kernel)
-        dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
-                              zip([0, *offs[:-1].tolist()], offs.tolist())])
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16)
         assert dw.stride() == like.stride() and rel_err(dw, dw_ref) < 2e-6
         assert (dw[torch.tensor(counts) == 0] == 0).all()
+    out = torch.full((len(counts), 32, 48), float("nan"))  # [E, D, F]: P = x, Q = dy
+    grid = (2 * 1, len(counts))  # interpreter config BA 16, BB 32, GB 2: A = 32 -> 2 a-tiles, B = 48 -> 1 group
+    gg_tma.gg_wgrad_kernel_large[grid](x, dy, out, offs, 32, 48, len(counts), *x.stride(), *dy.stride(),
+                                       *out.stride(), PRECISION="ieee", RMAX=16, SKIP_ROWS=0)
+    rows = torch.tensor(counts) > 0  # experts of <= SKIP_ROWS rows (here: the empty ones) are gluon_wgrad's
+    assert rel_err(out[rows], dw_ref[rows]) < 2e-6 and out[~rows].isnan().all()
 
 
 def test_triton_plain_layout_and_autocast_dtype():
@@ -182,14 +191,8 @@ def test_crossover_table_choice_and_json(tmp_path):
     assert gemm_select.choose(N=56 * 512, E=56, D=2048, F=2048, table=table) == "torch"
     with pytest.raises(ValueError, match="default_rows"):
         gemm_select.CrossoverTable.from_dict({"by_shape": {}})
-    for kernel in ("swap", "tma", "tma-p"):
-        gemm_select.CrossoverTable(64, {}, kernel=kernel).save(path)
-        assert gemm_select.CrossoverTable.load(path).kernel == kernel
-    assert gemm_select.VARIANTS == tgg.VARIANTS
-    with pytest.raises(ValueError, match="kernel"):
-        gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "fast"})
-    with pytest.raises(ValueError, match="MOESTACK_MOE_GG_KERNEL"):
-        tgg.resolve_variant("fast")
+    with pytest.raises(ValueError, match="'kernel' is no longer a choice"):
+        gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "swap"})
 
 
 def test_auto_on_cpu_matches_torch():
@@ -223,26 +226,20 @@ def gpu_counts(kind: str, E: int) -> list[int]:
     return [int(v) for v in torch.randint(0, 400, (E,), generator=g)]
 
 
-SWAP_GPU_CASES = [c for c in GPU_CASES if c[0] in ("uniform16", "uniform100", "skew", "odd")]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,kind,E,D,F", [("persistent", *c) for c in GPU_CASES] +
-                         [(v, *c) for v in ("swap", "tma") for c in SWAP_GPU_CASES] +
-                         [(v, *c) for v in ("tma-p", "tma-store") for c in SWAP_GPU_CASES if c[0] in ("uniform16",
-                                                                                                 "skew")])
-def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
-    monkeypatch.setattr(tgg, "SWAP_MAX_ROWS", 10**6)  # swap at every size here (skew: a few large experts)
-    if variant == "tma-store":  # the tma variant with dW written by TMA stores
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+@pytest.mark.parametrize("kind,E,D,F", GPU_CASES)
+def test_triton_bf16_gpu(loads, kind, E, D, F, monkeypatch):
+    """Every row count (skew: one expert of 2000 rows); "pointer": the fallback forward kernel everywhere."""
+    if loads == "pointer":
         from moestack.ops.moe import gg_tma
 
-        monkeypatch.setattr(gg_tma, "TMA_STORE", True)
-        variant = "tma"
+        monkeypatch.setattr(gg_tma, "fwd_supported", lambda x, w: False)
     counts = gpu_counts(kind, E)
     x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + D, tail=5)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs, variant=variant)
+    y = tgg.grouped_mm(x, w, offs)
     used = int(offs[-1])
     xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     y_ref = grouped_mm_loop(xr, wr, offs)
@@ -251,23 +248,22 @@ def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
     dxr, dwr = torch.autograd.grad(y_ref, (xr, wr), dy.float())
     errs = {"y": rel_err(y[:used], y_ref[:used]), "dx": rel_err(dx[:used], dxr[:used]), "dw": rel_err(dw, dwr)}
     if any(v > 1e-2 for v in errs.values()):
-        print(f"MOE_GEMM_GPU_ERR triton {variant} {kind} E={E} D={D} F={F}: {errs}")
+        print(f"MOE_GEMM_GPU_ERR triton {loads} {kind} E={E} D={D} F={F}: {errs}")
     assert all(v < 1e-2 for v in errs.values()), errs
     assert (y[used:] == 0).all()
     assert (dw[torch.tensor(counts) == 0] == 0).all()
-    if variant.startswith("tma"):  # no atomics: bitwise equal on a second run
-        y2 = tgg.grouped_mm(x, w, offs, variant=variant)
-        again = torch.autograd.grad(y2, (x, w), dy)
-        assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
+    y2 = tgg.grouped_mm(x, w, offs)  # no atomics: bitwise equal on a second run
+    again = torch.autograd.grad(y2, (x, w), dy)
+    assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bt_max", [16, 64, 128])  # RMAX 64, 128, 256: every reduction-depth path
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the gradient's dtype (like's)
 def test_gluon_wgrad_gpu(bt_max, dtype):
-    """gluon_wgrad through gg_tma.grouped_mm_wgrad(kernel="gluon") against the fp64 loop: empty experts, 1 row,
-    depths just below / above each KS multiple, experts above RMAX (the resident kernel's chunked path), NaN in the
-    rows past offs[-1] (must never be read), both gradient layouts; bitwise equal on a second run."""
+    """gluon_wgrad through gg_tma.grouped_mm_wgrad(gluon=True) against the fp64 loop: empty experts, 1 row,
+    depths just below / above each KS multiple, experts above RMAX (gg_wgrad_kernel_large), NaN in the rows past
+    offs[-1] (must never be read), both gradient layouts; bitwise equal on a second run."""
     from moestack.ops.moe import gg_tma
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -280,7 +276,7 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
     starts = [0, *offs[:-1].tolist()]
     dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(starts, offs.tolist())])
     for like in (w.to(dtype), w.to(dtype).contiguous()):
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, gluon=True)
         kmajor = like.transpose(1, 2).is_contiguous()  # the kernel computes out = P^T Q with b contiguous
         assert gg_tma._gluon_wgrad_ok(*((dy, x, dw.transpose(1, 2)) if kmajor else (x, dy, dw)))  # taken
         err = rel_err(dw, dw_ref)
@@ -288,17 +284,16 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
         assert dw.stride() == like.stride() and err < 1e-2, (err, per_expert)
         assert all(v < 1e-2 for v in per_expert), per_expert
         assert (dw[torch.tensor(counts) == 0] == 0).all()
-        again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, gluon=True)
         assert torch.equal(dw, again)
     from moestack.ops.moe import gluon_wgrad
 
     rmax = gluon_wgrad.rmax_for(bt_max)
     small = [i for i, c in enumerate(counts) if c <= rmax]
-    for cfg in gluon_wgrad.CONFIGS[rmax]:  # every config, on the experts it writes
-        out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
-        gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax, config=cfg)
-        errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]
-        assert all(v < 1e-2 for v in errs), (cfg, errs)
+    out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
+    gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax)  # on the experts it writes
+    errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]
+    assert all(v < 1e-2 for v in errs), errs
 
 
 @pytest.mark.gpu

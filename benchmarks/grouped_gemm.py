@@ -70,27 +70,29 @@ def backends(fp8: bool = True) -> dict:
 
     fns = {"torch": reference.grouped_mm, "triton": tg.grouped_mm}
     if fp8:
-        from moestack.ops.moe import fp8_grouped_gemm as f8
+        from moestack.ops.fp8 import grouped_gemm as f8
 
         fns["fp8"] = f8.grouped_mm
     return fns
 
 
 def quant_times(E: int, D: int, F: int, tokens: int) -> str:
-    """One '|' row: ms of the fp8 quantisers at this GEMM (rows of x, blocks of w, token tiles of x)."""
+    """One '|' row: ms of the fp8 quantisers at this GEMM (x's rows and token tiles in one read, both layouts of w's
+    blocks) and of the Triton fp8 forward GEMM alone on the quantised operands."""
     import triton.testing
 
-    from moestack.ops.moe import fp8_grouped_gemm as f8
-    from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.fp8 import grouped_gemm as f8
+    from moestack.ops.fp8 import quant as fq
 
     x, w, offs, _ = make_gemm(E, D, F, tokens, seed=7)
     x, w = x.detach(), w.detach()
-    (qx, sx), (qw, sw) = fq.quantize_rows(x), fq.quantize_blocks(w)
+    qx, sx, _, _ = fq.quantize_dual(x, offs, tiles=False)
+    (qw, sw), _ = fq.quantize_blocks_pair(w)
     t = [triton.testing.do_bench(fn, warmup=5, rep=30) for fn in
-         (lambda: fq.quantize_rows(x), lambda: fq.quantize_blocks(w), lambda: fq.quantize_token_tiles(x, offs),
-          lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype, tile_sw=True))]
-    return (f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} | "
-            f"fp8 fwd GEMM alone (v2 kernel, no swap) {t[3]:.3f} |")
+         (lambda: fq.quantize_dual(x, offs), lambda: fq.quantize_blocks_pair(w),
+          lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype))]
+    return (f"| quant ms | {tokens} | {D}x{F} | x rows + token tiles {t[0]:.3f} | blocks(w) pair {t[1]:.3f} | "
+            f"fp8 fwd GEMM alone (Triton) {t[2]:.3f} |")
 
 
 def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:

@@ -15,7 +15,8 @@ that cannot run on the device is a one-line ConfigError at build time. The resol
                      grouped GEMM) | torch | triton | reference. FP8 experts come from `precision: fp8`, not here.
     moe.crossover    a crossover JSON (benchmarks/grouped_gemm.py --write-crossover) for moe.gemm crossover
     fp8.weight_cache FP8 expert / projection weights quantised once per optimizer step: on | step | off
-    fp8.cublas_min_rows  mean rows per expert from which FP8 GEMMs run per-expert cuBLAS instead of Triton
+    fp8.cublas_min_rows  mean rows per expert from which FP8 GEMMs run per-expert cuBLAS instead of Triton (0:
+                     wherever the widths allow it)
     autotune         False: the first launch config of every autotuned kernel (quick GPU checks: fewer compiles)
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from moestack.config.base import StrictModel, format_validation_error
 
@@ -47,7 +48,13 @@ class MoEKernels(StrictModel):
 
 class FP8Kernels(StrictModel):
     weight_cache: Literal["on", "step", "off"] = "on"
-    cublas_min_rows: int = Field(default=512, ge=1)
+    cublas_min_rows: int = Field(default=512, ge=0)  # 0: cuBLAS wherever the widths allow it
+
+    @field_validator("weight_cache", mode="before")
+    @classmethod
+    def _yaml_bool(cls, v):
+        """YAML reads a bare on / off as a bool (`--set kernels.fp8.weight_cache=off`)."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class KernelSpec(StrictModel):

@@ -94,7 +94,7 @@ class Plan(StrictModel):
     schedule: Schedule = "1f1b"
     recompute: RecomputePolicy = RecomputePolicy()
     offload: OffloadPolicy = OffloadPolicy()
-    # fp8: the FP8 recipe (moestack/train/fp8.py: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
+    # fp8: the FP8 recipe (moestack/ops/fp8/convert.py: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
     precision: Literal["bf16", "fp8"] = "bf16"
     optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
     dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)

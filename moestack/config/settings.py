@@ -12,7 +12,7 @@ recorded with its source in the run's kernels.json. A bad value is a one-line Co
     MOESTACK_MOE_BACKEND           moe.gemm                           auto | crossover | torch | triton | reference
     MOESTACK_MOE_CROSSOVER         moe.crossover                      path of a crossover JSON
     MOESTACK_FP8_CACHE             fp8.weight_cache                   1 (= on) | step | 0 (= off)
-    MOESTACK_FP8_CUBLAS_MIN_ROWS   fp8.cublas_min_rows                integer >= 1
+    MOESTACK_FP8_CUBLAS_MIN_ROWS   fp8.cublas_min_rows                integer >= 0
     MOESTACK_KDA_AUTOTUNE,
     MOESTACK_DSA_AUTOTUNE          autotune (either 0 turns it off)   1 | 0
     MOESTACK_TUNE_CACHE            path of `moestack tune`'s per-shape cache (default ~/.cache/moestack/tuned-ops.json)

@@ -74,7 +74,7 @@ class TrainSpec(StrictModel):
     seq_len: int = Field(default=64, gt=1)
     eval_every: int = Field(default=100, ge=0)  # 0 = only at the end
     eval_batches: int = Field(default=4, gt=0)
-    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/train/fp8.py)
+    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/ops/fp8/convert.py)
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_bad_steps: int = Field(default=3, gt=0)  # consecutive non-finite losses before the run stops

@@ -4,7 +4,7 @@ modules that call the ops, so the model runs exactly what the run directory's ke
     KDAAttention.kda_backend, .layer_ops    kda.backend, kda.layer_ops
     GatedMLA.dsa_backend                    dsa.backend
     MoE.routing_backend (router, experts)   moe.routing
-    Experts.backend, .gemm_table            moe.gemm, moe.crossover
+    Experts.gemm (the bf16 strategy)        moe.gemm, moe.crossover (the FP8 recipe's strategy is left alone)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def apply_kernels(model: nn.Module, kernels: KernelSpec | ResolvedKernels | None
     from moestack.model.dsa import GatedMLA
     from moestack.model.kda import KDAAttention
     from moestack.model.moe import MoE
+    from moestack.ops.moe import GroupedGemm
     from moestack.ops.moe.gemm_select import load_table
 
     if not isinstance(kernels, ResolvedKernels):
@@ -45,7 +46,6 @@ def apply_kernels(model: nn.Module, kernels: KernelSpec | ResolvedKernels | None
             module.dsa_backend = spec.dsa.backend
         elif isinstance(module, MoE):
             module.routing_backend = _none_if_auto(spec.moe.routing)
-            if module.experts.backend != "fp8":  # the FP8 recipe owns the experts' GEMM
-                module.experts.backend = _none_if_auto(spec.moe.gemm)
-            module.experts.gemm_table = table
+            if type(module.experts.gemm) is GroupedGemm:  # not the FP8 recipe's, not wrapped by the offload
+                module.experts.gemm = GroupedGemm(spec.moe.gemm, table)
     return kernels

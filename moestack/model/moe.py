@@ -110,13 +110,14 @@ class Experts(nn.Module):
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
-        self.backend: str | None = None  # KernelSpec.moe.gemm (moestack/model/kernels.py); None = auto
-        self.gemm_table = None  # KernelSpec.moe.crossover's table (gemm_select.CrossoverTable); None = built in
+        # the GEMM strategy, set at build time: the bf16 registry with KernelSpec.moe.gemm (moestack/model/kernels.py),
+        # the FP8 GEMMs under precision fp8 (moestack/ops/fp8/convert.py), wrapped by the expert offload
+        self.gemm = moe_ops.GroupedGemm()
         self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = auto (by device)
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
-        return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend, table=self.gemm_table)
+        """The seam for the hot op: the strategy in `self.gemm`. x [N, D] sorted by expert, w [E, D, F]."""
+        return self.gemm(x_ND, w_EDF, offs_E)
 
     def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
@@ -127,15 +128,7 @@ class Experts(nn.Module):
     def ffn(
         self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor
     ) -> torch.Tensor:
-        """The experts on these weights (Experts' layout): one fused op where the backend has one (the FP8 v3 FFN,
-        moestack.ops.moe.expert_ffn) and nothing replaced the grouped_mm seam, else gate/up GEMM -> glu -> down
-        GEMM through the seam. The fused op needs the fused activation (triton routing backend): the same numbers."""
-        if "grouped_mm" not in self.__dict__ and x_NL.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
-                routing.resolve_backend(self.routing_backend, x_NL.device) == "triton":
-            y_NL = moe_ops.expert_ffn(x_NL, w_gate_up.transpose(1, 2), w_down.transpose(1, 2), offs_E, self.backend,
-                                      self.activation, self.situ_beta, self.situ_linear_beta)
-            if y_NL is not None:
-                return y_NL
+        """The experts on these weights (Experts' layout): gate/up GEMM -> glu -> down GEMM through the seam."""
         gate_up_N2I = self.grouped_mm(x_NL, w_gate_up.transpose(1, 2), offs_E)
         return self.grouped_mm(self.glu(gate_up_N2I), w_down.transpose(1, 2), offs_E)
 

@@ -140,6 +140,28 @@ def _smem_gg_wgrad(kw: dict, warps: int, stages: int, a: dict) -> int:
     return e * stages * rows * (kw["BA"] + kw["BB"]) + 4 * kw["BA"] * kw["BB"]
 
 
+def _smem_fp8_mm(kw: dict, warps: int, stages: int, a: dict) -> int:
+    """FP8 grouped GEMM forward (persistent): per stage the token tile [BM, BK] and weight tile [BK, BN] in fp8;
+    the fp32 accumulator's conversion tile for the store."""
+    e = _elt(a, "qx", 1)
+    BM, BN, BK = kw["BM"], kw["BN"], a.get("BK", 128)
+    return e * stages * (BM + BN) * BK + 4 * BM * BN
+
+
+def _smem_fp8_swap(kw: dict, warps: int, stages: int, a: dict) -> int:
+    """FP8 grouped GEMM forward, swap-AB: per stage a weight tile [BF, BK] and a token tile [BK, BT]."""
+    e = _elt(a, "qx", 1)
+    BF, BT, BK = kw["BF"], a.get("BT", 64), a.get("BK", 128)
+    return e * stages * (BF + BT) * BK + 4 * BF * BT
+
+
+def _smem_fp8_wgrad(kw: dict, warps: int, stages: int, a: dict) -> int:
+    """FP8 grouped weight gradient: per stage the [BD, G] and [BF, G] fp8 tiles (the second one transposed)."""
+    e = _elt(a, "qxT", 1)
+    BD, BF, G = kw["BD"], kw["BF"], a.get("G", 128)
+    return e * stages * (BD + BF) * G + 4 * BD * BF
+
+
 SMEM: dict[str, Callable[[dict, int, int, dict], int]] = {
     "dsa": _smem_dsa_fwd,
     "dsa_dkv": _smem_dsa_dkv,
@@ -149,6 +171,9 @@ SMEM: dict[str, Callable[[dict, int, int, dict], int]] = {
     "gg_swap": _smem_gg_swap,
     "gg_tma_fwd": _smem_gg_swap,
     "gg_wgrad": _smem_gg_wgrad,
+    "fp8_mm": _smem_fp8_mm,
+    "fp8_swap": _smem_fp8_swap,
+    "fp8_wgrad": _smem_fp8_wgrad,
 }
 
 

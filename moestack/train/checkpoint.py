@@ -434,9 +434,9 @@ def _check_head_read(path: Path, state: dict[str, Any], head: torch.Tensor) -> N
 
 
 def forget_fp8_weights() -> None:
-    """Drop the FP8 expert-weight cache (moestack.ops.moe.fp8_weight_cache) if it was loaded: under FSDP2 a load
+    """Drop the FP8 expert-weight cache (moestack.ops.fp8.weight_cache) if it was loaded: under FSDP2 a load
     reaches the weights' gathered copies without moving the version counter the cache watches."""
-    cache = sys.modules.get("moestack.ops.moe.fp8_weight_cache")
+    cache = sys.modules.get("moestack.ops.fp8.weight_cache")
     if cache is not None:
         cache.clear()
 

@@ -177,7 +177,7 @@ def _ep_domain_size(plan: Plan) -> int | None:
 def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
-    recipe (moestack/train/fp8.py); the plan's kernel choices apply where the train spec leaves "auto"."""
+    recipe (moestack/ops/fp8/convert.py); the plan's kernel choices apply where the train spec leaves "auto"."""
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
               "seq_len": plan.seq_len, "kernels": merge_kernels(spec.kernels, plan.kernels)}
     if plan.precision == "fp8":
@@ -210,6 +210,9 @@ class Trainer:
         self.dist: Distributed | None = None
         if plan is not None:
             spec = apply_plan_to_spec(spec, plan)
+            # what parallelize() applies and plan.yaml records: the merged kernel choices, and fp8 if the spec asks
+            plan = plan.model_copy(update={"kernels": spec.kernels,
+                                           "precision": "fp8" if spec.precision == "fp8" else plan.precision})
             self.device, owns = _init_distributed(self.device, plan)
             meshes = build_meshes(plan, self.device.type, ep_domain_size=_ep_domain_size(plan))
             self.dist = Distributed(plan, meshes, dist.get_rank(), owns)
@@ -282,12 +285,13 @@ class Trainer:
                 p.requires_grad_(".indexer." in name)
 
     def _configure_fp8(self, model: Transformer) -> None:
-        """precision fp8: the FP8 recipe (moestack/train/fp8.py: routed experts and the large projections in e4m3).
-        Applied to the whole model before any parallelism (the conversions keep every Parameter object)."""
-        if self.spec.precision == "fp8":
-            from moestack.train.fp8 import apply_fp8_recipe
+        """The single-device build's precision converter (moestack/ops/fp8/convert.py; parallelize() applies it on
+        the parallel path): precision fp8 puts the routed experts and the large projections in e4m3."""
+        from moestack.ops.fp8.convert import convert_precision
 
-            self.log(apply_fp8_recipe(model, self.device).summary())
+        report = convert_precision(model, self.spec.precision, self.device, self.spec.kernels.fp8)
+        if report is not None:
+            self.log(report.summary())
 
     def _configure_kernels(self, model: Transformer) -> None:
         """spec.kernels (with the documented environment overrides) resolved for this device once, set on the
@@ -306,12 +310,13 @@ class Trainer:
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
         self._configure_dsa(model)
-        self._configure_fp8(model)
         self._configure_kernels(model)
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:
-            parallelize(model, plan, meshes, param_dtype=param_dtype)
+            parallelize(model, plan, meshes, param_dtype=param_dtype)  # precision fp8 converts there first
+            if getattr(model, "fp8_report", None) is not None:
+                self.log(model.fp8_report.summary())
         if on_meta:
             if plan.tp > 1:
                 raise ConfigError("plan.tp: meta-device initialisation with tensor parallelism is not supported yet")

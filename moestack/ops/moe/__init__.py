@@ -15,8 +15,6 @@ The model's choice comes from KernelSpec.moe.gemm (Experts.gemm, set at build ti
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -76,26 +74,9 @@ class CrossoverGemm(Backend):
         return importlib.import_module("moestack.ops.moe.gemm_select").grouped_mm_auto(x_ND, w_EDF, offs_E, table)
 
 
-class Fp8Gemm(Backend):
-    """The FP8 expert GEMMs (fp8_grouped_gemm.py), named by the FP8 recipe only."""
-
-    name = "fp8"
-
-    def unavailable(self, device: torch.device) -> str | None:
-        return fp8_unavailable_reason(device)
-
-    def prefers(self, device: torch.device) -> bool:
-        return False
-
-    @staticmethod
-    def fn(x_ND, w_EDF, offs_E, table=None):
-        return importlib.import_module("moestack.ops.moe.fp8_grouped_gemm").grouped_mm(x_ND, w_EDF, offs_E)
-
-
 REGISTRY = Registry("MoE grouped GEMM", tuned_op="moe.grouped_mm")
 REGISTRY.register(CrossoverGemm())
 REGISTRY.register(TritonGemm())
-REGISTRY.register(Fp8Gemm())
 REGISTRY.register(TorchGemm())
 REGISTRY.register(ReferenceBackend(lambda x_ND, w_EDF, offs_E, table=None: grouped_mm_loop(x_ND, w_EDF, offs_E)))
 
@@ -134,47 +115,11 @@ class GroupedGemm:
         return grouped_mm(x_ND, w_EDF, offs_E, self.backend, self.table)
 
 
-def expert_ffn(
-    x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tensor, offs_E: torch.Tensor,
-    backend: str | None, kind: str, beta: float, lin_beta: float,
-) -> torch.Tensor | None:
-    """The whole expert FFN act(x w_gu) w_down as one fused op where the backend has one and it applies (the fp8
-    backend's v3 path: fp8_expert_ffn.py); None = run the two grouped GEMMs and the activation separately."""
-    if backend != "fp8" or not _fp8_available():
-        return None
-    from moestack.ops.moe import fp8_expert_ffn
-
-    return fp8_expert_ffn.expert_ffn(x_ND, w_gu_ED2I, w_down_EID, offs_E, kind, beta, lin_beta)
-
-
-def fp8_unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the FP8 kernels cannot run on `device` (default: the current GPU, else the CPU); None = they can: sm_89+
-    GPUs, and on CPU only under TRITON_INTERPRET=1 (slow checks of the kernels' logic)."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install triton)"
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores (sm_89+)"
-        return None
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return None
-    return f"the device is {device.type}: the FP8 kernels need a CUDA GPU (or TRITON_INTERPRET=1 for a slow check)"
-
-
-def _fp8_available() -> bool:
-    return fp8_unavailable_reason() is None
-
-
 __all__ = [
     "REGISTRY",
     "GroupedGemm",
     "Permutation",
     "available_backends",
-    "expert_ffn",
-    "fp8_unavailable_reason",
     "gather_sorted",
     "grouped_mm",
     "grouped_mm_loop",

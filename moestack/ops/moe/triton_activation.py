@@ -39,8 +39,7 @@ def _tanh(x):
 
 @triton.jit
 def glu_act(b_g, b_u, beta, lin_beta, KIND: tl.constexpr):
-    """act(gate, up) in fp32 (module doc); the fused GLU quantisers (fp8_quant, gluon_quant) call it too, so all
-    round alike.
+    """act(gate, up) in fp32 (module doc).
     x / beta as x * (1 / beta): the divisions (MUFU reciprocals) are what bounds these kernels' instruction rate."""
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     if KIND == 0:

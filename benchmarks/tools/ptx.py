@@ -1,6 +1,6 @@
 """Compile a Triton kernel for sm_90 without a GPU: ptxas's registers / spills and the kernel's shared memory.
 
-Used by the per-op reports in this folder (kda_spill_report.py, dsa_spill_report.py, moe_spill_report.py). The PTX
+Used by the per-op reports in this folder (kda_spill_report.py, dsa_spill_report.py, launch_fit_check.py). The PTX
 goes to a temporary folder and through the ptxas bundled with Triton.
 """
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET
+from moestack.ops.launch import pruner
 
 CHUNK_BYTES = 1 << 30  # fp32 score block of one chunk of query rows
 TOPK_MODES = ("auto", "chunked", "fused")
@@ -31,7 +32,8 @@ def _configs():
     ]
 
 
-@triton.autotune(configs=_configs(), key=["Hi", "DP"], restore_value=["OUT"])
+@triton.autotune(configs=_configs(), key=["Hi", "DP"], restore_value=["OUT"],
+                 prune_configs_by={"early_config_prune": pruner("indexer")})
 @triton.jit(do_not_specialize=["t0", "t1", "Hi"])
 def _indexer_scores_kernel(
     Q, KI, W, DOC, OUT,
@@ -129,7 +131,8 @@ def _target_configs():
             triton.Config({"BLOCK_H": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)]  # fmt: skip
 
 
-@triton.autotune(configs=_target_configs(), key=["H", "K", "VP", "RP"])
+@triton.autotune(configs=_target_configs(), key=["H", "K", "VP", "RP"],
+                 prune_configs_by={"early_config_prune": pruner("dsa_target")})
 @triton.jit(do_not_specialize=["T", "H", "K"])
 def _probs_target_kernel(
     Q, KV, IDX, LSE, P,

@@ -46,7 +46,7 @@ MODE_DENSE, MODE_SELECT = 0, 1
 def _configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_T": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
-    # sm_90 ptxas (sm90_report.py): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
+    # sm_90 ptxas (benchmarks/tools/dsa_spill_report.py idx): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
     tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]
     return [triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s) for bt, bs, w, s in tiles]
 

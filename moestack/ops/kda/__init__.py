@@ -52,6 +52,13 @@ def _interpret() -> bool:
     return interpret()
 
 
+def fixed_smem_bytes(K: int, elt: int = 2) -> int:
+    """Shared memory of the largest fixed-config kernel (K1, B3a, B3b) at head dim K, as compiled for sm_90 by
+    Triton 3.6 with 2-byte intermediates (benchmarks/tools/launch_fit_check.py: 69632 B up to K = 128, B3a's
+    81920 B at 256), scaled for wider ones. The autotuned K2 / B2 prune their own configs (moestack/ops/launch.py)."""
+    return (69632 if K <= 128 else 81920) * elt // 2
+
+
 class TritonKDA(Backend):
     """Our Triton kernels (triton_op.py). Imported on first call, so a test's TRITON_INTERPRET is seen first."""
 
@@ -65,6 +72,12 @@ class TritonKDA(Backend):
             return f"head dim {lead.shape[-1]} > 256"
         if lead.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"dtype {lead.dtype} (fp32 / bf16 / fp16 only)"
+        if lead.is_cuda:
+            from moestack.ops.launch import fits
+
+            need = fixed_smem_bytes(lead.shape[-1], lead.element_size())
+            if not fits(need, lead.device, warps=8):
+                return f"its fixed-config kernels need {need} B of shared memory per block, more than this GPU has"
         return self.unavailable(lead.device)
 
     def fn(self, q, k, v, g, beta, **kw):

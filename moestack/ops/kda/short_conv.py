@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
+from moestack.ops.launch import pruner
+
+_prune = {"early_config_prune": pruner("tile")}  # fixed [BT, BC] fp32 tiles, no dots
 
 __all__ = ["short_conv_silu", "short_conv_silu_reference"]
 
@@ -62,7 +65,8 @@ def _conv_pre(x, w, pos, i_b, t_rows, o_c, T, C, W: tl.constexpr, HAS_POS: tl.co
 
 
 @triton.autotune(configs=_configs([triton.Config({"BT": 64, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"])
+                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                BT: tl.constexpr, BC: tl.constexpr):
@@ -78,7 +82,8 @@ def short_conv_silu_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.
 # 16 fp32 elements per thread per tile: ptxas hoists the W tile loads (more bytes in flight), <= ~130 registers.
 @triton.autotune(configs=_configs([triton.Config({"BC": 128}, num_warps=8),
                                    triton.Config({"BC": 64}, num_warps=4),
-                                   triton.Config({"BC": 256}, num_warps=8)]), key=["C", "W"])
+                                   triton.Config({"BC": 256}, num_warps=8)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_bwd_dz_kernel(x, w, pos, dy, dz, pdw, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                   BT: tl.constexpr, BC: tl.constexpr):
@@ -112,7 +117,8 @@ def short_conv_silu_bwd_dz_kernel(x, w, pos, dy, dz, pdw, T, C, W: tl.constexpr,
 
 @triton.autotune(configs=_configs([triton.Config({"BT": 32, "BC": 128}, num_warps=8),
                                    triton.Config({"BT": 16, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 64, "BC": 128}, num_warps=8)]), key=["C", "W"])
+                                   triton.Config({"BT": 64, "BC": 128}, num_warps=8)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_bwd_dx_kernel(dz, w, pos, dx, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                   BT: tl.constexpr, BC: tl.constexpr):

@@ -151,7 +151,7 @@ def _wgrad_configs() -> list[triton.Config]:
         return [triton.Config({"BA": 16, "BB": 32, "GB": 2}, num_warps=4, num_stages=1)]
     # few rows: each dW tile is written once after a short reduction (store bound); GB tiles per program, the
     # flat loop pipelined 3 deep. (BA, BB, GB, warps, stages): 64 accumulator registers per thread, 116-128 in
-    # all, so two programs per SM at 8 warps, three at 4 (benchmarks/tools/moe_spill_report.py)
+    # all, so two programs per SM at 8 warps, three at 4 (benchmarks/tools/launch_fit_check.py moe --hints --ptxas)
     shapes = [(128, 128, 8, 8, 3), (64, 128, 8, 4, 3)]
     return [triton.Config({"BA": a, "BB": b, "GB": g}, num_warps=w, num_stages=s) for a, b, g, w, s in shapes]
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops.launch import pruner
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KINDS = {"situ_glu": 0, "swiglu": 1}
 
@@ -65,6 +67,7 @@ def glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND: tl.constexpr):
     return b_dg, b_du
 
 
+_PRUNE = {"early_config_prune": pruner("tile")}  # fixed [BN, BI] fp32 tiles, no dots
 _CONFIGS = _configs([
     triton.Config({"BN": 4, "BI": 1024}, num_warps=4),
     triton.Config({"BN": 8, "BI": 512}, num_warps=4),
@@ -72,7 +75,7 @@ _CONFIGS = _configs([
 ])
 
 
-@triton.autotune(configs=_CONFIGS, key=["I", "KIND"])
+@triton.autotune(configs=_CONFIGS, key=["I", "KIND"], prune_configs_by=_PRUNE)
 @triton.jit
 def glu_fwd_kernel(gu_ptr, a_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr):
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -85,7 +88,7 @@ def glu_fwd_kernel(gu_ptr, a_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: 
     tl.store(a_ptr + o_n.to(tl.int64)[:, None] * I + o_i[None, :], b_a.to(a_ptr.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=_CONFIGS, key=["I", "KIND"])
+@triton.autotune(configs=_CONFIGS, key=["I", "KIND"], prune_configs_by=_PRUNE)
 @triton.jit
 def glu_bwd_kernel(
     gu_ptr, da_ptr, dgu_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr

@@ -55,7 +55,7 @@ def _swap_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BF": 32, "BK": 16}, num_warps=4, num_stages=1)]
     # weight streaming: 128-wide weight tiles, 3-4 stages in flight; shared memory (BT 16..128): 72..128 KB and
-    # 108..192 KB, so the first fits 2 programs per SM up to BT = 64 (checked: benchmarks/tools/moe_spill_report.py)
+    # 108..192 KB, so the first fits 2 programs per SM up to BT = 64 (benchmarks/tools/launch_fit_check.py moe)
     shapes = [(128, 64, 4, 4), (128, 128, 4, 3)]
     return [triton.Config({"BF": f, "BK": k}, num_warps=w, num_stages=st) for f, k, w, st in shapes]
 

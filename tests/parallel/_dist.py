@@ -119,9 +119,11 @@ def run_ranks(file: str, fn_name: str, world_size: int, timeout: float = 120.0, 
     RuntimeError with its traceback; a hang past `timeout` seconds raises TimeoutError. Either way the ranks are
     killed (no rank is left waiting in a collective).
     """
+    from moestack.config.settings import fresh_test_ranks
+
     job = {"file": str(Path(file).resolve()), "fn": fn_name, "kwargs": kwargs, "env": dict(os.environ)}
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.usable() or os.environ.get("MOESTACK_TEST_FRESH_RANKS") == "1":
+    if pool is None or not pool.usable() or fresh_test_ranks():
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = _Pool(world_size)

@@ -1327,7 +1327,8 @@ class CostModel:
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
                r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
                plan.tp_grad_reduce, plan.sequence_parallel, plan.moe_load_imbalance, plan.host_profile,
-               plan.fp8_activation_input, plan.num_microbatches)
+               plan.fp8_activation_input,
+               plan.num_microbatches if plan.precision not in ("bf16", "fp8") else 0)  # recipe_cast_bytes amortises
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)

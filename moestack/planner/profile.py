@@ -18,7 +18,9 @@ Parameters mirror moestack.model module by module (no biases unless the spec say
   MLP     m * d * I.
   Mamba-2 in_proj d -> 2*Di + 2*ng*ds + nh; conv [Di + 2*ng*ds, 1, W] (+ bias); dt_bias, A_log, D [nh];
           gated norm [Di]; out_proj Di -> d.
-  model   embedding V*d; final RMSNorm [d]; LM head d*V (0 when tied to the embedding).
+  model   embedding V*d (+ S*d learned positions); final RMSNorm [d]; LM head d*V (0 when tied to the embedding).
+  GPT-2/3 parts (profiled, not built): norm layernorm = weight + bias [2d] per norm; gelu = one up matrix (as relu2);
+          linear_bias = biases on q/k/v (GQA qkv_bias), the output projection, the MLP / expert up and down layers.
 total_params = embedding + layers + final norm + head: the model moestack builds. other_params = final norm + MTP
 modules + vision tower (MTP and vision are counted and reported, not in total_params: they are not trained).
 Activated parameters per token = what a token's forward touches, excluding the input embedding (a row gather) and
@@ -27,7 +29,8 @@ including the LM head: only the top_k routed experts of a MoE layer.
 Forward FLOPs per token (train = 3 x forward: forward, data-gradient and weight-gradient GEMMs, Megatron's rule):
   matmul  2 x weights of every matmul/conv the token multiplies (2 x activated params minus norms, biases, A_log,
           dt_bias, D, and the router, which is reported apart as router FLOPs, as Megatron leaves it out).
-  causal softmax attention (GQA, MLA dense): QK^T and PV over on average S/2 keys: 2 * H * (d_qk + d_v) * S/2.
+  causal softmax attention (GQA, MLA dense): QK^T and PV over on average S/2 keys: 2 * H * (d_qk + d_v) * S/2;
+          a sliding window of w keys (sliding_window_layers) caps them as DSA's top-k does: w - w^2 / (2S).
   DSA (MLA with an indexer, sparse): the same over the keys a query keeps, k_eff = S/2 (S <= k) else
           k - k^2/(2S); plus indexer scores over all S/2 causal keys: 2 * Hi * (Di + 1) * S/2 (dot products and
           head weighting; the top-k selection itself is not counted). This is the sparse stage; the dense warm-up

@@ -109,6 +109,7 @@ class PartWork:
     # the activation function's inputs (gate / up outputs): dense and shared MLP (in act_keep), experts (in expert_act)
     fc1_out: float = 0.0
     expert_fc1_out: float = 0.0
+    window: int | None = None  # sliding-window attention: keys per query
 
     @property
     def dense_params(self) -> int:
@@ -312,7 +313,7 @@ def gqa_work(spec: ModelSpec, s: int, window: int | None = None) -> PartWork:
     elem = 2 * h * BF16 + (4 * (H + Hkv) * d * BF16 if g.use_rope else 0) + 3 * h * BF16
     other = h + (2 * d if g.qk_norm else 0) + (qkv_n if g.qkv_bias else 0)
     return PartWork("gqa", gemms, attn_flops=4.0 * _causal_pairs(s, window) * H * d, elem_bytes=elem, act_keep=keep,
-                    act_selective=sel, other_params=other, o_in=H * d * BF16)
+                    act_selective=sel, other_params=other, o_in=H * d * BF16, window=window)
 
 
 def dense_mlp_work(spec: ModelSpec) -> PartWork:
@@ -538,7 +539,7 @@ def bf16_weight_copy(plan: Plan, cluster: ClusterSpec, dense: float, expert: flo
     parameters; Megatron's bf16 model parameters). With Plan.quantized_params the low-precision GEMMs' weights are
     held only in their GEMM format (the fp8_weights term), so just the embedding / head and the rest stay bf16."""
     if plan.quantized_params and fp8_recipe_runs(plan.precision, cluster):
-        return dense - max(0.0, dense - vocab)
+        return min(dense, vocab)
     return dense + expert
 
 
@@ -1010,7 +1011,12 @@ def cp_attention_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -
         kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
         if spec.mla.indexer is not None:
             kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
-    comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag", ctx.cal.comm)
+    if part.window is not None and part.window < ctx.tokens:
+        # sliding window: a rank's queries reach back `window` keys, all on the previous shard: one send of the
+        # window's keys and values per sequence, not the all-gather (ctx.tokens is the rank's shard)
+        comm = p2p_time(cluster, plan.micro_batch_size * part.window * kv, plan.tp)
+    else:
+        comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag", ctx.cal.comm)
     return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
 
 

@@ -61,6 +61,12 @@ def test_sliding_window_attention_flops():
     brute = sum(min(t, w) for t in range(1, s + 1)) / s
     assert work.layers[0].parts[0].attn_flops == pytest.approx(4 * H * E * brute)
     assert work.layers[1].parts[0].attn_flops == pytest.approx(4 * H * E * (s + 1) / 2)
+    # under context parallelism a window's keys come from the previous shard only: less traffic than the all-gather
+    cm = _model(spec, devices=2, seq=s)
+    plan = _plan(name="g", devices=2, cp=2, dp_shard=1, zero_stage=0, global_batch_size=2)
+    swa, full = (C.cp_attention_times(lw.parts[0], C.Ctx(plan, spec, cm.cluster, cm.cal, s / 2), 0.0, 0.0)
+                 for lw in cm.work.layers[:2])
+    assert 0 < swa[0] < full[0]
     with pytest.raises(ValueError, match="sliding_window"):
         _gqa_spec(sliding_window_layers=[1])
     assert "sliding-window" in " ".join(spec.build_support_errors())

@@ -25,8 +25,9 @@ RecomputeMode = Literal["none", "selective", "full"]
 Precision = Literal["bf16", "fp8", "fp8_tensorwise", "mxfp8", "nvfp4"]
 RUNTIME_PRECISIONS = ("bf16", "fp8")
 # host (CPU) time the planner charges (moestack/planner/host_profile.py): moestack's eager trainer, or a published
-# framework's run it is validated against (Megatron-LM / Megatron-Bridge without and with CUDA graphs)
-HostProfileName = Literal["eager", "megatron", "megatron-graphs"]
+# framework's run it is validated against (Megatron-LM / Megatron-Bridge without CUDA graphs, with per-module graphs,
+# with the whole iteration captured)
+HostProfileName = Literal["eager", "megatron", "megatron-graphs", "megatron-full-graphs"]
 Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
 # chunks (virtual stages) each pipeline rank holds, per schedule; None = any vpp >= 2
 SCHEDULE_VPP: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": None, "zbv": 2, "dualpipev": 2}

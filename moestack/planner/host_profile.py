@@ -8,8 +8,9 @@ training code, not to the GPU:
   eager            moestack's eager trainer (the default): Calibration.host, fitted on 2 x H200 runs of the proxy
                    or measured by `moestack tune --measure-host` (calibration.HostCalibration says how).
   megatron         Megatron-LM / Megatron-Bridge without CUDA graphs.
-  megatron-graphs  Megatron-Bridge with Transformer Engine CUDA graphs (attention / router / MoE preprocess
-                   captured, or the full iteration).
+  megatron-graphs  Megatron-Bridge with Transformer Engine CUDA graphs of the attention, router and MoE preprocess.
+  megatron-full-graphs  Megatron-Bridge with the whole iteration captured (cuda_graph_impl full_iteration): no host
+                   time, and the MoE dispatch runs without a host sync (it must, to be captured).
 
 Not offered: a compiled / CUDA-graph moestack profile. The trainer has no torch.compile or graph-capture mode, so
 there is nothing to measure such a profile on.
@@ -32,11 +33,14 @@ HOST_PROFILES: dict[str, HostCalibration] = {
                                 source="Megatron-LM / Megatron-Bridge without CUDA graphs: fitted on published runs"),
     "megatron-graphs": HostCalibration(layer_s=0.0, ep_moe_s=0.004, tp_layer_s=0.0, fp8_layer_s=0.0, moe_sync_s=0.0015,
                                        source="Megatron-Bridge with TE CUDA graphs: fitted on published runs"),
+    "megatron-full-graphs": HostCalibration(layer_s=0.0, ep_moe_s=0.0, tp_layer_s=0.0, fp8_layer_s=0.0,
+                                            moe_sync_s=0.0, source="Megatron-Bridge full-iteration CUDA graphs"),
 }
 
 
 # the training code a profile names, for the terms where it saves tensors differently (cost.megatron_saved_delta)
-FRAMEWORK = {"eager": "moestack", "megatron": "megatron", "megatron-graphs": "megatron"}
+FRAMEWORK = {"eager": "moestack", "megatron": "megatron", "megatron-graphs": "megatron",
+             "megatron-full-graphs": "megatron"}
 
 
 def framework_of(profile: str) -> str:

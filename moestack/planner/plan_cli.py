@@ -2,7 +2,8 @@
 
 plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
      [--plot DIR] [--out plan.yaml] [--precision bf16|fp8|fp8_tensorwise|mxfp8|nvfp4]
-     [--optimizer adamw|adamw_bf16|muon] [--calibration F] [--host-profile eager|megatron|megatron-graphs]
+     [--optimizer adamw|adamw_bf16|muon] [--calibration F]
+     [--host-profile eager|megatron|megatron-graphs|megatron-full-graphs]
 tune MODEL [--plan plan.yaml] [--out calibration.json]
 tune-comm --out comm.json [--sizes-mib 1,16,128] [--iters N] [--dtype fp32|bf16] [--merge-into calibration.json]
           (under torchrun, >= 2 ranks); tune-comm --from comm.json --merge-into calibration.json (no torchrun)
@@ -45,7 +46,8 @@ def plan(
     ] = None,
     host_profile: Annotated[
         str, typer.Option("--host-profile", help="whose host launches the kernels: eager (moestack's trainer, the "
-                          "calibration's host) | megatron | megatron-graphs (Megatron-LM runs; planner/host_profile.py)")
+                          "calibration's host) | megatron | megatron-graphs | megatron-full-graphs (Megatron-LM runs; "
+                          "planner/host_profile.py)")
     ] = "eager",
 ) -> None:
     """Find the fastest parallel plan that fits, or evaluate one (--fix); write the best as plan.yaml."""

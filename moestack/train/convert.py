@@ -477,7 +477,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, family: str | None = N
     from moestack.train.checkpoint import forget_fp8_weights
 
     forget_fp8_weights()
-    return LoadedHF(done, layout, nmap.family, skipped, nmap)
+    return LoadedHF(done, layout_without(layout, skipped), nmap.family, skipped, nmap)
 
 
 def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, family: str | None = None,
@@ -508,7 +508,7 @@ def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, 
             model = Transformer(spec)
         model.load_state_dict(sd, strict=True, assign=True)
         extra = {
-            "converted_from": str(root), "family": nmap.family, "hf_layout": layout.to_json(),
+            "converted_from": str(root), "family": nmap.family, "hf_layout": layout_without(layout, skipped).to_json(),
             "model_spec": json.dumps(spec.model_dump(mode="json")), "skipped": skipped, "step": step,
         }
         return save_checkpoint(out_root, step, model, None, extra, keep=1)
@@ -639,6 +639,25 @@ def unpacked_layout(layout: HFLayout, dtype: torch.dtype = torch.bfloat16) -> HF
         index = {**index, "metadata": {**index["metadata"], "total_size": _total_bytes(shapes, dtypes)}}
     return replace(layout, files=files, dtypes=dtypes, shapes=shapes, index=index, packed={},
                    config=_without_quantization(layout.config))
+
+
+def layout_without(layout: HFLayout, logical_names: Sequence[str]) -> HFLayout:
+    """`layout` less the named (logical) tensors, e.g. the skipped vision tower: what an export writes back."""
+    if not logical_names:
+        return layout
+    drop = set(logical_names)
+    part_of = layout.part_of()
+    gone = {n for n in layout.shapes if part_of.get(n, n) in drop}
+    files = [(f, [n for n in names if n not in gone]) for f, names in layout.files]
+    files = [(f, names) for f, names in files if names]
+    shapes = {k: v for k, v in layout.shapes.items() if k not in gone}
+    dtypes = {k: v for k, v in layout.dtypes.items() if k not in gone}
+    index = layout.index
+    if index is not None and "total_size" in index.get("metadata", {}):
+        index = {**index, "metadata": {**index["metadata"], "total_size": _total_bytes(shapes, dtypes)}}
+    return replace(layout, files=files, shapes=shapes, dtypes=dtypes, index=index,
+                   file_metadata={f: layout.file_metadata.get(f) for f, _ in files},
+                   packed={k: v for k, v in layout.packed.items() if k not in drop})
 
 
 def _without_quantization(config: str | None) -> str | None:

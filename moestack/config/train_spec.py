@@ -65,6 +65,9 @@ class DSATrainSpec(StrictModel):
 
 class TrainSpec(StrictModel):
     model: str = "tiny"  # preset name, ModelSpec YAML or HF config.json
+    # start from these model weights (a moestack checkpoint or an HF directory; moestack/train/init_from.py):
+    # optimizer, schedule, data position and step start fresh. --resume of an existing checkpoint takes precedence.
+    init_from: str | None = None
     out_dir: str = "runs/tiny"
     seed: int = 0
     steps: int = Field(default=300, gt=0)

@@ -245,8 +245,10 @@ class Trainer:
         )
 
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
+        self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         if self.dist is None:
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
+            self._init_weights(self.model)
             self._configure_dsa()
             self._configure_fp8(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
@@ -270,6 +272,18 @@ class Trainer:
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
+    def _init_weights(self, model: Transformer, sharded: bool = False, partial: bool = False) -> None:
+        """spec.init_from: the model weights from a checkpoint or HF directory (moestack/train/init_from.py)."""
+        if self.spec.init_from is None:
+            return
+        from moestack.train.init_from import load_initial_weights
+
+        result = load_initial_weights(model, self.spec.init_from, sharded=sharded, partial=partial)
+        self._init_extra = result.extra
+        if result.skipped_line:
+            self.log(result.skipped_line)
+        self.log(result.message)
+
     def _configure_dsa(self, model: Transformer | None = None) -> None:
         model = model if model is not None else self.model
         dsa = self.spec.dsa
@@ -314,6 +328,7 @@ class Trainer:
         on_meta = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
+            self._init_weights(model)  # into the whole model: the sharding below slices the loaded weights
         self._configure_dsa(model)
         self._configure_fp8(model)
         if plan.pp > 1:
@@ -326,6 +341,7 @@ class Trainer:
             model.to_empty(device=self.device)
             torch.manual_seed(spec.seed)
             model.init_weights()  # DTensor random ops keep shards of one tensor on different streams (CUDA)
+            self._init_weights(model, sharded=True, partial=plan.pp > 1)  # a moestack checkpoint, resharded by DCP
         return model
 
     def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:
@@ -404,6 +420,8 @@ class Trainer:
             rng = ranks[self.dist.rank]
         restore_rng_state(rng)
         self.step = int(extra["step"])
+        if self.spec.init_from is not None:
+            self.log(f"--init-from {self.spec.init_from}: not used, the run's own checkpoint continues it")
         self.log(f"resumed from {path} at step {self.step}")
         return True
 
@@ -414,6 +432,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rng": capture_rng_state(),
             "model_name": self.model_spec.name,
+            **self._init_extra,
         }
         if self.dist is not None:
             states = [None] * dist.get_world_size()

@@ -48,6 +48,7 @@ from moestack.train.checkpoint import (
 from moestack.train.data import build_data, eval_batches
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from moestack.train.resume_settings import settings_record
 from moestack.train.step_profile import StepProfiler
 from moestack.train.tokenizer import build_tokenizer
 
@@ -400,9 +401,12 @@ class Trainer:
 
         The checkpoint may come from another layout (EP / FSDP / DP degrees, or a single device): DCP reshards the
         tensors, and the data position converts to this layout (adapt_sampler_state)."""
+        from moestack.train.resume_settings import apply_resume_settings, check_resume_settings, saved_extra
+
         path = path or latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
+        check_resume_settings(path, saved_extra(path), self.spec, self.plan)  # before the state replaces ours
         extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None)
         if self.pipeline is not None:  # tied embeddings: the two copies (first / last stage) must have loaded equal
             differ = self.pipeline.loaded_tie_mismatch(self.optimizer)
@@ -412,6 +416,8 @@ class Trainer:
                                       "ties them (tie_word_embeddings), so the checkpoint is damaged: move it out "
                                       f"of {Path(path).parent} to resume from the one before")
         self.scheduler.load_state_dict(extra["scheduler"])
+        for line in apply_resume_settings(self.optimizer, self.scheduler, extra, self.spec):  # this run's values
+            self.log(line)
         self.sampler.load_state_dict(
             adapt_sampler_state(extra["sampler"], self.sampler.batch_size, self.sampler.world_size))
         rng = extra["rng"]
@@ -432,6 +438,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rng": capture_rng_state(),
             "model_name": self.model_spec.name,
+            "train_settings": settings_record(self.spec, self.plan),
             **self._init_extra,
         }
         if self.dist is not None:
@@ -617,9 +624,11 @@ class Trainer:
                 self.log(f"step {self.step + 1}: non-finite loss or gradient, step skipped ({bad_steps} in a row)")
                 if bad_steps >= spec.max_bad_steps:
                     where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written"
+                    lr = self.spec.optimizer.lr
                     raise TrainingStopped(
                         f"stopped after {bad_steps} consecutive non-finite steps at step {self.step + 1}; {where}. "
-                        f"Lower optimizer.lr or check the data, then resume with --resume"
+                        f"Lower the learning rate (now {lr:.3g}) or check the data, then continue with --resume "
+                        f"--lr {lr / 10:.3g} (resume applies the new value)"
                     )
                 continue
             bad_steps = 0

@@ -80,6 +80,10 @@ class TrainSpec(StrictModel):
     precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_bad_steps: int = Field(default=3, gt=0)  # consecutive non-finite losses before the run stops
+    # quantisation-aware training. mxfp4_experts: the routed experts' forward uses their MXFP4 values (the
+    # released K3 format, moestack/ops/mxfp4.py) with a straight-through gradient, so an MXFP4 export stores
+    # exactly the weights the run trained with
+    qat: Literal["none", "mxfp4_experts"] = "none"
     data: DataSpec = DataSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()

@@ -250,6 +250,7 @@ class Trainer:
         if self.dist is None:
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._init_weights(self.model)
+            self._configure_qat(self.model)
             self._configure_dsa()
             self._configure_fp8(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
@@ -284,6 +285,22 @@ class Trainer:
         if result.skipped_line:
             self.log(result.skipped_line)
         self.log(result.message)
+
+    def _configure_qat(self, model: Transformer) -> None:
+        """spec.qat mxfp4_experts: every routed-expert module fake-quantises its weights to MXFP4."""
+        if self.spec.qat == "none":
+            return
+        from moestack.ops.mxfp4 import GROUP
+
+        widths = {m.experts.w_gate_up.shape[-1] for m in model.moe_layers().values()} | \
+            {m.experts.w_down.shape[-1] for m in model.moe_layers().values()}
+        bad = sorted(w for w in widths if w % GROUP)
+        if bad:
+            raise ConfigError(f"qat: mxfp4_experts needs expert widths (latent / hidden and intermediate sizes) that "
+                              f"are multiples of {GROUP}; this model has {', '.join(map(str, bad))}")
+        for moe in model.moe_layers().values():
+            moe.experts.fake_quant = "mxfp4"
+        self.log(f"qat: routed experts of {len(model.moe_layers())} MoE layers train on their MXFP4 values")
 
     def _configure_dsa(self, model: Transformer | None = None) -> None:
         model = model if model is not None else self.model
@@ -330,6 +347,7 @@ class Trainer:
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
             self._init_weights(model)  # into the whole model: the sharding below slices the loaded weights
+        self._configure_qat(model)
         self._configure_dsa(model)
         self._configure_fp8(model)
         if plan.pp > 1:

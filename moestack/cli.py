@@ -53,6 +53,9 @@ def train(
     tokenizer: Optional[str] = typer.Option(None, help="'byte' or path to a local tokenizer.json"),
     dsa_mode: Optional[str] = typer.Option(None, "--dsa-mode", help="dense (indexer warm-up) | sparse"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    init_from: Optional[str] = typer.Option(None, "--init-from",
+                                            help="start from these model weights (moestack checkpoint or HF "
+                                                 "directory); fresh optimizer, schedule and data position"),
     set_: list[str] = typer.Option([], "--set", help="any TrainSpec field, dotted: --set optimizer.weight_decay=0"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     memory_report: bool = typer.Option(False, "--memory-report",
@@ -80,13 +83,18 @@ def train(
         if clash:
             raise ConfigError(f"{' '.join(clash)}: with --plan the plan sets the batch layout (micro_batch_size, "
                               "global_batch_size, seq_len); edit the plan instead")
+    if model is None and run_plan is None and init_from is not None:  # an HF directory names its own model
+        from moestack.train.init_from import hf_config_path
+
+        found = hf_config_path(init_from)
+        model = str(found) if found is not None else None
     model = model or (run_plan.model if run_plan is not None else "tiny")
     overrides = {"model": model}
     flag_values = {
         "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "optimizer.lr": lr, "device": device, "precision": precision,
         "data.paths": data, "data.source": data_source, "data.tokenizer": tokenizer, "dsa.mode": dsa_mode,
-        "profile_steps": profile_steps,
+        "profile_steps": profile_steps, "init_from": init_from,
     }
     overrides.update({k: v for k, v in flag_values.items() if v is not None})
     if data and data_source is None:

@@ -194,13 +194,23 @@ def _register_commands() -> None:
 _register_commands()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from moestack.train.checkpoint import CheckpointError
-    from moestack.train.trainer import TrainingStopped
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions printed as one line. The checkpoint and trainer errors are caught only when their (torch-importing)
+    modules were loaded by the command: a command that never imported them cannot raise them, and `plan` /
+    `profile` stay free of the torch import (seconds)."""
+    errors: list[type[BaseException]] = [ConfigError, ValueError, FileNotFoundError]
+    lazy = (("moestack.train.checkpoint", "CheckpointError"), ("moestack.train.trainer", "TrainingStopped"))
+    for module, name in lazy:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            errors.append(getattr(loaded, name))
+    return tuple(errors)
 
+
+def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=argv, standalone_mode=False)
-    except (ConfigError, CheckpointError, TrainingStopped, ValueError, FileNotFoundError) as err:
+    except _user_errors() as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         err_console.print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
         return 2

@@ -28,7 +28,7 @@ from torch import nn
 
 from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.model_spec import ModelSpec
-from moestack.config.plan import Plan
+from moestack.config.plan import Plan, runtime_unsupported
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
@@ -176,6 +176,9 @@ def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
     recipe (moestack/train/fp8.py)."""
+    unsupported = runtime_unsupported(plan)
+    if unsupported:
+        raise ConfigError(f"plan: the trainer cannot run {'; '.join(unsupported)}")
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
               "seq_len": plan.seq_len}
     if plan.precision == "fp8":

@@ -108,6 +108,9 @@ class CompiledBlocks:
         """Compile every Block of `model` (a Transformer or a pipeline stage of one) in place; returns it."""
         if self.report.runs == "none":
             return model
+        from moestack.ops.opaque import activate
+
+        activate()  # the op entry points become graph boundaries (moestack/ops/opaque.py)
         options: dict = {"backend": self.spec.backend, "fullgraph": self.spec.fullgraph}
         if self.graphs:
             options["mode"] = "reduce-overhead"

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
+from moestack.ops.opaque import opaque
 
 __all__ = ["gated_rmsnorm", "gated_rmsnorm_reference"]
 
@@ -112,6 +113,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         return do.view(ctx.shapes[0]), dz.view(ctx.shapes[1]), pdw.sum(0).to(weight.dtype), None, None
 
 
+@opaque
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                   act: str = "sigmoid") -> torch.Tensor:
     """Fused RMSNorm(o) * weight * act(z) over the last dim (module docstring). o, z [..., V] on CUDA (or CPU

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops.opaque import opaque
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KINDS = {"situ_glu": 0, "swiglu": 1}
 
@@ -134,6 +136,7 @@ def glu_backward(gate_up_N2I: torch.Tensor, da_NI: torch.Tensor, kind: str, beta
     return dgu
 
 
+@opaque
 def fused_glu(gate_up_N2I: torch.Tensor, kind: str = "situ_glu", beta: float = 4.0,
               lin_beta: float = 25.0) -> torch.Tensor:
     """act(gate_up[:, :I], gate_up[:, I:]) [N, I] in gate_up's dtype, fp32 math; saves only gate_up."""

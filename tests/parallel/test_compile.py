@@ -92,8 +92,9 @@ def test_trainer_aot_eager_matches_eager(tmp_path):
 @pytest.mark.slow
 def test_inductor_matches_eager():
     """One (KDA, dense MLP) block compiled by inductor (CPU C++ kernels) in fp32: the loss bit for bit (measured:
-    inductor keeps these reductions in ATen's order), every gradient within 1e-5 (measured <= 5e-6 relative on the
-    tiny preset's four blocks)."""
+    inductor keeps these reductions in ATen's order), every gradient within 1e-5 of its largest element (inductor
+    reorders the backward's sums: measured <= 5e-6 on the tiny preset's four blocks; elementwise relative errors
+    are larger where a gradient entry is a small difference of large terms)."""
     if compile_mod._cxx_compiler() is None:
         pytest.skip("no C++ compiler for inductor's CPU backend")
     spec = _spec(layers=1)
@@ -107,7 +108,8 @@ def test_inductor_matches_eager():
         model(x, y).backward()
     assert torch.equal(eager(x, y), compiled(x, y))
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7 * a.grad.abs().max().item(), msg=name)
+        err = float((b.grad - a.grad).abs().max() / a.grad.abs().max())
+        assert err <= 1e-5, (name, err)
 
 
 @pytest.mark.gpu

@@ -167,6 +167,8 @@ def convert(
                                                                      "purpose (repeatable)")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="HF shard size without a recorded "
                                                                          "layout")] = "5GB",
+    trust_key_file: Annotated[Optional[Path], typer.Option("--trust-key-file", help="key file: sign the "
+                              "checkpoint written (from HF), refuse a checkpoint not signed with it (to HF)")] = None,
 ) -> None:
     """HF safetensors <-> moestack checkpoint, streaming shard by shard; bit-exact both ways."""
     import json
@@ -179,10 +181,12 @@ def convert(
     from moestack.planner.adapt import parse_bytes
     from moestack.planner.profile import load_any_model_spec
     from moestack.train.convert import CheckpointSource, export_hf, hf_to_checkpoint
+    from moestack.train.safe_load import read_trust_key
 
     if dtype is not None and dtype not in _DTYPE_FLAGS:
         raise ConfigError(f"--dtype: must be one of {', '.join(_DTYPE_FLAGS)}, got '{dtype}'")
     torch_dtype = getattr(torch, _DTYPE_FLAGS[dtype]) if dtype and _DTYPE_FLAGS[dtype] else None
+    trust_key = read_trust_key(trust_key_file, "--trust-key-file")
     console = Console()
     t0 = time.time()
     if _is_hf_dir(src):
@@ -191,7 +195,7 @@ def convert(
         if model is None and not (src / "config.json").is_file():
             raise ConfigError(f"convert: {src} has no config.json; pass --model")
         spec = load_any_model_spec(model) if model else load_hf_config(src).spec
-        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype)
+        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype, trust_key=trust_key)
         n = len(CheckpointSource(path).tensors)
         console.print(f"wrote {path}: {n} tensors of model '{spec.name}' ({time.time() - t0:.1f} s)", highlight=False)
         return
@@ -199,7 +203,7 @@ def convert(
         raise ConfigError(f"convert: {src}: no such file or directory")
     if dtype == "keep":
         raise ConfigError("--dtype: converting to HF takes bf16, fp32 or fp16")
-    source = CheckpointSource(_checkpoint_dir(src))
+    source = CheckpointSource(_checkpoint_dir(src), trust_key)
     if model is not None:
         spec = load_any_model_spec(model)
     elif "model_spec" in source.extra:

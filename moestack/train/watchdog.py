@@ -110,7 +110,7 @@ def diagnose(heartbeat: Heartbeat | None, rank: int, interval_s: float) -> tuple
     if silent:
         many = len(silent) > 1
         return (f"rank{'s' if many else ''} {_ranks(silent)} stopped answering (stopped, hung with the GIL held, "
-                f"or dead: no heartbeat for {2.5 * interval_s:.0f} s)"), reporter
+                f"or dead: no heartbeat for {2.5 * interval_s:.1f} s)"), reporter
     behind = sorted(r for r, s in steps.items() if s < max(steps.values(), default=0))
     if behind:
         return (f"every rank still answers; rank{'s' if len(behind) > 1 else ''} {_ranks(behind)} "
@@ -177,6 +177,6 @@ def rank_failure(err: BaseException, heartbeat: Heartbeat | None, rank: int, int
     """The RankFailure for a communication error `err` raised on this rank `where` ("during step N ...")."""
     others, reporter = diagnose(heartbeat, rank, interval_s)
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo prefixes its source location
-    return RankFailure(f"a collective failed on rank {rank} {where} ({first}); {others}; fix or replace the node, "
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]  # gloo prefixes its source location
+    return RankFailure(f"a collective failed on rank {rank} ({first}) {where}; {others}; fix or replace the node, "
                        "then resume with --resume", reporter)

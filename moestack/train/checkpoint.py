@@ -391,7 +391,7 @@ def find_resumable(root: str | Path, trust_key: bytes | None = None) -> tuple[Pa
             raise
         except CheckpointError as err:
             reason = str(err).removeprefix(f"checkpoint {path}: ").split("; use an earlier")[0]
-            notes.append(f"skipped {path.name} ({reason})")
+            notes.append(f"skipped {path.name}: {reason}")
             continue
         if notes:
             notes[-1] += f"; resuming from {path.name}, the newest intact checkpoint"

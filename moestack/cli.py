@@ -231,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except typer.Abort:
         return 1
-    except typer.exceptions.TyperException as err:  # usage errors (bad flag value, unknown option)
-        if hasattr(err, "show") and lead:
+    except typer.exceptions.TyperException as err:  # usage errors (bad flag value, unknown option): one line
+        ctx = getattr(err, "ctx", None)
+        if hasattr(err, "format_message") and getattr(err, "exit_code", 2) == 2:  # click's UsageError family
+            path = ctx.command_path if ctx is not None else "moestack"
+            _error(f"{err.format_message()} (see {path} --help)", lead)
+        elif hasattr(err, "show") and lead:
             err.show()
         return getattr(err, "exit_code", 2)
     return rc if isinstance(rc, int) else 0

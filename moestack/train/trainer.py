@@ -418,6 +418,13 @@ class Trainer:
         The checkpoint may come from another layout (EP / FSDP / DP degrees, or a single device): DCP reshards the
         tensors, and the data position converts to this layout (adapt_sampler_state)."""
         self._guard.claim()
+        try:
+            return self._resume(path)
+        except BaseException:
+            self._guard.release()  # a refused checkpoint leaves the folder free, nothing half-claimed
+            raise
+
+    def _resume(self, path: Path | None) -> bool:
         if path is None:
             path, notes = find_resumable(self.ckpt_dir, self._trust_key)
             for note in notes:
@@ -599,18 +606,19 @@ class Trainer:
     def fit(self, progress=None) -> dict:
         spec = self.spec
         self._guard.claim()
-        if self.step == 0 and not self._resumed and step_dirs_any(self.ckpt_dir):
-            newest = step_dirs_any(self.ckpt_dir)[0][1]
-            raise ConfigError(f"out_dir: '{self.out_dir}' holds checkpoints of an earlier run (newest {newest.name}); "
-                              "continue it with --resume, or train into a new --out (a new run here would mix "
-                              "with them)")
-        if self.is_main:
-            self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard, start_step=self.step)
-            later, torn = self.metrics.dropped
-            if later or torn:
-                self.log(f"metrics.jsonl: dropped {later} record(s) after step {self.step} (replayed by this run)"
-                         + (f" and {torn} torn line(s)" if torn else ""))
         try:
+            if self.step == 0 and not self._resumed and step_dirs_any(self.ckpt_dir):
+                newest = step_dirs_any(self.ckpt_dir)[0][1]
+                raise ConfigError(f"out_dir: '{self.out_dir}' holds checkpoints of an earlier run (newest "
+                                  f"{newest.name}); continue it with --resume, or train into a new --out (a new run "
+                                  "here would mix with them)")
+            if self.is_main:
+                self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard,
+                                             start_step=self.step)
+                later, torn = self.metrics.dropped
+                if later or torn:
+                    self.log(f"metrics.jsonl: dropped {later} record(s) after step {self.step} (replayed by this "
+                             "run)" + (f" and {torn} torn line(s)" if torn else ""))
             return self._fit(progress)
         except Exception as err:
             failure = self._guard.failure(err)

@@ -45,7 +45,8 @@ class RunGuard:
         heartbeat = Heartbeat.connect(self.rank, self.world) if self.world > 1 else None
         bounds = [m * 60 for m in (self.timeouts.watchdog_minutes, self.timeouts.collective_minutes) if m > 0]
         interval = min(10.0, max(1.0, min(bounds) / 10))  # beats often enough to tell within the tighter bound
-        self.watchdog = Watchdog(self.timeouts.watchdog_minutes * 60, self.rank, heartbeat, self.describe, interval)
+        self.watchdog = Watchdog(self.timeouts.watchdog_minutes * 60, self.rank, heartbeat, self.describe, interval,
+                                 self.world)
         self.watchdog.start()
 
     def mark(self, step: int | None = None) -> None:

@@ -96,8 +96,10 @@ def _ranks(ranks: list[int], limit: int = 8) -> str:
     return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 
-def diagnose(heartbeat: Heartbeat | None, rank: int, interval_s: float) -> tuple[str, bool]:
+def diagnose(heartbeat: Heartbeat | None, rank: int, interval_s: float, world: int = 2) -> tuple[str, bool]:
     """(what the heartbeats say about the other ranks, whether this rank reports it)."""
+    if world <= 1:
+        return "one process, stuck in this step (I/O, a deadlock, or a step longer than the bound)", True
     if heartbeat is None:
         return "which rank stalled is unknown (no heartbeat store)", True
     try:
@@ -123,8 +125,9 @@ class Watchdog:
     been called for bound_s. `describe()` gives "during step N ...; last checkpoint: ..." for the line."""
 
     def __init__(self, bound_s: float, rank: int, heartbeat: Heartbeat | None, describe: Callable[[], str],
-                 interval_s: float | None = None):
+                 interval_s: float | None = None, world: int = 1):
         self.bound_s, self.rank, self.heartbeat, self.describe = bound_s, rank, heartbeat, describe
+        self.world = world
         self.interval_s = interval_s or min(10.0, max(1.0, (bound_s or 100.0) / 10))
         self.step = 0
         self._last = time.monotonic()
@@ -162,7 +165,7 @@ class Watchdog:
                 self._fire(idle)
 
     def _fire(self, idle_s: float) -> None:
-        others, reporter = diagnose(self.heartbeat, self.rank, self.interval_s)
+        others, reporter = diagnose(self.heartbeat, self.rank, self.interval_s, self.world)
         if reporter:
             line = (f"error: no progress for {idle_s / 60:.1f} min (timeouts.watchdog_minutes = "
                     f"{self.bound_s / 60:g}) {self.describe()}; {others}; ending the run on every rank that still "

@@ -15,13 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from moestack.config.plan import make_plan, save_plan
-from moestack.train.watchdog import EXIT_STALLED, Heartbeat, RankFailure, is_comm_error
+from moestack.train.watchdog import EXIT_STALLED, Heartbeat, RankFailure, Watchdog, is_comm_error
 
 _REPO = Path(__file__).resolve().parents[2]
 STEPS_BEFORE_FAULT = 3
@@ -170,3 +171,28 @@ def test_heartbeat_names_the_silent_rank(monkeypatch):
     assert "rank 1 stopped answering" in what and not reporter  # rank 0 still beats: it reports
     what, reporter = wd.diagnose(beats[0], 0, interval_s=1.0)
     assert reporter
+
+
+def test_watchdog_ends_a_stuck_single_process(monkeypatch, capsys):
+    """No mark() within the bound: one line naming the step and the last checkpoint, then exit EXIT_STALLED (here
+    os._exit is replaced so the test process survives); marks in time keep it quiet."""
+    exits, fired = [], threading.Event()
+
+    def fake_exit(code):
+        exits.append(code)
+        fired.set()
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    dog = Watchdog(0.4, 0, None, lambda: "during step 4 (3 completed); last checkpoint: ck/step_00000002",
+                   interval_s=0.05)
+    dog.start()
+    for step in range(1, 6):  # progress every 0.1 s: no alarm
+        time.sleep(0.1)
+        dog.mark(step)
+    assert not fired.is_set()
+    assert fired.wait(5)
+    dog.stop()
+    assert exits[0] == EXIT_STALLED
+    err = capsys.readouterr().err.strip().splitlines()[0]
+    assert err.startswith("error: no progress for") and "during step 4" in err and "step_00000002" in err
+    assert "one process" in err

@@ -307,6 +307,13 @@ class ModelSpec(StrictModel):
         mixer, ffn = LAYER_PATTERN_CHARS[char]
         return LayerKind(self.attention if mixer == "attention" else mixer, ffn)
 
+    def attn_res_blocks_before(self, layer: int) -> int:
+        """Completed Attention-Residual blocks entering 0-based `layer` (the embedding is the first; a block is
+        completed at each layer whose index is a multiple of attn_res_block_size): ceil(layer / block size).
+        0 without Attention Residuals. `layer` = num_layers gives what the output aggregation reads."""
+        size = self.attn_res_block_size
+        return 0 if size is None else -(-layer // size)
+
     def mtp_block_kinds(self) -> list[LayerKind]:
         """Blocks of one MTP (next-n prediction) module; [] when mtp_layers is 0."""
         if self.mtp_layers == 0:
@@ -326,8 +333,6 @@ class ModelSpec(StrictModel):
             errors.append("not supported: single-sublayer blocks (layer_pattern)")
         if self.activation == "relu2":
             errors.append("not supported: relu2 (non-gated) MLPs")
-        if self.attn_res_block_size is not None:
-            errors.append("not supported: attention residuals (attn_res_block_size)")
         if self.moe is not None and self.moe.shared_expert_gate:
             errors.append("not supported: moe.shared_expert_gate")
         for name in ("mla", "gqa"):

@@ -176,6 +176,7 @@ def build_stage_modules(model: Transformer, stage_layer_ids: list[int], is_first
     stage.spec = model.spec
     stage.embed = model.embed if is_first else None
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in stage_layer_ids})
+    stage.out_res = getattr(model, "out_res", None) if is_last else None  # Attention Residuals' output aggregation
     stage.norm = model.norm if is_last else None
     stage.lm_head = model.lm_head if is_last else None
     return stage

@@ -314,6 +314,13 @@ class ModelSpec(StrictModel):
         size = self.attn_res_block_size
         return 0 if size is None else -(-layer // size)
 
+    def attn_res_sources(self, layer: int) -> tuple[int, int]:
+        """Sources of 0-based `layer`'s two Attention-Residual mixes (before the mixer, before the FFN): the
+        completed blocks, plus the current block's partial sum unless the layer starts a block (mixer)."""
+        n = self.attn_res_blocks_before(layer + 1)  # completed blocks during the layer (incl. one it closes)
+        starts = layer % self.attn_res_block_size == 0
+        return n + (0 if starts else 1), n + 1
+
     def mtp_block_kinds(self) -> list[LayerKind]:
         """Blocks of one MTP (next-n prediction) module; [] when mtp_layers is 0."""
         if self.mtp_layers == 0:

@@ -1,24 +1,50 @@
-"""Block Attention Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031), as Kimi K3 uses them.
+"""Block Attention Residuals (Kimi Team, "Attention Residuals", arXiv:2603.15031), exactly as Kimi K3 uses them.
 
-A learned softmax over depth replaces the residual stream. Per token, with sources v_0 .. v_{n-1} [D]:
+Sources: the paper and the K3 technical report (arXiv:2607.24653, Sec. 2.2: "we partition its layers into 8 blocks
+with 12-layer size, giving a partial final block and 9 total blocks when counting the embedding layer"); the
+structure of the released modeling code (modeling_kimi_linear.py, as public ports transcribe it: a running
+`prefix_sum`, a growing `block_residual` stack, `_apply_attn_res`) and the checkpoint's tensor names. Written here
+from that math, not copied.
 
-    k_i   = v_i / sqrt(mean(v_i^2) + eps)            RMSNorm of each source, without a weight
-    s_i   = w . k_i,   w = norm_weight * proj_weight  one learned pseudo-query [D] (the two stored factors)
+One mix (a learned softmax over depth replacing the residual sum). Per token, sources v_0 .. v_{n-1} [D]:
+
+    k_i   = v_i / sqrt(mean(v_i^2) + eps)            RMSNorm of each source (keys = values, normalised, no weight)
+    s_i   = w . k_i,   w = norm_weight * proj_weight  the learned pseudo-query [D] (stored as its two factors)
     a     = softmax_i(s)                              over the n sources, in fp32 (fp64 stays fp64)
-    out   = sum_i a_i v_i                             cast back to the sources' dtype
+    out   = sum_i a_i v_i                             (the un-normalised values), cast back to the sources' dtype
 
-Which sources each sub-layer reads (moestack/model/README.md, "Attention Residuals", has the whole model): the
-completed block representations b_0 (the embedding), b_1, ... and the partial sum of the current block. An
-AttnRes module is the pair (norm_weight [D], proj_weight [1, D]) of the released checkpoint's
-`*_attn_res_norm.weight` / `*_attn_res_proj.weight`; both are replicated under every parallelism and the
-aggregation is token-local.
+The query does not depend on the token's state; the RMSNorm keeps sources with large outputs from dominating.
 
-`attn_res_reference` is the spec (stacks the sources, plain autograd). `attn_res` is what the model runs: an
-autograd.Function that never stacks. It keeps only references to the sources (which earlier layers produced and
-which stay alive anyway), the softmax weights and the per-source rstd [n, N] for backward: the stacked form would
-save an n x [N, D] copy per sub-layer, i.e. O(L^2) activation memory over the depth.
+The model (S = attn_res_block_size; blocks b_0 = embedding, b_1, ...; a block's representation is the SUM of its
+layers' sub-layer outputs, the partial sum p of the running block):
 
-Legend: n sources, N tokens (any leading shape), D hidden.
+    p = embed(tokens); B = []
+    for layer l = 0 .. L-1:
+        if l % S == 0: B = B + [p]; p = None             # the running block is complete (layer 0: the embedding)
+        h = mix_attn(B + [p])  (B alone when p is None)  # per layer: its own pseudo-query before the mixer ...
+        p = mixer(attn_norm(h)) (+ p)
+        h = mix_ffn(B + [p])                             # ... and another before the FFN
+        p = p + ffn(ffn_norm(h))
+    logits = lm_head(norm(mix_out(B + [p])))             # the output mix reads every block, then the final norm
+
+The pre-norms (attn_norm, ffn_norm) sit after the mix, as the plain model's sit on its residual stream; the
+sub-layers' outputs are never normalised themselves. At layer 0 the mixer's mix has one source (the embedding)
+and returns it exactly: the released code skips that call, which is the same value; here its two weights get an
+exact zero gradient. K3 (93 layers, S 12): blocks close at layers 0, 12, .., 84; the output mix reads 8 completed
+blocks and the partial block of layers 84..92 (9 sources); a layer's mixes read up to 9. Parameters: per layer 2
+mixes x (norm_weight [D] + proj_weight [1, D]), plus the output mix: 93 x 4 x 7168 + 2 x 7168 = 2,680,832 in K3.
+Checkpoint names: layers.{i}.self_attention_res_{norm,proj}.weight, layers.{i}.mlp_res_{norm,proj}.weight,
+output_attn_res_{norm,proj}.weight (moestack/train/hf_names.py). Initialisation (paper): the pseudo-query is zero, so
+every mix starts as the plain mean of its sources; norm weights 1. Eps: the model's norm eps.
+
+Implementation: `attn_res_reference` is the spec (stacks the sources, plain autograd). `attn_res` is what the model
+runs: an autograd.Function that never stacks. It keeps references to the sources (partial sums earlier layers
+produced, alive anyway), the softmax weights, scores and per-source rstd [n, N] for backward: the stacked form
+would save an n x [N, D] copy per mix, i.e. O(L^2 / S) activation memory over the depth. The op is token-local:
+tensor / sequence / context parallelism leave it alone (its weights are replicated like a norm's); pipeline stages
+pass B and p stacked [n + 1, B, T, D] (moestack.model.transformer). Not fused: it reads each source three times.
+
+Legend: n sources, N tokens (any leading shape), D hidden, L layers.
 """
 
 from __future__ import annotations

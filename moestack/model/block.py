@@ -1,6 +1,6 @@
 """One pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(x)).
 
-With Attention Residuals (spec.attn_res_block_size, moestack/model/attn_res.py) the block reads the completed block
+With Attention Residuals (spec.attn_res_block_size; the math and sources: moestack/model/attn_res.py) the block reads the completed block
 representations `blocks` and the running partial sum x of its own block instead of one residual stream:
 
     h = AttnRes_attn(blocks + [x])      (blocks alone when x is None: this layer starts a new block)

@@ -3,7 +3,7 @@
 Single-device math only; parallelism is applied from outside (moestack.parallel). Blocks live in a ModuleDict keyed
 by layer number so pipeline stages can drop layers while keeping fully-qualified parameter names stable.
 
-With Attention Residuals (spec.attn_res_block_size = S; moestack/model/README.md) the blocks pass the completed block
+With Attention Residuals (spec.attn_res_block_size = S; moestack/model/attn_res.py) the blocks pass the completed block
 representations b_0 = embedding, b_1, ... and the partial sum of the current block instead of one hidden state; before
 layer l with l % S == 0 the partial sum becomes a completed block; the final norm reads `out_res` over all of them. A
 pipeline stage other than the last returns (and a stage other than the first takes) that state stacked as one tensor

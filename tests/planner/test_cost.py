@@ -14,7 +14,7 @@ import random
 import pytest
 
 from moestack.config.cluster import load_cluster_spec
-from moestack.config.plan import OffloadPolicy, RecomputePolicy, make_plan
+from moestack.config.plan import OffloadPolicy, RecomputePolicy, make_plan, runtime_unsupported
 from moestack.planner import cost as C
 from moestack.planner.calibration import load_calibration
 from moestack.planner.profile import load_any_model_spec, profile_model
@@ -23,7 +23,8 @@ from moestack.planner.report import simulate_pipeline
 MODELS = ["tiny", "proxy", "kimi-k3", "kimi-k3.1-pro", "tests/data/hf_configs/deepseek-v3.config.json",
           "tests/data/hf_configs/qwen3-30b-a3b.config.json", "tests/data/hf_configs/qwen3-next-80b-a3b.config.json",
           "tests/data/hf_configs/nemotron-3-super-120b-a12b.config.json", "tests/data/planner/llama3-405b.yaml",
-          "tests/data/planner/gpt3-175b.yaml"]
+          "tests/data/planner/gpt3-175b.yaml", "tests/data/planner/gpt-oss-120b.yaml",
+          "tests/data/planner/qwen3-235b-a22b.yaml", "tests/data/planner/llama3-70b.yaml"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -170,7 +171,9 @@ def test_memory_responds_to_sharding_recompute_offload():
     cm = _model(devices=8)
     base = cm.evaluate(_plan(dp_shard=8, zero_stage=1))
     z3 = cm.evaluate(_plan(dp_shard=8, zero_stage=3))
-    assert z3.memory["weights"] == pytest.approx(base.memory["weights"] / 8, rel=0.01)
+    # FSDP2 shards the fp32 weights at both stages (4 / 8 bytes per parameter); ZeRO-1 adds the bf16 copy kept from
+    # forward to backward (2 bytes), ZeRO-3 gathers it per layer (buffers)
+    assert z3.memory["weights"] == pytest.approx(base.memory["weights"] * 0.5 / (0.5 + 2), rel=0.01)
     assert base.memory["optimizer"] == pytest.approx(
         cm.evaluate(_plan(dp_replicate=8)).memory["optimizer"] / 8, rel=0.01)
     full = cm.evaluate(_plan(dp_shard=8, zero_stage=1, recompute=RecomputePolicy.uniform("full")))
@@ -179,7 +182,7 @@ def test_memory_responds_to_sharding_recompute_offload():
     assert full.step_time_s > sel.step_time_s > base.step_time_s
     off = cm.evaluate(_plan(dp_shard=8, zero_stage=1, offload=OffloadPolicy(optimizer=True)))
     assert off.memory["optimizer"] == 0 and off.host_bytes > 0
-    assert off.memory["weights"] == pytest.approx(base.memory["weights"] / 2, rel=0.01)  # bf16 copy only
+    assert off.memory["weights"] == pytest.approx(base.memory["weights"] * 2 / 2.5, rel=0.01)  # bf16 copy only
 
 
 def test_fp8_weight_cache_memory():
@@ -202,8 +205,10 @@ def test_ep_and_tp_split_memory():
     e1 = cm.evaluate(_plan(dp_shard=8, zero_stage=1))
     e8 = cm.evaluate(_plan(dp_shard=8, zero_stage=1, ep=8))
     work = cm.work
-    expert_bytes = work.expert_params * 4  # fp32 weights
-    assert e1.memory["weights"] - e8.memory["weights"] == pytest.approx(expert_bytes * 7 / 8, rel=0.01)
+    # per expert parameter: ep 1 shards the fp32 weights over dp 8 and holds the whole bf16 copy (4/8 + 2 bytes);
+    # ep 8 holds 1/8 of the experts, unsharded (edp 1): (4 + 2) / 8
+    per_param = (4 / 8 + 2) - (4 + 2) / 8
+    assert e1.memory["weights"] - e8.memory["weights"] == pytest.approx(work.expert_params * per_param, rel=0.01)
     t2 = cm.evaluate(_plan(tp=2, dp_shard=4, zero_stage=1))
     assert t2.memory["activations"] < e1.memory["activations"]
 
@@ -349,13 +354,15 @@ def test_deferred_tp_gradient_sums_once_per_step():
 
 
 def test_tp_collectives_exposed_and_fsdp_bf16_copy():
-    """moestack's TP collectives run on the compute stream (plan.tp_comm_overlap is not implemented): the same
-    time with and without the flag. A distributed ZeRO-0 plan (FSDP2 on one shard) holds the bf16 compute copy of
-    its parameters on top of the fp32 ones."""
+    """moestack's TP collectives run on the compute stream: plan.tp_comm_overlap (Megatron's userbuffers overlap, for
+    published runs) hides them behind the GEMMs in the model, and the trainer refuses it. A distributed ZeRO-0 plan
+    (FSDP2 on one shard) holds the bf16 compute copy of its parameters on top of the fp32 ones."""
     cm = _model(devices=2)
-    on = cm.evaluate(_plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2, tp_comm_overlap=True))
+    on_plan = _plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2, tp_comm_overlap=True)
+    on = cm.evaluate(on_plan)
     off = cm.evaluate(_plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2, tp_comm_overlap=False))
-    assert on.time["tp_comm"] == pytest.approx(off.time["tp_comm"]) and on.time["tp_comm"] > 0
+    assert 0 < on.time["tp_comm"] < 0.5 * off.time["tp_comm"]
+    assert any("tp_comm_overlap" in r for r in runtime_unsupported(on_plan))
     plan = _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=2, zero_stage=0)
     c = cm.evaluate(plan)
     d = sum(cm._part_params_local(p, plan)[0] for lw in cm.work.layers for p in lw.parts)

@@ -1,7 +1,8 @@
 """One pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(x)).
 
-With Attention Residuals (spec.attn_res_block_size; the math and sources: moestack/model/attn_res.py) the block reads the completed block
-representations `blocks` and the running partial sum x of its own block instead of one residual stream:
+With Attention Residuals (spec.attn_res_block_size; the math and sources: moestack/model/attn_res.py) the block
+reads the completed block representations `blocks` and the running partial sum x of its own block instead of one
+residual stream:
 
     h = AttnRes_attn(blocks + [x])      (blocks alone when x is None: this layer starts a new block)
     x = x + mixer(attn_norm(h))         (x = mixer(...) when x was None)

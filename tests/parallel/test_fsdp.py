@@ -191,7 +191,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-GROUPS = {"attn_res": ["ar_zero3", "ar_ep2_tp2_zero3"], "zero": ["dp4", "zero3", "zero2", "hsdp2x2"], "ep": ["ep2_zero3", "ep4_dp", "hier_ep2x2_zero2"],
+GROUPS = {"attn_res": ["ar_zero3", "ar_ep2_tp2_zero3"],
+          "zero": ["dp4", "zero3", "zero2", "hsdp2x2"], "ep": ["ep2_zero3", "ep4_dp", "hier_ep2x2_zero2"],
           "tp": ["tp2_zero3", "ep2_tp2_zero3", "cp2_tp2_zero3_scan"], "cp_etp": ["cp2_zero3", "cp2_ep4_zero2", "ep2_etp2_zero3", "hier_dedup_ep2x2_zero2"]}  # one job each (on one rank pool), each well under a minute
 
 

@@ -49,6 +49,7 @@ from moestack.train.checkpoint import (
     step_dirs_any,
 )
 from moestack.train.data import build_data, eval_batches
+from moestack.train.fits import check_single_device_fits
 from moestack.train.guard import RunGuard
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -275,6 +276,7 @@ class Trainer:
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         if self.dist is None:
+            check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._init_weights(self.model)
             self._configure_qat(self.model)

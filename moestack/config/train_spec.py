@@ -66,7 +66,8 @@ class TimeoutSpec(StrictModel):
     # with one line naming the rank that stopped answering (moestack/train/watchdog.py)
     collective_minutes: float = Field(default=10.0, gt=0)
     # no completed step, checkpoint save / load or evaluation for this long ends the run on every rank (exit 3);
-    # 0 = off. Raise it when one step or one checkpoint write takes longer
+    # 0 = off. Raise it when one step or one checkpoint write takes longer. On CUDA with several ranks the bound is
+    # at most collective_minutes (a stalled NCCL collective does not raise; moestack/train/guard.py)
     watchdog_minutes: float = Field(default=15.0, ge=0)
 
 

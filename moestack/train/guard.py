@@ -1,6 +1,11 @@
 """What a trainer holds while it writes into its run directory: the run lock (rank 0, moestack/train/run_dir.py),
 the progress watchdog and the heartbeat (every rank, moestack/train/watchdog.py). One object, so that the training
-loop has three calls: `claim()` before the first write, `mark(step)` on progress, `release()` at the end."""
+loop has three calls: `claim()` before the first write, `mark(step)` on progress, `release()` at the end.
+
+The watchdog's bound: timeouts.watchdog_minutes; on CUDA with several ranks also at most
+timeouts.collective_minutes. A stalled NCCL collective does not raise in Python (the host waits in a CUDA sync),
+so the watchdog is what reports it, naming the rank; NCCL's own timeout is set later as the backstop
+(trainer._init_distributed). Gloo raises in the collective itself: RankFailure."""
 
 from __future__ import annotations
 
@@ -14,6 +19,17 @@ from moestack.config.base import ConfigError
 from moestack.config.train_spec import TimeoutSpec
 from moestack.train.run_dir import RunLock
 from moestack.train.watchdog import Heartbeat, RankFailure, Watchdog, is_comm_error, rank_failure
+
+
+def watchdog_bounds(timeouts: TimeoutSpec, device_type: str, world: int) -> tuple[float, float]:
+    """(seconds without progress that end the run (0: never), seconds between heartbeats) -- see the module
+    docstring; beats come often enough (>= 10 per bound, 1..10 s) to tell a silent rank within the tighter bound."""
+    collective_s, watchdog_s = timeouts.collective_minutes * 60, timeouts.watchdog_minutes * 60
+    bound = watchdog_s
+    if device_type == "cuda" and world > 1:
+        bound = min(watchdog_s, collective_s) if watchdog_s > 0 else collective_s
+    interval = min(10.0, max(1.0, min(b for b in (bound, collective_s) if b > 0) / 10))
+    return bound, interval
 
 
 class RunGuard:
@@ -43,10 +59,8 @@ class RunGuard:
         if problem is not None:
             raise problem
         heartbeat = Heartbeat.connect(self.rank, self.world) if self.world > 1 else None
-        bounds = [m * 60 for m in (self.timeouts.watchdog_minutes, self.timeouts.collective_minutes) if m > 0]
-        interval = min(10.0, max(1.0, min(bounds) / 10))  # beats often enough to tell within the tighter bound
-        self.watchdog = Watchdog(self.timeouts.watchdog_minutes * 60, self.rank, heartbeat, self.describe, interval,
-                                 self.world)
+        bound, interval = watchdog_bounds(self.timeouts, self.device.type, self.world)
+        self.watchdog = Watchdog(bound, self.rank, heartbeat, self.describe, interval, self.world)
         self.watchdog.start()
 
     def mark(self, step: int | None = None) -> None:

@@ -132,13 +132,17 @@ class Distributed:
     owns_group: bool  # this trainer called init_process_group (and destroys it in close())
 
 
+NCCL_BACKSTOP_MINUTES = 2.0  # NCCL's timeout beyond timeouts.collective_minutes (_init_distributed)
+
 # above this many parameters the model is built on the meta device and initialised after sharding (GPU only)
 META_INIT_PARAMS = 4_000_000_000
 
 
 def _init_distributed(device: torch.device, plan: Plan, timeout_minutes: float = 10.0) -> tuple[torch.device, bool]:
     """Join (or create) the default process group: NCCL on CUDA, gloo on CPU, collectives bounded by
-    timeout_minutes (TrainSpec.timeouts). Returns (this rank's device, owns)."""
+    timeout_minutes (TrainSpec.timeouts; NCCL gets NCCL_BACKSTOP_MINUTES more: its collectives are asynchronous, so
+    the host waits in a CUDA sync that only moestack's watchdog can report, moestack/train/guard.py, and NCCL's
+    teardown is the backstop). Returns (this rank's device, owns)."""
     world = os.environ.get("WORLD_SIZE")
     if "RANK" in os.environ and world is not None and world.isdigit() and int(world) != plan.devices:
         raise ConfigError(f"--plan: the plan lays out {plan.devices} ranks but the launcher started {world}; run "
@@ -157,8 +161,9 @@ def _init_distributed(device: torch.device, plan: Plan, timeout_minutes: float =
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    backstop = NCCL_BACKSTOP_MINUTES if backend == "nccl" else 0.0
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
-                            timeout=timedelta(minutes=timeout_minutes))
+                            timeout=timedelta(minutes=timeout_minutes + backstop))
     return device, True
 
 

@@ -167,9 +167,9 @@ class Watchdog:
     def _fire(self, idle_s: float) -> None:
         others, reporter = diagnose(self.heartbeat, self.rank, self.interval_s, self.world)
         if reporter:
-            line = (f"error: no progress for {idle_s / 60:.1f} min (timeouts.watchdog_minutes = "
-                    f"{self.bound_s / 60:g}) {self.describe()}; {others}; ending the run on every rank that still "
-                    "runs: fix or replace the node, then resume with --resume")
+            line = (f"error: no progress for {idle_s / 60:.1f} min (bound {self.bound_s / 60:g} min: "
+                    f"timeouts.watchdog_minutes / collective_minutes) {self.describe()}; {others}; ending the run on "
+                    "every rank that still runs: fix or replace the node, then resume with --resume")
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
         os._exit(EXIT_STALLED)

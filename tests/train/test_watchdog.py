@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from moestack.config.plan import make_plan, save_plan
+from moestack.config.train_spec import TimeoutSpec
+from moestack.train.guard import watchdog_bounds
 from moestack.train.watchdog import EXIT_STALLED, Heartbeat, RankFailure, Watchdog, is_comm_error
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -34,13 +36,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(tmp: Path, collective_min: float, watchdog_min: float) -> tuple[list[subprocess.Popen], Path]:
+def _launch(tmp: Path, collective_min: float, watchdog_min: float,
+            device: str = "cpu") -> tuple[list[subprocess.Popen], Path]:
     plan = tmp / "plan.yaml"
     save_plan(make_plan(model="tiny", cluster="cpu", devices=2, seq_len=16, global_batch_size=4, micro_batch_size=2,
                         dp_replicate=2), plan)
     out = tmp / "run"
     port = str(_free_port())
     args = [sys.executable, "-m", "moestack", "train", "--plan", str(plan), "--out", str(out), "--steps", "100000",
+            "--device", device,
             "-q", "--set", "logging.every=1", "--set", "logging.tensorboard=false", "--set", "eval_every=0",
             "--set", "checkpoint.every=2", "--set", "checkpoint.keep=1", "--set", "checkpoint.save_final=false",
             "--set", f"timeouts.collective_minutes={collective_min}", "--set", f"timeouts.watchdog_minutes={watchdog_min}"]
@@ -121,6 +125,23 @@ def test_dead_rank_ends_the_run_with_one_line(tmp_path):
     assert took < 20, took  # the peer's socket closes at once; then 2.5 s of heartbeat check
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_stopped_rank_ends_an_nccl_run_with_one_line(tmp_path):
+    """NCCL (2 GPUs): a stalled collective does not raise in Python; the watchdog, bounded by
+    timeouts.collective_minutes on CUDA, reports it before NCCL's own (later) teardown."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    procs, out = _launch(tmp_path, 0.1, 1.0, device="cuda")
+    _wait_for_steps(procs, out, STEPS_BEFORE_FAULT)
+    rc, err, took = _fault_and_wait(procs, signal.SIGSTOP, 6.0)
+    assert rc == EXIT_STALLED, err[-3000:]
+    line = _check_line(err, out)
+    assert "no progress for" in line and took < 16, (line, took)
+
+
 def test_comm_errors_are_told_apart_from_bugs():
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                         "6000ms for recv operation to complete")
@@ -196,3 +217,12 @@ def test_watchdog_ends_a_stuck_single_process(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()[0]
     assert err.startswith("error: no progress for") and "during step 4" in err and "step_00000002" in err
     assert "one process" in err
+
+
+def test_watchdog_bounds():
+    t = TimeoutSpec(collective_minutes=10, watchdog_minutes=15)
+    assert watchdog_bounds(t, "cpu", 8) == (900.0, 10.0)  # gloo raises at 10 min itself
+    assert watchdog_bounds(t, "cuda", 8) == (600.0, 10.0)  # NCCL does not: the watchdog reports at 10 min
+    assert watchdog_bounds(t, "cuda", 1) == (900.0, 10.0)
+    assert watchdog_bounds(TimeoutSpec(collective_minutes=0.1, watchdog_minutes=0), "cuda", 2) == (6.0, 1.0)
+    assert watchdog_bounds(TimeoutSpec(collective_minutes=0.1, watchdog_minutes=0), "cpu", 2) == (0.0, 1.0)

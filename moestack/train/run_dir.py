@@ -13,14 +13,13 @@ a killed and resumed run holds each step once.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-
-import fcntl
 
 from moestack.config.base import ConfigError
 

@@ -3,7 +3,6 @@ bit-identical to the uninterrupted run, and metrics.jsonl holds each step once (
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal

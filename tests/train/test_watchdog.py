@@ -47,11 +47,13 @@ def _launch(tmp: Path, collective_min: float, watchdog_min: float,
             "--device", device,
             "-q", "--set", "logging.every=1", "--set", "logging.tensorboard=false", "--set", "eval_every=0",
             "--set", "checkpoint.every=2", "--set", "checkpoint.keep=1", "--set", "checkpoint.save_final=false",
-            "--set", f"timeouts.collective_minutes={collective_min}", "--set", f"timeouts.watchdog_minutes={watchdog_min}"]
+            "--set", f"timeouts.collective_minutes={collective_min}",
+            "--set", f"timeouts.watchdog_minutes={watchdog_min}"]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_REPO), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}
         procs.append(subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     return procs, out

@@ -333,10 +333,15 @@ def adapt_model(
     the budget kept free. top_k: force the proxy's top-k (experts follow from the source's experts/top-k).
     Raises ConfigError when even the narrowest proxy does not fit, or the source has features a proxy cannot drop.
     """
-    seq_len = seq_len or target.seq_len
-    batch = batch or target.batch
-    if seq_len <= 1 or batch <= 0:
-        raise ConfigError(f"adapt: seq_len must be > 1 and batch > 0 (got {seq_len}, {batch})")
+    if seq_len is not None and seq_len <= 1:
+        raise ConfigError(f"--seq-len: must be > 1 token per sequence (got {seq_len}); leave it out for "
+                          f"{target.seq_len}")
+    if batch is not None and batch <= 0:
+        raise ConfigError(f"--batch: must be > 0 sequences (got {batch}); leave it out for {target.batch}")
+    if act_factor is not None and not act_factor > 0:
+        raise ConfigError(f"--act-factor: must be > 0 (got {act_factor})")
+    seq_len = seq_len if seq_len is not None else target.seq_len
+    batch = batch if batch is not None else target.batch
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin: must be in [0, 1), got {margin}")
     if precision == "auto":

@@ -529,11 +529,25 @@ def load_any_model(name_or_path: str | Path) -> tuple[ModelSpec, Any]:
     if p.suffix == ".json":
         if not p.is_file():
             raise ConfigError(f"{p}: file not found")
+        _check_json(p)
         if not is_hf_config(p):
             raise ConfigError(f"{p}: not an HF config.json (no model_type / architectures)")
         imp = load_hf_config(p)
         return imp.spec, imp.extras
     return load_model_spec(name_or_path), None
+
+
+def _check_json(p: Path) -> None:
+    """ConfigError naming where a .json file stops being JSON (a truncated download, a stray comma)."""
+    import json
+
+    try:
+        json.loads(p.read_text())
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); is it a config.json?") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{p}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); the file is "
+                          "truncated or edited: fetch it again") from None
 
 
 def load_any_model_spec(name_or_path: str | Path) -> ModelSpec:

@@ -85,7 +85,7 @@ def run(tmp: Path, steps: int, attn_res: bool) -> list[tuple[str, str]]:
 def cli() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--attn-res", action="store_true", help="keep attn_res_block_size (needs Attention Residuals)")
+    ap.add_argument("--attn-res", action="store_true", help="keep attn_res_block_size (K3's Attention Residuals)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as d:

@@ -169,6 +169,8 @@ def convert(
                                                                          "layout")] = "5GB",
     dequantize: Annotated[bool, typer.Option("--dequantize", help="to HF: write MXFP4 tensors unpacked (bf16 or "
                                              "--dtype) and config.json without quantization_config")] = False,
+    trust_key_file: Annotated[Optional[Path], typer.Option("--trust-key-file", help="key file: sign the "
+                              "checkpoint written (from HF), refuse a checkpoint not signed with it (to HF)")] = None,
 ) -> None:
     """HF safetensors <-> moestack checkpoint, streaming shard by shard; bit-exact both ways (MXFP4 experts:
     dequantised on import, re-quantised on export to the same values)."""
@@ -183,10 +185,12 @@ def convert(
     from moestack.planner.profile import load_any_model_spec
     from moestack.train.convert import CheckpointSource, describe_skipped, export_hf, hf_to_checkpoint
     from moestack.train.hf_names import build_name_map
+    from moestack.train.safe_load import read_trust_key
 
     if dtype is not None and dtype not in _DTYPE_FLAGS:
         raise ConfigError(f"--dtype: must be one of {', '.join(_DTYPE_FLAGS)}, got '{dtype}'")
     torch_dtype = getattr(torch, _DTYPE_FLAGS[dtype]) if dtype and _DTYPE_FLAGS[dtype] else None
+    trust_key = read_trust_key(trust_key_file, "--trust-key-file")
     console = Console()
     t0 = time.time()
     if _is_hf_dir(src):
@@ -195,7 +199,7 @@ def convert(
         if model is None and not (src / "config.json").is_file():
             raise ConfigError(f"convert: {src} has no config.json; pass --model")
         spec = load_any_model_spec(model) if model else load_hf_config(src).spec
-        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype)
+        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype, trust_key=trust_key)
         written = CheckpointSource(path)
         if written.extra.get("skipped"):
             console.print(describe_skipped(written.extra["skipped"], build_name_map(spec, family)), highlight=False)
@@ -206,7 +210,7 @@ def convert(
         raise ConfigError(f"convert: {src}: no such file or directory")
     if dtype == "keep":
         raise ConfigError("--dtype: converting to HF takes bf16, fp32 or fp16")
-    source = CheckpointSource(_checkpoint_dir(src))
+    source = CheckpointSource(_checkpoint_dir(src), trust_key)
     if model is not None:
         spec = load_any_model_spec(model)
     elif "model_spec" in source.extra:

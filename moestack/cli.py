@@ -1,7 +1,8 @@
 """`moestack` command line: train | profile | plan | tune | tune-comm.
 
 Every user error (bad config, bad flag value, bad checkpoint) is printed as one line starting with "error:" and
-exits with status 2; no tracebacks for mistakes the user can fix.
+exits with status 2; no tracebacks for mistakes the user can fix. A rank that failed or stalled ends the run with
+status 3 (moestack/train/watchdog.py). Under torchrun only rank 0 prints (the others exit with the same status).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def _parse_sets(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ConfigError(f"--set: expected key=value (e.g. optimizer.lr=1e-3), got '{pair}'")
         key, value = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        if not key.strip():
+            raise ConfigError(f"--set: no key before '=' in '{pair}'; write field=value, e.g. optimizer.lr=1e-3")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {key.strip()}: '{value}' is not a value ({getattr(err, 'problem', err)}); quote "
+                              "strings, write lists as [a,b]") from None
     return out
 
 
@@ -149,7 +156,7 @@ def _fit(trainer, model_spec, resume: bool) -> None:
         f"out={spec.out_dir}"
     )
     if resume and not trainer.resume():
-        say(f"--resume: no checkpoint under {trainer.ckpt_dir}; starting from step 0")
+        say(f"--resume: no checkpoint under {trainer.ckpt_dir} (a new run); starting from step 0")
     if spec.logging.progress and sys.stdout.isatty() and trainer.is_main:
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn()]
@@ -197,32 +204,72 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (RANK), 0 otherwise."""
+    import os
+
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
+def _error(msg: str, print_here: bool) -> None:
+    from rich.markup import escape
+
+    if print_here:
+        err_console.print(f"[red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
+
+
+def _loaded(module: str, name: str) -> type[BaseException] | None:
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name) if loaded is not None else None
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions printed as one line. The checkpoint and trainer errors are caught only when their (torch-importing)
     modules were loaded by the command: a command that never imported them cannot raise them, and `plan` /
     `profile` stay free of the torch import (seconds)."""
     errors: list[type[BaseException]] = [ConfigError, ValueError, FileNotFoundError]
-    lazy = (("moestack.train.checkpoint", "CheckpointError"), ("moestack.train.trainer", "TrainingStopped"))
-    for module, name in lazy:
-        loaded = sys.modules.get(module)
-        if loaded is not None:
-            errors.append(getattr(loaded, name))
+    lazy = (("moestack.train.safe_load", "CheckpointError"), ("moestack.train.trainer", "TrainingStopped"))
+    errors += [e for e in (_loaded(m, n) for m, n in lazy) if e is not None]
     return tuple(errors)
 
 
+class _NeverRaised(Exception):
+    pass
+
+
+def _rank_failure() -> type[BaseException]:
+    """moestack.train.watchdog.RankFailure if a command loaded it (only multi-rank training raises it)."""
+    return _loaded("moestack.train.watchdog", "RankFailure") or _NeverRaised
+
+
 def main(argv: list[str] | None = None) -> int:
+    lead = _rank() == 0  # every rank meets the same bad input: rank 0 says it once, the others exit quietly
     try:
         rc = app(args=argv, standalone_mode=False)
+    except _rank_failure() as err:
+        from moestack.train.watchdog import EXIT_STALLED
+
+        _error(str(err), err.print_here)
+        return EXIT_STALLED
     except _user_errors() as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        err_console.print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
+        _error(msg, lead)
+        return 2
+    except OSError as err:  # the filesystem said no (permission, not a directory, disk full): one line, the path
+        where = f"{err.filename}: " if err.filename else ""
+        _error(f"{where}{err.strerror or err}; check the path and its permissions", lead)
         return 2
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:
         return 1
-    except typer.exceptions.TyperException as err:  # usage errors (bad flag value, unknown option)
-        if hasattr(err, "show"):
+    except typer.exceptions.TyperException as err:  # usage errors (bad flag value, unknown option): one line
+        ctx = getattr(err, "ctx", None)
+        if hasattr(err, "format_message") and getattr(err, "exit_code", 2) == 2:  # click's UsageError family
+            path = ctx.command_path if ctx is not None else "moestack"
+            _error(f"{err.format_message()} (see {path} --help)", lead)
+        elif hasattr(err, "show") and lead:
             err.show()
         return getattr(err, "exit_code", 2)
     return rc if isinstance(rc, int) else 0

@@ -788,7 +788,8 @@ def load_hf_config(path: str | Path, name: str | None = None) -> HFImport:
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{p}: line {err.lineno}: not valid JSON ({err.msg})") from None
+        raise ConfigError(f"{p}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); the file is "
+                          "truncated or edited: fetch it again") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: top level must be a JSON object")
     default_name = p.parent.name if p.name == "config.json" else p.name.removesuffix(".json").removesuffix(".config")

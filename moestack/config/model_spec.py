@@ -339,6 +339,20 @@ class ModelSpec(StrictModel):
         mixer, ffn = LAYER_PATTERN_CHARS[char]
         return LayerKind(self.attention if mixer == "attention" else mixer, ffn)
 
+    def attn_res_blocks_before(self, layer: int) -> int:
+        """Completed Attention-Residual blocks entering 0-based `layer` (the embedding is the first; a block is
+        completed at each layer whose index is a multiple of attn_res_block_size): ceil(layer / block size).
+        0 without Attention Residuals. `layer` = num_layers gives what the output aggregation reads."""
+        size = self.attn_res_block_size
+        return 0 if size is None else -(-layer // size)
+
+    def attn_res_sources(self, layer: int) -> tuple[int, int]:
+        """Sources of 0-based `layer`'s two Attention-Residual mixes (before the mixer, before the FFN): the
+        completed blocks, plus the current block's partial sum unless the layer starts a block (mixer)."""
+        n = self.attn_res_blocks_before(layer + 1)  # completed blocks during the layer (incl. one it closes)
+        starts = layer % self.attn_res_block_size == 0
+        return n + (0 if starts else 1), n + 1
+
     def mtp_block_kinds(self) -> list[LayerKind]:
         """Blocks of one MTP (next-n prediction) module; [] when mtp_layers is 0."""
         if self.mtp_layers == 0:
@@ -366,8 +380,6 @@ class ModelSpec(StrictModel):
             errors.append("not supported: linear_bias")
         if self.sliding_window_layers:
             errors.append("not supported: sliding-window attention (sliding_window_layers)")
-        if self.attn_res_block_size is not None:
-            errors.append("not supported: attention residuals (attn_res_block_size)")
         if self.moe is not None and self.moe.shared_expert_gate:
             errors.append("not supported: moe.shared_expert_gate")
         for name in ("mla", "gqa"):

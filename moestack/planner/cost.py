@@ -376,6 +376,28 @@ def moe_work(spec: ModelSpec) -> PartWork:
     return part
 
 
+def attn_res_elem_bytes(h: int, n_sources: int) -> float:
+    """Forward HBM bytes per token of one Attention-Residual mix over n sources as moestack.model.attn_res runs it
+    (by source, unfused): each bf16 source read three times (RMS, score, weighted sum) and the fp32 accumulator
+    read and written once per source, then the bf16 output written."""
+    return n_sources * (3 * BF16 + 2 * FP32) * h + (FP32 + BF16) * h
+
+
+def add_attn_res(part: PartWork, h: int, n_sources: int) -> PartWork:
+    """The Attention-Residual mix in front of `part` (moestack.model.block): its two weight factors (replicated, 2h),
+    elementwise traffic, and saved bytes: its output (the part's norm input) and per-source softmax weight and rstd
+    (fp32), both recomputed under selective recompute of the block (the sources are partial sums kept anyway). It
+    runs in the sequence-parallel region (token-local, like the pre-norm): whole on every rank under plain TP."""
+    part.other_params += 2 * h
+    nbytes = attn_res_elem_bytes(h, n_sources)
+    part.elem_bytes += nbytes
+    part.sp_elem += nbytes
+    saved = h * BF16 + 2 * n_sources * FP32
+    part.act_selective += saved
+    part.sp_sel += saved
+    return part
+
+
 def mixer_work(spec: ModelSpec, mixer: str, s: int, window: int | None = None) -> PartWork | None:
     if mixer == "none":
         return None
@@ -421,11 +443,18 @@ def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
         for kind in mtp:
             idx += 1
             kinds.append((idx, kind, True))
+    attn_res = spec.attn_res_block_size is not None
     for i, kind, is_mtp in kinds:
-        if kind not in cache:
-            parts = (mixer_work(spec, kind.mixer, seq_len, kind.window), ffn_work(spec, kind.ffn))
-            cache[kind] = [block_extras(spec, p) for p in parts if p]
-        layers.append(LayerWork(i, kind, cache[kind], is_mtp))
+        # with Attention Residuals a layer's mixes read more sources deeper down: layers of one kind and depth share
+        sources = spec.attn_res_sources(i - 1) if attn_res and not is_mtp else None
+        key = (kind, sources)
+        if key not in cache:
+            parts = [mixer_work(spec, kind.mixer, seq_len, kind.window), ffn_work(spec, kind.ffn)]
+            parts = [p and block_extras(spec, p) for p in parts]
+            if sources is not None:
+                parts = [p and add_attn_res(p, spec.hidden_size, n) for p, n in zip(parts, sources)]
+            cache[key] = [p for p in parts if p]
+        layers.append(LayerWork(i, kind, cache[key], is_mtp))
     h, V = spec.hidden_size, spec.vocab_size
     head = Gemm("lm_head", n=V, k=h, split="col", fp8=False)
     embed = V * h + (spec.max_seq_len * h if spec.learned_positions else 0)  # + the learned position table
@@ -1375,8 +1404,13 @@ class CostModel:
             mtp = gemm_time(Gemm("mtp.proj", n=h, k=2 * h), T, T, tp, 1, plan.precision, cluster, cal)
             mtp *= self.spec.mtp_layers
         logits = T * self.spec.vocab_size / tp * self.work.num_heads_out
-        loss_f = elementwise_time(logits * 6, cluster, cal)
-        loss_b = elementwise_time(logits * 10, cluster, cal)
+        # Attention Residuals: the output mix over every block before the final norm (token-local, SP-sharded)
+        out_mix = 0.0
+        if self.spec.attn_res_block_size is not None:
+            n = self.spec.attn_res_blocks_before(self.spec.num_layers) + 1
+            out_mix = attn_res_elem_bytes(self.spec.hidden_size, n) * T / tp
+        loss_f = elementwise_time(logits * 6 + out_mix, cluster, cal)
+        loss_b = elementwise_time(logits * 10 + 2 * out_mix, cluster, cal)
         # moestack's TP keeps the head replicated and computes the loss on the rank's sequence shard (no gather of
         # the input); the [V, h] weight gradient is all-reduced over TP in every backward (tensor.py)
         coll = 0.0
@@ -1539,9 +1573,13 @@ class CostModel:
         slow = max(range(p), key=lambda r: fwd[r] + bwd[r])
         t_pipe = pipeline_time(plan.schedule, p, v, m, fwd[slow], bwd[slow], wgr[slow])
         p2p = 0.0
-        if p > 1:
-            act_msg = plan.micro_batch_size * plan.seq_len / plan.cp * spec.hidden_size * BF16 / plan.tp
+        act_msg = plan.micro_batch_size * plan.seq_len / plan.cp * spec.hidden_size * BF16 / plan.tp
+        if p > 1 and spec.attn_res_block_size is None:
             p2p = 2 * (p * v - 1) * p2p_time(cluster, act_msg, plan.devices // p)
+        elif p > 1:  # Attention Residuals: a boundary sends its n completed blocks and the partial sum
+            p2p = 2 * sum(p2p_time(cluster, act_msg * (self._boundary_blocks(chunks[c][0]) + 1), plan.devices // p)
+                          for c in range(1, p * v))
+            self._add_boundary_state(rank_cost, chunks, ranks, act_msg)
 
         # data parallel, optimizer, offload
         dp_time, dp_exposed = self._dp_times(plan, rank_dense[slow], rank_expert[slow], fwd[slow], bwd[slow], m,
@@ -1585,6 +1623,22 @@ class CostModel:
             held = "parameters gathered, gradients unsharded" if plan.zero_stage == 3 else "gradients unsharded"
             cost.notes.append(f"{plan.schedule}: {held} for the whole step (stage is the FSDP root)")
         return cost
+
+    def _boundary_blocks(self, position: int) -> int:
+        """Completed Attention-Residual blocks entering the layer at `position` (0-based into work.layers)."""
+        return self.spec.attn_res_blocks_before(min(position, self.spec.num_layers))
+
+    def _add_boundary_state(self, rank_cost: list[PartCost], chunks: list[list[int]], ranks: list[int],
+                            act_msg: float) -> None:
+        """Attention Residuals under PP: per micro-batch in flight a chunk keeps the completed blocks it received
+        (views of the received [n + 1, B, T, D] state that its mixes read: not counted by any of its layers) and the
+        stacked state it sent (held by the pipeline stage until backward). Never offloaded (act_kept too)."""
+        S = len(chunks)
+        for c in range(S):
+            held = (self._boundary_blocks(chunks[c][0]) if c > 0 else 0) + \
+                (self._boundary_blocks(chunks[c + 1][0]) + 1 if c < S - 1 else 0)
+            rank_cost[ranks[c]].act += held * act_msg
+            rank_cost[ranks[c]].act_kept += held * act_msg
 
     def host_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
                    ) -> tuple[list[float], list[float]]:

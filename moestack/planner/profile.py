@@ -2,8 +2,8 @@
 
 Parameters mirror moestack.model module by module (no biases unless the spec says so):
   block   2 RMSNorm(d) (attn_norm, ffn_norm); a single-sublayer block (layer_pattern) has one RMSNorm(d);
-          Attention Residuals add 2 RMSNorm(d) + 2 Linear(d, 1) per block and Linear(d, 1) + RMSNorm(d) at the
-          output (counted with the final norm).
+          Attention Residuals add two mixes per block and one at the output (counted with the final norm), each
+          a norm weight [d] and a Linear(d, 1) weight [1, d] (their product is the pseudo-query).
   KDA     q_proj, k_proj d -> H*K; v_proj d -> Hv*K; 3 short convs [C, 1, W] (C = H*K, H*K, Hv*K); decay input
           f_a d -> r, f_b r -> G (or f_proj d -> G; G = Hv*K per channel, Hv per head); A_log [Hv]; dt_bias [G];
           b_proj d -> Hv; g_proj d -> Hv*K (or g_a d -> r, g_b r -> Hv*K); o_norm [K]; o_proj Hv*K -> d.
@@ -39,6 +39,8 @@ Forward FLOPs per token (train = 3 x forward: forward, data-gradient and weight-
   KDA     chunked form, Kimi Linear report Eq. 13 per value head: 6 K^2 + 3 C K + C^2 (C = chunk size); the same
           estimate for Gated DeltaNet (per-head decay).
   Mamba-2 the SSD scan as Megatron estimates it: 7 * Di * ds.
+  AttnRes each mix over n sources (ModelSpec.attn_res_sources: n grows with depth): scores and weighted sum,
+          4 * d * n, counted with the attention terms (the per-source RMS, like the norms, is not counted).
   LM head 2 * d * V.
   MTP     per module: its blocks + eh_proj 2 * 2d * d + the shared LM head 2 * d * V (reported apart).
 Agreement with Megatron-LM `num_floating_point_operations` (standard GQA / MLA / MoE / LatentMoE): the same terms
@@ -348,18 +350,30 @@ def _dense_cost(spec: ModelSpec) -> _Cost:
     return c
 
 
-def _block_cost(spec: ModelSpec, kind: LayerKind, seq_len: int) -> tuple[_Cost, float]:
+def _attn_res_cost(d: int, n_sources: int) -> _Cost:
+    """One Attention-Residual mix (moestack.model.attn_res) over n sources: norm weight [d] and proj weight [1, d];
+    4 d n FLOPs (module docstring); saved: its output (the next norm's input; the sources are the residual stream,
+    saved anyway) and, per source, the softmax weight and rstd (fp32)."""
+    c = _Cost()
+    c.vector(2 * d)
+    c.attn = 4.0 * d * n_sources
+    c.save(d)
+    c.save(2 * n_sources, FP32)
+    return c
+
+
+def _block_cost(spec: ModelSpec, kind: LayerKind, seq_len: int, layer: int | None = None) -> tuple[_Cost, float]:
+    """One block; `layer` (0-based) places it in the depth for Attention Residuals (None: MTP blocks, no mixes)."""
     d = spec.hidden_size
     c = _Cost()
     n_norms = 2 if spec.layer_pattern is None else 1
     ln = 2 if spec.norm == "layernorm" else 1  # LayerNorm: weight + bias; saves mean and rstd
     c.vector(n_norms * d * ln)
-    c.save(n_norms * d)  # the residual stream each norm reads
+    c.save(n_norms * d)  # the residual stream each norm reads (with AttnRes: the partial sums the mixes read)
     c.save(n_norms * ln, FP32)  # rstd (and mean)
-    if spec.attn_res_block_size is not None:
-        c.vector(2 * d)  # self_attention_res_norm, mlp_res_norm
-        c.linear(d, 1)  # self_attention_res_proj
-        c.linear(d, 1)  # mlp_res_proj
+    if spec.attn_res_block_size is not None and layer is not None:
+        for n in spec.attn_res_sources(layer):  # before the mixer, before the ffn
+            c += _attn_res_cost(d, n)
     if kind.mixer == "kda":
         c += _kda_cost(spec)
     elif kind.mixer == "mla":
@@ -403,13 +417,15 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
     d, V = spec.hidden_size, spec.vocab_size
     layers = []
     for i, kind in enumerate(spec.layer_kinds(), 1):
-        cost, dispatch = _block_cost(spec, kind, seq_len)
+        cost, dispatch = _block_cost(spec, kind, seq_len, i - 1)
         layers.append(_layer_profile(i, kind, cost, dispatch))
 
     embedding = V * d + (spec.max_seq_len * d if spec.learned_positions else 0)  # + the position table
     head = 0 if spec.tie_word_embeddings else d * V
-    final_norm = d * (2 if spec.norm == "layernorm" else 1)
-    final_norm += 2 * d if spec.attn_res_block_size is not None else 0  # + output_attn_res proj and norm
+    out_mix = _Cost()  # Attention Residuals: the output mix over every block, before the final norm
+    if spec.attn_res_block_size is not None:
+        out_mix = _attn_res_cost(d, spec.attn_res_blocks_before(spec.num_layers) + 1)
+    final_norm = d * (2 if spec.norm == "layernorm" else 1) + out_mix.params
     head_flops = 2 * d * V
 
     mtp = _Cost()
@@ -425,7 +441,7 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
     layer_params = sum(lp.params for lp in layers)
     total = embedding + layer_params + final_norm + head
     activated = sum(lp.activated_params for lp in layers) + final_norm + d * V
-    fwd = sum(lp.fwd_flops_per_token for lp in layers) + head_flops
+    fwd = sum(lp.fwd_flops_per_token for lp in layers) + out_mix.attn + head_flops
     notes = list(getattr(extras, "notes", []) or [])
     if spec.moe is not None and spec.moe.router.selection_bias:
         notes.append("router selection bias: a buffer of num_experts fp32 values per MoE layer, not a parameter")
@@ -452,7 +468,7 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
         mtp_train_flops_per_token=3 * mtp_flops,
         vision_params=vision,
         router_train_flops_per_token=3 * sum(lp.fwd_router_flops_per_token for lp in layers),
-        head_act_bytes_per_token=2 * d * BF16 + FP32,
+        head_act_bytes_per_token=2 * d * BF16 + FP32 + out_mix.act_bytes,
         quantization=_quantization_report(spec, layers, embedding, head, extras),
         notes=notes,
     )
@@ -513,11 +529,25 @@ def load_any_model(name_or_path: str | Path) -> tuple[ModelSpec, Any]:
     if p.suffix == ".json":
         if not p.is_file():
             raise ConfigError(f"{p}: file not found")
+        _check_json(p)
         if not is_hf_config(p):
             raise ConfigError(f"{p}: not an HF config.json (no model_type / architectures)")
         imp = load_hf_config(p)
         return imp.spec, imp.extras
     return load_model_spec(name_or_path), None
+
+
+def _check_json(p: Path) -> None:
+    """ConfigError naming where a .json file stops being JSON (a truncated download, a stray comma)."""
+    import json
+
+    try:
+        json.loads(p.read_text())
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); is it a config.json?") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{p}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); the file is "
+                          "truncated or edited: fetch it again") from None
 
 
 def load_any_model_spec(name_or_path: str | Path) -> ModelSpec:

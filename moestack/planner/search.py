@@ -166,9 +166,15 @@ def load_problem(model: str, cluster: str, devices: int | None = None, seq_len: 
     cl = load_cluster_spec(cluster)
     if devices is not None:
         cl = cl.with_devices(devices)
-    seq = seq_len or min(spec.max_seq_len, 4096)
+    seq = seq_len if seq_len is not None else min(spec.max_seq_len, 4096)
     if seq < 2:
-        raise ConfigError(f"seq-len: must be >= 2 (got {seq})")
+        raise ConfigError(f"--seq-len: must be >= 2 tokens per sequence (got {seq}); leave it out for "
+                          f"{min(spec.max_seq_len, 4096)}")
+    if seq > spec.max_seq_len:
+        raise ConfigError(f"--seq-len: {seq} exceeds the model's max_seq_len {spec.max_seq_len}; lower it")
+    if global_batch_tokens is not None and global_batch_tokens < seq:
+        raise ConfigError(f"--global-batch-tokens: {global_batch_tokens} is less than one sequence ({seq} tokens); "
+                          "give tokens per optimizer step, e.g. 16777216")
     tokens = global_batch_tokens or min(DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_SEQS_PER_DEVICE * cl.num_devices * seq)
     if precision not in get_args(Precision):
         raise ConfigError(f"precision: must be one of {', '.join(get_args(Precision))} (got {precision!r})")

@@ -41,6 +41,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -77,8 +78,9 @@ class ConvertError(ValueError):
         self.missing, self.unexpected, self.mismatched = list(missing), list(unexpected), list(mismatched)
 
 
-def compact_names(names: Sequence[str]) -> str:
-    """Comma-separated names with expert indices folded: a.experts.{0-3,7}.w1.weight."""
+def compact_names(names: Sequence[str], limit: int | None = None) -> str:
+    """Comma-separated names with expert indices folded: a.experts.{0-3,7}.w1.weight; at most `limit` entries,
+    then "and N more"."""
     groups: dict[tuple[str, str], list[int]] = {}
     order: list[tuple[str, str] | str] = []
     for name in names:
@@ -104,7 +106,16 @@ def compact_names(names: Sequence[str]) -> str:
                 start = cur
         ix = spans[0] if len(spans) == 1 and "-" not in spans[0] else "{" + ",".join(spans) + "}"
         out.append(f"{item[0]}{ix}{item[1]}")
-    return ", ".join(out)
+    return _capped(out, limit, ", ")
+
+
+def _capped(items: Sequence[str], limit: int | None, sep: str) -> str:
+    if limit is None or len(items) <= limit:
+        return sep.join(items)
+    return sep.join(items[:limit]) + f"{sep}and {len(items) - limit} more"
+
+
+_SHOWN = 6  # names per kind of problem in a one-line message (the ConvertError lists hold them all)
 
 
 # ---------------------------------------------------------------------------------------------- HF layout
@@ -326,9 +337,9 @@ def check_layout(layout: HFLayout, nmap: NameMap, skip: Sequence[str] = (), wher
     problems = []
     for label, items in (("missing", missing), ("unexpected", unexpected)):
         if items:
-            problems.append(f"{len(items)} {label}: {compact_names(items)}")
+            problems.append(f"{len(items)} {label}: {compact_names(items, _SHOWN)}")
     if mismatched:
-        problems.append(f"{len(mismatched)} shape mismatch: " + "; ".join(mismatched))
+        problems.append(f"{len(mismatched)} shape mismatch: " + _capped(mismatched, _SHOWN, "; "))
     if bad_dtype:
         problems.append(f"{len(bad_dtype)} not floating point (quantized?): " + ", ".join(bad_dtype))
     if mixed:
@@ -481,11 +492,13 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, family: str | None = N
 
 
 def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, family: str | None = None,
-                     skip: Sequence[str] = (), dtype: torch.dtype | None = None, step: int = 0) -> Path:
+                     skip: Sequence[str] = (), dtype: torch.dtype | None = None, step: int = 0,
+                     trust_key: bytes | None = None) -> Path:
     """Convert an HF checkpoint into a moestack DCP checkpoint `out_root/step_{step:08d}` (atomic, verified, as
     checkpoint.save_checkpoint writes it; `load_checkpoint(path, model)` restores it). dtype: None keeps the HF
     dtypes (bit-exact), e.g. torch.float32 stores what the trainer holds. The HF layout and config.json go into the
-    checkpoint's extra, so `export_hf` reproduces the source. Returns the checkpoint path."""
+    checkpoint's extra, so `export_hf` reproduces the source. trust_key: sign it (moestack/train/safe_load.py).
+    A failed conversion removes `out_root` again if it created it. Returns the checkpoint path."""
     from moestack.model.transformer import Transformer
     from moestack.train.checkpoint import save_checkpoint
 
@@ -496,8 +509,10 @@ def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, 
     layout = read_hf_layout(root)
     skipped = check_layout(layout, nmap, skip, f"HF checkpoint {root}")
     spool = out_root / SPOOL
+    created = not out_root.exists()
     shutil.rmtree(spool, ignore_errors=True)
     spool.mkdir(parents=True)
+    ok = False
     try:
         sd: dict[str, torch.Tensor] = {}
         for i, (name, t) in enumerate(iter_hf_tensors(root, nmap, layout, skip)):
@@ -511,9 +526,13 @@ def hf_to_checkpoint(hf_dir: str | Path, out_root: str | Path, spec: ModelSpec, 
             "converted_from": str(root), "family": nmap.family, "hf_layout": layout_without(layout, skipped).to_json(),
             "model_spec": json.dumps(spec.model_dump(mode="json")), "skipped": skipped, "step": step,
         }
-        return save_checkpoint(out_root, step, model, None, extra, keep=1)
+        path = save_checkpoint(out_root, step, model, None, extra, keep=1, trust_key=trust_key)
+        ok = True
+        return path
     finally:
         shutil.rmtree(spool, ignore_errors=True)
+        if not ok and created:
+            shutil.rmtree(out_root, ignore_errors=True)
 
 
 def _spooled(path: Path, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -529,21 +548,26 @@ def _spooled(path: Path, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class CheckpointSource:
     """Model tensors of a moestack DCP checkpoint, loaded on demand (a partial DCP load of just those names)."""
 
-    def __init__(self, path: str | Path):
-        import torch.distributed.checkpoint as dcp
+    def __init__(self, path: str | Path, trust_key: bytes | None = None):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from moestack.train.checkpoint import verify_checkpoint
+        from moestack.train.checkpoint import decode_extra, verify_checkpoint
+        from moestack.train.safe_load import read_dcp_metadata
 
         self.path = Path(path)
-        self.meta = verify_checkpoint(self.path)
-        md = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self.meta = verify_checkpoint(self.path, trust_key)
+        self.meta["extra"] = decode_extra(self.path, self.meta) if "extra" in self.meta else {}
+        md = read_dcp_metadata(self.path).state_dict_metadata
         self.tensors = {k.removeprefix("model."): (tuple(v.size), v.properties.dtype) for k, v in md.items()
                         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
     @property
     def extra(self) -> dict[str, Any]:
         return self.meta.get("extra", {})
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: shape for n, (shape, _) in self.tensors.items()}
 
     def keys(self):
         return self.tensors.keys()
@@ -554,10 +578,12 @@ class CheckpointSource:
         absent = [n for n in names if n not in self.tensors]
         if absent:
             raise ConvertError(f"checkpoint {self.path}: has no tensor(s) {compact_names(absent)}", missing=absent)
+        from moestack.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
         state = {"model": {n: torch.empty(self.tensors[n][0], dtype=self.tensors[n][1]) for n in names}}
         with warnings.catch_warnings():  # DCP warns that a load without a process group is single-process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+            dcp.load(state, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(), no_dist=True)
         return state["model"]
 
 
@@ -567,6 +593,10 @@ class _DictSource:
 
     def keys(self):
         return self.sd.keys()
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self.sd.items()}
 
     def get(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         absent = [n for n in names if n not in self.sd]
@@ -720,10 +750,42 @@ def export_hf(source: Mapping[str, torch.Tensor] | CheckpointSource, spec: Model
         raise ConvertError(f"moestack weights do not match model '{spec.name}': " + "; ".join(parts),
                            missing_src, extra_src)
     check_layout(layout, nmap, where="HF layout")
+    _check_source_shapes(src, nmap, spec)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory; export into a new directory")
     if out.is_dir() and (any(out.glob("*.safetensors")) or (out / INDEX).exists()):
         raise ConvertError(f"{out}: already holds safetensors files; export into a new directory")
-    out.mkdir(parents=True, exist_ok=True)
+    # written into a sibling temp folder and moved into `out` when complete: a failure leaves no partial export
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        written = _write_export(src, nmap, layout, staging)
+        out.mkdir(exist_ok=True)
+        moved = []
+        for p in written:
+            os.replace(p, out / p.name)
+            moved.append(out / p.name)
+        return moved
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_source_shapes(src, nmap: NameMap, spec: ModelSpec) -> None:
+    """Every moestack tensor of the source has the shape the model's name map expects (before any file is made)."""
+    shapes = getattr(src, "shapes", None)
+    if shapes is None:
+        return
+    want = {r.ms: tuple(r.ms_shape) for r in nmap.rules}
+    bad = [f"{n}: source {list(shapes[n])} vs model {list(s)}" for n, s in want.items()
+           if n in shapes and tuple(shapes[n]) != s]
+    if bad:
+        raise ConvertError(f"moestack weights do not match model '{spec.name}' ({len(bad)} shape mismatch: "
+                           f"{_capped(bad, _SHOWN, '; ')}); pass the --model the checkpoint was trained with",
+                           mismatched=bad)
+
+
+def _write_export(src, nmap: NameMap, layout: HFLayout, out: Path) -> list[Path]:
     part_of = layout.part_of()
     last_use: dict[str, int] = {}
     for i, (_, names) in enumerate(layout.files):

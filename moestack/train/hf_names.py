@@ -26,6 +26,10 @@ Families (HF model_type) and their naming, from the public modeling code / check
   qwen3_moe    self_attn.{q,k,v,o}_proj, q_norm, k_norm; mlp.gate.weight, mlp.experts.{j}.{gate,up,down}_proj.
   mixtral      self_attn.{q,k,v,o}_proj; block_sparse_moe.gate.weight, block_sparse_moe.experts.{j}.w1 / w3 / w2.
 Everywhere: embed_tokens, layers.{i}.input_layernorm / post_attention_layernorm, norm, lm_head (absent when tied).
+Attention Residuals (kimi_k3 / kimi_linear with attn_res_block_size): layers.{i}.self_attention_res_norm.weight [D]
+and self_attention_res_proj.weight [1, D] (the mix before the mixer), mlp_res_norm / mlp_res_proj (before the FFN),
+output_attn_res_norm / output_attn_res_proj next to norm (moestack: attn_res / ffn_res / out_res .norm_weight and
+.proj_weight, same shapes).
 
 Quantised tensors (compressed-tensors `weight_packed` / `weight_scale`, e.g. the released K3's MXFP4 routed
 experts) are named here by their logical `.weight`; moestack/train/convert.py maps the parts.
@@ -84,6 +88,10 @@ _MOE_RENAMES = {
     "latent_norm.weight": "routed_expert_norm.weight",
     "up_proj.weight": "routed_expert_up_proj.weight",
 }
+
+
+# Attention Residual mixes of a block: moestack module -> HF prefix of its norm / proj tensors
+_ATTN_RES = {"attn_res": "self_attention_res", "ffn_res": "mlp_res"}
 
 
 @dataclass(frozen=True)
@@ -210,7 +218,9 @@ def build_name_map(spec: ModelSpec, family: str | None = None) -> NameMap:
 
 def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds, spec: ModelSpec) -> Rule | None:
     P = fam.prefix
-    top = {"embed.weight": P + "embed_tokens.weight", "norm.weight": P + "norm.weight", "lm_head.weight": fam.head}
+    top = {"embed.weight": P + "embed_tokens.weight", "norm.weight": P + "norm.weight", "lm_head.weight": fam.head,
+           "out_res.norm_weight": P + "output_attn_res_norm.weight",
+           "out_res.proj_weight": P + "output_attn_res_proj.weight"}
     if ms in top:
         return Direct(ms, top[ms], shape, shape)
     parts = ms.split(".")
@@ -222,6 +232,8 @@ def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds, spec: ModelSpec) 
         return Direct(ms, layer + "input_layernorm." + rest, shape, shape)
     if sub == "ffn_norm":
         return Direct(ms, layer + "post_attention_layernorm." + rest, shape, shape)
+    if sub in _ATTN_RES and rest in ("norm_weight", "proj_weight"):
+        return Direct(ms, f"{layer}{_ATTN_RES[sub]}_{rest.removesuffix('_weight')}.weight", shape, shape)
     if sub == "attn":
         module, _, leaf = rest.rpartition(".")
         if not module:  # a bare parameter of the mixer: A_log, dt_bias

@@ -85,15 +85,16 @@ def _family(spec, root: Path) -> str | None:
 
 
 def load_initial_weights(model: nn.Module, path: str | Path, sharded: bool = False,
-                         partial: bool = False) -> InitResult:
+                         partial: bool = False, trust_key: bytes | None = None) -> InitResult:
     """Copy the weights at `path` into `model`: a whole moestack Transformer, or (sharded) one already
-    parallelised, moestack checkpoints only; partial: it holds one pipeline rank's layers. Returns what to log and
-    to keep in the run's checkpoints."""
+    parallelised, moestack checkpoints only; partial: it holds one pipeline rank's layers. trust_key: a moestack
+    checkpoint must be signed with it (checkpoint.trust_key_file). Returns what to log and to keep in the run's
+    checkpoints."""
     src = resolve_init_source(path)
     if src.kind == MOESTACK:
         from moestack.train.checkpoint import load_checkpoint
 
-        extra = load_checkpoint(src.path, model, None, partial=partial)
+        extra = load_checkpoint(src.path, model, None, partial=partial, trust_key=trust_key)
         n = len(model.state_dict())
         keep = {k: extra[k] for k in ("hf_layout", "family") if k in extra}
         return InitResult(src, n, f"initialised from {src.path}: model weights of step {extra.get('step', '?')} "

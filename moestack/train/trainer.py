@@ -19,6 +19,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,15 +42,20 @@ from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
     CheckpointError,
     capture_rng_state,
+    find_resumable,
     latest_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    step_dirs_any,
 )
 from moestack.train.data import build_data, eval_batches
+from moestack.train.fits import check_single_device_fits
+from moestack.train.guard import RunGuard
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from moestack.train.resume_settings import settings_record
+from moestack.train.safe_load import read_trust_key
 from moestack.train.step_profile import StepProfiler
 from moestack.train.step_update import fused_skip_supported, read_stats, step_optimizer
 from moestack.train.tokenizer import build_tokenizer
@@ -79,6 +85,9 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: '{name}' requested but no CUDA device is available; use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device: '{name}' requested but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1}); pick one of those")
     return dev
 
 
@@ -108,6 +117,9 @@ class _NullMetrics:
     def log(self, *args, **kwargs) -> None:
         pass
 
+    def sync(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -122,15 +134,26 @@ class Distributed:
     owns_group: bool  # this trainer called init_process_group (and destroys it in close())
 
 
+NCCL_BACKSTOP_MINUTES = 2.0  # NCCL's timeout beyond timeouts.collective_minutes (_init_distributed)
+
 # above this many parameters the model is built on the meta device and initialised after sharding (GPU only)
 META_INIT_PARAMS = 4_000_000_000
 
 
-def _init_distributed(device: torch.device, plan: Plan) -> tuple[torch.device, bool]:
-    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU. Returns (this rank's device, owns)."""
+def _init_distributed(device: torch.device, plan: Plan, timeout_minutes: float = 10.0) -> tuple[torch.device, bool]:
+    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU, collectives bounded by
+    timeout_minutes (TrainSpec.timeouts; NCCL gets NCCL_BACKSTOP_MINUTES more: its collectives are asynchronous, so
+    the host waits in a CUDA sync that only moestack's watchdog can report, moestack/train/guard.py, and NCCL's
+    teardown is the backstop). Returns (this rank's device, owns)."""
+    world = os.environ.get("WORLD_SIZE")
+    if "RANK" in os.environ and world is not None and world.isdigit() and int(world) != plan.devices:
+        raise ConfigError(f"--plan: the plan lays out {plan.devices} ranks but the launcher started {world}; run "
+                          f"torchrun --nproc-per-node {plan.devices} (per node), or plan for {world} devices")
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        # a timed-out NCCL collective aborts the communicators and ends the process instead of hanging
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if dist.is_initialized():
         return device, False
     if "RANK" not in os.environ:
@@ -140,7 +163,9 @@ def _init_distributed(device: torch.device, plan: Plan) -> tuple[torch.device, b
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    backstop = NCCL_BACKSTOP_MINUTES if backend == "nccl" else 0.0
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                            timeout=timedelta(minutes=timeout_minutes + backstop))
     return device, True
 
 
@@ -216,7 +241,7 @@ class Trainer:
         self.dist: Distributed | None = None
         if plan is not None:
             spec = apply_plan_to_spec(spec, plan)
-            self.device, owns = _init_distributed(self.device, plan)
+            self.device, owns = _init_distributed(self.device, plan, spec.timeouts.collective_minutes)
             meshes = build_meshes(plan, self.device.type, ep_domain_size=_ep_domain_size(plan))
             self.dist = Distributed(plan, meshes, dist.get_rank(), owns)
         self.spec = spec
@@ -225,6 +250,11 @@ class Trainer:
         self.log = log if self.is_main else (lambda *args, **kwargs: None)
         self.out_dir = Path(spec.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self._trust_key = read_trust_key(spec.checkpoint.trust_key_file)
+        self._last_ckpt: Path | None = None
+        self._resumed = False
+        self._guard = RunGuard(self.out_dir, spec.timeouts, self.dist.rank if self.dist else 0,
+                               dist.get_world_size() if self.dist else 1, self.device, self._where)
         self.autocast = autocast_context(spec, self.device)
         if spec.seq_len > model_spec.max_seq_len:
             raise ConfigError(
@@ -255,6 +285,7 @@ class Trainer:
         self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
         self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
         if self.dist is None:
+            check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._init_weights(self.model)
             self._configure_qat(self.model)
@@ -280,8 +311,7 @@ class Trainer:
         self.flops_per_token = _train_flops_per_token(model_spec, spec.seq_len)
         self.peak_flops = device_peak_flops(self.device)
         self.num_devices = plan.devices if plan is not None else 1
-        self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard) if self.is_main \
-            else _NullMetrics()
+        self.metrics = _NullMetrics()  # rank 0 opens metrics.jsonl when the run starts (fit), at its first step
         self._phase_peaks: PhasePeaks | None = None  # active during spec.phase_peaks_step only
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
@@ -292,7 +322,8 @@ class Trainer:
             return
         from moestack.train.init_from import load_initial_weights
 
-        result = load_initial_weights(model, self.spec.init_from, sharded=sharded, partial=partial)
+        result = load_initial_weights(model, self.spec.init_from, sharded=sharded, partial=partial,
+                                      trust_key=self._trust_key)
         self._init_extra = result.extra
         if result.skipped_line:
             self.log(result.skipped_line)
@@ -422,22 +453,44 @@ class Trainer:
         return build_optimizer_from_name(self.model, plan.optimizer, self.spec.optimizer, seed=self.spec.seed)
 
     def close(self) -> None:
-        """Release the process group if this trainer created it."""
-        if self.dist is not None and self.dist.owns_group and dist.is_initialized():
+        """Release the run directory and the process group if this trainer created it (not after a peer failed:
+        destroying could wait on it)."""
+        self._guard.release()
+        if self.dist is not None and self.dist.owns_group and dist.is_initialized() and not self._guard.failed:
             dist.destroy_process_group()
 
-    def resume(self, path: Path | None = None) -> bool:
-        """Load `path` or the newest complete checkpoint under out_dir; False if there is none.
+    def _where(self) -> str:
+        """For the one-line reports of a stalled or failed run: the step and the last checkpoint."""
+        ckpt = self._last_ckpt or latest_checkpoint(self.ckpt_dir)
+        return (f"during step {self.step + 1} ({self.step} completed); last checkpoint: "
+                f"{ckpt if ckpt is not None else 'none written yet'}")
 
+    def resume(self, path: Path | None = None) -> bool:
+        """Load `path` or the newest intact checkpoint under out_dir; False if there is none.
+
+        Newer checkpoints that fail verification are skipped with a line each saying why (a crafted or unsigned
+        one is refused instead); broken ones and no intact one raise CheckpointError.
         The checkpoint may come from another layout (EP / FSDP / DP degrees, or a single device): DCP reshards the
         tensors, and the data position converts to this layout (adapt_sampler_state)."""
+        self._guard.claim()
+        try:
+            return self._resume(path)
+        except BaseException:
+            self._guard.release()  # a refused checkpoint leaves the folder free, nothing half-claimed
+            raise
+
+    def _resume(self, path: Path | None) -> bool:
         from moestack.train.resume_settings import apply_resume_settings, check_resume_settings, saved_extra
 
-        path = path or latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            path, notes = find_resumable(self.ckpt_dir, self._trust_key)
+            for note in notes:
+                self.log(f"resume: {note}")
         if path is None:
             return False
         check_resume_settings(path, saved_extra(path), self.spec, self.plan)  # before the state replaces ours
-        extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None)
+        extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None,
+                                trust_key=self._trust_key)
         if self.pipeline is not None:  # tied embeddings: the two copies (first / last stage) must have loaded equal
             differ = self.pipeline.loaded_tie_mismatch(self.optimizer)
             if differ:
@@ -458,6 +511,8 @@ class Trainer:
         if self.compute_weights is not None:
             self.compute_weights.mark_stale()
         self.step = int(extra["step"])
+        self._last_ckpt, self._resumed = Path(path), True
+        self._guard.mark(self.step)
         if self.spec.init_from is not None:
             self.log(f"--init-from {self.spec.init_from}: not used, the run's own checkpoint continues it")
         self.log(f"resumed from {path} at step {self.step}")
@@ -478,7 +533,12 @@ class Trainer:
             dist.all_gather_object(states, extra["rng"])
             extra["rng_ranks"] = states
             extra["layout"] = self.dist.plan.short()
-        return save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, extra, self.spec.checkpoint.keep)
+        self._guard.mark()
+        self._last_ckpt = save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, extra,
+                                          self.spec.checkpoint.keep, trust_key=self._trust_key)
+        self.metrics.sync()  # the metrics up to a checkpoint are as durable as the checkpoint
+        self._guard.mark()
+        return self._last_ckpt
 
     # ----------------------------------------------------------------------------------------------- steps
     def _forward_backward(self) -> torch.Tensor:
@@ -630,6 +690,32 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- loop
     def fit(self, progress=None) -> dict:
         spec = self.spec
+        self._guard.claim()
+        try:
+            if self.step == 0 and not self._resumed and step_dirs_any(self.ckpt_dir):
+                newest = step_dirs_any(self.ckpt_dir)[0][1]
+                raise ConfigError(f"out_dir: '{self.out_dir}' holds checkpoints of an earlier run (newest "
+                                  f"{newest.name}); continue it with --resume, or train into a new --out (a new run "
+                                  "here would mix with them)")
+            if self.is_main:
+                self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard,
+                                             start_step=self.step)
+                later, torn = self.metrics.dropped
+                if later or torn:
+                    self.log(f"metrics.jsonl: dropped {later} record(s) after step {self.step} (replayed by this "
+                             "run)" + (f" and {torn} torn line(s)" if torn else ""))
+            return self._fit(progress)
+        except Exception as err:
+            failure = self._guard.failure(err)
+            if failure is not None:
+                raise failure from err
+            raise
+        finally:
+            self.metrics.close()
+            self._guard.release()
+
+    def _fit(self, progress) -> dict:
+        spec = self.spec
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(spec, self.out_dir / "train.yaml")
@@ -658,6 +744,8 @@ class Trainer:
     def _loop(self, progress, profiler: StepProfiler | None) -> tuple[list[float], Path | None]:
         spec = self.spec
         bad_steps, last_ckpt, history = 0, latest_checkpoint(self.ckpt_dir), []
+        self._last_ckpt = self._last_ckpt or last_ckpt
+        self._guard.mark(self.step)
         while self.step < spec.steps:
             phase_step = spec.phase_peaks_step is not None and self.step + 1 == spec.phase_peaks_step
             if phase_step:
@@ -674,7 +762,8 @@ class Trainer:
                     self._finish_phase_peaks()
             if stats is None:
                 bad_steps += 1
-                self.metrics.log(self.step, {"skipped_nonfinite": 1.0})
+                self._guard.mark()
+                self.metrics.log(self.step + 1, {"skipped_nonfinite": 1.0})  # the step that was attempted
                 self.log(f"step {self.step + 1}: non-finite loss or gradient, step skipped ({bad_steps} in a row)")
                 if bad_steps >= spec.max_bad_steps:
                     where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written"
@@ -687,6 +776,7 @@ class Trainer:
                 continue
             bad_steps = 0
             self.step += 1
+            self._guard.mark(self.step)
             history.append(stats.loss)
             record = {"loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                       "tokens_per_s": stats.tokens_per_s, **stats.aux}
@@ -701,6 +791,7 @@ class Trainer:
             due_eval = (spec.eval_every and self.step % spec.eval_every == 0) or self.step == spec.steps
             if due_eval and self.eval_set:
                 self.metrics.log(self.step, {"loss": self.evaluate()}, prefix="eval")
+                self._guard.mark()
             if (spec.checkpoint.every and self.step % spec.checkpoint.every == 0) or (
                 self.step == spec.steps and spec.checkpoint.save_final
             ):

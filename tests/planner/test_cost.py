@@ -459,3 +459,49 @@ def test_gemm_efficiency_uses_measured_points_and_scales_bf16_ones_for_fp8():
     fp8_point = GemmPoint(tokens=4096, n=7168, k=3584, dtype="fp8", efficiency=0.45)
     cal = cal.model_copy(update={"gemm_points": [*cal.gemm_points, fp8_point]})
     assert cal.gemm_efficiency(4096, 7168, 3584, "fp8") == 0.45  # a measured fp8 point wins
+
+
+def _attn_res_models(block_size: int = 2, devices: int = 8, seq: int = 4096):
+    """The proxy (16 layers) without and with Attention Residuals (8 blocks of 2 layers)."""
+    spec = load_any_model_spec("proxy")
+    ar = spec.model_copy(update={"attn_res_block_size": block_size})
+    cl = load_cluster_spec("h200-cluster").with_devices(devices)
+    return [C.CostModel(s, cl, load_calibration(), seq, profile_model(s, seq).train_flops_per_token)
+            for s in (spec, ar)]
+
+
+def test_attention_residuals_priced_by_depth():
+    """Each layer's two mixes read the completed blocks and the partial sum: deeper layers move more bytes; the
+    parts carry the mixes' 2 x 2d parameters and the profile's counts agree."""
+    plain, ar = _attn_res_models()
+    spec, h = ar.spec, ar.spec.hidden_size
+    layers = ar.work.layers
+    for lw, base in zip(layers, plain.work.layers, strict=True):
+        mix, ffn = spec.attn_res_sources(lw.index - 1)
+        (pm, pf), (bm, bf) = lw.parts, base.parts
+        assert pm.other_params - bm.other_params == 2 * h == pf.other_params - bf.other_params
+        assert pm.elem_bytes - bm.elem_bytes == pytest.approx(C.attn_res_elem_bytes(h, mix))
+        assert pf.elem_bytes - bf.elem_bytes == pytest.approx(C.attn_res_elem_bytes(h, ffn))
+    assert spec.attn_res_sources(15) == (9, 9) and spec.attn_res_sources(14) == (8, 9)  # layer 14 closes block 7
+    plan = _plan(dp_shard=8, zero_stage=1)
+    a, b = ar.evaluate(plan), plain.evaluate(plan)
+    assert a.step_time_s > b.step_time_s and a.memory["activations"] > b.memory["activations"]
+
+
+def test_attention_residuals_pipeline_boundaries():
+    """A boundary sends the stacked state of its n completed blocks + the partial sum: the p2p term is the sum over
+    boundaries of 2 sends of n + 1 hidden states; each chunk holds the blocks it received and the stack it sent."""
+    plain, ar = _attn_res_models()
+    plan = _plan(pp=4, dp_shard=2, zero_stage=1, global_batch_size=16)
+    a, b = ar.evaluate(plan), plain.evaluate(plan)
+    chunks = a.layout.chunks
+    msg = plan.micro_batch_size * plan.seq_len * ar.spec.hidden_size * C.BF16
+    hop = lambda n: C.p2p_time(ar.cluster, msg * n, plan.devices // plan.pp)  # noqa: E731
+    blocks = [ar.spec.attn_res_blocks_before(c[0]) for c in chunks[1:]]
+    assert len(set(blocks)) > 1  # later boundaries carry more blocks
+    assert a.time["pp_p2p"] == pytest.approx(2 * sum(hop(n + 1) for n in blocks), rel=1e-12)
+    assert b.time["pp_p2p"] == pytest.approx(2 * 3 * hop(1), rel=1e-12)
+    costs = [C.PartCost() for _ in range(plan.pp)]
+    ar._add_boundary_state(costs, chunks, a.layout.chunk_rank, msg)
+    want = [(blocks[c - 1] if c else 0) + (blocks[c] + 1 if c < 3 else 0) for c in range(4)]
+    assert [pc.act / msg for pc in costs] == want and [pc.act_kept / msg for pc in costs] == want

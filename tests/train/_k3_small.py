@@ -12,7 +12,7 @@ RELEASED = Path(__file__).resolve().parents[1] / "data" / "hf_configs" / "kimi-k
 
 def small_k3_config(attn_res: bool = False, layers: int = 4) -> dict:
     """layers >= 2: layer 1 dense, KDA everywhere but every 4th layer and the last (MLA), as the release.
-    attn_res: keep attn_res_block_size (2 here); False removes it (until moestack builds Attention Residuals)."""
+    attn_res: keep attn_res_block_size (2 here); False removes it."""
     cfg = copy.deepcopy(json.loads(RELEASED.read_text()))
     t = cfg["text_config"]
     full = sorted({i for i in range(4, layers + 1, 4)} | {layers})

@@ -3,8 +3,8 @@ its MXFP4 quantization_config kept) trains; its checkpoint exported in the relea
 MXFP4 routed experts, bf16 / fp32 tensors as the release, padded A_log, config.json) is read back with --init-from;
 the new run's first loss is within quantisation error of the source model's loss on the same batch.
 
-ATTN_RES: the scaled-down config keeps attn_res_block_size once moestack builds Attention Residuals (the attnres
-branch); until then the variant without it runs and the attn_res one is skipped with the reason."""
+Both variants run: the config as released (attn_res_block_size kept: K3's Attention Residuals, whose tensors the
+export writes and the import reads back) and without the field."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from moestack.cli import main  # noqa: E402
 from moestack.config.hf import hf_config_to_spec  # noqa: E402
 from moestack.train.convert import read_hf_layout  # noqa: E402
 
+P = "language_model.model."
 ARGS = ["--device", "cpu", "--precision", "fp32", "-q", "--seq-len", "32", "--batch-size", "4",
         "--set", "logging.tensorboard=false", "--set", "eval_every=0", "--set", "data.eval_fraction=0",
         "--set", "logging.every=1", "--set", "schedule.warmup_steps=2"]
@@ -31,16 +32,10 @@ def _losses(run: Path) -> list[float]:
     return [r["train/loss"] for r in rows if "train/loss" in r]
 
 
-def _attn_res_buildable() -> bool:
-    spec = hf_config_to_spec(small_k3_config(attn_res=True), "k3-small").spec
-    return not spec.build_support_errors()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("attn_res", [False, True])
 def test_k3_small_release_round_trip_from_the_cli(tmp_path, attn_res, capsys):
-    if attn_res and not _attn_res_buildable():
-        pytest.skip("moestack does not build Attention Residuals yet (attnres branch); the variant without runs")
+    assert not hf_config_to_spec(small_k3_config(attn_res=attn_res), "k3-small").spec.build_support_errors()
     cfg = tmp_path / "k3-small.config.json"
     cfg.write_text(json.dumps(small_k3_config(attn_res=attn_res), indent=2))
     assert main(["train", "--model", str(cfg), "--steps", "8", "--out", str(tmp_path / "src"), *ARGS]) == 0
@@ -49,6 +44,8 @@ def test_k3_small_release_round_trip_from_the_cli(tmp_path, attn_res, capsys):
     # export in the released layout: the config's mxfp4 quantization_config packs the routed experts
     assert main(["convert", str(tmp_path / "src" / "checkpoints"), str(tmp_path / "hf"), "--model", str(cfg)]) == 0
     layout = read_hf_layout(tmp_path / "hf")
+    names = set(layout.logical()[0])
+    assert (f"{P}output_attn_res_proj.weight" in names and f"{P}layers.3.mlp_res_norm.weight" in names) == attn_res
     assert len(layout.packed) == 3 * 8 * 3 and all(n.startswith("language_model.") for n in layout.shapes)
     assert layout.shapes["language_model.model.layers.0.self_attn.A_log"] == (32,)  # head_dim, 2 heads + zeros
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(cfg.read_text())

@@ -13,8 +13,10 @@ time is the "first s" column), `--steps` timed steps (median step time), then `-
 Columns: tokens/s (global tokens per step / median step time); model TFLOP/s (tokens/s x the trainer's train FLOPs
 per token, the MFU definition of moestack/planner/profile.py); MFU against 989.4 TFLOP/s (H200 dense bf16, also for
 FP8 runs); peak GiB (torch.cuda.max_memory_allocated over the timed steps); GPU busy %; expert load max/mean (the
-busiest expert's routed rows over the mean, worst MoE layer, last micro-batch); "ran": the compile mode that ran
-(a fallback names why).
+busiest expert's routed rows over the mean, worst MoE layer, last micro-batch); step ms (median); host ms: the
+host's time to queue a step (median; the trainer reads the device once, after queueing everything: host ms = step
+ms means host-bound, divided by layers x micro-batches it is Calibration.host_modes' layer_s); first s: the first
+step's wall time (compile, autotune, graph recording); "ran": the compile mode that ran (a fallback names why).
 
 Routing: "learned" is the model's own router from its initialisation (a few steps: near balanced, not collapsed);
 "uniform*" is a benchmark-only forced routing, clearly not the model: after the router has scored the tokens, token
@@ -73,6 +75,7 @@ class Row:
     busy: float = float("nan")
     load_max_mean: float = float("nan")
     step_ms: float = float("nan")
+    host_ms: float = float("nan")
     first_s: float = float("nan")
     ran: str = ""
     skipped_steps: int = 0
@@ -80,7 +83,7 @@ class Row:
 
 
 HEADER = ("| model | routing | mode | prec | accum | wcache | tokens/s | TFLOP/s | MFU | peak GiB | GPU busy | "
-          "load max/mean | step ms | first s | ran |")
+          "load max/mean | step ms | host ms | first s | ran |")
 
 
 def fmt(r: Row) -> str:
@@ -94,7 +97,7 @@ def fmt(r: Row) -> str:
     return (f"| {r.model} | {r.routing} | {r.mode} | {r.precision} | {r.accum} | {'on' if r.weight_cache else 'off'} | "
             f"{num(r.tokens_per_s, ',.0f')} | {num(r.tflops, '.1f')} | {num(r.mfu * 100, '.1f', '%')} | "
             f"{num(r.peak_gib, '.1f')} | {num(r.busy * 100, '.1f', '%')} | {num(r.load_max_mean, '.2f')} | "
-            f"{num(r.step_ms, '.1f')} | {num(r.first_s, '.1f')} | {r.ran}"
+            f"{num(r.step_ms, '.1f')} | {num(r.host_ms, '.1f')} | {num(r.first_s, '.1f')} | {r.ran}"
             f"{f' ({r.skipped_steps} non-finite steps skipped)' if r.skipped_steps else ''} |")
 
 
@@ -170,6 +173,27 @@ def _busy_fraction(trainer, steps: int, device: torch.device) -> float:
     return busy * 1e-6 / wall if wall > 0 else float("nan")
 
 
+@contextlib.contextmanager
+def _issue_clock(issued: list[float]):
+    """Append the perf_counter time at which each train_step has queued all of its work: the trainer's one host read
+    (read_stats) comes after the optimizer step was queued and before it waits for the device. Minus the step's
+    start, that is the host's time for the step: equal to the step time where the host is the bottleneck, below it
+    where the device is (the host then waits at the read). Per layer and micro-batch: HostCalibration.layer_s."""
+    import moestack.train.trainer as trainer_mod
+
+    real = trainer_mod.read_stats
+
+    def timed(values):
+        issued.append(time.perf_counter())
+        return real(values)
+
+    trainer_mod.read_stats = timed
+    try:
+        yield
+    finally:
+        trainer_mod.read_stats = real
+
+
 def _load(trainer) -> float:
     worst = float("nan")
     for moe in trainer.model.moe_layers().values():
@@ -210,15 +234,18 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
                     row.first_s = time.perf_counter() - t0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(args.steps):
-                _sync(device)
-                t = time.perf_counter()
-                row.skipped_steps += trainer.train_step() is None
-                _sync(device)
-                times.append(time.perf_counter() - t)
+            times, issued = [], []
+            with _issue_clock(issued):
+                for _ in range(args.steps):
+                    _sync(device)
+                    t = time.perf_counter()
+                    row.skipped_steps += trainer.train_step() is None
+                    _sync(device)
+                    times.append(time.perf_counter() - t)
+                    issued[-1] -= t
             step_s = statistics.median(times)
             row.step_ms = step_s * 1e3
+            row.host_ms = statistics.median(issued) * 1e3
             row.tokens_per_s = trainer.tokens_per_step / step_s
             row.tflops = row.tokens_per_s * trainer.flops_per_token / 1e12
             row.mfu = row.tflops * 1e12 / PEAK_BF16

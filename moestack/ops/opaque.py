@@ -1,7 +1,8 @@
 """Op entry points that torch.compile calls instead of tracing into (moestack/parallel/compile.py).
 
-Every hot op's entry (`chunk_kda`, the DSA attention and indexer ops, the MoE router / dispatch / gather / combine,
-the grouped GEMM, the fused activations and norms, the FP8 GEMMs) is decorated with `@opaque`. Outside compile the
+Every hot op's entry without a custom op yet (`chunk_kda` and KDA's short conv, the DSA attention and indexer ops, the
+MoE router / dispatch / gather / combine, the grouped GEMM, the FP8 GEMMs) is decorated with `@opaque`; the fused GLU
+and KDA's gated norm are torch.library custom ops instead (moestack/ops/custom_ops.py), nodes inside the graph. Outside compile the
 decorator is one extra Python call. Once `activate()` has run (apply_compile does it), a compiled block that reaches
 an opaque op stops its graph there, runs the op eagerly (its dispatcher, its autograd.Function, its Triton kernels,
 exactly as without compile) and resumes in the next graph; what the compiler fuses is the PyTorch code between the
@@ -13,8 +14,8 @@ pure-torch references are the spec: inductor on CPU (torch 2.13) computes wrong 
 per-chunk tensor indexing (x[torch.tensor([j])] with a backward through it; it also corrupts the heap). Opaque ops run
 the same code as eager, so compiled and eager blocks differ only by the fused glue.
 
-The next step is a torch.library custom op per entry (register_fake + register_autograd): the op then stays inside
-one graph (no break, CUDA-graph capturable, visible to selective recompute by name).
+The next step for each of them is a custom op like those (register_fake + register_autograd): the op then stays
+inside one graph (no break, CUDA-graph capturable, visible to selective recompute by name).
 """
 
 from __future__ import annotations

@@ -253,6 +253,11 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
                 row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
             row.load_max_mean = _load(trainer)
             row.busy = _busy_fraction(trainer, args.profile, device)
+            if report.runs != "none":
+                from moestack.parallel.compile import dynamo_summary
+
+                summary = dynamo_summary()
+                row.ran += f" ({summary['unique_graphs']} graphs, {summary['graph_breaks']} breaks)"
         except Exception as err:  # noqa: BLE001 - one failed configuration must not lose the others' rows
             row.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
             if args.verbose:
@@ -266,6 +271,9 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
 def _cleanup(device: torch.device) -> None:
     with contextlib.suppress(Exception):
         torch._dynamo.reset()  # compiled code and CUDA-graph pools of this configuration
+        from torch._dynamo.utils import counters
+
+        counters.clear()  # the next configuration's graphs / breaks are its own
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -147,8 +147,9 @@ def apply_compile(model: nn.Module, spec: CompileSpec, device: torch.device | st
 
 
 def dynamo_summary(max_reasons: int = 8) -> dict:
-    """What dynamo has done in this process so far: unique graphs, graph breaks (total and the most frequent
-    reasons, first line each), recompiles."""
+    """What dynamo has done in this process so far: frames compiled (a block kind's frame and its resume frames
+    after graph breaks, each again per recompile), unique graphs, graph breaks (total and the most frequent
+    reasons, first lines)."""
     from torch._dynamo.utils import counters
 
     breaks = dict(counters.get("graph_break", {}))
@@ -156,4 +157,4 @@ def dynamo_summary(max_reasons: int = 8) -> dict:
     return {"unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
             "graph_breaks": int(sum(breaks.values())),
             "break_reasons": [f"{n}x {r}" for n, r in reasons[:max_reasons]],
-            "recompiles": int(sum(counters.get("recompiles", {}).values()))}
+            "frames_compiled": int(counters.get("frames", {}).get("ok", 0))}

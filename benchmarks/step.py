@@ -1,9 +1,15 @@
 """Whole training steps on one GPU: eager vs compiled blocks vs compiled blocks replayed as CUDA graphs, bf16 vs the
 FP8 recipe, one micro-batch vs gradient accumulation, on the proxy and the K3 slice (issue #30).
 
-    python benchmarks/step.py                                    # the default grid (see --help; ~8 min on an H200)
-    python benchmarks/step.py --models k3slice --modes eager,blocks --precisions bf16,fp8 --accum 4 --steps 4
+    python benchmarks/step.py                                    # the whole grid: 24 configurations, far over 8 min
+    python benchmarks/step.py --models k3slice --modes eager,blocks --precisions bf16,fp8 --accum 4 --steps 3
     python benchmarks/step.py --smoke                            # tiny model, CPU, 2 steps: the script's own check
+
+Time per configuration (estimates, not measured yet): model build and data ~10-20 s; an eager K3-slice step at
+accumulation 4 ~1 s, a proxy step ~0.5 s; the first FP8 configuration autotunes its kernels (tens of seconds); a
+compiled mode compiles each block kind's graphs on its first step (the proxy has 3 kinds, the K3 slice 2; with the
+op boundaries ~15-30 small graphs per kind and pass: guessed 30-120 s per compiled configuration, again for graphs
+mode and for FP8, which compile other graphs). --budget keeps a run inside a time limit.
 
 Each configuration builds a fresh Trainer (moestack/train/trainer.py, one device, fused AdamW, the bf16 weight cache
 unless --weight-cache off) and runs `--warmup` steps (compile, autotuning, CUDA-graph recording: their first-step
@@ -289,7 +295,7 @@ def _list(value: str) -> list[str]:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="proxy,k3slice", help="proxy, k3slice, tiny (comma separated)")
-    p.add_argument("--modes", default="eager,blocks,graphs", help="eager, blocks, graphs")
+    p.add_argument("--modes", default="eager,blocks,graphs", help="eager, blocks, graphs (run in this order)")
     p.add_argument("--precisions", default="bf16,fp8", help="bf16, fp8")
     p.add_argument("--accum", default="1,4", help="micro-batches per optimizer step (comma separated)")
     p.add_argument("--routing", default="uniform", help="uniform (forced, benchmark only), learned")
@@ -336,11 +342,11 @@ def main(argv=None) -> list[Row]:
     print(HEADER, flush=True)
     print("|" + "---|" * HEADER.count(" | ") + "---|", flush=True)
     rows, start, skipped = [], time.perf_counter(), []
-    # the modes of one setting side by side (graphs last: their memory pools), fp8 after bf16
+    # the modes of one setting side by side, in the order given (default eager, blocks, graphs); fp8 after bf16
     configs = [(model, routing, mode, precision, int(accum), cache == "on")
                for model in _list(args.models) for routing in _list(args.routing)
                for precision in _list(args.precisions) for accum in _list(args.accum)
-               for cache in _list(args.weight_cache) for mode in sorted(_list(args.modes), key=list(MODES).index)]
+               for cache in _list(args.weight_cache) for mode in _list(args.modes)]
     for config in configs:
         if args.budget is not None and time.perf_counter() - start > args.budget:
             skipped.append(config)

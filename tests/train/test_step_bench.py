@@ -21,6 +21,7 @@ def bench():
     return mod
 
 
+@pytest.mark.slow
 def test_smoke_rows(bench, capsys):
     from moestack.ops.moe import routing
 

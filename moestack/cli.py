@@ -59,6 +59,9 @@ def train(
     data_source: Optional[str] = typer.Option(None, "--data-source", help="builtin | text | jsonl | bin"),
     tokenizer: Optional[str] = typer.Option(None, help="'byte' or path to a local tokenizer.json"),
     dsa_mode: Optional[str] = typer.Option(None, "--dsa-mode", help="dense (indexer warm-up) | sparse"),
+    compile_: Optional[str] = typer.Option(None, "--compile",
+                                           help="none | blocks (torch.compile of each block) | blocks+graphs (and "
+                                                "CUDA-graph replay); what ran: <out>/compile.json"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
     init_from: Optional[str] = typer.Option(None, "--init-from",
                                             help="start from these model weights (moestack checkpoint or HF "
@@ -101,7 +104,7 @@ def train(
         "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "optimizer.lr": lr, "device": device, "precision": precision,
         "data.paths": data, "data.source": data_source, "data.tokenizer": tokenizer, "dsa.mode": dsa_mode,
-        "profile_steps": profile_steps, "init_from": init_from,
+        "profile_steps": profile_steps, "init_from": init_from, "compile.mode": compile_,
     }
     overrides.update({k: v for k, v in flag_values.items() if v is not None})
     if data and data_source is None:

@@ -85,6 +85,25 @@ class DSATrainSpec(StrictModel):
     freeze_main_in_dense: bool = False  # V3.2 warm-up trains only the indexer
 
 
+class CompileSpec(StrictModel):
+    """How the transformer blocks run (moestack/parallel/compile.py; what ran lands in <out_dir>/compile.json).
+
+    none: eager. blocks: torch.compile of each block on its own (regional, as torchtitan; the embedding, head and
+    loss stay eager). blocks+graphs: the compiled blocks also replayed as CUDA graphs (inductor's reduce-overhead
+    mode; CUDA, one device). Where a mode cannot run, the next one down runs and one line says why.
+    """
+
+    mode: Literal["none", "blocks", "blocks+graphs"] = "none"
+    # aot_eager: the graphs are captured and run by ATen, no code generation (bitwise eager; isolates inductor)
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    fullgraph: bool = False  # a graph break inside a block is an error naming it (instead of a split graph)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_mode(cls, value):
+        return {"mode": value} if isinstance(value, str) else value  # `compile: blocks` / --compile blocks
+
+
 class TrainSpec(StrictModel):
     model: str = "tiny"  # preset name, ModelSpec YAML or HF config.json
     # start from these model weights (a moestack checkpoint or an HF directory; moestack/train/init_from.py):
@@ -106,6 +125,11 @@ class TrainSpec(StrictModel):
     # released K3 format, moestack/ops/mxfp4.py) with a straight-through gradient, so an MXFP4 export stores
     # exactly the weights the run trained with
     qat: Literal["none", "mxfp4_experts"] = "none"
+    compile: CompileSpec = CompileSpec()
+    # bf16 runs on one device: every Linear / expert weight cast to bf16 once per optimizer step and kept across the
+    # micro-batches (moestack/memory/compute_weights.py; the same numbers as autocast's per-forward cast). Under a
+    # plan FSDP2 gathers the weights in bf16 instead (MixedPrecisionPolicy).
+    weight_cache: bool = True
     data: DataSpec = DataSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()

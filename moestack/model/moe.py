@@ -24,6 +24,7 @@ from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
+from moestack.model.weights import compute_weight
 from moestack.ops import moe as moe_ops
 from moestack.ops.moe import routing
 
@@ -124,7 +125,7 @@ class Experts(nn.Module):
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
-        return self.ffn(h_NL, self.w_gate_up, self.w_down, offs_E)
+        return self.ffn(h_NL, compute_weight(self, "w_gate_up"), compute_weight(self, "w_down"), offs_E)
 
     def ffn(
         self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor

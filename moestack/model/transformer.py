@@ -20,6 +20,7 @@ from moestack.model.attn_res import AttnRes
 from moestack.model.block import Block
 from moestack.model.loss import chunked_cross_entropy
 from moestack.model.norm import RMSNorm
+from moestack.model.weights import compute_weight
 
 
 class Transformer(nn.Module):
@@ -87,7 +88,7 @@ class Transformer(nn.Module):
             return h
         if targets is None:
             return self.lm_head(h)
-        loss_sum, count = chunked_cross_entropy(h, self.lm_head.weight, targets)
+        loss_sum, count = chunked_cross_entropy(h, compute_weight(self.lm_head), targets)
         return loss_sum / count.clamp(min=1)
 
     def moe_layers(self) -> dict[str, nn.Module]:

@@ -189,6 +189,11 @@ class Calibration(StrictModel):
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     # host (CPU) time of moestack's eager trainer, a floor under the device time (HostCalibration says why)
     host: HostCalibration = Field(default_factory=lambda: HostCalibration())
+    # the same constants for the trainer's compiled modes (TrainSpec.compile: "blocks", "blocks+graphs"), measured by
+    # benchmarks/step.py (its "host ms" column: the host's time to queue one step, per layer and micro-batch where the
+    # step is host-bound). Not read yet: plans do not carry the compile mode, so every moestack plan is priced with
+    # the eager `host` above (host_profile.py), an upper bound for a compiled run
+    host_modes: dict[Literal["blocks", "blocks+graphs"], HostCalibration] = {}
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
     # measured / modelled saved activations per memory technique (benchmarks/memory.py prints them as "act x" and

@@ -12,8 +12,9 @@ training code, not to the GPU:
   megatron-full-graphs  Megatron-Bridge with the whole iteration captured (cuda_graph_impl full_iteration): no host
                    time, and the MoE dispatch runs without a host sync (it must, to be captured).
 
-Not offered: a compiled / CUDA-graph moestack profile. The trainer has no torch.compile or graph-capture mode, so
-there is nothing to measure such a profile on.
+Not offered yet: a compiled / CUDA-graph moestack profile. The trainer has both (TrainSpec.compile); their host
+constants go to Calibration.host_modes once benchmarks/step.py has measured them on the GPU, and plans still price
+every moestack run as eager (an upper bound for a compiled one).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,12 +30,14 @@ from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan, runtime_unsupported
 from moestack.config.train_spec import TrainSpec
+from moestack.memory.compute_weights import ComputeWeights
 from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
-from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
-from moestack.parallel.fsdp import set_gradient_sync
+from moestack.parallel.compile import resolve_compile
+from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, global_grad_norm
+from moestack.parallel.fsdp import set_gradient_sync, set_reshard_after_backward
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
     CheckpointError,
@@ -56,6 +57,7 @@ from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_nor
 from moestack.train.resume_settings import settings_record
 from moestack.train.safe_load import read_trust_key
 from moestack.train.step_profile import StepProfiler
+from moestack.train.step_update import fused_skip_supported, read_stats, step_optimizer
 from moestack.train.tokenizer import build_tokenizer
 
 
@@ -280,6 +282,8 @@ class Trainer:
 
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
+        self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
+        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
         if self.dist is None:
             check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
@@ -288,11 +292,16 @@ class Trainer:
             self._configure_dsa()
             self._configure_fp8(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
+            if spec.weight_cache and uses_bf16(spec, self.device):
+                self.compute_weights = ComputeWeights(self.model, self.optimizer)
+            self.compiled.apply(self.model)
         else:
             self.model = self._build_parallel_model()
             self.optimizer = self._build_parallel_optimizer()
             guard_tp_grad_reduce(self.optimizer, self.model)  # plan.tp_grad_reduce deferred: no step on partial sums
             torch.manual_seed(spec.seed + 1_000_003 * self.dist.rank)  # runtime randomness differs per rank
+        if spec.compile.mode != "none":
+            self.log(self.compiled.report.line())
         if self.pipeline is not None and self.eval_set:
             self.log("evaluation is skipped under pipeline parallelism (the step runner has no forward-only path)")
             self.eval_set = []
@@ -387,7 +396,7 @@ class Trainer:
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:
-            parallelize(model, plan, meshes, param_dtype=param_dtype)
+            parallelize(model, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)
         if on_meta:
             if plan.tp > 1:
                 raise ConfigError("plan.tp: meta-device initialisation with tensor parallelism is not supported yet")
@@ -421,7 +430,7 @@ class Trainer:
         ids = stage_ids_for_rank(plan.schedule, plan.pp, plan.vpp, meshes.dense.get_local_rank("pp"))
         parts = [build_stage_modules(model, layers[s], s == 0, s == S - 1) for s in ids]
         for part in parts:
-            parallelize(part, plan, meshes, param_dtype=param_dtype)
+            parallelize(part, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)
             register_fsdp_forward_method(part, "hidden_states")  # the stage runs hidden_states, not forward
         self.pipeline = PipelineStepRunner(parts, ids, plan, meshes.pp_group(), self.device,
                                            seq_shards=plan.tp, hidden_dtype=param_dtype or torch.float32)
@@ -499,6 +508,8 @@ class Trainer:
         if self.dist is not None and ranks is not None and len(ranks) == dist.get_world_size():
             rng = ranks[self.dist.rank]
         restore_rng_state(rng)
+        if self.compute_weights is not None:
+            self.compute_weights.mark_stale()
         self.step = int(extra["step"])
         self._last_ckpt, self._resumed = Path(path), True
         self._guard.mark(self.step)
@@ -530,7 +541,9 @@ class Trainer:
         return self._last_ckpt
 
     # ----------------------------------------------------------------------------------------------- steps
-    def _forward_backward(self) -> tuple[float, bool]:
+    def _forward_backward(self) -> torch.Tensor:
+        """Every micro-batch's forward and backward; returns the step's mean loss as a float64 scalar (on the device:
+        no host read here, moestack/train/step_update.py)."""
         accum = self.spec.grad_accum_steps
         if self.pipeline is not None:  # the schedule runs the plan's micro-batches of the whole local batch
             batches = [self.sampler.next_batch() for _ in range(accum)]
@@ -539,34 +552,41 @@ class Trainer:
                 self._phase_peaks.in_forward = True
             with self.autocast():
                 total = self.pipeline.forward_backward(inputs, targets)
-            total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
-            return total, math.isfinite(total)
+            return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
         set_aux_loss_scale(1.0 / accum)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
+            if self.dist is not None and self.dist.plan.zero_stage < 3:  # keep the bf16 gathers for the next one
+                set_reshard_after_backward(self.model, i == accum - 1)
             inputs, targets = self.sampler.next_batch()
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             peaks, mb = self._phase_peaks, f" (mb {i})" if accum > 1 else ""
             if peaks is not None:
                 peaks.mark(f"forward{mb}")
                 peaks.in_forward = True
+            if self.compiled is not None:
+                self.compiled.before_forward()  # CUDA graphs: a new micro-batch, earlier outputs are consumed
             with self.autocast():
                 loss = self.model(inputs, targets)
             if peaks is not None:
                 peaks.in_forward = False
                 peaks.mark(f"loss + head backward{mb}")
             (loss / accum).backward()
-            total += loss.detach().float().item() / accum
+            total += loss.detach().double() / accum  # the float64 sums the host did before, on the device
         if self.dist is not None:  # each rank's loss is the mean over its own tokens: average over dp ranks
-            total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
-        return total, math.isfinite(total)
+            dist.all_reduce(total, group=self.dist.meshes.dp_group)  # SUM: gloo has no AVG
+            total = total / dist.get_world_size(self.dist.meshes.dp_group)
+        return total
 
-    def _clip(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.dist is None:
-            return clip_grad_norm(params, self.spec.optimizer.grad_clip)
-        return clip_grad_norm_(params, self.spec.optimizer.grad_clip, self.dist.meshes.pp_group())
+    def _grad_norm(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """(global gradient norm, whether the gradients were clipped already). One device with an optimizer that
+        takes the clip in its kernel (step_update): the norm only; else the norm and the clip, on the device."""
+        if self.dist is not None:
+            return global_grad_norm(params, self.dist.meshes.pp_group()), False
+        if fused_skip_supported(self.optimizer) and self.spec.optimizer.grad_clip > 0:
+            return torch.nn.utils.get_total_norm([p.grad for p in params]).float(), False
+        return clip_grad_norm(params, self.spec.optimizer.grad_clip), True
 
     def _update_router_biases(self) -> dict[str, torch.Tensor]:
         moes = self.model.moe_layers()
@@ -575,32 +595,39 @@ class Trainer:
         return {name: moe.router.update_selection_bias() for name, moe in moes.items()}
 
     def train_step(self) -> StepStats | None:
-        """One optimizer step. Returns None when the step was skipped for a non-finite loss or gradient."""
+        """One optimizer step. Returns None when the step was skipped for a non-finite loss or gradient.
+
+        Host reads: one, at the end (loss, norm, skip flag, aux losses together), after the update was queued;
+        optimizers without an on-device skip read the skip flag once more before stepping (step_update.py)."""
         t0 = time.perf_counter()
         self.model.train()
-        loss, finite = self._forward_backward()
+        if self.compute_weights is not None:
+            self.compute_weights.refresh_if_stale()  # bf16 copies, once per optimizer step
+        loss = self._forward_backward()
         if self._phase_peaks is not None:
             self._phase_peaks.in_forward = False
             self._phase_peaks.mark("clip + optimizer")
         if self.plan is not None and self.plan.tp_grad_reduce == "deferred":
             finish_tp_grad_reduce(self.model)  # the TP gradient sums, before .grad is read
-        grad_norm = self._clip()
-        if not finite or not math.isfinite(float(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm, clipped = self._grad_norm(params)
+        finite = torch.isfinite(loss.to(grad_norm.device)) & torch.isfinite(grad_norm)
+        stepped = step_optimizer(self.optimizer, params, grad_norm, finite, self.spec.optimizer.grad_clip, clipped)
+        stats = read_stats({"loss": loss, "grad_norm": grad_norm, "finite": finite, **self._aux()})
+        self.optimizer.zero_grad(set_to_none=True)
+        if not (stepped if stepped is not None else stats.pop("finite") > 0):
             for moe in self.model.moe_layers().values():
                 moe.router.tokens_per_expert.zero_()
             return None
-        self.optimizer.step()
+        stats.pop("finite", None)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_router_biases()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         tokens_per_s = self.tokens_per_step / dt
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices) if self.peak_flops else None
         self._last_counts = counts
-        return StepStats(loss, float(grad_norm), self.scheduler.get_last_lr()[0], tokens_per_s, mfu, self._aux())
+        loss_value, norm_value = stats.pop("loss"), stats.pop("grad_norm")
+        return StepStats(loss_value, norm_value, self.scheduler.get_last_lr()[0], tokens_per_s, mfu, stats)
 
     # ----------------------------------------------------------------------------------------------- diagnostics
     def _start_phase_peaks(self) -> None:
@@ -634,22 +661,25 @@ class Trainer:
                      f"{top['peak_gib']:.2f} GiB (end {top['end_gib']:.2f}) of {len(marks)} phases{note}; every "
                      f"rank: {self.out_dir}/phase_peaks_rank{{r}}.json")
 
-    def _aux(self) -> dict[str, float]:
+    def _aux(self) -> dict[str, torch.Tensor]:
+        """The last micro-batch's aux losses (mean over layers), as device scalars for read_stats."""
         out = {}
         moe_aux = [m.last_aux_loss for m in self.model.moe_layers().values() if m.last_aux_loss is not None]
         if moe_aux:
-            out["moe_aux_loss"] = float(torch.stack([a.float() for a in moe_aux]).mean())
+            out["moe_aux_loss"] = torch.stack([a.float() for a in moe_aux]).mean()
         idx_loss = [
             a.last_indexer_loss for a in self.model.dsa_layers().values() if a.last_indexer_loss is not None
         ]
         if idx_loss:
-            out["indexer_kl"] = float(torch.stack([a.float() for a in idx_loss]).mean())
+            out["indexer_kl"] = torch.stack([a.float() for a in idx_loss]).mean()
         return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the eval batches (every rank evaluates all of them: the same number everywhere)."""
         self.model.eval()
+        if self.compute_weights is not None:
+            self.compute_weights.refresh_if_stale()
         losses = []
         for inputs, targets in self.eval_set:
             with self.autocast():
@@ -692,6 +722,7 @@ class Trainer:
             dump_yaml(self.model_spec, self.out_dir / "model.yaml")
             if self.plan is not None:
                 dump_yaml(self.plan, self.out_dir / "plan.yaml")
+            self.compiled.write(self.out_dir)
         profiler = StepProfiler.maybe(spec.profile_window, self.out_dir, self.device,
                                       self.dist.rank if self.dist is not None else 0)
         try:
@@ -702,6 +733,8 @@ class Trainer:
             raise
         if profiler is not None:
             profiler.finish()  # a window reaching past the last step (e.g. after --resume) ends with the run
+        if self.is_main:
+            self.compiled.write(self.out_dir)  # with what dynamo did (graphs, breaks)
         self.metrics.close()
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))

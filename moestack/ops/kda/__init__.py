@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from moestack.ops import tuned
+from moestack.ops.opaque import opaque
 
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
@@ -123,6 +124,7 @@ def resolve_backend(backend: str | None = None, q: torch.Tensor | None = None) -
     raise RuntimeError(f"no KDA backend of {AUTO_ORDER} is usable; registered: {registered_backends()}")
 
 
+@opaque
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -404,7 +404,8 @@ class PipelineStepRunner:
 
     def _loss_fn(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the batch mean: summed token losses / counted targets of the whole batch."""
-        return lm_head_loss_sum(self._last, h_BTD, targets_BT) * (self._scale / self._count.clamp(min=1))
+        # (scale / count as a tensor would be fp32: fp64 runs keep fp64)
+        return lm_head_loss_sum(self._last, h_BTD, targets_BT) * self._scale / self._count.clamp(min=1)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
         """inputs, targets [B, T] (the local batch, B = n_microbatches * plan.micro_batch_size; every pipeline rank

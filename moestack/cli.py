@@ -53,6 +53,9 @@ def train(
     tokenizer: Optional[str] = typer.Option(None, help="'byte' or path to a local tokenizer.json"),
     dsa_mode: Optional[str] = typer.Option(None, "--dsa-mode", help="dense (indexer warm-up) | sparse"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    init_from: Optional[str] = typer.Option(None, "--init-from",
+                                            help="start from these model weights (moestack checkpoint or HF "
+                                                 "directory); fresh optimizer, schedule and data position"),
     set_: list[str] = typer.Option([], "--set", help="any TrainSpec field, dotted: --set optimizer.weight_decay=0"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     memory_report: bool = typer.Option(False, "--memory-report",
@@ -80,13 +83,18 @@ def train(
         if clash:
             raise ConfigError(f"{' '.join(clash)}: with --plan the plan sets the batch layout (micro_batch_size, "
                               "global_batch_size, seq_len); edit the plan instead")
+    if model is None and run_plan is None and init_from is not None:  # an HF directory names its own model
+        from moestack.train.init_from import hf_config_path
+
+        found = hf_config_path(init_from)
+        model = str(found) if found is not None else None
     model = model or (run_plan.model if run_plan is not None else "tiny")
     overrides = {"model": model}
     flag_values = {
         "steps": steps, "out_dir": out, "micro_batch_size": batch_size, "grad_accum_steps": grad_accum,
         "seq_len": seq_len, "optimizer.lr": lr, "device": device, "precision": precision,
         "data.paths": data, "data.source": data_source, "data.tokenizer": tokenizer, "dsa.mode": dsa_mode,
-        "profile_steps": profile_steps,
+        "profile_steps": profile_steps, "init_from": init_from,
     }
     overrides.update({k: v for k, v in flag_values.items() if v is not None})
     if data and data_source is None:
@@ -186,13 +194,23 @@ def _register_commands() -> None:
 _register_commands()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from moestack.train.checkpoint import CheckpointError
-    from moestack.train.trainer import TrainingStopped
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions printed as one line. The checkpoint and trainer errors are caught only when their (torch-importing)
+    modules were loaded by the command: a command that never imported them cannot raise them, and `plan` /
+    `profile` stay free of the torch import (seconds)."""
+    errors: list[type[BaseException]] = [ConfigError, ValueError, FileNotFoundError]
+    lazy = (("moestack.train.checkpoint", "CheckpointError"), ("moestack.train.trainer", "TrainingStopped"))
+    for module, name in lazy:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            errors.append(getattr(loaded, name))
+    return tuple(errors)
 
+
+def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=argv, standalone_mode=False)
-    except (ConfigError, CheckpointError, TrainingStopped, ValueError, FileNotFoundError) as err:
+    except _user_errors() as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         err_console.print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
         return 2

@@ -65,6 +65,9 @@ class DSATrainSpec(StrictModel):
 
 class TrainSpec(StrictModel):
     model: str = "tiny"  # preset name, ModelSpec YAML or HF config.json
+    # start from these model weights (a moestack checkpoint or an HF directory; moestack/train/init_from.py):
+    # optimizer, schedule, data position and step start fresh. --resume of an existing checkpoint takes precedence.
+    init_from: str | None = None
     out_dir: str = "runs/tiny"
     seed: int = 0
     steps: int = Field(default=300, gt=0)
@@ -78,6 +81,10 @@ class TrainSpec(StrictModel):
     precision: Literal["auto", "fp32", "bf16", "fp8", "fp64"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_bad_steps: int = Field(default=3, gt=0)  # consecutive non-finite losses before the run stops
+    # quantisation-aware training. mxfp4_experts: the routed experts' forward uses their MXFP4 values (the
+    # released K3 format, moestack/ops/mxfp4.py) with a straight-through gradient, so an MXFP4 export stores
+    # exactly the weights the run trained with
+    qat: Literal["none", "mxfp4_experts"] = "none"
     data: DataSpec = DataSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()

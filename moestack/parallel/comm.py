@@ -148,7 +148,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: Group = None) -> 
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else ("plain", g.device)
         groups.setdefault(key, []).append(g)
     device = grads[0].device if grads else torch.device("cpu")
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32  # fp64 stays fp64
     total_sq = torch.zeros((), dtype=dtype, device=device)
     for key, group in groups.items():
         if key[0] == "plain":

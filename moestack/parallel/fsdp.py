@@ -31,11 +31,7 @@ from moestack.model.moe import MoE
 def mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None = torch.float32
                     ) -> MixedPrecisionPolicy:
     """FSDP2 policy: params gathered (and computed) in param_dtype, gradients reduced in reduce_dtype, fp32
-    master weights and optimizer state in the sharded parameters. param_dtype None = compute in the parameters'
-    own dtype (fp32; fp64 in the layout-equivalence tests) and reduce in it too (an fp32 reduce of fp64 gradients
-    would round them to fp32)."""
-    if param_dtype is None and reduce_dtype == torch.float32:
-        reduce_dtype = None
+    master weights and optimizer state in the sharded parameters. None = keep the parameter dtype (fp32)."""
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 

@@ -48,7 +48,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     """Apply EP -> TP -> memory policies -> FSDP to `model` in place (as `plan` and `meshes` say); returns it.
 
     param_dtype: the dtype FSDP gathers parameters in for compute (torch.bfloat16 for bf16 training on GPUs;
-    None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32; master weights stay fp32.
+    None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32 (in the parameters' dtype when
+    param_dtype is None: fp64 models reduce in fp64); master weights stay fp32.
     """
     expert_sharded = plan.ep > 1 or plan.etp > 1
     if expert_sharded:
@@ -75,7 +76,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         model,
         meshes.dp_cp,
         plan.zero_stage,
-        mixed_precision(param_dtype),
+        # gradients reduce in fp32 under bf16 compute; in the parameters' dtype otherwise (fp64 stays fp64)
+        mixed_precision(param_dtype, torch.float32 if param_dtype is not None else None),
         expert_mesh=meshes.edp if expert_sharded else None,
         expert_grad_divide=plan.dp if expert_sharded else None,
         dense_grad_divide=plan.dp if plan.cp > 1 else None,  # CP shares add up; only the dp replicas average

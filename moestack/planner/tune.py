@@ -221,7 +221,8 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
         p = plan.model_copy(update={"micro_batch_size": b, "seq_len": s})
         ctx = Ctx(p, local, cluster, cal, float(b * s))
         seen: set[str] = set()
-        for layer in model_work(local, s).layers:
+        # measure_parts times norm + part alone: compare with the analytic part without its Attention-Residual mix
+        for layer in model_work(local.model_copy(update={"attn_res_block_size": None}), s).layers:
             for part in layer.parts:
                 t = timings.get(part.kind)
                 if t is None or part.kind in seen:

@@ -28,7 +28,7 @@ from torch import nn
 
 from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.model_spec import ModelSpec
-from moestack.config.plan import Plan
+from moestack.config.plan import Plan, runtime_unsupported
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
@@ -46,8 +46,10 @@ from moestack.train.checkpoint import (
     save_checkpoint,
 )
 from moestack.train.data import build_data, eval_batches
+from moestack.train.fits import check_single_device_fits
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from moestack.train.resume_settings import settings_record
 from moestack.train.step_profile import StepProfiler
 from moestack.train.tokenizer import build_tokenizer
 
@@ -180,6 +182,9 @@ def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
     recipe (moestack/train/fp8.py)."""
+    unsupported = runtime_unsupported(plan)
+    if unsupported:
+        raise ConfigError(f"plan: the trainer cannot run {'; '.join(unsupported)}")
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
               "seq_len": plan.seq_len}
     if plan.precision == "fp8":
@@ -250,10 +255,14 @@ class Trainer:
         )
 
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
+        self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         if self.dist is None:
+            check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             if spec.precision == "fp64":
                 self.model.double()
+            self._init_weights(self.model)
+            self._configure_qat(self.model)
             self._configure_dsa()
             self._configure_fp8(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
@@ -277,6 +286,34 @@ class Trainer:
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
+    def _init_weights(self, model: Transformer, sharded: bool = False, partial: bool = False) -> None:
+        """spec.init_from: the model weights from a checkpoint or HF directory (moestack/train/init_from.py)."""
+        if self.spec.init_from is None:
+            return
+        from moestack.train.init_from import load_initial_weights
+
+        result = load_initial_weights(model, self.spec.init_from, sharded=sharded, partial=partial)
+        self._init_extra = result.extra
+        if result.skipped_line:
+            self.log(result.skipped_line)
+        self.log(result.message)
+
+    def _configure_qat(self, model: Transformer) -> None:
+        """spec.qat mxfp4_experts: every routed-expert module fake-quantises its weights to MXFP4."""
+        if self.spec.qat == "none":
+            return
+        from moestack.ops.mxfp4 import GROUP
+
+        widths = {m.experts.w_gate_up.shape[-1] for m in model.moe_layers().values()} | \
+            {m.experts.w_down.shape[-1] for m in model.moe_layers().values()}
+        bad = sorted(w for w in widths if w % GROUP)
+        if bad:
+            raise ConfigError(f"qat: mxfp4_experts needs expert widths (latent / hidden and intermediate sizes) that "
+                              f"are multiples of {GROUP}; this model has {', '.join(map(str, bad))}")
+        for moe in model.moe_layers().values():
+            moe.experts.fake_quant = "mxfp4"
+        self.log(f"qat: routed experts of {len(model.moe_layers())} MoE layers train on their MXFP4 values")
+
     def _configure_dsa(self, model: Transformer | None = None) -> None:
         model = model if model is not None else self.model
         dsa = self.spec.dsa
@@ -323,6 +360,9 @@ class Trainer:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
         if spec.precision == "fp64":
             model.double()
+        if not on_meta:
+            self._init_weights(model)  # into the whole model: the sharding below slices the loaded weights
+        self._configure_qat(model)
         self._configure_dsa(model)
         self._configure_fp8(model)
         if plan.pp > 1:
@@ -335,6 +375,7 @@ class Trainer:
             model.to_empty(device=self.device)
             torch.manual_seed(spec.seed)
             model.init_weights()  # DTensor random ops keep shards of one tensor on different streams (CUDA)
+            self._init_weights(model, sharded=True, partial=plan.pp > 1)  # a moestack checkpoint, resharded by DCP
         return model
 
     def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:
@@ -393,9 +434,12 @@ class Trainer:
 
         The checkpoint may come from another layout (EP / FSDP / DP degrees, or a single device): DCP reshards the
         tensors, and the data position converts to this layout (adapt_sampler_state)."""
+        from moestack.train.resume_settings import apply_resume_settings, check_resume_settings, saved_extra
+
         path = path or latest_checkpoint(self.ckpt_dir)
         if path is None:
             return False
+        check_resume_settings(path, saved_extra(path), self.spec, self.plan)  # before the state replaces ours
         extra = load_checkpoint(path, self.model, self.optimizer, partial=self.pipeline is not None)
         if self.pipeline is not None:  # tied embeddings: the two copies (first / last stage) must have loaded equal
             differ = self.pipeline.loaded_tie_mismatch(self.optimizer)
@@ -405,6 +449,8 @@ class Trainer:
                                       "ties them (tie_word_embeddings), so the checkpoint is damaged: move it out "
                                       f"of {Path(path).parent} to resume from the one before")
         self.scheduler.load_state_dict(extra["scheduler"])
+        for line in apply_resume_settings(self.optimizer, self.scheduler, extra, self.spec):  # this run's values
+            self.log(line)
         self.sampler.load_state_dict(
             adapt_sampler_state(extra["sampler"], self.sampler.batch_size, self.sampler.world_size))
         rng = extra["rng"]
@@ -413,6 +459,8 @@ class Trainer:
             rng = ranks[self.dist.rank]
         restore_rng_state(rng)
         self.step = int(extra["step"])
+        if self.spec.init_from is not None:
+            self.log(f"--init-from {self.spec.init_from}: not used, the run's own checkpoint continues it")
         self.log(f"resumed from {path} at step {self.step}")
         return True
 
@@ -423,6 +471,8 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rng": capture_rng_state(),
             "model_name": self.model_spec.name,
+            "train_settings": settings_record(self.spec, self.plan),
+            **self._init_extra,
         }
         if self.dist is not None:
             states = [None] * dist.get_world_size()
@@ -607,9 +657,11 @@ class Trainer:
                 self.log(f"step {self.step + 1}: non-finite loss or gradient, step skipped ({bad_steps} in a row)")
                 if bad_steps >= spec.max_bad_steps:
                     where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written"
+                    lr = self.spec.optimizer.lr
                     raise TrainingStopped(
                         f"stopped after {bad_steps} consecutive non-finite steps at step {self.step + 1}; {where}. "
-                        f"Lower optimizer.lr or check the data, then resume with --resume"
+                        f"Lower the learning rate (now {lr:.3g}) or check the data, then continue with --resume "
+                        f"--lr {lr / 10:.3g} (resume applies the new value)"
                     )
                 continue
             bad_steps = 0

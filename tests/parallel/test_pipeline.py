@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dist import run_ranks
+from _dist import ATTN_RES_ZERO_GRAD, randomise_attn_res, run_ranks
 
 from moestack.config.model_spec import load_model_spec
 from moestack.model.transformer import build_model
@@ -170,7 +170,7 @@ def _reference(spec_json: str, steps: int, dtype: torch.dtype = torch.float64) -
     from moestack.model.aux_loss import set_aux_loss_scale
 
     spec = ModelSpec.model_validate_json(spec_json)
-    ref = build_model(spec, "cpu", seed=0).to(dtype)
+    ref = _build(spec, dtype)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     out = {"ref_loss": []}
     for step in range(steps):
@@ -189,16 +189,33 @@ def _reference(spec_json: str, steps: int, dtype: torch.dtype = torch.float64) -
     return out
 
 
-def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int, dtype: torch.dtype = torch.float64) -> dict:
+def _build(spec, dtype: torch.dtype):
+    """The seeded model in `dtype` (with Attention Residuals random pseudo-queries: see _dist.py)."""
+    model = build_model(spec, "cpu", seed=0)
+    if spec.attn_res_block_size is not None:
+        randomise_attn_res(model)
+    return model.to(dtype)
+
+
+def attn_res_spec():
+    """The tiny preset with Attention Residuals in blocks of 2 layers: the 4 layers close blocks at layers 0 and 2,
+    so stage boundaries see 1 or 2 completed blocks, and one receives the partial sum it closes at once."""
+    from moestack.config.model_spec import ModelSpec
+
+    return ModelSpec.model_validate({**load_model_spec("tiny").model_dump(), "attn_res_block_size": 2})
+
+
+def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int, attn_res: bool = False,
+               dtype: torch.dtype = torch.float64) -> dict:
     import torch.distributed as dist
 
     from moestack.config.plan import make_plan
-    from moestack.parallel.pipeline import PipelineStepRunner
+    from moestack.parallel.pipeline import PipelineStepRunner, stage_state_blocks
 
-    spec = load_model_spec("tiny")
+    spec = attn_res_spec() if attn_res else load_model_spec("tiny")
     plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
                      pp=world_size, vpp=vpp, schedule=schedule)
-    model = build_model(spec, "cpu", seed=0).to(dtype)
+    model = _build(spec, dtype)
     costs, embed, head = stage_costs(spec, T)
     layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
     S = plan.pp * plan.vpp
@@ -221,6 +238,7 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int, dtype: torch
         for part in parts:
             for moe in part.moe_layers().values():
                 moe.router.update_selection_bias()
+    out["state_blocks"] = [stage_state_blocks(p) for p in parts]
     if rank == 0:
         ref = _reference(spec.model_dump_json(), STEPS, dtype)
         out.update(ref_loss=ref["ref_loss"], ref_grads=ref["ref_grads"])
@@ -228,19 +246,22 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int, dtype: torch
 
 
 CONFIGS = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}  # float64
+ATTN_RES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}  # float64, Attention Residuals
 FP32_SMOKE = "1f1b"
 
 
 def _all_worker(rank: int, world_size: int) -> dict:
     out = {name: _pp_worker(rank, world_size, name, vpp) for name, vpp in CONFIGS.items()}
-    out["fp32"] = _pp_worker(rank, world_size, FP32_SMOKE, CONFIGS[FP32_SMOKE], torch.float32)
+    out |= {f"attn_res_{name}": _pp_worker(rank, world_size, name, vpp, attn_res=True)
+            for name, vpp in ATTN_RES.items()}
+    out["fp32"] = _pp_worker(rank, world_size, FP32_SMOKE, CONFIGS[FP32_SMOKE], dtype=torch.float32)
     return out
 
 
 @pytest.fixture(scope="module")
 def pp2_results() -> dict:
     results = run_ranks(__file__, "_all_worker", world_size=2, timeout=300)
-    return {name: [r[name] for r in results] for name in (*CONFIGS, "fp32")}
+    return {name: [r[name] for r in results] for name in results[0]}
 
 
 def _check_pp2(r0: dict, r1: dict, S: int, rtol: dict[str, float]) -> None:
@@ -261,6 +282,26 @@ def test_pp2_matches_single_process(pp2_results, schedule):
     r0, r1 = pp2_results[schedule]
     assert r0["grads"][next(iter(r0["grads"]))].dtype == torch.float64
     _check_pp2(r0, r1, 2 * CONFIGS[schedule], FP64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(ATTN_RES))
+def test_pp2_attention_residuals_match_single_process(pp2_results, schedule):
+    """Attention Residuals (blocks of 2): the stacked block state [n + 1, B, T, D] crosses every stage boundary;
+    float64 loss of 3 steps and every gradient after the first within 1e-10 of the single process."""
+    r0, r1 = pp2_results[f"attn_res_{schedule}"]
+    blocks = dict(zip(r0["ids"] + r1["ids"], r0["state_blocks"] + r1["state_blocks"]))
+    n_in = [blocks[s][0] for s in sorted(blocks) if s > 0]
+    assert all(n >= 1 for n in n_in) and (len(blocks) == 2 or len(set(n_in)) > 1), blocks  # stacks of several sizes
+    _close_losses(r0["loss"], r0["ref_loss"], FP64["loss"])
+    assert r1["loss"] == r0["loss"]
+    grads = {**r0["grads"], **r1["grads"]}
+    ref = r0["ref_grads"]
+    assert grads.keys() == ref.keys() and any("_res." in n for n in grads)
+    bad = _rel_errs({n: g for n, g in grads.items() if ref[n].any()}, ref, FP64["grad"])
+    assert not bad, f"gradients differ from the single-process run: {bad}"
+    zero = sorted(n for n, g in ref.items() if not g.any())
+    assert zero == sorted(ATTN_RES_ZERO_GRAD), zero
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def train(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence"),
     lr: Optional[float] = typer.Option(None, help="peak learning rate"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
-    precision: Optional[str] = typer.Option(None, help="auto | fp32 | bf16 | fp8 (FP8 GEMM recipe, GPU)"),
+    precision: Optional[str] = typer.Option(None, help="auto | fp32 | bf16 | fp8 (FP8 GEMM recipe, GPU) | fp64"),
     data: Optional[list[str]] = typer.Option(None, "--data", help="text/jsonl/bin file or directory (repeatable)"),
     data_source: Optional[str] = typer.Option(None, "--data-source", help="builtin | text | jsonl | bin"),
     tokenizer: Optional[str] = typer.Option(None, help="'byte' or path to a local tokenizer.json"),

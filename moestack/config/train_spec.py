@@ -117,8 +117,9 @@ class TrainSpec(StrictModel):
     seq_len: int = Field(default=64, gt=1)
     eval_every: int = Field(default=100, ge=0)  # 0 = only at the end
     eval_batches: int = Field(default=4, gt=0)
-    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/train/fp8.py)
-    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
+    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/train/fp8.py);
+    # fp64: float64 weights and compute (CPU layout-equivalence tests: layouts then agree to ~1e-14)
+    precision: Literal["auto", "fp32", "bf16", "fp8", "fp64"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_bad_steps: int = Field(default=3, gt=0)  # consecutive non-finite losses before the run stops
     # quantisation-aware training. mxfp4_experts: the routed experts' forward uses their MXFP4 values (the

@@ -62,18 +62,18 @@ def apply_fsdp(
         if moe is not None and expert_mesh is not None:
             _shard(moe.experts, expert_mesh, reshard, mp_policy)
             if expert_grad_divide is not None:
-                moe.experts.set_gradient_divide_factor(float(expert_grad_divide))
+                _set_divide_factor(moe.experts, expert_mesh, expert_grad_divide)
         if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
             _shard(moe.router, dp_mesh, reshard, fp32_policy)
         _shard(block, dp_mesh, reshard, mp_policy)
         if dense_grad_divide is not None:
-            block.set_gradient_divide_factor(float(dense_grad_divide))
+            _set_divide_factor(block, dp_mesh, dense_grad_divide)
             if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
-                moe.router.set_gradient_divide_factor(float(dense_grad_divide))
+                _set_divide_factor(moe.router, dp_mesh, dense_grad_divide)
     # the root's parameters are used first (embed) and last (head): resharding them after forward buys nothing
     _shard(model, dp_mesh, False, mp_policy)
     if dense_grad_divide is not None:
-        model.set_gradient_divide_factor(float(dense_grad_divide))
+        _set_divide_factor(model, dp_mesh, dense_grad_divide)
     return model
 
 
@@ -83,6 +83,17 @@ def _shard(module: nn.Module, mesh: DeviceMesh, reshard: bool, mp_policy: MixedP
         # gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide. (Not on a mesh of one rank: there
         # torch 2.13 would divide by a custom divide factor twice.)
         module.set_force_sum_reduction_for_comms(True)
+
+
+def _set_divide_factor(module: nn.Module, mesh: DeviceMesh, factor: float) -> None:
+    """Divide the reduced gradients of FSDP `module` by `factor`. On a mesh of one rank (experts with edp 1) torch
+    2.13 divides by a custom factor twice unless the reduce dtype is fp32 / bf16 (its overflow-safe pre/post division
+    and its no-collective copy both apply it: fp64 expert gradients came out dp times too small), so there the
+    division runs in FSDP's post-reduce hook instead."""
+    if mesh.size() == 1:
+        module.set_all_reduce_hook(lambda grad, factor=float(factor): grad.div_(factor))
+    else:
+        module.set_gradient_divide_factor(float(factor))
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -95,6 +95,11 @@ def uses_bf16(spec: TrainSpec, device: torch.device) -> bool:
     return spec.precision in ("bf16", "fp8") or (spec.precision == "auto" and device.type == "cuda")
 
 
+def weight_dtype(spec: TrainSpec) -> torch.dtype:
+    """The dtype of the master weights (and, without bf16 autocast, of the compute)."""
+    return torch.float64 if spec.precision == "fp64" else torch.float32
+
+
 def autocast_context(spec: TrainSpec, device: torch.device):
     if uses_bf16(spec, device):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
@@ -209,9 +214,9 @@ def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
               "seq_len": plan.seq_len}
     if plan.precision == "fp8":
-        if spec.precision == "fp32":
-            raise ConfigError("precision: the plan says fp8 but the train spec says fp32; drop --precision fp32 or "
-                              "plan with --precision bf16")
+        if spec.precision in ("fp32", "fp64"):
+            raise ConfigError(f"precision: the plan says fp8 but the train spec says {spec.precision}; drop "
+                              f"--precision {spec.precision} or plan with --precision bf16")
         update["precision"] = "fp8"
     return spec.model_copy(update=update)
 
@@ -287,6 +292,8 @@ class Trainer:
         if self.dist is None:
             check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
+            if spec.precision == "fp64":
+                self.model.double()
             self._init_weights(self.model)
             self._configure_qat(self.model)
             self._configure_dsa()
@@ -389,6 +396,9 @@ class Trainer:
         on_meta = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
+        if spec.precision == "fp64":
+            model.double()
+        if not on_meta:
             self._init_weights(model)  # into the whole model: the sharding below slices the loaded weights
         self._configure_qat(model)
         self._configure_dsa(model)
@@ -433,7 +443,7 @@ class Trainer:
             parallelize(part, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)
             register_fsdp_forward_method(part, "hidden_states")  # the stage runs hidden_states, not forward
         self.pipeline = PipelineStepRunner(parts, ids, plan, meshes.pp_group(), self.device,
-                                           seq_shards=plan.tp, hidden_dtype=param_dtype or torch.float32)
+                                           seq_shards=plan.tp, hidden_dtype=param_dtype or weight_dtype(self.spec))
         mine = sorted(i for s in ids for i in layers[s])
         return build_stage_modules(model, mine, 0 in ids, S - 1 in ids)
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch._subclasses.fake_tensor import is_fake
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
@@ -67,14 +68,24 @@ def invert_index(index_R: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _splits(*counts: torch.Tensor) -> list[list[int]]:
-    """Row sums of several [G, X] count tensors as Python lists, with one host sync for all of them."""
+def _splits(*counts: torch.Tensor, totals: tuple[int, ...]) -> list[list[int]]:
+    """Row sums of several [G, X] count tensors as Python lists, with one host sync for all of them.
+
+    totals: the rows each count tensor adds up to (known from shapes). A dry run (moestack/train/dry_run.py) has no
+    counts to read (fake tensors): there every group gets an even share of its total, i.e. balanced routing."""
+    if is_fake(counts[0]):
+        return [even_split(total, c.shape[0]) for c, total in zip(counts, totals, strict=True)]
     sums = torch.cat([c.sum(1) for c in counts]).tolist()
     out, i = [], 0
     for c in counts:
         out.append(sums[i : i + c.shape[0]])
         i += c.shape[0]
     return out
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` rows over `parts` groups as evenly as possible (the first groups take the remainder)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 class FlatDispatcher:
@@ -88,7 +99,7 @@ class FlatDispatcher:
         P = self.size
         send_PX = counts_E.view(P, -1)
         recv_PX = exchange_counts(send_PX, self.group)
-        in_splits, out_splits = _splits(send_PX, recv_PX)
+        in_splits, out_splits = _splits(send_PX, recv_PX, totals=(h_NL.shape[0],) * 2)
         R = sum(out_splits)
         x_RL = all_to_all(h_NL, out_splits, in_splits, self.group, self.order)  # (src rank, local expert)
         order_R = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (local expert, src rank)
@@ -119,7 +130,7 @@ class HierarchicalDispatcher:
         r_DnX = recv_a.view(D, n, X)
         send_b = r_DnX.permute(1, 0, 2).reshape(n, D * X)
         recv_b = exchange_counts(send_b, self.cross)  # [src domain, (src local, expert)] = [src ep rank, expert]
-        in_a, out_a, in_b, out_b = _splits(send_a, recv_a, send_b, recv_b)
+        in_a, out_a, in_b, out_b = _splits(send_a, recv_a, send_b, recv_b, totals=(h_NL.shape[0],) * 4)
         N, A, R = sum(in_a), sum(out_a), sum(out_b)
 
         order_a = regroup_index(c_nDX, N)  # (domain, local, expert) -> (local, domain, expert)
@@ -191,7 +202,7 @@ def etp_local_forward(x_RL: torch.Tensor, offs_X: torch.Tensor, group: dist.Proc
     offs = offs_X.long()
     counts_X = torch.diff(offs, prepend=offs.new_zeros(1))
     recv_PX = exchange_counts(counts_X.expand(P, -1), group)  # [src etp rank, local expert]
-    (out_splits,) = _splits(recv_PX)
+    (out_splits,) = _splits(recv_PX, totals=(R * P,))
     in_splits = [R] * P
     x_all = all_to_all(x_RL.repeat(P, 1), out_splits, in_splits, group)  # (src, expert)
     order = regroup_index(recv_PX.unsqueeze(-1), sum(out_splits))  # -> (expert, src)

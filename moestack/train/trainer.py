@@ -36,6 +36,7 @@ from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
 from moestack.parallel.fsdp import set_gradient_sync
+from moestack.parallel.init import materialize
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
     CheckpointError,
@@ -304,28 +305,27 @@ class Trainer:
 
         self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
 
-    def _build_parallel_model(self) -> Transformer:
+    def _build_parallel_model(self, materialise: bool = True) -> Transformer:
         """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
-        then sharded by slicing (identical to the single-device initialisation); a larger one (GPU only) is built on
-        meta, sharded, materialised and initialised shard by shard (same distributions, other numbers)."""
+        then sharded by slicing; a larger one (spec.meta_init) is built on meta, sharded, and each rank draws only
+        its shards (moestack/parallel/init.py): the same values either way. materialise=False (the dry run) leaves
+        the parallelised model on meta."""
         spec, plan, meshes = self.spec, self.dist.plan, self.dist.meshes
         param_dtype = torch.bfloat16 if uses_bf16(spec, self.device) else None
         model = build_model(self.model_spec, "meta")
-        on_meta = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
+        big = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
+        on_meta = not materialise or spec.meta_init == "on" or (spec.meta_init == "auto" and big)
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
+        whole = model
         self._configure_dsa(model)
         self._configure_fp8(model)
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:
             parallelize(model, plan, meshes, param_dtype=param_dtype)
-        if on_meta:
-            if plan.tp > 1:
-                raise ConfigError("plan.tp: meta-device initialisation with tensor parallelism is not supported yet")
-            model.to_empty(device=self.device)
-            torch.manual_seed(spec.seed)
-            model.init_weights()  # DTensor random ops keep shards of one tensor on different streams (CUDA)
+        if on_meta and materialise:
+            materialize(model, whole, self.device, spec.seed)
         return model
 
     def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:

@@ -1071,6 +1071,7 @@ class PlanCost:
     rank_fwd_bwd: list[tuple[float, float, float]]  # per rank per micro-batch: (fwd, bwd + recompute, wgrad)
     notes: list[str] = field(default_factory=list)
     forward_activations: float = 0.0  # busiest rank: what forward leaves for backward (the memory report's term)
+    memory_by_pp_rank: list[dict[str, float]] = field(default_factory=list)  # `memory` of every pipeline rank
 
     @property
     def memory_total(self) -> float:
@@ -1355,7 +1356,7 @@ class CostModel:
         time["offload"] = off_time
         time = {k: val for k, val in time.items() if val > 0}
 
-        memory, forward_act = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
+        memory, forward_act, by_rank = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
         tokens = plan.tokens_per_step
         flops = self.model_flops_per_token * tokens
         tflops = flops / step / plan.devices / 1e12
@@ -1365,6 +1366,7 @@ class CostModel:
                         list(zip(fwd, bwd, wgr)))
         cost.binding = binding_constraint(cost)
         cost.forward_activations = forward_act
+        cost.memory_by_pp_rank = by_rank
         if self._gathered_for_step(plan) and plan.zero_stage >= 2:  # the memory report states why
             held = "parameters gathered, gradients unsharded" if plan.zero_stage == 3 else "gradients unsharded"
             cost.notes.append(f"{plan.schedule}: {held} for the whole step (stage is the FSDP root)")
@@ -1592,9 +1594,10 @@ class CostModel:
         return flops / (peak * self.cal.gemm_peak_eff * 0.8)
 
     def _memory(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
-                act_layer_max: list[float]) -> tuple[dict[str, float], float]:
-        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), and that
-        rank's activations at the end of forward (before the one-end-of-backward accounting)."""
+                act_layer_max: list[float]) -> tuple[dict[str, float], float, list[dict[str, float]]]:
+        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), that
+        rank's activations at the end of forward (before the one-end-of-backward accounting), and every pipeline
+        rank's components (the dry run compares its rank with them)."""
         cal, spec = self.cal, self.spec
         sd, se = self._shards(plan)
         m = plan.num_microbatches
@@ -1602,6 +1605,7 @@ class CostModel:
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         best: dict[str, float] = {}
         best_fwd_act = 0.0
+        by_rank: list[dict[str, float]] = []
         # zbv / dualpipev: the stage is the FSDP root (moestack.parallel.pipeline.stage_module): parameters stay
         # gathered (bf16 copy, as ZeRO 0-2) and gradients unsharded (fp32) for the whole step
         held = self._gathered_for_step(plan)
@@ -1679,9 +1683,10 @@ class CostModel:
             if self._grads_build_up(plan):
                 self._one_end_of_backward(plan, mem, expert_ws, r == 0)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
+            by_rank.append(mem)
             if sum(mem.values()) > sum(best.values()):
                 best, best_fwd_act = mem, fwd_act
-        return best, best_fwd_act
+        return best, best_fwd_act, by_rank
 
 
 def binding_constraint(cost: PlanCost) -> str:

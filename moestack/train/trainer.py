@@ -205,7 +205,8 @@ FP8_PROJ_ENV = "MOESTACK_FP8_PROJ"  # "1": LatentMoE projections in FP8 (Trainer
 
 
 class Trainer:
-    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None):
+    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None,
+                 dry_run: bool = False):
         self.model_spec = model_spec
         self.device = resolve_device(spec.device)
         self.dist: Distributed | None = None
@@ -227,6 +228,11 @@ class Trainer:
             )
 
         torch.manual_seed(spec.seed)  # the same on every rank: every rank initialises the same full weights
+        self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
+        if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
+            assert self.dist is not None, "a dry run needs a plan"
+            self.model = self._build_parallel_model(materialise=False)
+            return
         self.tokenizer = build_tokenizer(spec.data)
         if self.tokenizer.vocab_size > model_spec.vocab_size:
             raise ConfigError(
@@ -245,7 +251,6 @@ class Trainer:
             else []
         )
 
-        self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         if self.dist is None:
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
             self._configure_dsa()
@@ -326,6 +331,7 @@ class Trainer:
             parallelize(model, plan, meshes, param_dtype=param_dtype)
         if on_meta and materialise:
             materialize(model, whole, self.device, spec.seed)
+        self.whole_model = whole  # the whole tree (other pipeline stages stay on meta): what materialize initialises
         return model
 
     def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:

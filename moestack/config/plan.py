@@ -105,12 +105,24 @@ class Plan(StrictModel):
     cp_kda: Literal["relay", "scan"] = "relay"
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
-    tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
     # gradient sums over TP of replicated weights used on part of the work (routers, latent projections, norms, ...):
     # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
     tp_grad_reduce: Literal["eager", "deferred"] = "eager"
-    ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    # EP all-to-all hidden behind another micro-batch's compute: DualPipeV's overlapped forward / backward
+    # (moestack/parallel/overlap_fb.py); other schedules refuse it (moestack/config/support.py)
+    ep_comm_overlap: bool = False
     predicted: PlanPrediction | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data):
+        """Plans written before tp_comm_overlap was removed: false (what the runtime does) loads, true is refused."""
+        if isinstance(data, dict) and "tp_comm_overlap" in data:
+            data = dict(data)
+            if data.pop("tp_comm_overlap"):
+                raise ValueError("tp_comm_overlap: removed: moestack's TP collectives run on the compute stream, "
+                                 "never overlapped with GEMMs; delete the line (the planner prices them exposed)")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Plan:

@@ -41,6 +41,7 @@ from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
 from moestack.model.moe import Experts, MoE
 from moestack.parallel.comm import SendOrder, all_to_all, exchange_counts
+from moestack.parallel.overlap_fb import overlap_point
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -83,6 +84,10 @@ def _splits(*counts: torch.Tensor, totals: tuple[int, ...]) -> list[list[int]]:
     return out
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def even_split(total: int, parts: int) -> list[int]:
     """`total` rows over `parts` groups as evenly as possible (the first groups take the remainder)."""
     return [total // parts + (i < total % parts) for i in range(parts)]
@@ -91,21 +96,24 @@ def even_split(total: int, parts: int) -> list[int]:
 class FlatDispatcher:
     """One all-to-all per direction over the whole EP group."""
 
+    overlap = False  # plan.ep_comm_overlap: hand-over points for DualPipeV's overlapped F / B (overlap_fb.py)
+
     def __init__(self, group: dist.ProcessGroup, send_order: SendOrder = "backend"):
         self.group, self.order = group, send_order
         self.size = dist.get_world_size(group)
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
-        P = self.size
+        P, mark = self.size, overlap_point if self.overlap else _identity
+        h_NL = mark(h_NL)  # before the dispatch
         send_PX = counts_E.view(P, -1)
         recv_PX = exchange_counts(send_PX, self.group)
         in_splits, out_splits = _splits(send_PX, recv_PX, totals=(h_NL.shape[0],) * 2)
         R = sum(out_splits)
-        x_RL = all_to_all(h_NL, out_splits, in_splits, self.group, self.order)  # (src rank, local expert)
+        x_RL = mark(all_to_all(h_NL, out_splits, in_splits, self.group, self.order))  # (src rank, local expert)
         order_R = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (local expert, src rank)
         offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
-        y_RL = local_fn(x_RL[order_R], offs_X)[invert_index(order_R)]
-        return all_to_all(y_RL, in_splits, out_splits, self.group, self.order)
+        y_RL = mark(local_fn(x_RL[order_R], offs_X)[invert_index(order_R)])  # before the combine
+        return mark(all_to_all(y_RL, in_splits, out_splits, self.group, self.order))
 
 
 class HierarchicalDispatcher:
@@ -115,12 +123,15 @@ class HierarchicalDispatcher:
     one per domain (group rank = domain index). EP rank = domain * D + local index.
     """
 
+    overlap = False  # as FlatDispatcher.overlap
+
     def __init__(self, intra_group: dist.ProcessGroup, cross_group: dist.ProcessGroup):
         self.intra, self.cross = intra_group, cross_group
         self.D, self.n = dist.get_world_size(intra_group), dist.get_world_size(cross_group)
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
-        n, D = self.n, self.D
+        n, D, mark = self.n, self.D, overlap_point if self.overlap else _identity
+        h_NL = mark(h_NL)
         c_nDX = counts_E.view(n, D, -1)  # rows to (domain, local index, local expert), in this order in h_NL
         X = c_nDX.shape[-1]
         # hop 1 (intra-domain): group by destination local index
@@ -136,14 +147,14 @@ class HierarchicalDispatcher:
         order_a = regroup_index(c_nDX, N)  # (domain, local, expert) -> (local, domain, expert)
         x = all_to_all(h_NL[order_a], out_a, in_a, self.intra)  # (src local, domain, expert)
         order_b = regroup_index(r_DnX, A)  # -> (domain, src local, expert)
-        x = all_to_all(x[order_b], out_b, in_b, self.cross)  # (src domain, src local, expert)
+        x = mark(all_to_all(x[order_b], out_b, in_b, self.cross))  # (src domain, src local, expert)
         recv_PX = recv_b.view(n * D, X)
         order_l = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (expert, src rank)
         offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
 
-        y = local_fn(x[order_l], offs_X)[invert_index(order_l)]
+        y = mark(local_fn(x[order_l], offs_X)[invert_index(order_l)])
         y = all_to_all(y, in_b, out_b, self.cross)[invert_index(order_b)]
-        return all_to_all(y, in_a, out_a, self.intra)[invert_index(order_a)]
+        return mark(all_to_all(y, in_a, out_a, self.intra)[invert_index(order_a)])
 
 
 Dispatcher = FlatDispatcher | HierarchicalDispatcher

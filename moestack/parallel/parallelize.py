@@ -55,7 +55,9 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None
         ep_etp = meshes.experts["ep", "etp"] if plan.etp > 1 else None
         kind = "hierarchical_dedup" if plan.dispatcher == "hierarchical" and plan.ep_token_dedup else plan.dispatcher
-        apply_expert_parallel(model, meshes.ep, make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order), ep_etp)
+        dispatcher = make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order)
+        dispatcher.overlap = plan.ep_comm_overlap  # hand-over points for DualPipeV's overlapped F / B
+        apply_expert_parallel(model, meshes.ep, dispatcher, ep_etp)
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
     if plan.tp > 1:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from moestack.config.cluster import GIB, ClusterSpec
 from moestack.config.model_spec import LayerKind, ModelSpec
 from moestack.config.plan import V_SHAPE, Plan, RecomputePolicy
+from moestack.config.support import EP_OVERLAP_SCHEDULES
 from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS  # the chunked loss, as adapt.py prices it
 from moestack.planner.calibration import Calibration, CommCalibration
 
@@ -787,12 +788,12 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     # tensor parallel (sequence parallel): fwd all-gather in + reduce-scatter out; bwd adds the re-gather of the
     # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2; moestack/parallel/tensor.py keeps the gathered
     # input instead: one collective less, T x h x (1 - 1/tp) more saved bytes per unit, not modelled). moestack's
-    # collectives are DTensor redistributes on the compute stream: exposed whatever plan.tp_comm_overlap says
+    # collectives are DTensor redistributes on the compute stream: exposed
     tp_f = tp_b = 0.0
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag", ctx.cal.comm)
-        tp_f, tp_b = 2 * coll, 3 * coll  # exposed: plan.tp_comm_overlap is not read by tensor.py yet
+        tp_f, tp_b = 2 * coll, 3 * coll  # exposed (no async / micro-pipelined TP in tensor.py)
     # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
     # (tensor.py `_LocalView`: synchronous, on the critical path); plan.tp_grad_reduce = deferred sums them once per
     # step instead (CostModel.evaluate, "tp_grad_sum")
@@ -809,7 +810,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     if part.kind == "moe":
         moe = ctx.spec.moe
         assert moe is not None
-        wbytes = 1.03 if plan.precision == "fp8" else BF16  # fp8 dispatch with per-128 scales (DeepEP)
+        wbytes = BF16  # the dispatcher sends bf16 rows under the fp8 recipe too (the experts quantise after it)
         nbytes = Tsp * part.top_k * part.dispatch_width * MOE_TIME_IMBALANCE
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:
@@ -1124,7 +1125,7 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.cp_kda,
                plan.tp_grad_reduce)
         costs = self._kind_cache.get(key)
         if costs is None:
@@ -1303,8 +1304,9 @@ class CostModel:
         elif p > 1:  # tied: the last stage keeps its own copy of the embedding as the head
             rank_dense[ranks[-1]] += self.work.embed_params / plan.tp + mtp_params
 
-        # EP all-to-all: exposed unless overlapped with another micro-batch's compute (DualPipe / 1F1B a2a overlap)
-        overlap_ep = plan.ep_comm_overlap or plan.schedule == "dualpipev"
+        # EP all-to-all: exposed unless the runtime overlaps it with another micro-batch's compute (DualPipeV's
+        # overlapped forward / backward with plan.ep_comm_overlap; moestack/config/support.py)
+        overlap_ep = plan.ep_comm_overlap and plan.schedule in EP_OVERLAP_SCHEDULES
         fwd, bwd, wgr, a2a_exposed = [], [], [], []
         for rc in rank_cost:
             compute = rc.fwd + rc.bwd + rc.recompute

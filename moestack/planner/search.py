@@ -7,8 +7,10 @@ Enumeration, outermost first (every level honours `--fix` values):
   schedule   1f1b; interleaved_1f1b with vpp in {2, 4, 8}; zbv; dualpipev (gpipe only through --fix)
   sharding   ZeRO-1 or ZeRO-3 (FSDP2) over the data-parallel group (ZeRO-0 / 2 only through --fix)
   memory     a ladder from fast to frugal: recompute none -> selective -> (dense MLP full) -> (MoE full) -> full,
-             each with offload none -> optimizer -> +activations -> +experts; the first two rungs that fit are
-             evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+             each with offload none -> optimizer -> +activations (-> +experts on one device); the first two rungs
+             that fit are evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+Plans the trainer would refuse (moestack/config/support.py: e.g. Muon with optimizer offload, cp with pp) are
+skipped, so every plan printed launches (`moestack train --plan plan.yaml --dry-run` checks one at full size).
 The dispatcher is hierarchical when the EP group spans more than one innermost domain, else flat.
 Precision and optimizer are the user's choice (they change the training recipe), never searched.
 """
@@ -25,6 +27,7 @@ from moestack.config.base import ConfigError
 from moestack.config.cluster import ClusterSpec, load_cluster_spec
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import OffloadPolicy, Plan, RecomputePolicy
+from moestack.config.support import EP_OVERLAP_SCHEDULES, unsupported
 from moestack.planner.calibration import Calibration, load_calibration
 from moestack.planner.cost import CostModel, PlanCost, group_members_per_domain
 from moestack.planner.profile import load_any_model_spec, profile_model
@@ -95,6 +98,10 @@ def parse_fix(text: str | None) -> dict:
             if val.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigError(f"fix: {key} must be true/false (got {val!r})")
             out[key] = val.lower() in ("1", "true", "yes", "on")
+            if key == "tp_overlap" and out[key]:
+                raise ConfigError("fix: tp_overlap=true: moestack does not overlap TP collectives with GEMMs (they "
+                                  "run on the compute stream and are priced exposed); only tp_overlap=false is "
+                                  "accepted (for specs of published runs)")
         elif key == "recompute":
             out[key] = parse_recompute(val)
         elif key == "offload":
@@ -194,7 +201,7 @@ def _offload_ladder(spec: ModelSpec, cluster: ClusterSpec) -> list[OffloadPolicy
     if cluster.device.host_memory_gib <= 0 or cluster.device.host_link_gb_s <= 0:
         return [OffloadPolicy()]
     ladder = [OffloadPolicy(), OffloadPolicy(optimizer=True), OffloadPolicy(optimizer=True, activations=True)]
-    if spec.moe is not None:
+    if spec.moe is not None and cluster.num_devices == 1:  # the trainer offloads experts on one device only
         ladder += [OffloadPolicy(optimizer=True, experts=True),
                    OffloadPolicy(optimizer=True, experts=True, activations=True)]
     return ladder
@@ -354,8 +361,7 @@ class Planner:
                             dp_replicate=repl, dp_shard=shard, zero_stage=zero, tp=tp, cp=cp, ep=ep, etp=etp,
                             schedule=schedule, precision=fix.get("precision", pb.precision),
                             optimizer=fix.get("optimizer", pb.optimizer), dispatcher=self._dispatcher(fix, ep, etp),
-                            tp_comm_overlap=fix.get("tp_overlap", True),
-                            ep_comm_overlap=fix.get("ep_overlap", schedule == "dualpipev"),
+                            ep_comm_overlap=fix.get("ep_overlap", schedule in EP_OVERLAP_SCHEDULES and ep * etp > 1),
                         )
                         found = 0
                         for rung, rc in enumerate(rc_ladder):
@@ -367,6 +373,10 @@ class Planner:
                                 except ValueError as err:  # pydantic ValidationError: the Plan's own rules
                                     rejected[_reason(err)] += 1
                                     break
+                                why = unsupported(plan)
+                                if why is not None:  # the trainer would refuse it (moestack/config/support.py)
+                                    rejected["not run by the trainer: " + why.split(":")[0]] += 1
+                                    continue
                                 if require_fit:
                                     lo_hbm, lo_host = pb.cost.memory_lower_bound(plan)
                                     if lowest is None or lo_hbm < lowest[0]:

@@ -50,6 +50,8 @@ def test_plan_yaml_round_trip(tmp_path):
 def test_parse_fix():
     fix = parse_fix("tp=2, pp=8,vpp=4,ep=64,cp=1,dp=64,mbs=1,recompute=attention:selective+mlp:full,"
                     "offload=optimizer+activations,tp_overlap=false,schedule=interleaved_1f1b")
+    with pytest.raises(ConfigError, match="tp_overlap=true"):
+        parse_fix("tp_overlap=true")
     assert fix["tp"] == 2 and fix["dp"] == 64 and fix["tp_overlap"] is False
     assert fix["recompute"] == RecomputePolicy(attention="selective", mlp="full")
     assert fix["offload"].optimizer and fix["offload"].activations and not fix["offload"].experts

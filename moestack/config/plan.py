@@ -103,6 +103,9 @@ class Plan(StrictModel):
     # context parallel KDA state: "relay" (rank to rank, ranks run each KDA layer in turn) or "scan" (every rank in
     # parallel, then an all-gather of the shards' state transitions; moestack/parallel/context.py)
     cp_kda: Literal["relay", "scan"] = "relay"
+    # what the EP dispatch sends: "fp8" = rows quantised before the all-to-all (DeepEP, published DeepSeek-V3 runs);
+    # the planner prices it, moestack's dispatcher sends bf16 only (moestack/config/support.py refuses fp8)
+    ep_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     # gradient sums over TP of replicated weights used on part of the work (routers, latent projections, norms, ...):

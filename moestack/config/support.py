@@ -38,6 +38,9 @@ def unsupported(plan: Plan) -> str | None:
     if plan.ep_send_order != "backend" and plan.dispatcher != "flat":
         return (f"plan.ep_send_order: '{plan.ep_send_order}' orders the flat dispatcher's transfers; the "
                 f"{plan.dispatcher} dispatcher ignores it: use 'backend' or dispatcher 'flat'")
+    if plan.ep_dispatch_dtype != "bf16":
+        return ("plan.ep_dispatch_dtype: moestack's EP dispatcher sends bf16 rows (fp8 dispatch, quantised before the "
+                "all-to-all as DeepEP does, is not built); use bf16")
     if plan.ep_token_dedup and plan.dispatcher != "hierarchical":
         return "plan.ep_token_dedup: token dedup is a hierarchical-dispatcher feature; set dispatcher 'hierarchical'"
     return None

@@ -810,7 +810,9 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     if part.kind == "moe":
         moe = ctx.spec.moe
         assert moe is not None
-        wbytes = BF16  # the dispatcher sends bf16 rows under the fp8 recipe too (the experts quantise after it)
+        # moestack's dispatcher sends bf16 rows under the fp8 recipe too (the experts quantise after it); fp8 rows with
+        # per-128 scales only where the plan says so (DeepEP runs; support.py: not launchable here)
+        wbytes = 1.03 if plan.ep_dispatch_dtype == "fp8" else BF16
         nbytes = Tsp * part.top_k * part.dispatch_width * MOE_TIME_IMBALANCE
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:

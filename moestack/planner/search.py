@@ -39,7 +39,7 @@ DEFAULT_MARGIN = 0.05  # keep 5% of HBM free for fragmentation
 
 FIX_KEYS = {
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs", "schedule",
-    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap",
+    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap", "ep_dispatch",
 }
 INT_KEYS = {"tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs"}
 BOOL_KEYS = {"tp_overlap", "ep_overlap"}
@@ -106,6 +106,8 @@ def parse_fix(text: str | None) -> dict:
             out[key] = parse_recompute(val)
         elif key == "offload":
             out[key] = parse_offload(val)
+        elif key == "ep_dispatch" and val not in ("bf16", "fp8"):
+            raise ConfigError(f"fix: ep_dispatch must be bf16 or fp8 (got {val!r})")
         else:
             out[key] = val
     return out
@@ -361,6 +363,7 @@ class Planner:
                             dp_replicate=repl, dp_shard=shard, zero_stage=zero, tp=tp, cp=cp, ep=ep, etp=etp,
                             schedule=schedule, precision=fix.get("precision", pb.precision),
                             optimizer=fix.get("optimizer", pb.optimizer), dispatcher=self._dispatcher(fix, ep, etp),
+                            ep_dispatch_dtype=fix.get("ep_dispatch", "bf16"),
                             ep_comm_overlap=fix.get("ep_overlap", schedule in EP_OVERLAP_SCHEDULES and ep * etp > 1),
                         )
                         found = 0
@@ -374,7 +377,7 @@ class Planner:
                                     rejected[_reason(err)] += 1
                                     break
                                 why = unsupported(plan)
-                                if why is not None:  # the trainer would refuse it (moestack/config/support.py)
+                                if why is not None and require_fit:  # the trainer would refuse it (support.py)
                                     rejected["not run by the trainer: " + why.split(":")[0]] += 1
                                     continue
                                 if require_fit:
@@ -389,6 +392,8 @@ class Planner:
                                         continue
                                 cost = pb.cost.evaluate(plan)
                                 evaluated += 1
+                                if why is not None:  # --fix evaluates it anyway (e.g. a published run's layout)
+                                    cost.notes.append(f"moestack train refuses this plan: {why}")
                                 if closest is None or cost.memory_total < closest.memory_total:
                                     closest = cost
                                 if cost.host_bytes > cost.host_capacity or cost.memory_total > hbm_cap:

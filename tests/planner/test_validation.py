@@ -19,7 +19,7 @@ CASES = [
     ("deepseek-v3-h100-fp8", "tests/data/hf_configs/deepseek-v3.config.json", "h100-cluster", 1024, 4096,
      # Megatron-Bridge DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1: recompute_modules [mla_up_proj, mlp], hybridep
      # dispatcher (hierarchical), moe_a2a_overlap False, distributed optimizer (ZeRO-1), MTP 1 layer
-     "tp=2,pp=8,vpp=4,ep=64,etp=1,cp=1,mbs=1,gbs=8192,schedule=interleaved_1f1b,zero=1,precision=fp8,"
+     "tp=2,pp=8,vpp=4,ep=64,etp=1,cp=1,mbs=1,gbs=8192,schedule=interleaved_1f1b,zero=1,precision=fp8,ep_dispatch=fp8,"
      "recompute=attention:selective+mlp:full,dispatcher=hierarchical,ep_overlap=false,offload=none",
      "tflops", 338.0),
     ("llama3-405b-8k-h100", "tests/data/planner/llama3-405b.yaml", "h100-cluster", 8192, 8192,

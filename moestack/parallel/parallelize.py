@@ -60,12 +60,12 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         apply_expert_parallel(model, meshes.ep, dispatcher, ep_etp)
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
+    if plan.shared_expert_overlap:  # before TP: TP's unit swap must wrap it (the launch reads the shared weights)
+        apply_shared_expert_overlap(model)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True, grad_reduce=plan.tp_grad_reduce)
     if plan.cp > 1:
         apply_cp(model, meshes.cp, seq_shard_group=meshes.seq_group if plan.tp > 1 else None, kda_state=plan.cp_kda)
-    if plan.shared_expert_overlap:
-        apply_shared_expert_overlap(model)
     if _needs_memory_policies(plan):
         if plan.offload.experts and plan.devices > 1:
             raise ConfigError("plan.offload.experts: expert offload with more than one device is not supported yet "

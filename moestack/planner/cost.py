@@ -1127,7 +1127,7 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.cp_kda,
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.cp_kda if plan.cp > 1 else None,
                plan.tp_grad_reduce)
         costs = self._kind_cache.get(key)
         if costs is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -342,7 +342,11 @@ def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, 
                 finish_tp_grad_reduce(model)
             params_g = [p for p in model.parameters() if p.grad is not None]
             global_grad_norm(params_g, meshes.pp_group())  # clipping: the norm's collectives, then local scaling
-            trainer.optimizer.step()
+            try:
+                trainer.optimizer.step()
+            except DataDependentOutputException:  # its math reads a value (a step count); the states exist by now
+                notes.append(f"{type(trainer.optimizer).__name__}.step reads a value: its update math is not run "
+                             "on fake tensors (its states are counted)")
             trainer._update_router_biases()
         if step:
             _accumulate(per_step, recorder, 1)
@@ -358,6 +362,8 @@ def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, 
         per_step[("send/recv", f"pp({plan.pp})")].add(_p2p_per_step(trainer.pipeline, plan, pp_rank, hidden))
     if step:
         notes.append("routing assumed balanced; stages run one micro-batch each outside the schedule")
+        if plan.ep_token_dedup:
+            notes.append("ep_token_dedup: no token ids in a dry run, so the all-to-alls are those without dedup")
 
     t = time.perf_counter()
     try:

@@ -119,12 +119,10 @@ class Plan(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _legacy(cls, data):
-        """Plans written before tp_comm_overlap was removed: false (what the runtime does) loads, true is refused."""
+        """Plans written before tp_comm_overlap was removed (every plan had `true`, the default, which nothing ever
+        read: TP collectives always ran on the compute stream and were priced exposed) load without it."""
         if isinstance(data, dict) and "tp_comm_overlap" in data:
-            data = dict(data)
-            if data.pop("tp_comm_overlap"):
-                raise ValueError("tp_comm_overlap: removed: moestack's TP collectives run on the compute stream, "
-                                 "never overlapped with GEMMs; delete the line (the planner prices them exposed)")
+            data = {k: v for k, v in data.items() if k != "tp_comm_overlap"}
         return data
 
     @model_validator(mode="after")

@@ -9,12 +9,14 @@ the same meshes, pipeline split, `parallelize`, meta-device build), then the dry
      parameters, gradients (one per trainable parameter) and the optimizer's state after one `optimizer.step()`
      of the trainer's own optimizer on fake gradients (an optimizer that refuses the plan fails here),
   3. unless --no-step: runs one micro-batch forward + backward through each stage this rank holds, twice (gradient
-     sync off, as inside the accumulation, then on, as the step's last micro-batch), then the step's end (deferred
-     TP sums, clipping, router-bias counts, the optimizer), recording every collective at the dispatcher level
-     (kind, process group, bytes): per step = (m - 1) x the first micro-batch + the last + the step's end; under
+     sync off, as inside the accumulation, then on, as the step's last micro-batch; under zbv / dualpipev, whose
+     stage is the FSDP root, the first micro-batch, which gathers, then a later one), then the step's end (the
+     schedule's REDUCE_GRAD, deferred TP sums, clipping, router-bias counts, the optimizer), recording every
+     collective at the dispatcher level (kind, process group, bytes), scaled to the step's m micro-batches; under
      pp > 1 the schedule's own send / receive list for this rank adds the pipeline p2p,
   4. reports all of it next to the planner's prediction for this rank's pipeline stage (moestack/planner/cost.py).
-Assumptions: routing is balanced (no token values: every EP rank receives as many rows as it sends); the FP8 recipe
+Assumptions: routing is balanced (no token values: every EP rank receives as many rows as it sends); KDA runs a
+shape-only stand-in (moestack/ops/kda: no values, and it issues no collectives); the FP8 recipe
 is not applied (its kernels need an FP8 GPU; the layout is the bf16 one); a GPU cluster's plan is built with bf16
 compute (FSDP gathers in bf16) as on the GPU. The pipeline stages run outside the schedule (one micro-batch each;
 the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions are the stage module's own FSDP hooks here).
@@ -170,23 +172,27 @@ def _nbytes(x) -> int:
 
 
 def _group_labels(meshes) -> dict[str, str]:
-    """group_name -> the mesh dim (or flattened dims) it is, for the groups this rank belongs to."""
-    labels: dict[str, str] = {}
+    """group_name -> the mesh dims (or flattened dims) it serves, e.g. "dp_shard/ep(8)", for this rank's groups."""
+    names: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
     for mesh in (meshes.dense, meshes.experts, meshes.hier):
         if mesh is None:
             continue
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        names = list(mesh.mesh_dim_names or ())
+        dims = list(mesh.mesh_dim_names or ())
         flat = getattr(root, "_flatten_mapping", {}) or {}
-        for dim in [*names, *flat]:
+        for dim in [*dims, *flat]:
             try:
-                group = (mesh[dim] if dim in names else flat[dim]).get_group()
+                group = (mesh[dim] if dim in dims else flat[dim]).get_group()
             except (KeyError, RuntimeError, ValueError):
                 continue
-            labels.setdefault(group.group_name, f"{dim}({dist.get_world_size(group)})")
-    if dist.is_initialized():
-        labels.setdefault(dist.group.WORLD.group_name, f"world({dist.get_world_size()})")
-    return labels
+            if dim not in names.setdefault(group.group_name, []):
+                names[group.group_name].append(dim)
+            sizes[group.group_name] = dist.get_world_size(group)
+    world = dist.group.WORLD.group_name
+    names.setdefault(world, ["world"])
+    sizes.setdefault(world, dist.get_world_size())
+    return {g: f"{'/'.join(dims)}({sizes[g]})" for g, dims in names.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -318,6 +324,9 @@ def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, 
     if held:  # the stage is the FSDP root: gradients stay unsharded (fp32) until the step's single reduction
         grads = _gathered_bytes(model, 4, True)
 
+    from torch.distributed.fsdp import FSDPModule
+
+    root_stages = any(isinstance(st.submod, FSDPModule) for st in getattr(trainer.pipeline, "_stages", []))
     t = time.perf_counter()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _CollectiveRecorder(_group_labels(meshes))
@@ -325,9 +334,12 @@ def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, 
     with fake:
         model.to_empty(device="cpu")
         trainer.optimizer = trainer._build_parallel_optimizer()
-        if step:  # the first micro-batch (one-time gathers), a steady one, the last (gradient sync on)
+        if step:
             m = plan.num_microbatches
-            runs = [(False, 1), (False, m - 2), (True, 1)] if m > 2 else [(False, 1)] * (m - 1) + [(True, 1)]
+            if root_stages:  # zbv / dualpipev: one-time gathers in the first micro-batch, one reduction a step
+                runs = [(False, 1), (False, m - 1)] if m > 1 else [(False, 1)]
+            else:  # every micro-batch alike (gathers each time) but the last, which reduces the gradients
+                runs = [(False, m - 1), (True, 1)] if m > 1 else [(True, 1)]
             for sync, times in runs:
                 with recorder:
                     _micro_batch(trainer, sync)

@@ -349,16 +349,16 @@ def test_deferred_tp_gradient_sums_once_per_step():
 
 
 def test_tp_collectives_exposed_and_fsdp_bf16_copy():
-    """moestack's TP collectives run on the compute stream: priced exposed, and the removed plan.tp_comm_overlap
-    loads only as false (true is refused by name). A distributed ZeRO-0 plan (FSDP2 on one shard) holds the bf16
-    compute copy of its parameters on top of the fp32 ones."""
+    """moestack's TP collectives run on the compute stream: priced exposed; a plan written with the removed
+    plan.tp_comm_overlap (never read by anything) loads without it. A distributed ZeRO-0 plan (FSDP2 on one shard)
+    holds the bf16 compute copy of its parameters on top of the fp32 ones."""
     cm = _model(devices=2)
     on = cm.evaluate(_plan(devices=2, tp=2, ep=2, global_batch_size=4, micro_batch_size=2))
     assert on.time["tp_comm"] > 0
     legacy = {**_plan(devices=2, tp=2, global_batch_size=4).model_dump(mode="json"), "tp_comm_overlap": False}
-    assert Plan.model_validate(legacy) == _plan(devices=2, tp=2, global_batch_size=4)
-    with pytest.raises(ValueError, match="tp_comm_overlap: removed"):
-        Plan.model_validate({**legacy, "tp_comm_overlap": True})
+    for value in (False, True):
+        assert Plan.model_validate({**legacy, "tp_comm_overlap": value}) == _plan(devices=2, tp=2, global_batch_size=4)
+    assert "tp_comm_overlap" not in Plan.model_fields
     plan = _plan(devices=2, tp=2, global_batch_size=4, micro_batch_size=2, zero_stage=0)
     c = cm.evaluate(plan)
     d = sum(cm._part_params_local(p, plan)[0] for lw in cm.work.layers for p in lw.parts)

@@ -22,6 +22,8 @@ compute (FSDP gathers in bf16) as on the GPU. The pipeline stages run outside th
 the schedule's UNSHARD / RESHARD / REDUCE_GRAD actions are the stage module's own FSDP hooks here).
 Anything the runtime refuses (a plan field it cannot honour, a layout that does not divide, an optimizer refusing
 offload) is a ConfigError, one line, as in a real launch.
+A process plays one rank: DTensor caches sharding decisions with the meshes (coordinates included) they were made
+on, so a dry run of another rank in the same process would see the first one's; `run_isolated` spawns a process.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def _check_init(whole: torch.nn.Module, seed: int) -> None:
             got = tuple(t.shape[d] if i is None else i.numel() for d, i in enumerate(index))
             if got != tuple(t._local_tensor.shape):
                 raise ConfigError(f"meta init: shard indices {got} do not match the local shape "
-                                  f"{tuple(t._local_tensor.shape)}")
+                                  f"{tuple(t._local_tensor.shape)} ({tuple(t.shape)}, {t.placements})")
         return None
 
     init_model(whole, seed, "cpu", locate=locate)
@@ -282,6 +284,12 @@ def dry_run(plan: Plan, spec: TrainSpec, model_spec: ModelSpec, rank: int = 0, s
     if gpu and spec.precision == "auto":
         update["precision"] = "bf16"  # as on the GPU: bf16 compute, FSDP gathers in bf16
     spec = spec.model_copy(update=update)
+    global _PLAYED
+    if _PLAYED is not None and _PLAYED != (rank, plan.devices):
+        raise ConfigError(f"--dry-run: this process already played rank {_PLAYED[0]} of {_PLAYED[1]}; DTensor keeps "
+                          "that run's meshes in its caches, so another rank needs a fresh process (run_isolated)")
+    _PLAYED = (rank, plan.devices)
+    _clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.devices)
     try:
         trainer = Trainer(spec, model_spec, log=lambda *a, **k: None, plan=build_plan, dry_run=True)
@@ -289,6 +297,41 @@ def dry_run(plan: Plan, spec: TrainSpec, model_spec: ModelSpec, rank: int = 0, s
         return _measure(trainer, plan, step, notes, wall)
     finally:
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+_PLAYED: tuple[int, int] | None = None  # (rank, world size) a dry run of this process played
+
+
+def _isolated(queue, args) -> None:
+    try:
+        queue.put(dry_run(*args))
+    except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+        queue.put(err)
+
+
+def run_isolated(plan: Plan, spec: TrainSpec, model_spec: ModelSpec, rank: int = 0, step: bool = True
+                 ) -> DryRunReport:
+    """`dry_run` in a fresh (spawned) process: any number of ranks from one caller (tests, scripts)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_isolated, args=(queue, (plan, spec, model_spec, rank, step)))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions by op schema, whose equal meshes of an earlier run (another rank, in
+    this process) would hand out that run's mesh object, coordinates included: a second dry run must not see them."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    type(prop)._propagate_tensor_meta_cached.cache_clear()
 
 
 def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, float]) -> DryRunReport:

@@ -391,18 +391,20 @@ def _measure(trainer, plan: Plan, step: bool, notes: list[str], wall: dict[str, 
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         with recorder:
-            for stage in getattr(trainer.pipeline, "_stages", []):
-                stage.perform_reduce_grad(1)  # the schedule's REDUCE_GRAD action (FSDP roots: zbv / dualpipev)
-            if plan.tp_grad_reduce == "deferred":
-                finish_tp_grad_reduce(model)
-            params_g = [p for p in model.parameters() if p.grad is not None]
-            global_grad_norm(params_g, meshes.pp_group())  # clipping: the norm's collectives, then local scaling
+            if step:  # the step's end as the trainer runs it (without a step: the optimizer alone, for its states)
+                for stage in getattr(trainer.pipeline, "_stages", []):
+                    stage.perform_reduce_grad(1)  # the schedule's REDUCE_GRAD action (FSDP roots: zbv / dualpipev)
+                if plan.tp_grad_reduce == "deferred":
+                    finish_tp_grad_reduce(model)
+                params_g = [p for p in model.parameters() if p.grad is not None]
+                global_grad_norm(params_g, meshes.pp_group())  # clipping: the norm's collectives, local scaling
             try:
                 trainer.optimizer.step()
             except DataDependentOutputException:  # its math reads a value (a step count); the states exist by now
                 notes.append(f"{type(trainer.optimizer).__name__}.step reads a value: its update math is not run "
                              "on fake tensors (its states are counted)")
-            trainer._update_router_biases()
+            if step:
+                trainer._update_router_biases()
         if step:
             _accumulate(per_step, recorder, 1)
     wall["fake step" if step else "optimizer step"] = time.perf_counter() - t

@@ -33,6 +33,7 @@ def _a2a_calls(report) -> float:
     return sum(t.calls for (kind, group), t in report.collectives.items() if kind == "alltoall_base")
 
 
+@pytest.mark.slow
 def test_parameter_shards_and_all_to_alls_match_the_layout():
     """EP8 x ZeRO-3 on 8 ranks, rank 5: 2 of 16 experts per layer, every dense tensor's dim-0 chunk 5 of 8 (FSDP);
     per MoE layer and micro-batch 5 all-to-alls (counts, dispatch, combine; their two backwards), 8 with the MoE
@@ -60,6 +61,7 @@ def test_parameter_shards_and_all_to_alls_match_the_layout():
         assert len(ep_groups) == 1 and "ep" in ep_groups.pop().split("(")[0].split("/")
 
 
+@pytest.mark.slow
 def test_tiny_plan_at_4096_ranks_builds():
     plan = make_plan(model="tiny", cluster="h200-cluster", devices=4096, seq_len=32, global_batch_size=2048,
                      micro_batch_size=1, tp=2, ep=16, dp_shard=2048, zero_stage=3)

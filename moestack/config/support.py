@@ -8,7 +8,7 @@ devices, batch divisibility) are the Plan's own validator; this list is about fe
 
 from __future__ import annotations
 
-from moestack.config.plan import Plan
+from moestack.config.plan import Plan, runtime_unsupported
 
 # schedules whose runtime overlaps the expert all-to-all with another micro-batch's compute (plan.ep_comm_overlap):
 # torch's DualPipeV emits OVERLAP_F_B actions, moestack.parallel.overlap_fb runs them (the other schedules run
@@ -17,7 +17,11 @@ EP_OVERLAP_SCHEDULES = ("dualpipev",)
 
 
 def unsupported(plan: Plan) -> str | None:
-    """Why the runtime cannot run `plan` (one line: field, value, fix), or None."""
+    """Why the runtime cannot run `plan` (one line: field, value, fix), or None. Includes the planner inputs of
+    other frameworks' runs (`runtime_unsupported`: precisions, TP without SP, Megatron's TP overlap, ...)."""
+    other = runtime_unsupported(plan)
+    if other:
+        return f"plan: the trainer cannot run {'; '.join(other)}"
     if plan.cp > 1 and plan.pp > 1:
         return (f"plan.cp: context parallelism ({plan.cp}) with pipeline stages (pp {plan.pp}) is not implemented; "
                 "use pp 1")

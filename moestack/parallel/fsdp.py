@@ -96,3 +96,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     setter = getattr(model, "set_requires_gradient_sync", None)
     if setter is not None:
         setter(enabled)
+
+
+def set_reshard_after_backward(model: nn.Module, enabled: bool) -> None:
+    """Free (True) or keep (False) the gathered parameters after the next backward. The trainer keeps them between
+    the micro-batches of one step under ZeRO 0-2 (which keep them from forward to backward anyway): the next
+    micro-batch's forward then neither gathers nor casts them to bf16 again, and the step's last backward frees
+    them before the optimizer changes the shards. No-op for a model without FSDP."""
+    setter = getattr(model, "set_reshard_after_backward", None)
+    if setter is not None:
+        setter(enabled)

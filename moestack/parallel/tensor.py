@@ -44,7 +44,8 @@ Per module (H heads, tp ranks, H % tp == 0):
   LM head    replicated (the chunked cross-entropy takes the full [V, D] weight); with SP the loss is computed on
              the local sequence shard and combined exactly: sum of token losses / number of counted tokens over
              the TP group. `model(tokens)` without targets returns all-gathered logits.
-  norms      replicated; with SP their gradients (from sequence shards) are summed.
+  norms      replicated; with SP their gradients (from sequence shards) are summed. The same for the Attention
+             Residual mixes (Block.attn_res / ffn_res, Transformer.out_res: token-local, like a norm).
 
 Requirements: T % tp == 0 with SP; with SP call the model through `model(tokens, targets)` (the hooks on the
 root slice the targets and combine the loss; `hidden_states()` alone returns the local sequence shard).
@@ -410,7 +411,8 @@ def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
     def post(m, args, out):
         count = counts.pop()
         if count is None:  # logits (or hidden states of a headless stage): every rank gets the whole sequence
-            return gather_shards(out, mesh, SEQ_DIM, partial_grad=False)
+            # the T dim of [B, T, V] logits and [B, T, D] hidden, and of the [n + 1, B, T, D] AttnRes stage state
+            return gather_shards(out, mesh, out.dim() - 2, partial_grad=False)
         # out = sum_local / max(count_local, 1): recover the sum, add the sums and the counts of all ranks
         total = reduce_from_tp(out * count.clamp(min=1), mesh)
         n = count.clone()
@@ -451,13 +453,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # rank (an all-gather of [B, T, D] activation gradients instead of an all-reduce of the [V, D] weight's).
         add(model.embed, dist_.unit(model.embed, {}, default=(REP, None)))
     for block in model.layers.values():
-        for norm in (block.attn_norm, block.ffn_norm):
-            add(norm, dist_.unit(norm, {}, default=seq_rule))
+        # norms and Attention Residual mixes (token-local, replicated): like the norms
+        for norm in (block.attn_norm, block.ffn_norm, block.attn_res, block.ffn_res):
+            if norm is not None:
+                add(norm, dist_.unit(norm, {}, default=seq_rule))
         plan, heads = _mixer_plan(block.attn, tp)
         add(block.attn, dist_.unit(block.attn, plan, heads))
         _hook_sharded_io(block.attn, tp_mesh, sp)
         for module, unit in _apply_ffn(block.ffn, tp_mesh, sp, dist_):
             add(module, unit)
+    if getattr(model, "out_res", None) is not None:
+        add(model.out_res, dist_.unit(model.out_res, {}, default=seq_rule))
     if model.norm is not None:
         add(model.norm, dist_.unit(model.norm, {}, default=seq_rule))
     if model.lm_head is not None:  # the loss reads lm_head.weight directly: swap it for the whole forward

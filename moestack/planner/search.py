@@ -22,27 +22,34 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 from moestack.config.base import ConfigError
 from moestack.config.cluster import ClusterSpec, load_cluster_spec
 from moestack.config.model_spec import ModelSpec
-from moestack.config.plan import OffloadPolicy, Plan, RecomputePolicy
+from moestack.config.plan import HostProfileName, OffloadPolicy, Plan, Precision, RecomputePolicy
 from moestack.config.support import EP_OVERLAP_SCHEDULES, unsupported
 from moestack.planner.calibration import Calibration, load_calibration
-from moestack.planner.cost import CostModel, PlanCost, group_members_per_domain
+from moestack.planner.cost import GEMM_RECIPES, CostModel, PlanCost, group_members_per_domain
 from moestack.planner.profile import load_any_model_spec, profile_model
 
 # default tokens per step: 16M (Llama 3 405B / DeepSeek-V3 pre-training scale), at most 64 sequences per device
 DEFAULT_GLOBAL_BATCH_TOKENS = 16 * 2**20
 DEFAULT_SEQS_PER_DEVICE = 64
 DEFAULT_MARGIN = 0.05  # keep 5% of HBM free for fragmentation
+# moestack's TP collectives run on the compute stream (parallel/tensor.py): the search does not credit an overlap the
+# trainer does not do (published runs that overlap say `--fix tp_overlap=true`)
+TP_OVERLAP_DEFAULT = False
+DEFAULT_IMBALANCE = Plan.model_fields["moe_load_imbalance"].default
 
 FIX_KEYS = {
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs", "schedule",
     "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap", "ep_dispatch",
+    "sp", "grad_dtype", "quantized_params", "imbalance", "pp_split", "fp8_act_input",
 }
 INT_KEYS = {"tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs"}
-BOOL_KEYS = {"tp_overlap", "ep_overlap"}
+BOOL_KEYS = {"tp_overlap", "ep_overlap", "sp", "quantized_params", "fp8_act_input"}
+FLOAT_KEYS = {"imbalance"}
 PARTS = ("kda", "attention", "moe", "mlp")
 
 
@@ -94,14 +101,15 @@ def parse_fix(text: str | None) -> dict:
                 raise ConfigError(f"fix: {key} must be an integer (got {val!r})") from None
             if out[key] < (0 if key == "zero" else 1):
                 raise ConfigError(f"fix: {key} must be positive (got {val})")
+        elif key in FLOAT_KEYS:
+            try:
+                out[key] = float(val)
+            except ValueError:
+                raise ConfigError(f"fix: {key} must be a number (got {val!r})") from None
         elif key in BOOL_KEYS:
             if val.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigError(f"fix: {key} must be true/false (got {val!r})")
             out[key] = val.lower() in ("1", "true", "yes", "on")
-            if key == "tp_overlap" and out[key]:
-                raise ConfigError("fix: tp_overlap=true: moestack does not overlap TP collectives with GEMMs (they "
-                                  "run on the compute stream and are priced exposed); only tp_overlap=false is "
-                                  "accepted (for specs of published runs)")
         elif key == "recompute":
             out[key] = parse_recompute(val)
         elif key == "offload":
@@ -140,11 +148,14 @@ class Problem:
     precision: str = "bf16"
     optimizer: str = "adamw"
     margin: float = DEFAULT_MARGIN
+    host_profile: str = "eager"  # Plan.host_profile: whose host launches the kernels (planner/host_profile.py)
     cost: CostModel = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.precision == "fp8" and "fp8" not in self.cluster.device.peak_tflops:
-            raise ConfigError(f"precision: {self.cluster.device.name} has no fp8 units; use bf16")
+        recipe = GEMM_RECIPES.get(self.precision)
+        if recipe is not None and recipe.dtype not in self.cluster.device.peak_tflops:
+            raise ConfigError(f"precision: {self.cluster.device.name} has no {recipe.dtype} units for "
+                              f"{self.precision}; use bf16")
         prof = profile_model(self.spec, self.seq_len)
         self.profile = prof
         flops = prof.train_flops_per_token + prof.mtp_train_flops_per_token
@@ -153,22 +164,31 @@ class Problem:
 
 def load_problem(model: str, cluster: str, devices: int | None = None, seq_len: int | None = None,
                  global_batch_tokens: int | None = None, calibration: str | Path | None = None,
-                 precision: str = "bf16", optimizer: str = "adamw", margin: float = DEFAULT_MARGIN) -> Problem:
+                 precision: str = "bf16", optimizer: str = "adamw", margin: float = DEFAULT_MARGIN,
+                 host_profile: str = "eager") -> Problem:
     """Resolve names (presets, YAML, HF config.json) into a Problem."""
     spec = load_any_model_spec(model)
     cl = load_cluster_spec(cluster)
     if devices is not None:
         cl = cl.with_devices(devices)
-    seq = seq_len or min(spec.max_seq_len, 4096)
+    seq = seq_len if seq_len is not None else min(spec.max_seq_len, 4096)
     if seq < 2:
-        raise ConfigError(f"seq-len: must be >= 2 (got {seq})")
+        raise ConfigError(f"--seq-len: must be >= 2 tokens per sequence (got {seq}); leave it out for "
+                          f"{min(spec.max_seq_len, 4096)}")
+    if seq > spec.max_seq_len:
+        raise ConfigError(f"--seq-len: {seq} exceeds the model's max_seq_len {spec.max_seq_len}; lower it")
+    if global_batch_tokens is not None and global_batch_tokens < seq:
+        raise ConfigError(f"--global-batch-tokens: {global_batch_tokens} is less than one sequence ({seq} tokens); "
+                          "give tokens per optimizer step, e.g. 16777216")
     tokens = global_batch_tokens or min(DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_SEQS_PER_DEVICE * cl.num_devices * seq)
-    if precision not in ("bf16", "fp8"):
-        raise ConfigError(f"precision: must be bf16 or fp8 (got {precision!r})")
+    if precision not in get_args(Precision):
+        raise ConfigError(f"precision: must be one of {', '.join(get_args(Precision))} (got {precision!r})")
+    if host_profile not in get_args(HostProfileName):
+        raise ConfigError(f"host-profile: must be one of {', '.join(get_args(HostProfileName))} (got {host_profile!r})")
     if optimizer not in ("adamw", "adamw_bf16", "muon"):
         raise ConfigError(f"optimizer: must be adamw, adamw_bf16 or muon (got {optimizer!r})")
     cal = load_calibration(calibration)
-    return Problem(model, cluster, spec, cl, cal, seq, tokens, precision, optimizer, margin)
+    return Problem(model, cluster, spec, cl, cal, seq, tokens, precision, optimizer, margin, host_profile)
 
 
 @dataclass
@@ -363,8 +383,15 @@ class Planner:
                             dp_replicate=repl, dp_shard=shard, zero_stage=zero, tp=tp, cp=cp, ep=ep, etp=etp,
                             schedule=schedule, precision=fix.get("precision", pb.precision),
                             optimizer=fix.get("optimizer", pb.optimizer), dispatcher=self._dispatcher(fix, ep, etp),
+                            tp_comm_overlap=fix.get("tp_overlap", TP_OVERLAP_DEFAULT),
                             ep_dispatch_dtype=fix.get("ep_dispatch", "bf16"),
                             ep_comm_overlap=fix.get("ep_overlap", schedule in EP_OVERLAP_SCHEDULES and ep * etp > 1),
+                            sequence_parallel=fix.get("sp", True), grad_dtype=fix.get("grad_dtype", "fp32"),
+                            pipeline_split=fix.get("pp_split", "balanced"),
+                            quantized_params=fix.get("quantized_params", False),
+                            fp8_activation_input=fix.get("fp8_act_input", False),
+                            moe_load_imbalance=fix.get("imbalance", DEFAULT_IMBALANCE),
+                            host_profile=pb.host_profile,
                         )
                         found = 0
                         for rung, rc in enumerate(rc_ladder):

@@ -200,3 +200,21 @@ def small_model_spec(seq_aux_loss_coef: float = 1e-2):
     d["moe"]["router"].update(seq_aux_loss_coef=seq_aux_loss_coef)
     d["dense_mlp"] = {"intermediate_size": 128}
     return ModelSpec.model_validate(d)
+
+
+# Layer 0's pre-mixer Attention-Residual mix has one source (the embedding): its weights get an exact zero gradient
+# (as in K3), so gradient checks that insist on non-zero gradients exempt them.
+ATTN_RES_ZERO_GRAD = ("layers.0.attn_res.norm_weight", "layers.0.attn_res.proj_weight")
+
+
+def randomise_attn_res(model, seed: int = 5) -> None:
+    """Give the Attention-Residual pseudo-queries of a freshly built model random values (the same on every rank):
+    their zero init makes every mix a plain mean and the norm-weight factors' gradients zero."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res." in name:
+                value = torch.randn(p.shape, generator=g, dtype=torch.float64)
+                p.copy_(1.0 + 0.1 * value if name.endswith("norm_weight") else 0.3 * value)

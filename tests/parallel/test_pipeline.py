@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _dist import run_ranks
+from _dist import ATTN_RES_ZERO_GRAD, randomise_attn_res, run_ranks
 
 from moestack.config.model_spec import load_model_spec
 from moestack.model.transformer import build_model
@@ -142,7 +142,7 @@ def _forward_backward_keeps_aux_scale(runner, tokens, targets) -> float:
 
 
 @functools.cache
-def _reference(spec_json: str, steps: int) -> dict:
+def _reference(spec_json: str, steps: int, fp64: bool = False) -> dict:
     """The single-process run every schedule is compared with: loss of each step, gradients (and their norm) after
     the first. It depends only on the spec and the steps, so a rank process makes it once (not once per schedule):
     cached (by the spec's JSON) while the rank pool keeps this module loaded."""
@@ -150,7 +150,7 @@ def _reference(spec_json: str, steps: int) -> dict:
     from moestack.model.aux_loss import set_aux_loss_scale
 
     spec = ModelSpec.model_validate_json(spec_json)
-    ref = build_model(spec, "cpu", seed=0)
+    ref = _build(spec, fp64)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     out = {"ref_loss": []}
     for step in range(steps):
@@ -169,22 +169,39 @@ def _reference(spec_json: str, steps: int) -> dict:
     return out
 
 
-def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
+def _build(spec, fp64: bool):
+    """The seeded model (fp64 for the Attention Residual cases, with random pseudo-queries: see _dist.py)."""
+    model = build_model(spec, "cpu", seed=0)
+    if spec.attn_res_block_size is not None:
+        randomise_attn_res(model)
+    return model.double() if fp64 else model
+
+
+def attn_res_spec():
+    """The tiny preset with Attention Residuals in blocks of 2 layers: the 4 layers close blocks at layers 0 and 2,
+    so stage boundaries see 1 or 2 completed blocks, and one receives the partial sum it closes at once."""
+    from moestack.config.model_spec import ModelSpec
+
+    return ModelSpec.model_validate({**load_model_spec("tiny").model_dump(), "attn_res_block_size": 2})
+
+
+def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int, attn_res: bool = False) -> dict:
     import torch.distributed as dist
 
     from moestack.config.plan import make_plan
-    from moestack.parallel.pipeline import PipelineStepRunner
+    from moestack.parallel.pipeline import PipelineStepRunner, stage_state_blocks
 
-    spec = load_model_spec("tiny")
+    spec = attn_res_spec() if attn_res else load_model_spec("tiny")
     plan = make_plan(model="tiny", cluster="cpu", devices=world_size, seq_len=T, global_batch_size=B,
                      pp=world_size, vpp=vpp, schedule=schedule)
-    model = build_model(spec, "cpu", seed=0)
+    model = _build(spec, fp64=attn_res)
     costs, embed, head = stage_costs(spec, T)
     layers = split_stages(model, plan.pp, plan.vpp, costs, embed, head)
     S = plan.pp * plan.vpp
     ids = stage_ids_for_rank(schedule, plan.pp, plan.vpp, rank)
     parts = [build_stage_modules(model, layers[s], s == 0, s == S - 1) for s in ids]
-    runner = PipelineStepRunner(parts, ids, plan, dist.group.WORLD, "cpu")
+    runner = PipelineStepRunner(parts, ids, plan, dist.group.WORLD, "cpu",
+                                hidden_dtype=torch.float64 if attn_res else torch.float32)
     assert runner.n_microbatches == B
 
     params = {n: p for part in parts for n, p in part.named_parameters()}
@@ -201,23 +218,28 @@ def _pp_worker(rank: int, world_size: int, schedule: str, vpp: int) -> dict:
         for part in parts:
             for moe in part.moe_layers().values():
                 moe.router.update_selection_bias()
+    out["state_blocks"] = [stage_state_blocks(p) for p in parts]
     if rank == 0:
-        ref = _reference(spec.model_dump_json(), STEPS)
+        ref = _reference(spec.model_dump_json(), STEPS, fp64=attn_res)
         out.update(ref_loss=ref["ref_loss"], ref_grads=ref["ref_grads"])
     return out
 
 
 CONFIGS = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+ATTN_RES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}  # fp64, Attention Residuals
 
 
 def _all_worker(rank: int, world_size: int) -> dict:
-    return {name: _pp_worker(rank, world_size, name, vpp) for name, vpp in CONFIGS.items()}
+    out = {name: _pp_worker(rank, world_size, name, vpp) for name, vpp in CONFIGS.items()}
+    out |= {f"attn_res_{name}": _pp_worker(rank, world_size, name, vpp, attn_res=True)
+            for name, vpp in ATTN_RES.items()}
+    return out
 
 
 @pytest.fixture(scope="module")
 def pp2_results() -> dict:
     results = run_ranks(__file__, "_all_worker", world_size=2, timeout=300)
-    return {name: [r[name] for r in results] for name in CONFIGS}
+    return {name: [r[name] for r in results] for name in results[0]}
 
 
 @pytest.mark.slow
@@ -238,6 +260,28 @@ def test_pp2_matches_single_process(pp2_results, schedule):
         if rel > 2e-5:
             bad[n] = rel
     assert not bad, f"gradients differ from the single-process run: {bad}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(ATTN_RES))
+def test_pp2_attention_residuals_match_single_process(pp2_results, schedule):
+    """Attention Residuals (blocks of 2): the stacked block state [n + 1, B, T, D] crosses every stage boundary;
+    float64 loss of 3 steps and every gradient after the first within 1e-10 of the single process."""
+    r0, r1 = pp2_results[f"attn_res_{schedule}"]
+    blocks = dict(zip(r0["ids"] + r1["ids"], r0["state_blocks"] + r1["state_blocks"]))
+    n_in = [blocks[s][0] for s in sorted(blocks) if s > 0]
+    assert all(n >= 1 for n in n_in) and (len(blocks) == 2 or len(set(n_in)) > 1), blocks  # stacks of several sizes
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(r0["loss"], r0["ref_loss"]))
+    assert loss_err < 1e-10, (r0["loss"], r0["ref_loss"])
+    assert r1["loss"] == r0["loss"]
+    grads = {**r0["grads"], **r1["grads"]}
+    ref = r0["ref_grads"]
+    assert grads.keys() == ref.keys() and any("_res." in n for n in grads)
+    bad = {n: e for n, g in grads.items() if (e := float((g - ref[n]).norm() / ref[n].norm().clamp(min=1e-300)))
+           > 1e-10 and ref[n].norm() > 0}
+    assert not bad, f"gradients differ from the single-process run: {bad}"
+    zero = sorted(n for n, g in ref.items() if not g.any())
+    assert zero == sorted(ATTN_RES_ZERO_GRAD), zero
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,8 +50,6 @@ def test_plan_yaml_round_trip(tmp_path):
 def test_parse_fix():
     fix = parse_fix("tp=2, pp=8,vpp=4,ep=64,cp=1,dp=64,mbs=1,recompute=attention:selective+mlp:full,"
                     "offload=optimizer+activations,tp_overlap=false,schedule=interleaved_1f1b")
-    with pytest.raises(ConfigError, match="tp_overlap=true"):
-        parse_fix("tp_overlap=true")
     assert fix["tp"] == 2 and fix["dp"] == 64 and fix["tp_overlap"] is False
     assert fix["recompute"] == RecomputePolicy(attention="selective", mlp="full")
     assert fix["offload"].optimizer and fix["offload"].activations and not fix["offload"].experts
@@ -143,15 +141,16 @@ def test_cli_plan_json_and_fix(tmp_path):
     assert (fixed.tp, fixed.pp, fixed.ep, fixed.recompute.short()) == (2, 2, 4, "selective")
 
 
-def test_cli_tune_without_gpu():
+def test_cli_tune_without_gpu(capsys):
     import torch
 
-    from moestack.cli import app
+    from moestack.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    r = CliRunner().invoke(app, ["tune", "tiny"])
-    assert r.exit_code == 0 and "no GPU: nothing to tune" in r.output
+    assert main(["tune", "tiny"]) == 2  # nothing was measured: not a success
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: tune: no CUDA GPU") and "\n" not in err
 
 
 def test_impossible_fix_is_a_one_line_error():

@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from moestack.ops import tuned
+from moestack.ops.opaque import opaque
 
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
@@ -124,6 +125,7 @@ def resolve_backend(backend: str | None = None, q: torch.Tensor | None = None) -
     raise RuntimeError(f"no KDA backend of {AUTO_ORDER} is usable; registered: {registered_backends()}")
 
 
+@opaque
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -76,6 +76,12 @@ def train(
                                                      "warm up); every rank writes profile_rank{r}.txt (top ops by "
                                                      "device / CPU time) and .json.gz (chrome trace) to the run "
                                                      "directory"),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="with --plan: build rank --rank's part at the plan's full world size on this "
+                                      "CPU (fake process group, meta / fake tensors), run one step, report memory "
+                                      "and collectives next to the planner (moestack/train/dry_run.py)"),
+    rank: int = typer.Option(0, "--rank", help="--dry-run: the rank to play"),
+    step: bool = typer.Option(True, "--step/--no-step", help="--dry-run: run the fake step (collectives)"),
 ) -> None:
     """Train a model (default: the tiny preset on the built-in corpus, on whatever device exists).
 
@@ -116,6 +122,14 @@ def train(
         overrides["logging.progress"] = False
     spec = load_train_spec(config, overrides)
     model_spec = load_any_model_spec(spec.model)
+    if dry_run:
+        if run_plan is None:
+            raise ConfigError("--dry-run: needs --plan plan.yaml (it checks that plan at its full world size)")
+        from moestack.train.dry_run import dry_run as run_dry
+
+        for line in run_dry(run_plan, spec, model_spec, rank, step).lines():
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
     _run_training(spec, model_spec, resume, run_plan, memory_report)
 
 

@@ -384,7 +384,7 @@ class ModelSpec(StrictModel):
             errors.append("not supported: moe.shared_expert_gate")
         for name in ("mla", "gqa"):
             sec = getattr(self, name)
-            if sec is not None and sec.rope_scaling is not None:
+            if sec is not None and sec.rope_scaling is not None and (name, sec.rope_scaling.type) != ("mla", "yarn"):
                 errors.append(f"not supported: {name}.rope_scaling ({sec.rope_scaling.type})")
         return errors
 

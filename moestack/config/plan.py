@@ -114,6 +114,9 @@ class Plan(StrictModel):
     # context parallel KDA state: "relay" (rank to rank, ranks run each KDA layer in turn) or "scan" (every rank in
     # parallel, then an all-gather of the shards' state transitions; moestack/parallel/context.py)
     cp_kda: Literal["relay", "scan"] = "relay"
+    # what the EP dispatch sends: "fp8" = rows quantised before the all-to-all (DeepEP, published DeepSeek-V3 runs);
+    # the planner prices it, moestack's dispatcher sends bf16 only (moestack/config/support.py refuses fp8)
+    ep_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     # TP collectives overlapped with the neighbouring GEMMs (Megatron's userbuffers); moestack runs them on the compute
@@ -122,7 +125,9 @@ class Plan(StrictModel):
     # gradient sums over TP of replicated weights used on part of the work (routers, latent projections, norms, ...):
     # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
     tp_grad_reduce: Literal["eager", "deferred"] = "eager"
-    ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    # EP all-to-all hidden behind another micro-batch's compute: DualPipeV's overlapped forward / backward
+    # (moestack/parallel/overlap_fb.py); other schedules refuse it (moestack/config/support.py)
+    ep_comm_overlap: bool = False
     # planner inputs of published runs (tests/data/planner/published_runs.yaml); the trainer refuses values it does not
     # run (runtime_unsupported): TP without sequence parallelism (activations and norms whole on every TP rank,
     # all-reduces instead of all-gather / reduce-scatter), gradients kept and reduced in bf16 (Megatron

@@ -143,6 +143,9 @@ class TrainSpec(StrictModel):
     # 1-based step run with moestack.memory.phase_peaks.PhasePeaks: every rank writes phase_peaks_rank{r}.json
     # (peak allocated GiB per phase: forward, loss + head backward, each layer's backward, clip + optimizer) to out_dir
     phase_peaks_step: int | None = None
+    # multi-rank runs: build on the meta device, shard, then draw each rank's shards (moestack/parallel/init.py; the
+    # same values as the full build). auto: for models above 4B parameters on a GPU; on / off: always / never
+    meta_init: Literal["auto", "on", "off"] = "auto"
     timeouts: TimeoutSpec = TimeoutSpec()
 
     @field_validator("device")

@@ -18,6 +18,7 @@ from torch import nn
 from moestack.config.model_spec import ModelSpec
 from moestack.model.attn_res import AttnRes
 from moestack.model.block import Block
+from moestack.model.init import init_model
 from moestack.model.loss import chunked_cross_entropy
 from moestack.model.norm import RMSNorm
 from moestack.model.weights import compute_weight
@@ -103,12 +104,14 @@ class Transformer(nn.Module):
 
 
 def build_model(spec: ModelSpec, device: torch.device | str = "cpu", seed: int | None = None) -> Transformer:
-    """Build and initialise on `device`. On "meta" nothing is allocated (inspect sizes of a 2.8T model)."""
+    """Build and initialise on `device`. On "meta" nothing is allocated (inspect sizes of a 2.8T model; shard it,
+    then `moestack.parallel.init.materialize` gives each rank exactly its slice of this build's values).
+
+    Values: `moestack.model.init.init_model` (init_weights' distributions, drawn per tensor name and row block from
+    `seed`; seed None draws one from torch's global generator)."""
     device = torch.device(device)
     with torch.device(device):
         model = Transformer(spec)
     if device.type != "meta":
-        if seed is not None:
-            torch.manual_seed(seed)
-        model.init_weights()
+        init_model(model, seed, device)
     return model

@@ -78,7 +78,12 @@ def apply_fsdp(
 
 
 def _shard(module: nn.Module, mesh: DeviceMesh, reshard: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    # fully_shard registers new (sharded) Parameters: carry the modules' tags over (KDA's A_log / dt_bias
+    # `_no_weight_decay`, which the optimizer groups read)
+    tagged = [name for name, p in module.named_parameters() if getattr(p, "_no_weight_decay", False)]
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    for name in tagged:
+        module.get_parameter(name)._no_weight_decay = True
     if mesh.device_type == "cpu" and mesh.size() > 1:
         # gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide. (Not on a mesh of one rank: there
         # torch 2.13 would divide by a custom divide factor twice.)

@@ -59,15 +59,17 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None
         ep_etp = meshes.experts["ep", "etp"] if plan.etp > 1 else None
         kind = "hierarchical_dedup" if plan.dispatcher == "hierarchical" and plan.ep_token_dedup else plan.dispatcher
-        apply_expert_parallel(model, meshes.ep, make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order), ep_etp)
+        dispatcher = make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order)
+        dispatcher.overlap = plan.ep_comm_overlap  # hand-over points for DualPipeV's overlapped F / B
+        apply_expert_parallel(model, meshes.ep, dispatcher, ep_etp)
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
+    if plan.shared_expert_overlap:  # before TP: TP's unit swap must wrap it (the launch reads the shared weights)
+        apply_shared_expert_overlap(model)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True, grad_reduce=plan.tp_grad_reduce)
     if plan.cp > 1:
         apply_cp(model, meshes.cp, seq_shard_group=meshes.seq_group if plan.tp > 1 else None, kda_state=plan.cp_kda)
-    if plan.shared_expert_overlap:
-        apply_shared_expert_overlap(model)
     if _needs_memory_policies(plan):
         if plan.offload.experts and plan.devices > 1:
             raise ConfigError("plan.offload.experts: expert offload with more than one device is not supported yet "

@@ -275,7 +275,12 @@ def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable, n
     if plan.schedule in SINGLE_STAGE:
         assert len(stages) == 1
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if plan.ep_comm_overlap:  # DualPipeV's OVERLAP_F_B actions (moestack/config/support.py allows no other)
+        from moestack.parallel.overlap_fb import install
+
+        install(schedule)
+    return schedule
 
 
 class PipelineStepRunner:

@@ -942,7 +942,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     # tensor parallel (sequence parallel): fwd all-gather in + reduce-scatter out; bwd adds the re-gather of the
     # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2; moestack/parallel/tensor.py keeps the gathered
     # input instead: one collective less, T x h x (1 - 1/tp) more saved bytes per unit, not modelled). moestack's
-    # collectives are DTensor redistributes on the compute stream: exposed whatever plan.tp_comm_overlap says
+    # collectives are DTensor redistributes on the compute stream: exposed
     tp_f = tp_b = 0.0
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
@@ -964,7 +964,9 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     if part.kind == "moe":
         moe = ctx.spec.moe
         assert moe is not None
-        wbytes = 1.03 if plan.precision == "fp8" else BF16  # fp8 dispatch with per-128 scales (DeepEP)
+        # moestack's dispatcher sends bf16 rows under the fp8 recipe too (the experts quantise after it); fp8 rows with
+        # per-128 scales only where the plan says so (DeepEP runs; support.py: not launchable here)
+        wbytes = 1.03 if plan.ep_dispatch_dtype == "fp8" else BF16
         nbytes = Tsp * part.top_k * part.dispatch_width * imbalance
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:
@@ -1308,6 +1310,7 @@ class PlanCost:
     rank_fwd_bwd: list[tuple[float, float, float]]  # per rank per micro-batch: (fwd, bwd + recompute, wgrad)
     notes: list[str] = field(default_factory=list)
     forward_activations: float = 0.0  # busiest rank: what forward leaves for backward (the memory report's term)
+    memory_by_pp_rank: list[dict[str, float]] = field(default_factory=list)  # `memory` of every pipeline rank
 
     @property
     def memory_total(self) -> float:
@@ -1360,9 +1363,10 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap,
+               plan.cp_kda if plan.cp > 1 else None,
                plan.tp_grad_reduce, plan.sequence_parallel, plan.moe_load_imbalance, plan.host_profile,
-               plan.fp8_activation_input,
+               plan.fp8_activation_input, plan.ep_dispatch_dtype,
                plan.num_microbatches if plan.precision not in ("bf16", "fp8") else 0)  # recipe_cast_bytes amortises
         costs = self._kind_cache.get(key)
         if costs is None:
@@ -1551,8 +1555,10 @@ class CostModel:
         elif p > 1:  # tied: the last stage keeps its own copy of the embedding as the head
             rank_dense[ranks[-1]] += self.work.embed_params / plan.tp + mtp_params
 
-        # EP all-to-all: exposed unless overlapped with another micro-batch's compute (DualPipe / 1F1B a2a overlap)
-        overlap_ep = plan.ep_comm_overlap or plan.schedule == "dualpipev"
+        # EP all-to-all: exposed unless the plan overlaps it with another micro-batch's compute (plan.ep_comm_overlap:
+        # moestack runs it under DualPipeV only, moestack/config/support.py; published Megatron runs also under
+        # interleaved 1F1B). No credit from the schedule alone: DualPipeV without the field runs sequentially.
+        overlap_ep = plan.ep_comm_overlap
         fwd, bwd, wgr, a2a_exposed = [], [], [], []
         for rc in rank_cost:
             compute = rc.fwd + rc.bwd + rc.recompute
@@ -1609,7 +1615,7 @@ class CostModel:
         time["offload"] = off_time
         time = {k: val for k, val in time.items() if val > 0}
 
-        memory, forward_act = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
+        memory, forward_act, by_rank = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
         tokens = plan.tokens_per_step
         flops = self.model_flops_per_token * tokens
         tflops = flops / step / plan.devices / 1e12
@@ -1619,6 +1625,7 @@ class CostModel:
                         list(zip(fwd, bwd, wgr)))
         cost.binding = binding_constraint(cost)
         cost.forward_activations = forward_act
+        cost.memory_by_pp_rank = by_rank
         if self._gathered_for_step(plan) and plan.zero_stage >= 2:  # the memory report states why
             held = "parameters gathered, gradients unsharded" if plan.zero_stage == 3 else "gradients unsharded"
             cost.notes.append(f"{plan.schedule}: {held} for the whole step (stage is the FSDP root)")
@@ -1884,9 +1891,10 @@ class CostModel:
         return flops / (peak * self.cal.gemm_peak_eff * 0.8)
 
     def _memory(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
-                act_layer_max: list[float]) -> tuple[dict[str, float], float]:
-        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), and that
-        rank's activations at the end of forward (before the one-end-of-backward accounting)."""
+                act_layer_max: list[float]) -> tuple[dict[str, float], float, list[dict[str, float]]]:
+        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), that
+        rank's activations at the end of forward (before the one-end-of-backward accounting), and every pipeline
+        rank's components (the dry run compares its rank with them)."""
         cal, spec = self.cal, self.spec
         sd, se = self._shards(plan)
         m = plan.num_microbatches
@@ -1894,6 +1902,7 @@ class CostModel:
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         best: dict[str, float] = {}
         best_fwd_act = 0.0
+        by_rank: list[dict[str, float]] = []
         # zbv / dualpipev: the stage is the FSDP root (moestack.parallel.pipeline.stage_module): parameters stay
         # gathered (bf16 copy, as ZeRO 0-2) and gradients unsharded (fp32) for the whole step
         held = self._gathered_for_step(plan)
@@ -1982,9 +1991,10 @@ class CostModel:
             if self._grads_build_up(plan):
                 self._one_end_of_backward(plan, mem, expert_ws, r == 0)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
+            by_rank.append(mem)
             if sum(mem.values()) > sum(best.values()):
                 best, best_fwd_act = mem, fwd_act
-        return best, best_fwd_act
+        return best, best_fwd_act, by_rank
 
 
 def binding_constraint(cost: PlanCost) -> str:

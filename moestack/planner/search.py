@@ -7,8 +7,10 @@ Enumeration, outermost first (every level honours `--fix` values):
   schedule   1f1b; interleaved_1f1b with vpp in {2, 4, 8}; zbv; dualpipev (gpipe only through --fix)
   sharding   ZeRO-1 or ZeRO-3 (FSDP2) over the data-parallel group (ZeRO-0 / 2 only through --fix)
   memory     a ladder from fast to frugal: recompute none -> selective -> (dense MLP full) -> (MoE full) -> full,
-             each with offload none -> optimizer -> +activations -> +experts; the first two rungs that fit are
-             evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+             each with offload none -> optimizer -> +activations (-> +experts on one device); the first two rungs
+             that fit are evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+Plans the trainer would refuse (moestack/config/support.py: e.g. Muon with optimizer offload, cp with pp) are
+skipped, so every plan printed launches (`moestack train --plan plan.yaml --dry-run` checks one at full size).
 The dispatcher is hierarchical when the EP group spans more than one innermost domain, else flat.
 Precision and optimizer are the user's choice (they change the training recipe), never searched.
 """
@@ -26,6 +28,7 @@ from moestack.config.base import ConfigError
 from moestack.config.cluster import ClusterSpec, load_cluster_spec
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import HostProfileName, OffloadPolicy, Plan, Precision, RecomputePolicy
+from moestack.config.support import EP_OVERLAP_SCHEDULES, unsupported
 from moestack.planner.calibration import Calibration, load_calibration
 from moestack.planner.cost import GEMM_RECIPES, CostModel, PlanCost, group_members_per_domain
 from moestack.planner.profile import load_any_model_spec, profile_model
@@ -41,7 +44,7 @@ DEFAULT_IMBALANCE = Plan.model_fields["moe_load_imbalance"].default
 
 FIX_KEYS = {
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs", "schedule",
-    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap",
+    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap", "ep_dispatch",
     "sp", "grad_dtype", "quantized_params", "imbalance", "pp_split", "fp8_act_input",
 }
 INT_KEYS = {"tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs"}
@@ -111,6 +114,8 @@ def parse_fix(text: str | None) -> dict:
             out[key] = parse_recompute(val)
         elif key == "offload":
             out[key] = parse_offload(val)
+        elif key == "ep_dispatch" and val not in ("bf16", "fp8"):
+            raise ConfigError(f"fix: ep_dispatch must be bf16 or fp8 (got {val!r})")
         else:
             out[key] = val
     return out
@@ -218,7 +223,7 @@ def _offload_ladder(spec: ModelSpec, cluster: ClusterSpec) -> list[OffloadPolicy
     if cluster.device.host_memory_gib <= 0 or cluster.device.host_link_gb_s <= 0:
         return [OffloadPolicy()]
     ladder = [OffloadPolicy(), OffloadPolicy(optimizer=True), OffloadPolicy(optimizer=True, activations=True)]
-    if spec.moe is not None:
+    if spec.moe is not None and cluster.num_devices == 1:  # the trainer offloads experts on one device only
         ladder += [OffloadPolicy(optimizer=True, experts=True),
                    OffloadPolicy(optimizer=True, experts=True, activations=True)]
     return ladder
@@ -379,7 +384,8 @@ class Planner:
                             schedule=schedule, precision=fix.get("precision", pb.precision),
                             optimizer=fix.get("optimizer", pb.optimizer), dispatcher=self._dispatcher(fix, ep, etp),
                             tp_comm_overlap=fix.get("tp_overlap", TP_OVERLAP_DEFAULT),
-                            ep_comm_overlap=fix.get("ep_overlap", schedule == "dualpipev"),
+                            ep_dispatch_dtype=fix.get("ep_dispatch", "bf16"),
+                            ep_comm_overlap=fix.get("ep_overlap", schedule in EP_OVERLAP_SCHEDULES and ep * etp > 1),
                             sequence_parallel=fix.get("sp", True), grad_dtype=fix.get("grad_dtype", "fp32"),
                             pipeline_split=fix.get("pp_split", "balanced"),
                             quantized_params=fix.get("quantized_params", False),
@@ -397,6 +403,10 @@ class Planner:
                                 except ValueError as err:  # pydantic ValidationError: the Plan's own rules
                                     rejected[_reason(err)] += 1
                                     break
+                                why = unsupported(plan)
+                                if why is not None and require_fit:  # the trainer would refuse it (support.py)
+                                    rejected["not run by the trainer: " + why.split(":")[0]] += 1
+                                    continue
                                 if require_fit:
                                     lo_hbm, lo_host = pb.cost.memory_lower_bound(plan)
                                     if lowest is None or lo_hbm < lowest[0]:
@@ -409,6 +419,8 @@ class Planner:
                                         continue
                                 cost = pb.cost.evaluate(plan)
                                 evaluated += 1
+                                if why is not None:  # --fix evaluates it anyway (e.g. a published run's layout)
+                                    cost.notes.append(f"moestack train refuses this plan: {why}")
                                 if closest is None or cost.memory_total < closest.memory_total:
                                     closest = cost
                                 if cost.host_bytes > cost.host_capacity or cost.memory_total > hbm_cap:

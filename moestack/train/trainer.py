@@ -38,6 +38,7 @@ from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.compile import resolve_compile
 from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, global_grad_norm
 from moestack.parallel.fsdp import set_gradient_sync, set_reshard_after_backward
+from moestack.parallel.init import materialize
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
     CheckpointError,
@@ -240,7 +241,8 @@ FP8_PROJ_ENV = "MOESTACK_FP8_PROJ"  # "1": LatentMoE projections in FP8 (Trainer
 
 
 class Trainer:
-    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None):
+    def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None,
+                 dry_run: bool = False):
         self.model_spec = model_spec
         self.device = resolve_device(spec.device)
         self.dist: Distributed | None = None
@@ -267,6 +269,14 @@ class Trainer:
             )
 
         torch.manual_seed(spec.seed)  # the same on every rank: every rank initialises the same full weights
+        self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
+        self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
+        self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
+        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
+        if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
+            assert self.dist is not None, "a dry run needs a plan"
+            self.model = self._build_parallel_model(materialise=False)
+            return
         self.tokenizer = build_tokenizer(spec.data)
         if self.tokenizer.vocab_size > model_spec.vocab_size:
             raise ConfigError(
@@ -285,10 +295,6 @@ class Trainer:
             else []
         )
 
-        self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
-        self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
-        self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
-        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
         if self.dist is None:
             check_single_device_fits(model_spec, self.device)  # one line, not an allocator traceback
             self.model: Transformer = build_model(model_spec, self.device, seed=spec.seed)
@@ -386,20 +392,23 @@ class Trainer:
 
         self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
 
-    def _build_parallel_model(self) -> Transformer:
+    def _build_parallel_model(self, materialise: bool = True) -> Transformer:
         """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
-        then sharded by slicing (identical to the single-device initialisation); a larger one (GPU only) is built on
-        meta, sharded, materialised and initialised shard by shard (same distributions, other numbers)."""
+        then sharded by slicing; a larger one (spec.meta_init) is built on meta, sharded, and each rank draws only
+        its shards (moestack/parallel/init.py): the same values either way. materialise=False (the dry run) leaves
+        the parallelised model on meta."""
         spec, plan, meshes = self.spec, self.dist.plan, self.dist.meshes
         param_dtype = torch.bfloat16 if uses_bf16(spec, self.device) else None
         model = build_model(self.model_spec, "meta")
-        on_meta = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
+        big = self.device.type == "cuda" and count_params(model) > META_INIT_PARAMS
+        on_meta = not materialise or spec.meta_init == "on" or (spec.meta_init == "auto" and big)
         if not on_meta:
             model = build_model(self.model_spec, self.device, seed=spec.seed)
         if spec.precision == "fp64":
             model.double()
         if not on_meta:
             self._init_weights(model)  # into the whole model: the sharding below slices the loaded weights
+        whole = model
         self._configure_qat(model)
         self._configure_dsa(model)
         self._configure_fp8(model)
@@ -407,13 +416,10 @@ class Trainer:
             model = self._pipeline_stages(model, param_dtype)
         else:
             parallelize(model, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)
-        if on_meta:
-            if plan.tp > 1:
-                raise ConfigError("plan.tp: meta-device initialisation with tensor parallelism is not supported yet")
-            model.to_empty(device=self.device)
-            torch.manual_seed(spec.seed)
-            model.init_weights()  # DTensor random ops keep shards of one tensor on different streams (CUDA)
+        if on_meta and materialise:
+            materialize(model, whole, self.device, spec.seed)
             self._init_weights(model, sharded=True, partial=plan.pp > 1)  # a moestack checkpoint, resharded by DCP
+        self.whole_model = whole  # the whole tree (other pipeline stages stay on meta): what materialize initialises
         return model
 
     def _pipeline_stages(self, model: Transformer, param_dtype: torch.dtype | None) -> Transformer:

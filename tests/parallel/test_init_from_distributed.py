@@ -1,8 +1,9 @@
-"""--init-from under a plan: 2 gloo ranks as EP2 x ZeRO-3 (FSDP2) and as PP2 start from a moestack checkpoint and
-from an HF directory with exactly the weights the single process starts from (gathered full state dict, bitwise),
-and the first steps' losses match the single-process run of the same global batches. Everything in float64
-(precision fp64; the HF export too): the layouts then differ from the single process by summation order only, and
-the losses must agree to RTOL = 1e-10."""
+"""--init-from under a plan: 2 gloo ranks as EP2 x ZeRO-3 (FSDP2), as PP2 and as TP2 x EP2 built on the meta device
+(meta_init on: drawn shard by shard, then loaded) start from a moestack checkpoint and from an HF directory with
+exactly the weights the single process starts from (gathered full state dict, bitwise), and the first steps' losses
+match the single-process run of the same global batches. Everything in float64 (precision fp64; the HF export too):
+the layouts then differ from the single process by summation order only, and the losses must agree to
+RTOL = 1e-10."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestack.config.base import dump_yaml
+from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.plan import make_plan, save_plan
 from moestack.config.train_spec import load_train_spec
 from moestack.train.convert import export_hf
@@ -43,8 +44,13 @@ def _worker(rank: int, world: int, model_path: str, plans: dict[str, str], sourc
     res = {}
     for layout, plan_path in plans.items():
         for kind, src in sources.items():
+            meta = {"meta_init": "on"} if layout.endswith("_meta") else {}  # built on meta, drawn, then loaded
             spec = load_train_spec(None, {**OPTS, "out_dir": f"{out}/{layout}_{kind}", "steps": STEPS,
-                                          "init_from": src})
+                                          "init_from": src, **meta})
+            if meta and kind == "hf":  # a sharded build loads moestack checkpoints only (init_from.py)
+                with pytest.raises(ConfigError, match="moestack convert"):
+                    Trainer(spec, spec_m, log=lambda *a: None, plan=load_plan(plan_path))
+                continue
             trainer = Trainer(spec, spec_m, log=lambda *a: None, plan=load_plan(plan_path))
             sd = {}
             if trainer.pipeline is None:  # the whole model, gathered from the shards
@@ -79,8 +85,9 @@ def test_init_from_under_fsdp_ep_and_pp(tmp_path):
     assert ref["ckpt"] == ref["hf"]
     plans = {}
     for name, layout in {"fsdp_ep2": dict(dp_shard=2, zero_stage=3, ep=2),
-                         "pp2": dict(pp=2, vpp=1, schedule="1f1b")}.items():
-        mbs = GLOBAL_BATCH // (MICRO_STEPS * (2 if name != "pp2" else 1))
+                         "pp2": dict(pp=2, vpp=1, schedule="1f1b"),
+                         "tp2_ep2_meta": dict(tp=2, ep=2)}.items():
+        mbs = GLOBAL_BATCH // (MICRO_STEPS * (2 if name == "fsdp_ep2" else 1))
         plan = make_plan(model=str(model_path), cluster="cpu", devices=2, seq_len=SEQ,
                          global_batch_size=GLOBAL_BATCH, micro_batch_size=mbs, **layout)
         save_plan(plan, tmp_path / f"{name}.yaml")

@@ -12,6 +12,7 @@ run: search and dry-run wall seconds, the plan, and the dry run's verdict (ok, o
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,17 @@ def _run(cmd: list[str]) -> tuple[int, str, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
+
+
+def _error_line(text: str) -> str:
+    """The run's error: the CLI's one `error:` line, else the traceback's last `...Error: ...` line (not a source
+    line the traceback quotes), else the last line."""
+    lines = [ln.removeprefix("[rank0]:").strip() for ln in text.splitlines()]
+    for pattern in (r"^error:", r"^[A-Za-z_.]*(Error|Exception)\b.*:"):
+        found = [ln for ln in lines if re.match(pattern, ln)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else "?"
 
 
 def main() -> int:
@@ -57,8 +69,7 @@ def main() -> int:
             for rank in ranks:
                 cmd = [*py, "train", "--plan", str(path), "--dry-run", "--rank", str(rank)]
                 rc, text, t_dry = _run(cmd + (["--no-step"] if args.no_step else []))
-                verdict = "ok" if rc == 0 else next((ln for ln in text.splitlines() if "error" in ln.lower()),
-                                                    text.strip().splitlines()[-1] if text.strip() else "?")
+                verdict = "ok" if rc == 0 else _error_line(text)
                 failures += rc != 0
                 (out / f"{name}@{cluster}.rank{rank}.txt").write_text(text)
                 print(f"| {name} | {cluster} | {t_plan:.0f} | {plan.short()} {plan.schedule} | {rank} | "

@@ -103,15 +103,15 @@ def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda") ->
             "checkpoint.every": 0, "checkpoint.save_final": False, "out_dir": str(out_dir)}
     trainer = Trainer(load_train_spec(None, opts), golden_spec(), log=lambda *a: None)
     norms: dict[str, float] = {}
-    clip = trainer._clip
+    grad_norm = trainer._grad_norm
 
-    def recording():
+    def recording(params):
         if not norms:
             norms.update({n: float(p.grad.double().norm()) for n, p in trainer.model.named_parameters()
                           if p.grad is not None})
-        return clip()
+        return grad_norm(params)
 
-    trainer._clip = recording
+    trainer._grad_norm = recording
     losses = trainer.fit()["losses"]
     del trainer
     if torch.cuda.is_available():

@@ -608,9 +608,9 @@ class _DictSource:
 def default_layout(nmap: NameMap, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
                    mxfp4_experts: bool = False) -> HFLayout:
     """Model-order layout in shards of at most max_shard_bytes (one tensor per shard at least), `dtype` for every
-    tensor but the family's fp32 ones, HF's file naming and metadata. mxfp4_experts: the routed experts as
-    compressed-tensors MXFP4 parts (`X.weight_packed` U8 [R, C/2], `X.weight_scale` U8 [R, C/32]), as the
-    released Kimi K3 stores them."""
+    tensor but the family's fp32 ones (fp32 where `dtype` is narrower), HF's file naming and metadata.
+    mxfp4_experts: the routed experts as compressed-tensors MXFP4 parts (`X.weight_packed` U8 [R, C/2],
+    `X.weight_scale` U8 [R, C/32]), as the released Kimi K3 stores them."""
     logical = nmap.hf_shapes()
     experts = {n for rule in nmap.rules if isinstance(rule, ExpertStack) for parts in rule.hf for n in parts}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -629,7 +629,9 @@ def default_layout(nmap: NameMap, dtype: torch.dtype = torch.bfloat16, max_shard
             units.append([p, sc])
             continue
         shapes[name] = shape
-        dtypes[name] = "F32" if nmap.keep_fp32(name) else _DTYPE_NAMES[dtype]
+        # the family's fp32 tensors stay fp32 under a narrower export dtype, never narrower than a wider one (fp64)
+        wide = nmap.keep_fp32(name) and dtype.itemsize < 4
+        dtypes[name] = "F32" if wide else _DTYPE_NAMES[dtype]
         units.append([name])
     groups: list[list[str]] = [[]]
     size = 0

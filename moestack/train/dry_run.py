@@ -454,6 +454,7 @@ def _micro_batch(trainer, sync: bool) -> None:
         return
     from torch.distributed.fsdp import FSDPModule
 
+    from moestack.parallel.pipeline import stage_state_blocks
     from moestack.train.trainer import uses_bf16
 
     hidden = torch.bfloat16 if uses_bf16(spec, trainer.device) else torch.float32  # as the trainer's runner
@@ -470,8 +471,10 @@ def _micro_batch(trainer, sync: bool) -> None:
             set_gradient_sync(submod, True)  # other schedules reduce after every micro-batch's backward
         if stage.is_first:
             x = tokens
-        else:  # the hidden states the previous stage sends: [mbs, T / tp (sequence parallel), D]
-            x = torch.empty(mbs, T // plan.tp, trainer.model_spec.hidden_size, dtype=hidden, requires_grad=True)
+        else:  # what the previous stage sends: [mbs, T / tp (sequence parallel), D], with Attention Residuals the
+            n_in = stage_state_blocks(submod.part)[0]  # stacked block state [n + 1, mbs, T / tp, D]
+            shape = (mbs, T // plan.tp, trainer.model_spec.hidden_size)
+            x = torch.empty(shape if n_in < 0 else (n_in + 1, *shape), dtype=hidden, requires_grad=True)
         with trainer.autocast():
             out = submod(x)
             if stage.is_last:

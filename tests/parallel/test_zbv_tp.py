@@ -48,18 +48,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _record_first_step(trainer: Trainer, out: dict) -> None:
-    """Wrap trainer._clip: the first call records every parameter's (whole) gradient and the global norm."""
-    clip = trainer._clip
+    """Wrap trainer._grad_norm: the first call records every parameter's (whole, unclipped) gradient and the global
+    norm."""
+    grad_norm = trainer._grad_norm
 
-    def recording():
+    def recording(params):
         if "grads" not in out:  # collective on multi-rank: every rank records, in named_parameters() order
             out["grads"] = {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-            norm = clip()
+            norm, clipped = grad_norm(params)
             out["norm"] = float(norm)
-            return norm
-        return clip()
+            return norm, clipped
+        return grad_norm(params)
 
-    trainer._clip = recording
+    trainer._grad_norm = recording
 
 
 def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, str]]) -> dict:

@@ -24,6 +24,7 @@ from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
+from moestack.model.weights import compute_weight
 from moestack.ops import moe as moe_ops
 from moestack.ops.moe import routing
 
@@ -114,6 +115,9 @@ class Experts(nn.Module):
         # the FP8 GEMMs under precision fp8 (moestack/ops/fp8/convert.py), wrapped by the expert offload
         self.gemm = moe_ops.GroupedGemm()
         self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = auto (by device)
+        # "mxfp4": quantisation-aware training, the weights the GEMMs see are their MXFP4 values (groups of 32
+        # along the last dim, as the released checkpoint stores w1/w3/w2), straight-through gradient
+        self.fake_quant: str | None = None
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The seam for the hot op: the strategy in `self.gemm`. x [N, D] sorted by expert, w [E, D, F]."""
@@ -123,12 +127,16 @@ class Experts(nn.Module):
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
-        return self.ffn(h_NL, self.w_gate_up, self.w_down, offs_E)
+        return self.ffn(h_NL, compute_weight(self, "w_gate_up"), compute_weight(self, "w_down"), offs_E)
 
     def ffn(
         self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor
     ) -> torch.Tensor:
         """The experts on these weights (Experts' layout): gate/up GEMM -> glu -> down GEMM through the seam."""
+        if self.fake_quant == "mxfp4":
+            from moestack.ops.mxfp4 import fake_quantize_mxfp4
+
+            w_gate_up, w_down = fake_quantize_mxfp4(w_gate_up), fake_quantize_mxfp4(w_down)
         gate_up_N2I = self.grouped_mm(x_NL, w_gate_up.transpose(1, 2), offs_E)
         return self.grouped_mm(self.glu(gate_up_N2I), w_down.transpose(1, 2), offs_E)
 

@@ -18,6 +18,7 @@ import torch
 from moestack.ops import tuned
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
 from moestack.ops.dsa import reference
+from moestack.ops.opaque import opaque
 
 OPS = (
     "sparse_mqa_attention",
@@ -84,6 +85,7 @@ def select_backend(op: str, lead: torch.Tensor, backend: str | None = None) -> s
     return _pick(op, lead, backend).name
 
 
+@opaque
 def sparse_mqa_attention(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +97,7 @@ def sparse_mqa_attention(
     return b.fn(q, kv, idx, v_dim, scale)
 
 
+@opaque
 def indexer_topk_from_inputs(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -111,6 +114,7 @@ def indexer_topk_from_inputs(
     return _pick("indexer_topk_from_inputs", q_idx, backend).fn(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
 
 
+@opaque
 def indexer_kl_loss(
     index_scores: torch.Tensor,
     attn_probs_target: torch.Tensor,
@@ -122,6 +126,7 @@ def indexer_kl_loss(
     return _pick("indexer_kl_loss", index_scores, backend).fn(index_scores, attn_probs_target, idx)
 
 
+@opaque
 def indexer_scores_at(
     q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, backend: str | None = None
 ) -> torch.Tensor:
@@ -130,6 +135,7 @@ def indexer_scores_at(
     return _pick("indexer_scores_at", q_idx, backend).fn(q_idx, k_idx, w, idx)
 
 
+@opaque
 def attention_probs_target(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -53,6 +53,7 @@ from moestack.ops.moe.triton_grouped_gemm import (
     quick_bench,
     swap_token_tile,
 )
+from moestack.ops.opaque import opaque
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SWAP_MAX_ROWS = 64  # swap-AB at or below this mean rows per expert
@@ -388,6 +389,7 @@ def _host_ends(offs_E: torch.Tensor, host_ends: list[int] | None) -> list[int]:
     return fsm.host_offsets(offs_E) if host_ends is None else host_ends
 
 
+@opaque
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, q_dtype: torch.dtype = FP8,
                cublas_min_rows: int = CUBLAS_MIN_ROWS, cache_mode: str = "on") -> torch.Tensor:
     """The FP8 expert GEMM: same contract as moestack.ops.moe.reference.grouped_mm; output in the autocast dtype

@@ -34,8 +34,10 @@ from torch import nn
 
 from moestack.ops.fp8.grouped_gemm import CUBLAS_MIN_ROWS, Fp8GroupedMM
 from moestack.ops.fp8.reference import FP8
+from moestack.ops.opaque import opaque
 
 
+@opaque
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, q_dtype: torch.dtype = FP8,
                cublas_min_rows: int = CUBLAS_MIN_ROWS, cache_mode: str = "on") -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T in FP8 (module doc), differentiable in x and weight. Output in the autocast

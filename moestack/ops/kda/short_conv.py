@@ -21,6 +21,7 @@ import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
 from moestack.ops.launch import pruner
+from moestack.ops.opaque import opaque
 
 _prune = {"early_config_prune": pruner("tile")}  # fixed [BT, BC] fp32 tiles, no dots
 
@@ -183,6 +184,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         return dx, dw_CW.reshape(ctx.w_shape).to(w.dtype), None
 
 
+@opaque
 def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None) -> torch.Tensor:
     """Fused silu(causal depthwise conv) (module docstring). x [B, T, C] (CUDA, or CPU under TRITON_INTERPRET=1);
     w [C, W] or [C, 1, W] (nn.Conv1d layout), any float dtype (gradient in w's dtype); pos [T] int or None.

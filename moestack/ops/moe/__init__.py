@@ -31,6 +31,7 @@ from moestack.ops.moe.reference import (
     route,
     unpermute_combine,
 )
+from moestack.ops.opaque import opaque
 
 
 class TorchGemm(Backend):
@@ -93,6 +94,7 @@ def resolve_backend(backend: str | None = None, x_ND: torch.Tensor | None = None
     return REGISTRY.pick(backend, x_ND).name
 
 
+@opaque
 def grouped_mm(
     x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None, table=None
 ) -> torch.Tensor:

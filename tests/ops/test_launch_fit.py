@@ -8,6 +8,8 @@ Autotuning is off (KernelSpec.autotune false: each kernel launches the first con
 the one a fixed-config run takes); the CPU test tests/ops/test_launch.py checks the pruners' choices against fake
 device limits, benchmarks/tools/launch_fit_check.py the shared-memory estimates against the compiler. The tiny
 preset's DSA forward (BLOCK_V 512 at a padded value width of 32: 299 KB on the H200) was the failing case.
+One process for the whole file (a "serial" file in scripts/gpu_durations.json): the last test reads the kernels the
+sweep compiled in this process.
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ moestack/config/hf.py), at a small token count, against their references; then e
 compiled fits the device (a config the pruners kept that could not run would show here even where the autotuner
 swallowed its OutOfResources).
 
-Autotuning is off (KernelSpec.autotune false: each kernel launches the first config its pruner keeps for the shape,
-the one a fixed-config run takes); the CPU test tests/ops/test_launch.py checks the pruners' choices against fake
-device limits, benchmarks/tools/launch_fit_check.py the shared-memory estimates against the compiler. The tiny
-preset's DSA forward (BLOCK_V 512 at a padded value width of 32: 299 KB on the H200) was the failing case.
-One process for the whole file (a "serial" file in scripts/gpu_durations.json): the last test reads the kernels the
-sweep compiled in this process.
+Autotuning is on (KernelSpec.autotune true, the training default): the autotuner compiles every config its pruner
+kept for the shape, the first of which is the one a fixed-config run (autotune false) launches, so the last test
+sees each kept config's binary; the autotuner itself skips a config that raises OutOfResources, so only that check
+(not the launches) would show one that cannot run. The CPU test tests/ops/test_launch.py checks the pruners'
+choices against fake device limits, benchmarks/tools/launch_fit_check.py the shared-memory estimates against the
+compiler. The tiny preset's DSA forward (BLOCK_V 512 at a padded value width of 32: 299 KB on the H200) was the
+failing case. One process for the whole file (a "serial" file in scripts/gpu_durations.json): the last test reads
+the kernels the sweep compiled in this process.
 """
 
 from __future__ import annotations
@@ -56,11 +58,11 @@ KDA, MLA, INDEXER, MOE = _shapes() if torch.cuda.is_available() else ([], [], []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def first_fitting_config():
+def every_kept_config():
     from moestack.ops import launch
 
     before = launch.autotune_enabled()
-    launch.set_autotune(False)
+    launch.set_autotune(True)
     yield
     launch.set_autotune(before)
 

@@ -1,15 +1,15 @@
-"""The FP8 recipe (moestack/ops/fp8/convert.py) under tensor parallelism with expert parallelism folded onto the TP ranks,
-on 2 gloo ranks: one forward + backward against the single-process run of the same recipe.
+"""The FP8 recipe (moestack/ops/fp8/convert.py) under tensor parallelism with expert parallelism folded onto the TP
+ranks, on 2 gloo ranks: one forward + backward against the single-process run of the same recipe.
 
 What this checks is the plumbing: the TP units swap in local weight shards and Fp8Linear must quantise the shard it
 is handed (column-wise projections by head, row-wise o_proj / down_proj, the shared experts' column / row split),
-the fp8 weight cache must key on the right tensor, and the experts' FP8 GEMM strategy must run on each rank's tokens (the
-MoE is token-sharded under TP) and, with EP, on the local experts after the all-to-all. With real e4m3 rounding the
-two runs cannot agree exactly: TP changes fp32 summation orders and the token blocks of the weight-gradient scales,
-and each changed rounding moves a value by an e4m3 step (~6%), which compounds through the layers. So the kernels
-run on unrounded scaled values (apply_fp8_recipe's q_dtype float32, the interpreter tests' mode: same tiles, scales, layouts
-and kernels, no rounding) and the runs must then agree to fp32 precision, where a wrong shard, a stale or shared
-cache entry or a mis-routed expert gives O(1) errors. (CPU: the kernels in the Triton interpreter.)
+the fp8 weight cache must key on the right tensor, and the experts' FP8 GEMM strategy must run on each rank's tokens
+(the MoE is token-sharded under TP) and, with EP, on the local experts after the all-to-all. With real e4m3 rounding
+the two runs cannot agree exactly: TP changes fp32 summation orders and the token blocks of the weight-gradient
+scales, and each changed rounding moves a value by an e4m3 step (~6%), which compounds through the layers. So the
+kernels run on unrounded scaled values (apply_fp8_recipe's q_dtype float32, the interpreter tests' mode: same tiles,
+scales, layouts and kernels, no rounding) and the runs must then agree to fp32 precision, where a wrong shard, a
+stale or shared cache entry or a mis-routed expert gives O(1) errors. (CPU: the kernels in the Triton interpreter.)
 
 Why fp32 and not fp64 like the other layout tests: the FP8 kernels compute in fp32 (their tiles, scales and
 accumulators), so an fp64 model would not run them. The bounds come from the measured fp32 noise floor of this

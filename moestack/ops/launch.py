@@ -127,11 +127,13 @@ def _smem_indexer(kw: dict, warps: int, stages: int, a: dict) -> int:
 
 
 def _smem_dsa_target(kw: dict, warps: int, stages: int, a: dict) -> int:
-    """Sparse-stage KL target: the gathered key rows [BK, VP + RP] once, per stage a head block's query rows
-    [BH, VP + RP]; the score tile."""
+    """Sparse-stage KL target: the gathered key rows [BK, VP + RP] once, a head block's query rows [BH, VP + RP]
+    per stage at 8 warps and once at 4 (measured: the 4-warp config keeps one copy at every width; counting two
+    had pruned it at fp32 V512, 221184 B compiled), the score tile."""
     e = _elt(a, "Q")
     VP, RP, BH, BK = a["VP"], a["RP"], kw["BLOCK_H"], kw["BLOCK_K"]
-    return e * (BK * (VP + RP) + stages * BH * (VP + RP) + BH * BK) + SLACK
+    q_copies = 1 if warps <= 4 else stages
+    return e * (BK * (VP + RP) + q_copies * BH * (VP + RP) + BH * BK) + SLACK
 
 
 def _smem_kda_recurrence(kw: dict, warps: int, stages: int, a: dict) -> int:

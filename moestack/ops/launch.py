@@ -101,14 +101,19 @@ def _smem_dsa_fwd(kw: dict, warps: int, stages: int, a: dict) -> int:
 
 def _smem_dsa_dkv(kw: dict, warps: int, stages: int, a: dict) -> int:
     """Backward pass 1: per stage the key / query / dO column chunks [BK + 2 BH, BC], the key and query rope rows,
-    [BH + BK, BC] of conversion tiles; the atomic form at value widths below one column chunk (the tiny preset)
-    also stages its dS / P products (measured: up to 4.1 e x stages x BH x BK more)."""
+    [BH + BK, BC] of conversion tiles. At value widths below one column chunk (the tiny preset, the V16 / V32 HF
+    configs) the atomic form also stages its dS / P products (measured: up to 4.1 e x stages x BH x BK more; at V16
+    up to 12% under the compiled size, where both are far below or both above the H200's limit), the rows form
+    one [BK, BLOCK_C] tile more."""
     e = _elt(a, "Q")
     VP, RP, BH, BK = a["VP"], a["RP"], kw["BLOCK_H"], kw["BLOCK_K"]
     BC = min(kw["BLOCK_C"], VP)
     base = e * (stages * (BK * BC + 2 * BH * BC) + (BK + BH) * RP + (BH + BK) * BC) + SLACK
-    if a.get("DKV_OUT", "atomic") == "atomic" and VP < kw["BLOCK_C"]:
-        base += 17 * e * stages * BH * BK // 4
+    if VP < kw["BLOCK_C"]:  # value widths below one column chunk (docstring)
+        if a.get("DKV_OUT", "atomic") == "atomic":
+            base += 17 * e * stages * BH * BK // 4
+        else:
+            base += e * BK * kw["BLOCK_C"]
     return base
 
 

@@ -164,7 +164,7 @@ def bench_indexer(T: int, variants: tuple[str, ...], fwd_ms: dict, ref_name: str
             agree = ""
             if variant != ref_name and ref_name in sel:
                 agree = f"shared with {ref_name} {overlap(sel[variant], sel[ref_name]):.4f}"
-            fb = f"fallback rows {stats.get('fallback_rows', '-')}"
+            fb = f"fallback rows {int(stats['fallback_rows']) if 'fallback_rows' in stats else '-'}"
             ratio = f"idx/attn-fwd {ms / attn:.2f}" if attn else ""
             times[variant] = ms
             row(f"T={T}", f"indexer+topk {variant}", f"{ms:.2f}", f"{flops / ms / 1e9:.1f}", f"{agree} {fb}", ratio)

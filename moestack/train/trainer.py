@@ -34,7 +34,7 @@ from moestack.config.settings import ep_domain_size
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.compute_weights import ComputeWeights
 from moestack.memory.phase_peaks import GIB, PhasePeaks
-from moestack.model.aux_loss import set_aux_loss_scale
+from moestack.model.aux_loss import aux_loss_scale
 from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
@@ -566,7 +566,6 @@ class Trainer:
             with self.autocast():
                 total = self.pipeline.forward_backward(inputs, targets)
             return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
-        set_aux_loss_scale(1.0 / accum)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
@@ -580,7 +579,7 @@ class Trainer:
                 peaks.in_forward = True
             if self.compiled is not None:
                 self.compiled.before_forward()  # CUDA graphs: a new micro-batch, earlier outputs are consumed
-            with self.autocast():
+            with self.autocast(), aux_loss_scale(1.0 / accum):  # read by the forward's aux losses
                 loss = self.model(inputs, targets)
             if peaks is not None:
                 peaks.in_forward = False

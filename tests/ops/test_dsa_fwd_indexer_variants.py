@@ -91,10 +91,34 @@ def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes, selec
     q, k, w = _indexer_inputs(B, T, Hi, Di, seed=stride)
     stats = {}
     got = fused.indexer_topk_fused(q, k, w, K, stride=stride, margin=margin, cap=cap, chunk_bytes=chunk_bytes,
-                                   select=select, stats=stats)  # fmt: skip
+                                   select=select, stats=stats, fallback_capacity=B * T)  # fmt: skip
     _assert_same_topk(got, q, k, w, K, None)
+    assert int(stats["fallback_overflow"]) == 0
     if margin < 0.5 or margin > 4:
         assert stats["fallback_rows"] > 0  # the exact path ran
+
+
+def test_exact_fallback_capacity_and_overflow():
+    """repair_missed_rows: the first `capacity` missed rows (flat b*T + t order) get the exact top-k of all their
+    visible keys, later missed rows and unmissed rows keep their input, and the overflow is counted; no row is
+    written twice by the spare slots."""
+    from moestack.ops.dsa.exact_rows import repair_missed_rows
+
+    B, T, Hi, Di, K = 2, 23, 3, 8, 5
+    q, k, w = _indexer_inputs(B, T, Hi, Di, seed=11)
+    want = ref.indexer_topk(ref.indexer_scores(q, k, w, None), K)
+    poisoned = torch.full_like(want, -7)
+    missed = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.4
+    flat = missed.reshape(-1).nonzero().squeeze(1)
+    for capacity in (B * T, 5, len(flat)):
+        start_T = torch.zeros(T, dtype=torch.long)
+        got, n_missed, overflow = repair_missed_rows(poisoned.clone(), missed, q, k, w, start_T, capacity=capacity)
+        assert int(n_missed) == len(flat) and int(overflow) == max(0, len(flat) - capacity)
+        fixed = torch.zeros(B * T, dtype=torch.bool)
+        fixed[flat[:capacity]] = True
+        fixed = fixed.view(B, T)
+        _assert_same_topk(torch.where(fixed[..., None], got, want), q, k, w, K, None)
+        assert torch.all(got[~fixed] == -7)
 
 
 def test_topk_select_kernel_ties_and_short_rows():

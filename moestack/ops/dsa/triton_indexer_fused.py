@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
+from moestack.ops.dsa.exact_rows import repair_missed_rows
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET, gluon_module
 
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
@@ -264,15 +265,17 @@ def indexer_topk_fused(
     chunk_bytes: int = CHUNK_BYTES,
     stats: dict | None = None,
     scorer: str | None = None,
+    fallback_capacity: int | None = None,
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded: the selected set of
-    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected
-    candidates per row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); select: "triton"
-    (topk_select_kernel, slots in candidate order, not sorted by score) or "torch" (torch.topk, descending as the
-    reference). stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows"). scorer: the
-    candidate pass's kernel, "triton" (indexer_select_kernel), "gluon" (gluon_indexer_select: sm_90, bf16 / fp16,
-    even head count; H200: 168 vs 207 ms at T = 131072, the same selection) or "auto" / None (gluon where it
-    applies)."""
+    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected candidates per
+    row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); select: "triton" (topk_select_kernel, slots
+    in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference). stats (optional dict)
+    receives the rows whose threshold missed ("fallback_rows", recomputed exactly) and those of them beyond the exact
+    fallback's capacity ("fallback_overflow"), device scalars; fallback_capacity: rows recomputed at most (default
+    exact_rows.fallback_capacity). scorer: the candidate pass's kernel, "triton" (indexer_select_kernel), "gluon"
+    (gluon_indexer_select: sm_90, bf16 / fp16, even head count; H200: 168 vs 207 ms at T = 131072, the same selection)
+    or "auto" / None (gluon where it applies)."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T = q_idx.shape[:2]
@@ -349,28 +352,10 @@ def indexer_topk_fused(
         del cand_s, cand_i
         bads.append((cnt > cap) | (cnt < n_vis.clamp_max(top_k).to(torch.int32)))  # threshold missed
         out.append(idx)
-    idx = torch.cat(out, dim=1)
-    bad_rows = torch.cat(bads, dim=1).nonzero()  # [n, 2] (b, t); the one host sync
-    if len(bad_rows):
-        idx[bad_rows[:, 0], bad_rows[:, 1]] = _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k)
+    idx, missed, overflow = repair_missed_rows(torch.cat(out, dim=1), torch.cat(bads, dim=1), q_idx, k_idx, w,
+                                               start_T, fallback_capacity)  # no host sync (exact_rows.py)
     if stats is not None:
-        stats["fallback_rows"] = len(bad_rows)
+        stats["fallback_rows"], stats["fallback_overflow"] = missed, overflow
     return idx
 
 
-def _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k, block_bytes: int = 1 << 28):
-    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, t)) over all visible keys, fp32; a block of rows holds
-    its [rows, keys, Hi] fp32 products (<= block_bytes)."""
-    out = []
-    Hi = q_idx.shape[2]
-    rows_per_block = max(1, block_bytes // (4 * Hi * (int(bad_rows[:, 1].max()) + 1)))
-    for i in range(0, len(bad_rows), rows_per_block):
-        br = bad_rows[i : i + rows_per_block]
-        b, t = br[:, 0], br[:, 1]
-        s_max = int(t.max()) + 1
-        dots = torch.einsum("nhd,nsd->nsh", q_idx[b, t].float(), k_idx[b, :s_max].float())  # [n, S, Hi]
-        I = torch.einsum("nsh,nh->ns", dots.relu(), w[b, t].float())
-        keys = torch.arange(s_max, device=t.device)
-        vis = (keys[None, :] <= t[:, None]) & (keys[None, :] >= start_T[t][:, None])
-        out.append(ref.indexer_topk(I.masked_fill(~vis, float("-inf"))[None], top_k)[0])
-    return torch.cat(out, 0)

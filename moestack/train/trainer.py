@@ -275,7 +275,8 @@ class Trainer:
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
-        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
+        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None,
+                                        grad_accum_steps=spec.grad_accum_steps)
         if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
             assert self.dist is not None, "a dry run needs a plan"
             self.model = self._build_parallel_model(materialise=False)

@@ -173,3 +173,21 @@ def test_gluon_wgrad_fit_config_steps_down():
         for rmax, config in gw.CONFIGS.items():
             bb, q_rows, nw = gw.fit_config(config, rmax, 3584, 6144, 4, smem_limit=limit)
             assert gw.smem_bytes(rmax, bb, q_rows, nw, 4) <= limit - 1024 or (bb == 16 and q_rows <= 2 * rmax)
+
+
+def test_dsa_dkv_fallback_where_the_tuned_set_cannot_fit(fake_gpu, monkeypatch, autotune_on):
+    """Pass 1 of the DSA backward in fp32 at value widths below one column chunk (the H200 GPU sweep's V16 / V32
+    cases: the smallest tuned config compiled to 271,360 B): the one-stage fallback is kept and fits; bf16 at MLA's
+    widths keeps the tuned set and no fallback."""
+    from moestack.ops.dsa import triton_attn_bwd as B
+
+    monkeypatch.setattr(B, "INTERPRET", False)
+    configs = B._dkv_ds_configs()
+    fallback = B._dkv_ds_fallback()
+    for V, R in ((16, 4), (32, 8)):
+        args = {"Q": FP32, "H": 4, "VP": V, "RP": 16, "DKV_OUT": "atomic"}
+        kept = B._prune_dkv_ds(configs, args)
+        assert kept and all(c in fallback for c in kept)
+        assert all(launch.smem_estimate("dsa_dkv", c, args) <= 232448 for c in kept)
+    kept = B._prune_dkv_ds(configs, {"Q": BF16, "H": 64, "VP": 512, "RP": 64, "DKV_OUT": "atomic"})
+    assert kept and not any(c in fallback for c in kept)

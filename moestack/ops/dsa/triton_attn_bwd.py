@@ -76,7 +76,14 @@ def _prune_dkv_ds(configs, named_args, **kwargs):
 
     args = {**named_args, **kwargs}
     cand = configs[:2] if args.get("DKV_OUT") == "rows" else configs[:3]
-    return fit_configs(_head_blocks(cand, args["H"]), args, "dsa_dkv")
+    return fit_configs(_head_blocks(cand, args["H"]), args, "dsa_dkv", fallback=_dkv_ds_fallback())
+
+
+def _dkv_ds_fallback():
+    # one stage: fp32 at value widths below one column chunk (the tiny preset without autocast), where the tuned
+    # configs stage their dS / P products per stage and need 263-337 KB (compiled: 271,360 B at 64 x 64, 3 stages)
+    return [triton.Config({"BLOCK_H": 64, "BLOCK_K": bk, "BLOCK_C": 64}, num_warps=w, num_stages=1)
+            for bk, w in ((64, 4), (32, 2))]
 
 
 def _prune_dq_ds(configs, named_args, **kwargs):

@@ -252,13 +252,19 @@ def _launch(q, k, w, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride,
 
 
 @torch.no_grad()
+def sampling_stride(cap: int) -> int:
+    """Every stride-th key scored for the threshold: a row just over `cap` visible keys gets >= 64 samples (at
+    top-16 a stride of 16 left 2-4 samples per row and a third of the rows missed their threshold), at most 16."""
+    return max(1, min(16, cap // 64))
+
+
 def indexer_topk_fused(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     w: torch.Tensor,
     top_k: int,
     cu_seqlens: torch.Tensor | None = None,
-    stride: int = 16,
+    stride: int | None = None,
     margin: float = 1.5,
     cap: int | None = None,
     select: str = "triton",
@@ -268,7 +274,8 @@ def indexer_topk_fused(
     fallback_capacity: int | None = None,
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded: the selected set of
-    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected candidates per
+    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass (default sampling_stride:
+    16 at K3's top-2048, denser for small top-k, whose rows would see too few samples); margin: expected candidates per
     row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); select: "triton" (topk_select_kernel, slots
     in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference). stats (optional dict)
     receives the rows whose threshold missed ("fallback_rows", recomputed exactly) and those of them beyond the exact
@@ -282,6 +289,7 @@ def indexer_topk_fused(
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens (packed documents) needs batch size 1, got B = {B}")
     cap = cap or 2 * top_k
+    stride = stride or sampling_stride(cap)
     if select not in ("triton", "torch"):
         raise ValueError(f"select = '{select}' is not one of triton, torch")
     scorer = scorer or "auto"

@@ -22,6 +22,7 @@ from torch import nn
 
 from moestack.config.base import ConfigError
 from moestack.config.plan import Plan
+from moestack.model.moe import MoE
 from moestack.parallel.context import apply_cp
 from moestack.parallel.dedup import apply_token_dedup
 from moestack.parallel.expert import apply_expert_parallel, make_dispatcher
@@ -50,6 +51,9 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     param_dtype: the dtype FSDP gathers parameters in for compute (torch.bfloat16 for bf16 training on GPUs;
     None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32; master weights stay fp32.
     """
+    for module in model.modules():  # the global-batch balance loss counts load over every rank of the stage
+        if isinstance(module, MoE):
+            module.balance_group = meshes.stage_group
     expert_sharded = plan.ep > 1 or plan.etp > 1
     if expert_sharded:
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None

@@ -34,7 +34,7 @@ from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
-from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, clip_grad_norm_
+from moestack.parallel.comm import all_reduce_mean, clip_grad_norm_
 from moestack.parallel.fsdp import set_gradient_sync
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
 from moestack.train.checkpoint import (
@@ -46,6 +46,7 @@ from moestack.train.checkpoint import (
     save_checkpoint,
 )
 from moestack.train.data import build_data, eval_batches
+from moestack.train.expert_load import ExpertLoadMonitor, finish_microbatch, reduce_router_state
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
 from moestack.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from moestack.train.step_profile import StepProfiler
@@ -97,6 +98,7 @@ class StepStats:
     tokens_per_s: float
     mfu: float | None
     aux: dict[str, float] = field(default_factory=dict)
+    load: str = ""  # expert-load column of the progress bar (the last logging step's worst layer)
 
 
 class _NullMetrics:
@@ -266,10 +268,19 @@ class Trainer:
         self.num_devices = plan.devices if plan is not None else 1
         self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard) if self.is_main \
             else _NullMetrics()
+        self.load_monitor = self._build_load_monitor()
         self._phase_peaks: PhasePeaks | None = None  # active during spec.phase_peaks_step only
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
+    def _build_load_monitor(self) -> ExpertLoadMonitor | None:
+        moes = self.model.moe_layers()
+        if not moes:
+            return None
+        lg, ep = self.spec.logging, self.plan.ep if self.plan is not None else 1
+        return ExpertLoadMonitor(list(moes), self.model_spec.moe.num_experts, lg.collapse_idle_fraction,
+                                 lg.collapse_window, ep=ep, warn=self.log)
+
     def _configure_dsa(self, model: Transformer | None = None) -> None:
         model = model if model is not None else self.model
         dsa = self.spec.dsa
@@ -450,6 +461,7 @@ class Trainer:
                 peaks.in_forward = False
                 peaks.mark(f"loss + head backward{mb}")
             (loss / accum).backward()
+            finish_microbatch(self.model.moe_layers())
             total += loss.detach().float().item() / accum
         if self.dist is not None:  # each rank's loss is the mean over its own tokens: average over dp ranks
             total = all_reduce_mean(total, self.dist.meshes.dp_group, self.device)
@@ -464,7 +476,7 @@ class Trainer:
     def _update_router_biases(self) -> dict[str, torch.Tensor]:
         moes = self.model.moe_layers()
         if self.dist is not None and moes:  # every rank must move the biases the same way: global counts
-            all_reduce_sum_([m.router.tokens_per_expert for m in moes.values()], self.dist.meshes.stage_group)
+            reduce_router_state(moes, self.dist.meshes.stage_group)
         return {name: moe.router.update_selection_bias() for name, moe in moes.items()}
 
     def train_step(self) -> StepStats | None:
@@ -481,7 +493,7 @@ class Trainer:
         if not finite or not math.isfinite(float(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             for moe in self.model.moe_layers().values():
-                moe.router.tokens_per_expert.zero_()
+                moe.router.reset_step_state()
             return None
         self.optimizer.step()
         self.scheduler.step()
@@ -529,9 +541,13 @@ class Trainer:
 
     def _aux(self) -> dict[str, float]:
         out = {}
-        moe_aux = [m.last_aux_loss for m in self.model.moe_layers().values() if m.last_aux_loss is not None]
-        if moe_aux:
-            out["moe_aux_loss"] = float(torch.stack([a.float() for a in moe_aux]).mean())
+        moes = self.model.moe_layers().values()
+        for key, values in (("moe_aux_loss", [m.last_aux_loss for m in moes]),
+                            ("moe_global_aux_loss", [m.last_global_aux_loss for m in moes]),
+                            ("router_z_loss", [m.router.last_z_loss for m in moes])):
+            values = [v for v in values if v is not None]
+            if values:
+                out[key] = float(torch.stack([v.float() for v in values]).mean())
         idx_loss = [
             a.last_indexer_loss for a in self.model.dsa_layers().values() if a.last_indexer_loss is not None
         ]
@@ -572,8 +588,10 @@ class Trainer:
         self.metrics.close()
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))
+        heatmap = self.load_monitor.heatmap(self.out_dir / "expert_load.png") \
+            if self.is_main and self.load_monitor is not None else None
         return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
-                "expert_load": load}
+                "expert_load": load, "load_heatmap": heatmap}
 
     def _loop(self, progress, profiler: StepProfiler | None) -> tuple[list[float], Path | None]:
         spec = self.spec
@@ -613,7 +631,11 @@ class Trainer:
             if self.device.type == "cuda":  # the floor keeps the peak that the phase-peaks step's resets hide
                 record["peak_mem_gib"] = max(self._peak_floor, torch.cuda.max_memory_allocated(self.device)) / GIB
             if self.step % spec.logging.every == 0 or self.step == spec.steps:
+                if self.load_monitor is not None:
+                    record.update(self.load_monitor.observe(self.step, self._last_counts))
                 self.metrics.log(self.step, record)
+            if self.load_monitor is not None:
+                stats.load = self.load_monitor.column
             if progress is not None and self.is_main:
                 progress(self.step, stats)
             due_eval = (spec.eval_every and self.step % spec.eval_every == 0) or self.step == spec.steps

@@ -110,6 +110,13 @@ class Plan(StrictModel):
     # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
     tp_grad_reduce: Literal["eager", "deferred"] = "eager"
     ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    # hot-expert replication (moestack/parallel/replicate.py): replica slots per EP rank and MoE layer, filled with
+    # copies of the hottest experts, re-planned from the measured load every ep_replan_every steps; 0 = off
+    ep_replicas: int = Field(default=0, ge=0)
+    ep_replan_every: int = Field(default=50, gt=0)
+    # max/mean tokens per EP rank without replication, the factor the cost model prices EP compute and all-to-all at
+    # (measured: metrics.jsonl train/load/worst_rank_max_mean); replication lowers it (planner/eplb.py)
+    ep_load_imbalance: float = Field(default=1.1, ge=1.0)
     predicted: PlanPrediction | None = None
 
     @model_validator(mode="after")
@@ -151,6 +158,9 @@ class Plan(StrictModel):
             )
         if self.seq_len % (2 * self.cp if self.cp > 1 else 1):
             raise ValueError(f"seq_len ({self.seq_len}) must be divisible by 2*cp ({2 * self.cp}) for balanced CP")
+        if self.ep_replicas and (self.ep == 1 or self.etp > 1 or self.ep_token_dedup):
+            raise ValueError(f"ep_replicas {self.ep_replicas} needs ep > 1 with etp 1 and ep_token_dedup off "
+                             f"(got ep {self.ep}, etp {self.etp}, ep_token_dedup {self.ep_token_dedup})")
         if self.seq_len % (self.tp * self.cp):
             raise ValueError(f"seq_len ({self.seq_len}) must be divisible by tp*cp ({self.tp * self.cp})")
         return self

@@ -62,6 +62,10 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         apply_expert_parallel(model, meshes.ep, make_dispatcher(kind, meshes.ep, groups, plan.ep_send_order), ep_etp)
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
+        if plan.ep_replicas:
+            from moestack.parallel.replicate import apply_replication
+
+            apply_replication(model, meshes.ep.get_group(), plan.ep_replicas)
     if plan.tp > 1:
         apply_tp(model, meshes.tp, sequence_parallel=True, grad_reduce=plan.tp_grad_reduce)
     if plan.cp > 1:

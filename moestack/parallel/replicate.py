@@ -198,4 +198,39 @@ def set_replica_plan(experts: ReplicatedExperts, load_E: torch.Tensor | list[flo
     return plan
 
 
-__all__ = ["ReplicaPlan", "ReplicatedExperts", "apply_replication", "replicated_layers", "set_replica_plan"]
+class Replanner:
+    """Re-plans every replicated layer from its measured load: after the first optimizer step, then every `every`
+    steps from the tokens per expert summed since the last plan (the trainer's all-reduced counts, identical on
+    every rank; one host read per replan)."""
+
+    def __init__(self, layers: dict[str, ReplicatedExperts], every: int):
+        self.layers, self.every = layers, every
+        self.steps = 0
+        self.window: dict[str, torch.Tensor] = {}
+
+    def after_step(self, counts: dict[str, torch.Tensor]) -> bool:
+        """Count this step's load; True when it installed new plans."""
+        self.steps += 1
+        for name in self.layers:
+            if name in counts:
+                c = counts[name].detach().to(torch.int64)
+                self.window[name] = self.window[name] + c if name in self.window else c.clone()
+        if self.steps != 1 and self.steps % self.every:
+            return False
+        for name, experts in self.layers.items():
+            if name in self.window:
+                set_replica_plan(experts, self.window[name].cpu())
+        self.window = {}
+        return True
+
+    def rank_load(self, name: str, counts_E: torch.Tensor) -> torch.Tensor:
+        """Expected tokens per EP rank [P] for counts_E under layer `name`'s current placement."""
+        experts = self.layers.get(name)
+        plan = experts.replica_plan if experts is not None else None
+        if plan is None:
+            P = dist.get_world_size(experts.replica_group) if experts is not None else 1
+            return counts_E.view(P, -1).sum(-1).double()
+        return plan.rank_load(counts_E)
+
+
+__all__ = ["ReplicaPlan", "Replanner", "ReplicatedExperts", "apply_replication", "replicated_layers", "set_replica_plan"]

@@ -393,13 +393,22 @@ def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
 # 2. Terms
 # ------------------------------------------------------------------------------------------------------------
 
-# Dropless routing: the busiest EP rank sets the pace. Max/mean expert-rank load per micro-batch with
-# aux-loss-free balancing is ~1.1 (DeepSeek-V3 report, Fig. 9 shows near-uniform loads); buffers are sized for
-# a 1.5x burst.
-MOE_TIME_IMBALANCE = 1.1
+# Dropless routing: the busiest EP rank sets the pace. The max/mean tokens per EP rank is an input of the plan
+# (plan.ep_load_imbalance, default 1.1: aux-loss-free balancing, DeepSeek-V3 report Fig. 9), lowered by hot-expert
+# replication (ep_time_imbalance); buffers are sized for a 1.5x burst.
 MOE_MEMORY_HEADROOM = 1.5
 # Fraction of an "overlapped" collective that still shows (imperfect overlap: launch gaps, SM contention).
 OVERLAP_RESIDUAL = 0.15
+
+
+def ep_time_imbalance(plan: Plan, num_experts: int) -> float:
+    """Max/mean routed rows per EP rank the EP compute and all-to-all are priced at: plan.ep_load_imbalance,
+    or with plan.ep_replicas slots per rank what replication leaves of it (moestack/planner/eplb.py)."""
+    if plan.ep_replicas and plan.ep > 1:
+        from moestack.planner.eplb import replicated_imbalance
+
+        return replicated_imbalance(plan.ep_load_imbalance, num_experts, plan.ep, plan.ep_replicas)
+    return plan.ep_load_imbalance
 
 
 def gemm_time(g: Gemm, rows: float, rows_per_gemm: float, tp: int, etp: int, precision: str,
@@ -740,7 +749,8 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     peak = cluster.device.peak_flops("bf16")
     out = PartCost()
     # routed rows on this device: its SP shard's copies gathered over etp, spread over E/ep local experts
-    expert_rows = Tsp * part.top_k * etp * MOE_TIME_IMBALANCE if part.kind == "moe" else 0.0
+    imbalance = ep_time_imbalance(plan, part.num_experts) if part.kind == "moe" else 1.0
+    expert_rows = Tsp * part.top_k * etp * imbalance if part.kind == "moe" else 0.0
     rows_per_expert = expert_rows * ep / part.num_experts if part.kind == "moe" else 0.0
 
     g_fwd = sel_fwd = 0.0
@@ -810,7 +820,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         moe = ctx.spec.moe
         assert moe is not None
         wbytes = 1.03 if plan.precision == "fp8" else BF16  # fp8 dispatch with per-128 scales (DeepEP)
-        nbytes = Tsp * part.top_k * part.dispatch_width * MOE_TIME_IMBALANCE
+        nbytes = Tsp * part.top_k * part.dispatch_width * imbalance
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:
             groups = moe.router.topk_groups
@@ -819,6 +829,10 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         comb = a2a_time(cluster, nbytes * BF16, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups,
                         ctx.cal.comm)
         a2a_one = disp + comb
+        if plan.ep_replicas and ep > 1:  # replica weights fetched from their owners (bf16), gradients sent back
+            expert_params = sum(g.params for g in part.gemms if g.expert)
+            a2a_one += a2a_time(cluster, plan.ep_replicas * expert_params * BF16, ep, 1, False, 1, None,
+                                ctx.cal.comm)
         if etp > 1:
             a2a_one += 2 * ring_time(cluster, expert_rows * part.dispatch_width * BF16, etp, 1, "ag", ctx.cal.comm)
 
@@ -1124,7 +1138,7 @@ class CostModel:
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
                r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
-               plan.tp_grad_reduce)
+               plan.tp_grad_reduce, plan.ep_load_imbalance, plan.ep_replicas)
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)

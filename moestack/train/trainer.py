@@ -268,18 +268,28 @@ class Trainer:
         self.num_devices = plan.devices if plan is not None else 1
         self.metrics = MetricsLogger(self.out_dir, tensorboard=spec.logging.tensorboard) if self.is_main \
             else _NullMetrics()
+        self.replanner = self._build_replanner()
         self.load_monitor = self._build_load_monitor()
         self._phase_peaks: PhasePeaks | None = None  # active during spec.phase_peaks_step only
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
+    def _build_replanner(self):
+        """Hot-expert replication's re-planning (plan.ep_replicas > 0), else None."""
+        if self.plan is None or not self.plan.ep_replicas:
+            return None
+        from moestack.parallel.replicate import Replanner, replicated_layers
+
+        return Replanner(replicated_layers(self.model), self.plan.ep_replan_every)
+
     def _build_load_monitor(self) -> ExpertLoadMonitor | None:
         moes = self.model.moe_layers()
         if not moes:
             return None
         lg, ep = self.spec.logging, self.plan.ep if self.plan is not None else 1
+        rank_load = self.replanner.rank_load if self.replanner is not None else None
         return ExpertLoadMonitor(list(moes), self.model_spec.moe.num_experts, lg.collapse_idle_fraction,
-                                 lg.collapse_window, ep=ep, warn=self.log)
+                                 lg.collapse_window, ep=ep, rank_load=rank_load, warn=self.log)
 
     def _configure_dsa(self, model: Transformer | None = None) -> None:
         model = model if model is not None else self.model
@@ -499,6 +509,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         counts = self._update_router_biases()
+        if self.replanner is not None:
+            self.replanner.after_step(counts)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0

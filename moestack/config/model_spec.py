@@ -153,6 +153,10 @@ class RouterSpec(StrictModel):
     # batch (all micro-batches so far, all data-parallel ranks), P_i the mean normalised score of this micro-batch
     global_aux_loss_coef: float = Field(default=0.0, ge=0)
     z_loss_coef: float = Field(default=0.0, ge=0)  # router z-loss (ST-MoE): coef * mean_t logsumexp(logits_t)^2
+    # multiplier of the optimizer's learning rate for the router weight (its own parameter group): Adam moves every
+    # element by ~lr per step whatever the gradient's size, which shifts router logits by up to lr * hidden per step
+    # and makes a bias solved on the last step stale (benchmarks/RESULTS.md, "Expert balance")
+    lr_scale: float = Field(default=1.0, gt=0)
 
 
 class MoESpec(StrictModel):

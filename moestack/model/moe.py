@@ -59,6 +59,7 @@ class Router(nn.Module):
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = by device / env
         self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
+        self.balance_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.balance_group)
         self.last_z_loss: torch.Tensor | None = None
         self._global_load_last: torch.Tensor | None = None
 
@@ -67,8 +68,14 @@ class Router(nn.Module):
         With spec.z_loss_coef > 0 the z-loss rides on topk_w_TK (attach_aux_loss)."""
         logits_TE = routing.router_logits(x_TD, self.weight)  # fp32; split-bf16 GEMMs for bf16 x on CUDA
         s = self.spec
+        bias_E = self.selection_bias
+        if self.training and self.quantile_hist is not None and s.quantile_scope == "batch":
+            with torch.no_grad():
+                probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+                bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
+                                             self.balance_group)
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
-            logits_TE, self.selection_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
+            logits_TE, bias_E, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
             s.scaling_factor, backend=self.backend,
         )
         if self.training:
@@ -272,8 +279,17 @@ class MoE(nn.Module):
         self.row_align = 1
         # set by moestack.parallel (TP / SP / CP): the ranks one sequence's tokens are split over
         self.seq_shard_group: dist.ProcessGroup | None = None
-        # set by moestack.parallel.parallelize: the ranks of this pipeline stage holding other tokens (global loss)
+        # set by moestack.parallel.parallelize: the ranks of this pipeline stage holding other tokens (global loss,
+        # batch-scope quantile balancing)
         self.balance_group: dist.ProcessGroup | None = None
+
+    @property
+    def balance_group(self) -> dist.ProcessGroup | None:
+        return self.router.balance_group
+
+    @balance_group.setter
+    def balance_group(self, group: dist.ProcessGroup | None) -> None:
+        self.router.balance_group = group
 
     @property
     def seq_shard_group(self) -> dist.ProcessGroup | None:

@@ -1,7 +1,8 @@
 """Router balancing across data-parallel ranks (gloo, fp64) against one process on the whole batch: the global-batch
 loss counts the load of every rank (its gradient, averaged over the ranks as data parallelism does, is the
 single-process one), and the quantile-balancing histogram summed over the ranks (the trainer's
-reduce_router_state) is the single-process histogram, so every rank solves the same bias."""
+reduce_router_state) is the single-process histogram, so every rank solves the same bias; the "batch" scope's per-micro-batch bias solved
+over the ranks is the single-process one of the whole batch."""
 
 from __future__ import annotations
 
@@ -64,7 +65,16 @@ def _worker(rank: int, world: int) -> dict:
     reduce_router_state({"m": m}, None)
     hist_equal = torch.equal(m.router.quantile_hist, ref_hist)
     m.router.update_selection_bias()
+    # "batch" scope: the bias each micro-batch solves over the ranks is the single-process one of the whole batch
+    from moestack.ops.moe import quantile
+
+    s_all = torch.sigmoid(torch.randn(world * 300, E, generator=torch.Generator().manual_seed(3))
+                          + torch.linspace(-1, 1, E))
+    b0 = torch.linspace(0.1, -0.1, E)
+    want = quantile.batch_bias(s_all, b0, K, 256, 3)
+    got = quantile.batch_bias(s_all[rank * 300:(rank + 1) * 300], b0, K, 256, 3, dist.group.WORLD)
     return {"grad": float((grad - ref_grad).norm() / ref_grad.norm()), "hist_equal": hist_equal,
+            "batch_bias_equal": torch.equal(got, want),
             "bias_equal": torch.equal(m.router.selection_bias, ref.router.selection_bias),
             "bias_moved": float((ref.router.selection_bias - base.router.selection_bias).abs().max())}
 
@@ -72,7 +82,7 @@ def _worker(rank: int, world: int) -> dict:
 def test_balancing_across_ranks_matches_single_process():
     results = run_ranks(__file__, "_worker", world_size=2, timeout=120)
     for rank, r in enumerate(results):
-        assert r["hist_equal"] and r["bias_equal"], (rank, r)
+        assert r["hist_equal"] and r["bias_equal"] and r["batch_bias_equal"], (rank, r)
         assert r["bias_moved"] > 1e-3
         # output grads include the token's own path: compare the router weight, where the loss terms meet
         assert r["grad"] < 1e-12, (rank, r)

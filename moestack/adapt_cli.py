@@ -167,22 +167,30 @@ def convert(
                                                                      "purpose (repeatable)")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="HF shard size without a recorded "
                                                                          "layout")] = "5GB",
+    dequantize: Annotated[bool, typer.Option("--dequantize", help="to HF: write MXFP4 tensors unpacked (bf16 or "
+                                             "--dtype) and config.json without quantization_config")] = False,
+    trust_key_file: Annotated[Optional[Path], typer.Option("--trust-key-file", help="key file: sign the "
+                              "checkpoint written (from HF), refuse a checkpoint not signed with it (to HF)")] = None,
 ) -> None:
-    """HF safetensors <-> moestack checkpoint, streaming shard by shard; bit-exact both ways."""
+    """HF safetensors <-> moestack checkpoint, streaming shard by shard; bit-exact both ways (MXFP4 experts:
+    dequantised on import, re-quantised on export to the same values)."""
     import json
     import time
 
     import torch
 
-    from moestack.config.hf import load_hf_config
+    from moestack.config.hf import is_hf_config, load_hf_config
     from moestack.config.model_spec import ModelSpec
     from moestack.planner.adapt import parse_bytes
     from moestack.planner.profile import load_any_model_spec
-    from moestack.train.convert import CheckpointSource, export_hf, hf_to_checkpoint
+    from moestack.train.convert import CheckpointSource, describe_skipped, export_hf, hf_to_checkpoint
+    from moestack.train.hf_names import build_name_map
+    from moestack.train.safe_load import read_trust_key
 
     if dtype is not None and dtype not in _DTYPE_FLAGS:
         raise ConfigError(f"--dtype: must be one of {', '.join(_DTYPE_FLAGS)}, got '{dtype}'")
     torch_dtype = getattr(torch, _DTYPE_FLAGS[dtype]) if dtype and _DTYPE_FLAGS[dtype] else None
+    trust_key = read_trust_key(trust_key_file, "--trust-key-file")
     console = Console()
     t0 = time.time()
     if _is_hf_dir(src):
@@ -191,15 +199,18 @@ def convert(
         if model is None and not (src / "config.json").is_file():
             raise ConfigError(f"convert: {src} has no config.json; pass --model")
         spec = load_any_model_spec(model) if model else load_hf_config(src).spec
-        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype)
-        n = len(CheckpointSource(path).tensors)
-        console.print(f"wrote {path}: {n} tensors of model '{spec.name}' ({time.time() - t0:.1f} s)", highlight=False)
+        path = hf_to_checkpoint(src, dst, spec, family, skip or (), torch_dtype, trust_key=trust_key)
+        written = CheckpointSource(path)
+        if written.extra.get("skipped"):
+            console.print(describe_skipped(written.extra["skipped"], build_name_map(spec, family)), highlight=False)
+        console.print(f"wrote {path}: {len(written.tensors)} tensors of model '{spec.name}' "
+                      f"({time.time() - t0:.1f} s)", highlight=False)
         return
     if not src.exists():
         raise ConfigError(f"convert: {src}: no such file or directory")
     if dtype == "keep":
         raise ConfigError("--dtype: converting to HF takes bf16, fp32 or fp16")
-    source = CheckpointSource(_checkpoint_dir(src))
+    source = CheckpointSource(_checkpoint_dir(src), trust_key)
     if model is not None:
         spec = load_any_model_spec(model)
     elif "model_spec" in source.extra:
@@ -210,7 +221,9 @@ def convert(
     max_bytes = parse_bytes(max_shard_size)
     if max_bytes is None or max_bytes <= 0:
         raise ConfigError(f"--max-shard-size: expected an amount like 5GB, got '{max_shard_size}'")
-    files = export_hf(source, spec, dst, family, dtype=torch_dtype, max_shard_bytes=int(max_bytes))
+    config = Path(model).read_text() if model is not None and is_hf_config(model) else None
+    files = export_hf(source, spec, dst, family, dtype=torch_dtype, max_shard_bytes=int(max_bytes), config=config,
+                      dequantize=dequantize)
     shards = sum(p.suffix == ".safetensors" for p in files)
     console.print(f"wrote {dst}: {shards} shard(s) of model '{spec.name}' ({time.time() - t0:.1f} s)",
                   highlight=False)

@@ -6,11 +6,13 @@ Specs are validated where they enter (YAML files, CLI flags, HF configs). A bad 
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -20,9 +22,39 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; no silent coercion of str to int etc."""
+    """Unknown keys are errors; no silent coercion of str to int, of a bool to a number (`steps: true` is not 1
+    step), and no NaN / infinity in float fields."""
 
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=False, validate_assignment=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _holds_bool_for_number(value, field.annotation):
+            raise ValueError(f"expected a number, got {value!r} (a boolean); write the number itself")
+        return value
+
+
+def _numeric(annotation: Any) -> bool:
+    """int / float, or a union of them (None allowed): a type a bool must not pass as."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_numeric(a) for a in args)
+    return annotation in (int, float)
+
+
+def _holds_bool_for_number(value: Any, annotation: Any) -> bool:
+    if isinstance(value, bool):
+        return _numeric(annotation)
+    origin = typing.get_origin(annotation)
+    if isinstance(value, (list, tuple)) and origin in (tuple, list):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return any(isinstance(v, bool) and args and _numeric(args[min(i, len(args) - 1)]) for i, v in
+                   enumerate(value))
+    return False
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -35,7 +67,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     errors = err.errors(include_url=False)
     first = errors[0]
     loc = _loc(first["loc"])
-    msg = first["msg"]
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key (check spelling; see the preset YAMLs for valid keys)"
     got = first.get("input")

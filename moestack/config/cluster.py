@@ -22,7 +22,7 @@ from moestack.config.base import ConfigError, StrictModel, read_yaml, validate
 PRESET_DIR = Path(__file__).parent / "presets"
 CLUSTER_PREFIX = "cluster-"
 
-Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "fp4"]  # fp4: NVFP4 / MXFP4 tensor cores (Blackwell)
 GIB = 2**30
 
 

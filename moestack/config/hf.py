@@ -687,9 +687,15 @@ def _nemotron_h(f: _Fields, extras: HFExtras) -> dict[str, Any]:
         "time_step_max": float(f.get("time_step_max", 1e-1)),
         "time_step_floor": float(f.get("time_step_floor", 1e-4)),
     }
-    if "M" in pattern and f.get("expand") is not None:
-        if mamba["num_heads"] * mamba["head_dim"] != f.get("expand") * out["hidden_size"]:
-            raise f.reject("expand", "mamba_num_heads * mamba_head_dim must equal expand * hidden_size")
+    # the mixer's width is mamba_num_heads * mamba_head_dim (the modeling code never reads `expand`; Nemotron 3
+    # Nano publishes expand 2 with 64 x 64 = 4096 != 2 * 2688): a leftover of the Mamba-2 config, ignored
+    f.ignore("expand")
+    limit = f.data.get("time_step_limit")
+    if limit is not None:  # a clamp of dt after the softplus; [0, inf] (the published value) clamps nothing
+        if not (isinstance(limit, (list, tuple)) and len(limit) == 2 and float(limit[0]) <= 0.0
+                and float(limit[1]) == float("inf")):
+            raise f.reject("time_step_limit", "a finite dt clamp is not modelled; moestack accepts [0.0, Infinity]")
+        f.ignore("time_step_limit")
     f.expect("mamba_hidden_act", ("silu",), "silu")
     if f.get("attention_bias", False) or f.get("mlp_bias", False):
         raise f.reject("attention_bias" if f.get("attention_bias") else "mlp_bias", "biases are not supported")
@@ -798,7 +804,8 @@ def load_hf_config(path: str | Path, name: str | None = None) -> HFImport:
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{p}: line {err.lineno}: not valid JSON ({err.msg})") from None
+        raise ConfigError(f"{p}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); the file is "
+                          "truncated or edited: fetch it again") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: top level must be a JSON object")
     default_name = p.parent.name if p.name == "config.json" else p.name.removesuffix(".json").removesuffix(".config")

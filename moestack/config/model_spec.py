@@ -247,6 +247,7 @@ class LayerKind:
     # "mamba2" and "none" occur only with `layer_pattern` (single-sublayer blocks, Nemotron-H)
     mixer: Literal["kda", "mla", "gqa", "mamba2", "none"]
     ffn: Literal["dense", "moe", "none"]
+    window: int | None = None  # sliding-window attention: keys per query (GQA layers in sliding_window_layers)
 
 
 class ModelSpec(StrictModel):
@@ -267,7 +268,8 @@ class ModelSpec(StrictModel):
     dense_mlp: DenseMLPSpec | None = None
     mamba2: Mamba2Spec | None = None
     layer_pattern: str | None = None  # Nemotron-H style per-layer string (module docstring); overrides the lists
-    activation: Literal["situ_glu", "swiglu", "relu2"] = "situ_glu"  # relu2: non-gated relu(x)^2 MLPs
+    # relu2 / gelu: non-gated one-matrix-up MLPs (relu(x)^2; GPT-2/3's tanh GeLU)
+    activation: Literal["situ_glu", "swiglu", "relu2", "gelu"] = "situ_glu"
     situ_beta: float = Field(default=4.0, gt=0)  # act(g,u) = b*tanh(g/b)*sigmoid(g) * c*tanh(u/c)
     situ_linear_beta: float = Field(default=25.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
@@ -277,6 +279,13 @@ class ModelSpec(StrictModel):
     # blocks of one MTP module in layer_pattern notation; None: one block like a full-attention layer + FFN
     mtp_pattern: str | None = None
     attn_res_block_size: int | None = Field(default=None, gt=0)  # Attention Residuals (arXiv:2603.15031)
+    # GPT-2/3-style parts (profiled and priced; the model builder does not build them: build_support_errors)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"  # layernorm: weight and bias per norm, saves mean and rstd
+    learned_positions: bool = False  # a [max_seq_len, hidden] position table added to the token embedding
+    linear_bias: bool = False  # biases on the attention output projection and the MLP / expert layers
+    # sliding-window attention (GPT-OSS, Mistral): GQA layers listed here attend to the last `sliding_window` keys
+    sliding_window: int | None = Field(default=None, gt=0)
+    sliding_window_layers: list[int] = []  # 1-based
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -312,6 +321,7 @@ class ModelSpec(StrictModel):
             raise ValueError(
                 f"moe.latent_size ({self.moe.latent_size}) must be <= hidden_size ({self.hidden_size})"
             )
+        self._check_sliding_window()
         if self.gqa is not None and self.gqa.head_dim is None and self.hidden_size % self.gqa.num_heads:
             raise ValueError(
                 f"gqa.head_dim is unset and hidden_size ({self.hidden_size}) is not divisible by "
@@ -319,21 +329,57 @@ class ModelSpec(StrictModel):
             )
         return self
 
+    def _check_sliding_window(self) -> None:
+        ids = self.sliding_window_layers
+        if not ids:
+            return
+        if self.sliding_window is None:
+            raise ValueError("sliding_window_layers is set but sliding_window (keys per query) is not")
+        bad = [i for i in ids if not 1 <= i <= self.num_layers]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"sliding_window_layers must be distinct 1-based layer numbers in 1..{self.num_layers}")
+        if self.layer_pattern is not None or self.attention != "gqa":
+            raise ValueError("sliding_window_layers applies to GQA full-attention layers (attention: gqa, no "
+                             "layer_pattern)")
+        linear = sorted(set(ids) - set(self.full_attention_layers))
+        if linear:
+            raise ValueError(f"sliding_window_layers {linear} are not in full_attention_layers")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """GLU MLPs (gate and up matrices) unless the activation is a one-matrix relu2 / gelu."""
+        return self.activation not in ("relu2", "gelu")
+
     def layer_kinds(self) -> list[LayerKind]:
         if self.layer_pattern is not None:
             return [self._pattern_kind(c) for c in self.layer_pattern]
         full = set(self.full_attention_layers)
         dense = set(self.dense_layers)
+        window = set(self.sliding_window_layers)
         out = []
         for i in range(1, self.num_layers + 1):
             mixer = self.attention if i in full else self.linear_attention
             ffn = "dense" if (self.moe is None or i in dense) else "moe"
-            out.append(LayerKind(mixer, ffn))
+            out.append(LayerKind(mixer, ffn, self.sliding_window if i in window else None))
         return out
 
     def _pattern_kind(self, char: str) -> LayerKind:
         mixer, ffn = LAYER_PATTERN_CHARS[char]
         return LayerKind(self.attention if mixer == "attention" else mixer, ffn)
+
+    def attn_res_blocks_before(self, layer: int) -> int:
+        """Completed Attention-Residual blocks entering 0-based `layer` (the embedding is the first; a block is
+        completed at each layer whose index is a multiple of attn_res_block_size): ceil(layer / block size).
+        0 without Attention Residuals. `layer` = num_layers gives what the output aggregation reads."""
+        size = self.attn_res_block_size
+        return 0 if size is None else -(-layer // size)
+
+    def attn_res_sources(self, layer: int) -> tuple[int, int]:
+        """Sources of 0-based `layer`'s two Attention-Residual mixes (before the mixer, before the FFN): the
+        completed blocks, plus the current block's partial sum unless the layer starts a block (mixer)."""
+        n = self.attn_res_blocks_before(layer + 1)  # completed blocks during the layer (incl. one it closes)
+        starts = layer % self.attn_res_block_size == 0
+        return n + (0 if starts else 1), n + 1
 
     def mtp_block_kinds(self) -> list[LayerKind]:
         """Blocks of one MTP (next-n prediction) module; [] when mtp_layers is 0."""
@@ -352,15 +398,21 @@ class ModelSpec(StrictModel):
             errors.append(f"not supported: mamba layers (layers {_short_list(mamba)})")
         elif self.layer_pattern is not None:
             errors.append("not supported: single-sublayer blocks (layer_pattern)")
-        if self.activation == "relu2":
-            errors.append("not supported: relu2 (non-gated) MLPs")
-        if self.attn_res_block_size is not None:
-            errors.append("not supported: attention residuals (attn_res_block_size)")
+        if not self.gated_mlp:
+            errors.append(f"not supported: {self.activation} (non-gated) MLPs")
+        if self.norm != "rmsnorm":
+            errors.append(f"not supported: {self.norm}")
+        if self.learned_positions:
+            errors.append("not supported: learned position embeddings")
+        if self.linear_bias:
+            errors.append("not supported: linear_bias")
+        if self.sliding_window_layers:
+            errors.append("not supported: sliding-window attention (sliding_window_layers)")
         if self.moe is not None and self.moe.shared_expert_gate:
             errors.append("not supported: moe.shared_expert_gate")
         for name in ("mla", "gqa"):
             sec = getattr(self, name)
-            if sec is not None and sec.rope_scaling is not None:
+            if sec is not None and sec.rope_scaling is not None and (name, sec.rope_scaling.type) != ("mla", "yarn"):
                 errors.append(f"not supported: {name}.rope_scaling ({sec.rope_scaling.type})")
         return errors
 

@@ -17,6 +17,17 @@ from pydantic import Field, model_validator
 from moestack.config.base import ConfigError, StrictModel, dump_yaml, read_yaml, validate
 
 RecomputeMode = Literal["none", "selective", "full"]
+# GEMM recipes: bf16; fp8 = moestack's recipe (moestack/train/fp8.py: e4m3 with DeepSeek-V3's blockwise scales, 1x128
+# activations / 128x128 weights); fp8_tensorwise = one scale per tensor (Transformer Engine's delayed / current
+# scaling); mxfp8 = OCP microscaling, e4m3 with an e8m0 scale per 32 elements (Blackwell); nvfp4 = e2m1 with an e4m3
+# scale per 16 elements and a per-tensor fp32 scale (Blackwell). The planner prices all five; the trainer runs bf16
+# and fp8 (RUNTIME_PRECISIONS).
+Precision = Literal["bf16", "fp8", "fp8_tensorwise", "mxfp8", "nvfp4"]
+RUNTIME_PRECISIONS = ("bf16", "fp8")
+# host (CPU) time the planner charges (moestack/planner/host_profile.py): moestack's eager trainer, or a published
+# framework's run it is validated against (Megatron-LM / Megatron-Bridge without CUDA graphs, with per-module graphs,
+# with the whole iteration captured)
+HostProfileName = Literal["eager", "megatron", "megatron-graphs", "megatron-full-graphs"]
 Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
 # chunks (virtual stages) each pipeline rank holds, per schedule; None = any vpp >= 2
 SCHEDULE_VPP: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": None, "zbv": 2, "dualpipev": 2}
@@ -94,7 +105,7 @@ class Plan(StrictModel):
     recompute: RecomputePolicy = RecomputePolicy()
     offload: OffloadPolicy = OffloadPolicy()
     # fp8: the FP8 recipe (moestack/train/fp8.py: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: Precision = "bf16"
     optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
     dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)
     # flat dispatcher transfer order: one all_to_all_single ("backend"), or point-to-point with the largest chunks
@@ -103,20 +114,47 @@ class Plan(StrictModel):
     # context parallel KDA state: "relay" (rank to rank, ranks run each KDA layer in turn) or "scan" (every rank in
     # parallel, then an all-gather of the shards' state transitions; moestack/parallel/context.py)
     cp_kda: Literal["relay", "scan"] = "relay"
+    # what the EP dispatch sends: "fp8" = rows quantised before the all-to-all (DeepEP, published DeepSeek-V3 runs);
+    # the planner prices it, moestack's dispatcher sends bf16 only (moestack/config/support.py refuses fp8)
+    ep_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
-    tp_comm_overlap: bool = True  # TP collectives overlapped with the neighbouring GEMMs
+    # TP collectives overlapped with the neighbouring GEMMs (Megatron's userbuffers); moestack runs them on the compute
+    # stream, so only published runs' plans set it (the trainer refuses it: runtime_unsupported)
+    tp_comm_overlap: bool = False
     # gradient sums over TP of replicated weights used on part of the work (routers, latent projections, norms, ...):
     # "eager" in every micro-batch's backward, "deferred" once per optimizer step, bucketed (parallel/tensor.py)
     tp_grad_reduce: Literal["eager", "deferred"] = "eager"
-    ep_comm_overlap: bool = False  # EP all-to-all hidden behind another micro-batch's compute
+    # EP all-to-all hidden behind another micro-batch's compute: DualPipeV's overlapped forward / backward
+    # (moestack/parallel/overlap_fb.py); other schedules refuse it (moestack/config/support.py)
+    ep_comm_overlap: bool = False
+    # planner inputs of published runs (tests/data/planner/published_runs.yaml); the trainer refuses values it does not
+    # run (runtime_unsupported): TP without sequence parallelism (activations and norms whole on every TP rank,
+    # all-reduces instead of all-gather / reduce-scatter), gradients kept and reduced in bf16 (Megatron
+    # grad_reduce_in_fp32=False: an fp32 main-gradient shard in the optimizer instead), the FP8 / FP4 GEMM weights
+    # stored in their GEMM format without a bf16 copy (Megatron fp8_param_gather / fp4_param_gather)
+    sequence_parallel: bool = True
+    # how layers are split into pipeline chunks: "balanced" (moestack: the slowest chunk as short as possible, the
+    # embedding and LM head counted), "uniform" (Megatron's default: equal layer counts), "uniform_account" (Megatron
+    # with account_for_embedding / loss_in_pipeline_split: the embedding and the loss take one layer's slot each)
+    pipeline_split: Literal["balanced", "uniform", "uniform_account"] = "balanced"
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    quantized_params: bool = False
+    # the MLP / expert activation function's input saved in FP8 for backward (Megatron activation_func_fp8_input_store;
+    # DeepSeek-V3 report Sec. 3.3.3: SwiGLU inputs cached in FP8); with a low-precision recipe
+    fp8_activation_input: bool = False
+    # busiest EP rank's routed rows / the mean, per micro-batch: the dropless all-to-all and expert GEMMs wait for it.
+    # 1.1: DeepSeek-V3's auxiliary-loss-free balancing (report Fig. 9, near-uniform loads); 1.0: forced balance (a
+    # benchmark setting, Megatron moe_router_force_load_balancing). A forecast of the data's routing without
+    # hot-expert replication (which lowers it, planner/eplb.py); the trainer's load telemetry warns when the measured
+    # ratio (metrics.jsonl train/load/worst_rank_max_mean) exceeds it. A capacity factor (ModelSpec
+    # moe.capacity_factor, token dropping) caps it
+    moe_load_imbalance: float = Field(default=1.1, ge=1.0)
     # hot-expert replication (moestack/parallel/replicate.py): replica slots per EP rank and MoE layer, filled with
     # copies of the hottest experts, re-planned from the measured load every ep_replan_every steps; 0 = off
     ep_replicas: int = Field(default=0, ge=0)
     ep_replan_every: int = Field(default=50, gt=0)
-    # max/mean tokens per EP rank without replication, the factor the cost model prices EP compute and all-to-all at
-    # (measured: metrics.jsonl train/load/worst_rank_max_mean); replication lowers it (planner/eplb.py)
-    ep_load_imbalance: float = Field(default=1.1, ge=1.0)
+    host_profile: HostProfileName = "eager"
     predicted: PlanPrediction | None = None
 
     @model_validator(mode="after")
@@ -194,6 +232,29 @@ class Plan(StrictModel):
         return " ".join(parts)
 
 
+def runtime_unsupported(plan: Plan) -> list[str]:
+    """Plan fields the trainer cannot honour (a plan priced for another framework's run); each a one-line reason."""
+    out = []
+    if plan.precision not in RUNTIME_PRECISIONS:
+        out.append(f"precision {plan.precision} (the trainer runs {' and '.join(RUNTIME_PRECISIONS)})")
+    if not plan.sequence_parallel and plan.tp > 1:
+        out.append("sequence_parallel false (moestack's tensor parallelism is always sequence-parallel)")
+    if plan.pipeline_split != "balanced" and plan.pp > 1:
+        out.append(f"pipeline_split {plan.pipeline_split} (moestack balances the stages by cost)")
+    if plan.grad_dtype != "fp32":
+        out.append(f"grad_dtype {plan.grad_dtype} (FSDP2 keeps fp32 gradients)")
+    if plan.fp8_activation_input:
+        out.append("fp8_activation_input (moestack saves the activation inputs in bf16)")
+    if plan.quantized_params:
+        out.append("quantized_params (the trainer keeps bf16 / fp32 parameters)")
+    if plan.tp_comm_overlap and plan.tp > 1:
+        out.append("tp_comm_overlap (moestack's TP collectives run on the compute stream)")
+    if plan.host_profile != "eager":
+        out.append(f"host_profile {plan.host_profile} (priced for another framework's host; re-plan with the "
+                   "default eager profile)")
+    return out
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read a Plan YAML (as written by `moestack plan`)."""
     return validate(Plan, read_yaml(path), str(path))
@@ -216,5 +277,6 @@ __all__ = [
     "RecomputePolicy",
     "load_plan",
     "make_plan",
+    "runtime_unsupported",
     "save_plan",
 ]

@@ -500,6 +500,9 @@ class ExpertOffload:
         """Experts.init_weights (normal(0, std) for both weights), drawn on the device block by block."""
         for name in ("w_gate_up", "w_down"):
             p = getattr(experts, name)
+            if p.is_meta:  # moestack.model.init records the distribution on a meta stand-in and draws it itself
+                nn.init.normal_(p, 0.0, std)
+                continue
             E = p.shape[0]
             per = max(1, block_bytes // max(1, p[0].numel() * p.element_size()))
             for a in range(0, E, per):

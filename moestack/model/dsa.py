@@ -28,7 +28,7 @@ from torch import nn
 from moestack.config.model_spec import IndexerSpec, MLASpec
 from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.norm import RMSNorm
-from moestack.model.rope import apply_rope, rope_cos_sin, rope_positions
+from moestack.model.rope import apply_rope, rope_cos_sin, rope_positions, yarn_mscale
 from moestack.ops import dsa as dsa_ops
 from moestack.ops.dsa import reference as dsa_ref
 
@@ -93,8 +93,12 @@ class GatedMLA(nn.Module):
         )
         self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank, self.v_dim = H, N, R, C, V
         self.scale = spec.softmax_scale
-        if spec.use_rope and spec.rope_scaling is not None:  # yarn would also change the softmax scale
-            raise NotImplementedError(f"GatedMLA: rope_scaling '{spec.rope_scaling.type}' is not implemented")
+        scaling = spec.rope_scaling if spec.use_rope else None
+        if scaling is not None:
+            if scaling.type != "yarn":
+                raise NotImplementedError(f"GatedMLA: rope_scaling '{scaling.type}' is not implemented (yarn is)")
+            if scaling.mscale_all_dim:  # DeepSeek's YaRN temperature on the softmax
+                self.scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
         if spec.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(hidden_size, spec.q_lora_rank, bias=False)
             self.q_a_norm = RMSNorm(spec.q_lora_rank, norm_eps)
@@ -148,7 +152,8 @@ class GatedMLA(nn.Module):
         rope = None
         if self.spec.use_rope and R > 0:
             dt = torch.float64 if x_BTD.dtype == torch.float64 else torch.float32
-            rope = rope_cos_sin(rope_positions(T, x_BTD.device, cu_seqlens), R, self.spec.rope_theta, dt)
+            rope = rope_cos_sin(rope_positions(T, x_BTD.device, cu_seqlens), R, self.spec.rope_theta, dt,
+                                self.spec.rope_scaling)
             q_rope_BTHR = apply_rope(q_rope_BTHR, *rope, interleaved=True)
             k_rope_BTR = apply_rope(k_rope_BTR[:, :, None], *rope, interleaved=True)[:, :, 0]
 

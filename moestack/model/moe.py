@@ -27,6 +27,7 @@ from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.balance import global_balance_loss, global_load_counts, router_z_loss
 from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
+from moestack.model.weights import compute_weight
 from moestack.ops import moe as moe_ops
 from moestack.ops.moe import quantile, routing
 
@@ -165,6 +166,9 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
         self.backend: str | None = None  # grouped GEMM backend; None = registry default (moestack.ops.moe)
         self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = by device / env
+        # "mxfp4": quantisation-aware training, the weights the GEMMs see are their MXFP4 values (groups of 32
+        # along the last dim, as the released checkpoint stores w1/w3/w2), straight-through gradient
+        self.fake_quant: str | None = None
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
@@ -174,7 +178,7 @@ class Experts(nn.Module):
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
         With the "triton" routing backend (`routing_backend`, else by device) the activation is one fused kernel
         each way that saves only gate_up; otherwise the eager glu_activation."""
-        return self.ffn(h_NL, self.w_gate_up, self.w_down, offs_E)
+        return self.ffn(h_NL, compute_weight(self, "w_gate_up"), compute_weight(self, "w_down"), offs_E)
 
     def ffn(
         self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor
@@ -182,6 +186,10 @@ class Experts(nn.Module):
         """The experts on these weights (Experts' layout): one fused op where the backend has one (the FP8 v3 FFN,
         moestack.ops.moe.expert_ffn) and nothing replaced the grouped_mm seam, else gate/up GEMM -> glu -> down
         GEMM through the seam. The fused op needs the fused activation (triton routing backend): the same numbers."""
+        if self.fake_quant == "mxfp4":
+            from moestack.ops.mxfp4 import fake_quantize_mxfp4
+
+            w_gate_up, w_down = fake_quantize_mxfp4(w_gate_up), fake_quantize_mxfp4(w_down)
         if "grouped_mm" not in self.__dict__ and x_NL.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
                 routing.resolve_backend(self.routing_backend, x_NL.device) == "triton":
             y_NL = moe_ops.expert_ffn(x_NL, w_gate_up.transpose(1, 2), w_down.transpose(1, 2), offs_E, self.backend,

@@ -9,7 +9,11 @@ Legend: B batch, T tokens, H heads, D rotated dims (even), P = D // 2 rotation p
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from moestack.config.model_spec import RopeScalingSpec
 
 
 def rope_positions(T: int, device: torch.device | str, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -22,14 +26,54 @@ def rope_positions(T: int, device: torch.device | str, cu_seqlens: torch.Tensor 
     return pos_T - cu[doc_T]
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1 or mscale 0)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: RopeScalingSpec, device=None) -> torch.Tensor:
+    """YaRN frequencies (Peng et al. 2023, "NTK-by-parts"), fp64 [dim // 2]: pairs that turn more than beta_fast
+    times over the original context keep their frequency, pairs that turn less than beta_slow times are
+    interpolated (frequency / factor), a linear ramp over the pair index blends the two in between."""
+    P = dim // 2
+    base_P = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+    ctx = scaling.original_max_position_embeddings
+    assert ctx is not None, "yarn needs original_max_position_embeddings"
+    beta_fast = 32.0 if scaling.beta_fast is None else scaling.beta_fast
+    beta_slow = 1.0 if scaling.beta_slow is None else scaling.beta_slow
+
+    def pair_at(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times over ctx
+        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(pair_at(beta_fast)), 0)
+    hi = min(math.ceil(pair_at(beta_slow)), dim - 1)
+    if hi == lo:
+        hi += 0.001  # a ramp of zero width would divide by zero
+    ramp_P = ((torch.arange(P, device=device, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    return base_P / scaling.factor * ramp_P + base_P * (1 - ramp_P)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype = torch.float32
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype = torch.float32,
+    scaling: RopeScalingSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of the rotation angles: positions [..., T] (int) -> two tensors [..., T, dim // 2] of `dtype`."""
+    """cos, sin of the rotation angles: positions [..., T] (int) -> two tensors [..., T, dim // 2] of `dtype`.
+
+    scaling: only "yarn" (DeepSeek's form: frequencies from `yarn_inv_freq`, cos / sin times
+    yarn_mscale(factor, mscale (default 1)) / yarn_mscale(factor, mscale_all_dim (default 0)); with mscale_all_dim
+    set, the attention also multiplies its softmax scale by yarn_mscale(factor, mscale_all_dim) ** 2: GatedMLA)."""
     assert dim % 2 == 0, f"rotary dim must be even, got {dim}"
-    inv_freq_P = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
+    mult = 1.0
+    if scaling is None:
+        inv_freq_P = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim)
+    elif scaling.type == "yarn":
+        inv_freq_P = yarn_inv_freq(dim, theta, scaling, positions.device)
+        mult = (yarn_mscale(scaling.factor, 1.0 if scaling.mscale is None else scaling.mscale)
+                / yarn_mscale(scaling.factor, scaling.mscale_all_dim or 0.0))
+    else:
+        raise NotImplementedError(f"rope_scaling '{scaling.type}' is not implemented (yarn is)")
     angles = positions.to(torch.float64)[..., None] * inv_freq_P  # fp64 so long positions keep their phase
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * mult).to(dtype), (angles.sin() * mult).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -133,7 +133,8 @@ def _local_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def global_grad_norm(params: Iterable[torch.Tensor], pp_group: Group = None) -> torch.Tensor:
-    """L2 norm of the gradients of `params` over all ranks: fp32 scalar, identical on every rank.
+    """L2 norm of the gradients of `params` over all ranks: fp32 scalar (fp64 for fp64 gradients), identical on
+    every rank.
 
     DTensor gradients are grouped by (mesh, placements); each group's norm is reduced over its own mesh by DTensor
     (a sharded dim sums squares, a replicated dim does not), so dense (FSDP), expert (EP x FSDP) and TP-sharded
@@ -147,13 +148,14 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: Group = None) -> 
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else ("plain", g.device)
         groups.setdefault(key, []).append(g)
     device = grads[0].device if grads else torch.device("cpu")
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32  # fp64 stays fp64
+    total_sq = torch.zeros((), dtype=dtype, device=device)
     for key, group in groups.items():
         if key[0] == "plain":
-            total_sq = total_sq + _local_norm_sq(group).float()
+            total_sq = total_sq + _local_norm_sq(group).to(dtype)
         else:
             norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)  # DTensor, reduced over its mesh below
-            total_sq = total_sq + norm.full_tensor().float().pow(2)
+            total_sq = total_sq + norm.full_tensor().to(dtype).pow(2)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total_sq, group=pp_group)
     return total_sq.sqrt()

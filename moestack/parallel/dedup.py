@@ -26,6 +26,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from moestack.model.moe import MoE
 from moestack.ops.moe import routing
@@ -42,7 +43,7 @@ class DedupHierarchicalDispatcher(HierarchicalDispatcher):
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn,
                  token_N: torch.Tensor | None = None) -> torch.Tensor:
-        if token_N is None:
+        if token_N is None or is_fake(h_NL):  # a dry run has no token ids to dedup: the plain two hops
             return super().__call__(h_NL, counts_E, local_fn)
         n, D = self.n, self.D
         N = h_NL.shape[0]

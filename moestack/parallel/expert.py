@@ -35,11 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch._subclasses.fake_tensor import is_fake
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec
 from moestack.model.moe import Experts, MoE
 from moestack.parallel.comm import SendOrder, all_to_all, exchange_counts
+from moestack.parallel.overlap_fb import overlap_point
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -67,8 +69,13 @@ def invert_index(index_R: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _splits(*counts: torch.Tensor) -> list[list[int]]:
-    """Row sums of several [G, X] count tensors as Python lists, with one host sync for all of them."""
+def _splits(*counts: torch.Tensor, totals: tuple[int, ...]) -> list[list[int]]:
+    """Row sums of several [G, X] count tensors as Python lists, with one host sync for all of them.
+
+    totals: the rows each count tensor adds up to (known from shapes). A dry run (moestack/train/dry_run.py) has no
+    counts to read (fake tensors): there every group gets an even share of its total, i.e. balanced routing."""
+    if is_fake(counts[0]):
+        return [even_split(total, c.shape[0]) for c, total in zip(counts, totals, strict=True)]
     sums = torch.cat([c.sum(1) for c in counts]).tolist()
     out, i = [], 0
     for c in counts:
@@ -77,24 +84,36 @@ def _splits(*counts: torch.Tensor) -> list[list[int]]:
     return out
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` rows over `parts` groups as evenly as possible (the first groups take the remainder)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 class FlatDispatcher:
     """One all-to-all per direction over the whole EP group."""
+
+    overlap = False  # plan.ep_comm_overlap: hand-over points for DualPipeV's overlapped F / B (overlap_fb.py)
 
     def __init__(self, group: dist.ProcessGroup, send_order: SendOrder = "backend"):
         self.group, self.order = group, send_order
         self.size = dist.get_world_size(group)
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
-        P = self.size
+        P, mark = self.size, overlap_point if self.overlap else _identity
+        h_NL = mark(h_NL)  # before the dispatch
         send_PX = counts_E.view(P, -1)
         recv_PX = exchange_counts(send_PX, self.group)
-        in_splits, out_splits = _splits(send_PX, recv_PX)
+        in_splits, out_splits = _splits(send_PX, recv_PX, totals=(h_NL.shape[0],) * 2)
         R = sum(out_splits)
-        x_RL = all_to_all(h_NL, out_splits, in_splits, self.group, self.order)  # (src rank, local expert)
+        x_RL = mark(all_to_all(h_NL, out_splits, in_splits, self.group, self.order))  # (src rank, local expert)
         order_R = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (local expert, src rank)
         offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
-        y_RL = local_fn(x_RL[order_R], offs_X)[invert_index(order_R)]
-        return all_to_all(y_RL, in_splits, out_splits, self.group, self.order)
+        y_RL = mark(local_fn(x_RL[order_R], offs_X)[invert_index(order_R)])  # before the combine
+        return mark(all_to_all(y_RL, in_splits, out_splits, self.group, self.order))
 
 
 class HierarchicalDispatcher:
@@ -104,12 +123,15 @@ class HierarchicalDispatcher:
     one per domain (group rank = domain index). EP rank = domain * D + local index.
     """
 
+    overlap = False  # as FlatDispatcher.overlap
+
     def __init__(self, intra_group: dist.ProcessGroup, cross_group: dist.ProcessGroup):
         self.intra, self.cross = intra_group, cross_group
         self.D, self.n = dist.get_world_size(intra_group), dist.get_world_size(cross_group)
 
     def __call__(self, h_NL: torch.Tensor, counts_E: torch.Tensor, local_fn: LocalFn) -> torch.Tensor:
-        n, D = self.n, self.D
+        n, D, mark = self.n, self.D, overlap_point if self.overlap else _identity
+        h_NL = mark(h_NL)
         c_nDX = counts_E.view(n, D, -1)  # rows to (domain, local index, local expert), in this order in h_NL
         X = c_nDX.shape[-1]
         # hop 1 (intra-domain): group by destination local index
@@ -119,20 +141,20 @@ class HierarchicalDispatcher:
         r_DnX = recv_a.view(D, n, X)
         send_b = r_DnX.permute(1, 0, 2).reshape(n, D * X)
         recv_b = exchange_counts(send_b, self.cross)  # [src domain, (src local, expert)] = [src ep rank, expert]
-        in_a, out_a, in_b, out_b = _splits(send_a, recv_a, send_b, recv_b)
+        in_a, out_a, in_b, out_b = _splits(send_a, recv_a, send_b, recv_b, totals=(h_NL.shape[0],) * 4)
         N, A, R = sum(in_a), sum(out_a), sum(out_b)
 
         order_a = regroup_index(c_nDX, N)  # (domain, local, expert) -> (local, domain, expert)
         x = all_to_all(h_NL[order_a], out_a, in_a, self.intra)  # (src local, domain, expert)
         order_b = regroup_index(r_DnX, A)  # -> (domain, src local, expert)
-        x = all_to_all(x[order_b], out_b, in_b, self.cross)  # (src domain, src local, expert)
+        x = mark(all_to_all(x[order_b], out_b, in_b, self.cross))  # (src domain, src local, expert)
         recv_PX = recv_b.view(n * D, X)
         order_l = regroup_index(recv_PX.unsqueeze(-1), R)  # -> (expert, src rank)
         offs_X = torch.cumsum(recv_PX.sum(0), 0).to(torch.int32)
 
-        y = local_fn(x[order_l], offs_X)[invert_index(order_l)]
+        y = mark(local_fn(x[order_l], offs_X)[invert_index(order_l)])
         y = all_to_all(y, in_b, out_b, self.cross)[invert_index(order_b)]
-        return all_to_all(y, in_a, out_a, self.intra)[invert_index(order_a)]
+        return mark(all_to_all(y, in_a, out_a, self.intra)[invert_index(order_a)])
 
 
 Dispatcher = FlatDispatcher | HierarchicalDispatcher
@@ -191,7 +213,7 @@ def etp_local_forward(x_RL: torch.Tensor, offs_X: torch.Tensor, group: dist.Proc
     offs = offs_X.long()
     counts_X = torch.diff(offs, prepend=offs.new_zeros(1))
     recv_PX = exchange_counts(counts_X.expand(P, -1), group)  # [src etp rank, local expert]
-    (out_splits,) = _splits(recv_PX)
+    (out_splits,) = _splits(recv_PX, totals=(R * P,))
     in_splits = [R] * P
     x_all = all_to_all(x_RL.repeat(P, 1), out_splits, in_splits, group)  # (src, expert)
     order = regroup_index(recv_PX.unsqueeze(-1), sum(out_splits))  # -> (expert, src)

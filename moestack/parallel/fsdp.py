@@ -62,32 +62,58 @@ def apply_fsdp(
         if moe is not None and expert_mesh is not None:
             _shard(moe.experts, expert_mesh, reshard, mp_policy)
             if expert_grad_divide is not None:
-                moe.experts.set_gradient_divide_factor(float(expert_grad_divide))
+                _set_divide_factor(moe.experts, expert_mesh, expert_grad_divide)
         if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
             _shard(moe.router, dp_mesh, reshard, fp32_policy)
         _shard(block, dp_mesh, reshard, mp_policy)
         if dense_grad_divide is not None:
-            block.set_gradient_divide_factor(float(dense_grad_divide))
+            _set_divide_factor(block, dp_mesh, dense_grad_divide)
             if moe is not None and mp_policy.param_dtype not in (None, torch.float32):
-                moe.router.set_gradient_divide_factor(float(dense_grad_divide))
+                _set_divide_factor(moe.router, dp_mesh, dense_grad_divide)
     # the root's parameters are used first (embed) and last (head): resharding them after forward buys nothing
     _shard(model, dp_mesh, False, mp_policy)
     if dense_grad_divide is not None:
-        model.set_gradient_divide_factor(float(dense_grad_divide))
+        _set_divide_factor(model, dp_mesh, dense_grad_divide)
     return model
 
 
 def _shard(module: nn.Module, mesh: DeviceMesh, reshard: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    # fully_shard registers new (sharded) Parameters: carry the modules' tags over (KDA's A_log / dt_bias
+    # `_no_weight_decay`, which the optimizer groups read)
+    tagged = [name for name, p in module.named_parameters() if getattr(p, "_no_weight_decay", False)]
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    for name in tagged:
+        module.get_parameter(name)._no_weight_decay = True
     if mesh.device_type == "cpu" and mesh.size() > 1:
         # gloo has neither AVG nor PREMUL_SUM: reduce with SUM, then divide. (Not on a mesh of one rank: there
         # torch 2.13 would divide by a custom divide factor twice.)
         module.set_force_sum_reduction_for_comms(True)
 
 
+def _set_divide_factor(module: nn.Module, mesh: DeviceMesh, factor: float) -> None:
+    """Divide the reduced gradients of FSDP `module` by `factor`. On a mesh of one rank (experts with edp 1) torch
+    2.13 divides by a custom factor twice unless the reduce dtype is fp32 / bf16 (its overflow-safe pre/post division
+    and its no-collective copy both apply it: fp64 expert gradients came out dp times too small), so there the
+    division runs in FSDP's post-reduce hook instead."""
+    if mesh.size() == 1:
+        module.set_all_reduce_hook(lambda grad, factor=float(factor): grad.div_(factor))
+    else:
+        module.set_gradient_divide_factor(float(factor))
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip (False) or run (True) the gradient reduce-scatter / all-reduce in the next backward: off for all but
     the last micro-batch of an accumulation step. No-op for a model without FSDP."""
     setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)
+
+
+def set_reshard_after_backward(model: nn.Module, enabled: bool) -> None:
+    """Free (True) or keep (False) the gathered parameters after the next backward. The trainer keeps them between
+    the micro-batches of one step under ZeRO 0-2 (which keep them from forward to backward anyway): the next
+    micro-batch's forward then neither gathers nor casts them to bf16 again, and the step's last backward frees
+    them before the optimizer changes the shards. No-op for a model without FSDP."""
+    setter = getattr(model, "set_reshard_after_backward", None)
     if setter is not None:
         setter(enabled)

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moestack.config.base import ConfigError
 from moestack.config.plan import Plan
+from moestack.config.support import unsupported
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
@@ -127,13 +128,11 @@ class Meshes:
 
 
 def check_supported(plan: Plan) -> None:
-    """Degrees this build can run; a one-line ConfigError naming the missing piece otherwise."""
-    if plan.cp > 1 and plan.pp > 1:
-        raise ConfigError(f"plan.cp: context parallelism ({plan.cp}) with pipeline stages (pp {plan.pp}) is not "
-                          "implemented; use pp 1")
-    if plan.cp > 1 and plan.recompute.kda != "none" and plan.cp_kda == "relay":
-        raise ConfigError(f"plan.recompute.kda: '{plan.recompute.kda}' cannot recompute a KDA layer under the context "
-                          "parallel state relay (it would deadlock); use 'none' or plan.cp_kda 'scan'")
+    """Degrees and features this build can run; a one-line ConfigError naming the missing piece otherwise (the
+    list is moestack.config.support, which the planner's search also honours)."""
+    reason = unsupported(plan)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
 def build_meshes(plan: Plan, device_type: str | None = None, ep_domain_size: int | None = None) -> Meshes:

@@ -54,7 +54,8 @@ def _side_stream(device: torch.device, cache: dict) -> torch.cuda.Stream | None:
 
 def apply_shared_expert_overlap(model: nn.Module) -> list[str]:
     """Wrap every MoE with shared experts under `model` (see the module docstring). Returns the wrapped names.
-    Apply after expert / tensor parallelism and before activation recompute and FSDP (as parallelize does)."""
+    Apply after expert parallelism and before tensor parallelism (whose unit swap must wrap this launch, which
+    reads the shared weights), activation recompute and FSDP, as parallelize does."""
     streams: dict = {}  # one side stream per device, shared by all layers (they run one after another)
     wrapped = []
     for name, moe in model.named_modules():

@@ -38,6 +38,11 @@ FSDP under the split-backward schedules (zbv, dualpipev): the stage module is ma
 schedule runs the backwards without gradient reduction and reduces once per step, and ZeRO-3 does not reshard
 after forward during the step (`stage_module`; without both the weight passes fail or silently drop gradients).
 
+Attention Residuals (spec.attn_res_block_size): the state between stages is every completed block representation
+plus the partial sum, stacked [n + 1, B, T, D] (moestack.model.transformer); n grows with depth, so later boundaries
+send more (n + 1 times a plain hidden state). Every stage sends the whole stack: no cross-stage caching of blocks
+an earlier send already delivered (the paper's optimisation for interleaved schedules).
+
 Not supported under PP: packed documents (cu_seqlens).
 
 Legend: L layers, S = pp * vpp stages, B batch (sequences), T tokens, D hidden.
@@ -176,9 +181,20 @@ def build_stage_modules(model: Transformer, stage_layer_ids: list[int], is_first
     stage.spec = model.spec
     stage.embed = model.embed if is_first else None
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in stage_layer_ids})
+    stage.out_res = getattr(model, "out_res", None) if is_last else None  # Attention Residuals' output aggregation
     stage.norm = model.norm if is_last else None
     stage.lm_head = model.lm_head if is_last else None
     return stage
+
+
+def stage_state_blocks(part: Transformer) -> tuple[int, int]:
+    """Completed Attention-Residual blocks in the state a stage takes and passes on (the stacked state holds them
+    and the partial sum: [n + 1, B, T, D]); (-1, -1) without Attention Residuals (a plain [B, T, D] hidden)."""
+    spec = part.spec
+    if spec.attn_res_block_size is None:
+        return -1, -1
+    ids = [int(k) for k in part.layers]
+    return spec.attn_res_blocks_before(min(ids)), spec.attn_res_blocks_before(max(ids) + 1)
 
 
 def _untie_head(model: Transformer) -> None:
@@ -259,7 +275,12 @@ def build_schedule(stages: list[PipelineStage], plan: Plan, loss_fn: Callable, n
     if plan.schedule in SINGLE_STAGE:
         assert len(stages) == 1
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if plan.ep_comm_overlap:  # DualPipeV's OVERLAP_F_B actions (moestack/config/support.py allows no other)
+        from moestack.parallel.overlap_fb import install
+
+        install(schedule)
+    return schedule
 
 
 class PipelineStepRunner:
@@ -271,7 +292,9 @@ class PipelineStepRunner:
     per `forward_backward` call (the local batch is split along dim 0; default plan.num_microbatches).
     Stage inputs / outputs have static shapes: [plan.micro_batch_size, plan.seq_len] token ids into stage 0,
     hidden states [micro_batch_size, seq_len / seq_shards, D] of `hidden_dtype` between stages (seq_shards = tp
-    with sequence parallelism; the residual stream stays fp32 under bf16 autocast because the parameters are fp32).
+    with sequence parallelism; the residual stream stays fp32 under bf16 autocast because the parameters are fp32);
+    with Attention Residuals the stacked block state [n + 1, micro_batch_size, seq_len / seq_shards, D], n the
+    completed blocks at that boundary (`stage_state_blocks`).
     `model_parts` is what the optimizer, gradient clipping and checkpointing see. Construct it after parallelising
     the parts (TP, FSDP): it keeps the final parameters of a tied embedding / head pair (module docstring).
     """
@@ -299,14 +322,20 @@ class PipelineStepRunner:
         # which would count that micro-batch twice in the routers' load counts (and cost a step's time).
         mb, D = plan.micro_batch_size, parts[0].spec.hidden_size
         T_local = plan.seq_len // seq_shards
-        hidden = torch.empty(mb, T_local, D, dtype=hidden_dtype, device="meta", requires_grad=True)
         tokens = torch.empty(mb, plan.seq_len, dtype=torch.long, device="meta")
         split_backward = plan.schedule in V_SHAPE  # separate input and weight passes (zero bubble)
-        self._stages = [
-            PipelineStage(stage_module(part, split_backward), sid, self.num_stages, device, group=pp_group,
-                          input_args=tokens if sid == 0 else hidden, output_args=hidden)
-            for part, sid in zip(parts, stage_ids)
-        ]
+
+        def hidden(n: int) -> torch.Tensor:  # n blocks: [n + 1, mb, T, D] with Attention Residuals, else [mb, T, D]
+            shape = (mb, T_local, D) if n < 0 else (n + 1, mb, T_local, D)
+            return torch.empty(shape, dtype=hidden_dtype, device="meta", requires_grad=True)
+
+        self._stages = []
+        for part, sid in zip(parts, stage_ids):
+            n_in, n_out = stage_state_blocks(part)
+            self._stages.append(PipelineStage(
+                stage_module(part, split_backward), sid, self.num_stages, device, group=pp_group,
+                input_args=tokens if sid == 0 else hidden(n_in),
+                output_args=hidden(n_out if sid < self.num_stages - 1 else -1)))
         self._last = next((p for p, s in zip(parts, stage_ids) if s == self.num_stages - 1), None)
         self._first = any(s == 0 for s in stage_ids)
         self._count: torch.Tensor | None = None  # counted targets of the whole local batch (set per call)
@@ -404,7 +433,9 @@ class PipelineStepRunner:
 
     def _loss_fn(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the batch mean: summed token losses / counted targets of the whole batch."""
-        return lm_head_loss_sum(self._last, h_BTD, targets_BT) * (self._scale / self._count.clamp(min=1))
+        loss_sum = lm_head_loss_sum(self._last, h_BTD, targets_BT)
+        # the factor in fp64, then the loss's dtype: float / int64 tensor would be fp32 (2^-24 off under fp64)
+        return loss_sum * (self._scale / self._count.clamp(min=1).double()).to(loss_sum.dtype)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
         """inputs, targets [B, T] (the local batch, B = n_microbatches * plan.micro_batch_size; every pipeline rank

@@ -44,14 +44,15 @@ Per module (H heads, tp ranks, H % tp == 0):
   LM head    replicated (the chunked cross-entropy takes the full [V, D] weight); with SP the loss is computed on
              the local sequence shard and combined exactly: sum of token losses / number of counted tokens over
              the TP group. `model(tokens)` without targets returns all-gathered logits.
-  norms      replicated; with SP their gradients (from sequence shards) are summed.
+  norms      replicated; with SP their gradients (from sequence shards) are summed. The same for the Attention
+             Residual mixes (Block.attn_res / ffn_res, Transformer.out_res: token-local, like a norm).
 
 Requirements: T % tp == 0 with SP; with SP call the model through `model(tokens, targets)` (the hooks on the
 root slice the targets and combine the loss; `hidden_states()` alone returns the local sequence shard).
 Order with other parallelisms: expert parallelism before apply_tp (apply_tp leaves parameters that are already
 DTensors alone); activation recompute and FSDP2 after it (recompute then reruns the swap; the unit-boundary
 collectives are module hooks, outside the recomputed region). Initialise weights before apply_tp (the full model
-is sharded by slicing), or build on meta, apply_tp, materialise and call `init_weights_tp`.
+is sharded by slicing), or build on meta, parallelise, then `moestack.parallel.init.materialize` (the same values).
 
 Cost: with `grad_reduce="eager"` (default) the "sum" / "avg" gradient reductions run in every backward (each
 micro-batch), one synchronous all-reduce per parameter. That is cheap for norms, low-rank projections and the
@@ -71,8 +72,6 @@ Legend: B batch, T tokens (T_l = T / tp with SP), D hidden, H heads, N rows (tok
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -412,7 +411,8 @@ def _hook_sp_root(model: Transformer, mesh: DeviceMesh) -> None:
     def post(m, args, out):
         count = counts.pop()
         if count is None:  # logits (or hidden states of a headless stage): every rank gets the whole sequence
-            return gather_shards(out, mesh, SEQ_DIM, partial_grad=False)
+            # the T dim of [B, T, V] logits and [B, T, D] hidden, and of the [n + 1, B, T, D] AttnRes stage state
+            return gather_shards(out, mesh, out.dim() - 2, partial_grad=False)
         # out = sum_local / max(count_local, 1): recover the sum, add the sums and the counts of all ranks
         total = reduce_from_tp(out * count.clamp(min=1), mesh)
         n = count.clone()
@@ -433,8 +433,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     "eager" sums partial gradients over TP in every backward, "deferred" once per optimizer step in
     `finish_tp_grad_reduce` (module docstring, "Cost"). See the module docstring for the per-module plans.
     Parameters that already are DTensors (expert parallelism) are left alone. After it, `model._tp_units` /
-    `_tp_mesh` / `_tp_sequence_parallel` describe the sharding (`local_shards`, `init_weights_tp`,
-    `lm_head_loss_sum` read them) and every unit's module carries its unit as `_tp_unit`.
+    `_tp_mesh` / `_tp_sequence_parallel` describe the sharding (`lm_head_loss_sum` reads them) and every unit's
+    module carries its unit as `_tp_unit`.
     """
     assert tp_mesh.ndim == 1, f"apply_tp needs a 1-D TP mesh, got {tp_mesh.ndim}-D"
     assert grad_reduce in ("eager", "deferred"), f"grad_reduce must be 'eager' or 'deferred', got {grad_reduce!r}"
@@ -453,13 +453,17 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # rank (an all-gather of [B, T, D] activation gradients instead of an all-reduce of the [V, D] weight's).
         add(model.embed, dist_.unit(model.embed, {}, default=(REP, None)))
     for block in model.layers.values():
-        for norm in (block.attn_norm, block.ffn_norm):
-            add(norm, dist_.unit(norm, {}, default=seq_rule))
+        # norms and Attention Residual mixes (token-local, replicated): like the norms
+        for norm in (block.attn_norm, block.ffn_norm, block.attn_res, block.ffn_res):
+            if norm is not None:
+                add(norm, dist_.unit(norm, {}, default=seq_rule))
         plan, heads = _mixer_plan(block.attn, tp)
         add(block.attn, dist_.unit(block.attn, plan, heads))
         _hook_sharded_io(block.attn, tp_mesh, sp)
         for module, unit in _apply_ffn(block.ffn, tp_mesh, sp, dist_):
             add(module, unit)
+    if getattr(model, "out_res", None) is not None:
+        add(model.out_res, dist_.unit(model.out_res, {}, default=seq_rule))
     if model.norm is not None:
         add(model.norm, dist_.unit(model.norm, {}, default=seq_rule))
     if model.lm_head is not None:  # the loss reads lm_head.weight directly: swap it for the whole forward
@@ -577,37 +581,3 @@ def lm_head_loss_sum(model: Transformer, h_BTD: torch.Tensor, targets_BT: torch.
     local_sum, _ = chunked_cross_entropy(h_BTD, _local_view(weight, reduce, defer),
                                          shard_slice(targets_BT, mesh, SEQ_DIM))
     return reduce_from_tp(local_sum, mesh)
-
-
-@contextmanager
-def local_shards(model: nn.Module) -> Iterator[None]:
-    """Inside: every TP parameter of `model` is its local shard (a plain tensor sharing storage with the DTensor)
-    and head counts are local, as during a forward. Gradient-free: for in-place initialisation or inspection."""
-    units: list[_Unit] = getattr(model, "_tp_units", [])
-    with torch.no_grad():
-        for unit in units:
-            unit.enter()
-        try:
-            yield
-        finally:
-            for unit in reversed(units):
-                unit.exit()
-
-
-@torch.no_grad()
-def init_weights_tp(model: Transformer, seed: int, std: float | None = None) -> None:
-    """Initialise a TP-sharded model in place, e.g. built on meta, `apply_tp`, then `to_empty(device=...)`.
-
-    Each rank runs the modules' own `init_weights` on its local shards (local head counts), seeded with
-    seed + TP rank so that head shards differ; replicated parameters are then broadcast from TP rank 0. The
-    result has the same distributions as `Transformer.init_weights`, not the same numbers.
-    """
-    mesh: DeviceMesh = model._tp_mesh
-    torch.manual_seed(seed + mesh.get_local_rank())
-    with local_shards(model):
-        model.init_weights(std)
-    group = mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    for param in model.parameters():
-        if isinstance(param, DTensor) and param.device_mesh == mesh and param.placements == (REP,):
-            dist.broadcast(param.to_local(), src=src, group=group)

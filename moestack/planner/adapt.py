@@ -23,7 +23,8 @@ The proxy is the largest d (a multiple of 128) whose training memory fits the bu
   fits when memory <= budget x (1 - margin).
 
 Features the model builder cannot build are dropped with a note when the proxy can do without them (RoPE scaling,
-Attention Residuals, the shared-expert gate, MTP modules); anything else (Mamba layers, relu2 MLPs) is an error.
+the shared-expert gate, MTP modules); anything else (Mamba layers, relu2 MLPs) is an error. Attention Residuals are
+kept with the source's number of blocks (the block size scaled with the layer count).
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ def _scale_spec(src: ModelSpec, d: int, seq_len: int, s: int) -> tuple[dict[str,
     data = src.model_dump(mode="python")
     n, full, dense, desc = _scaled_pattern(src, r)
     data.update(hidden_size=d, num_layers=n, full_attention_layers=full, dense_layers=dense)
+    if src.attn_res_block_size is not None:  # Attention Residuals: as many blocks as the source (block size scaled)
+        data["attn_res_block_size"] = max(1, round(src.attn_res_block_size * n / src.num_layers))
     data["max_seq_len"] = min(src.max_seq_len, max(seq_len, 8192))
     if src.kda is not None:
         k = data["kda"]
@@ -298,9 +301,6 @@ def buildable_source(spec: ModelSpec) -> tuple[ModelSpec, list[str]]:
             data[name]["rope_scaling"] = None
             notes.append(f"dropped {name}.rope_scaling ({sec.rope_scaling.type}): the builder has no RoPE scaling "
                          "and the proxy trains at short context")
-    if spec.attn_res_block_size is not None:
-        data["attn_res_block_size"] = None
-        notes.append(f"dropped Attention Residuals (attn_res_block_size {spec.attn_res_block_size}): not built yet")
     if spec.moe is not None and spec.moe.shared_expert_gate:
         data["moe"]["shared_expert_gate"] = False
         notes.append("dropped moe.shared_expert_gate: not built yet")
@@ -333,10 +333,15 @@ def adapt_model(
     the budget kept free. top_k: force the proxy's top-k (experts follow from the source's experts/top-k).
     Raises ConfigError when even the narrowest proxy does not fit, or the source has features a proxy cannot drop.
     """
-    seq_len = seq_len or target.seq_len
-    batch = batch or target.batch
-    if seq_len <= 1 or batch <= 0:
-        raise ConfigError(f"adapt: seq_len must be > 1 and batch > 0 (got {seq_len}, {batch})")
+    if seq_len is not None and seq_len <= 1:
+        raise ConfigError(f"--seq-len: must be > 1 token per sequence (got {seq_len}); leave it out for "
+                          f"{target.seq_len}")
+    if batch is not None and batch <= 0:
+        raise ConfigError(f"--batch: must be > 0 sequences (got {batch}); leave it out for {target.batch}")
+    if act_factor is not None and not act_factor > 0:
+        raise ConfigError(f"--act-factor: must be > 0 (got {act_factor})")
+    seq_len = seq_len if seq_len is not None else target.seq_len
+    batch = batch if batch is not None else target.batch
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin: must be in [0, 1), got {margin}")
     if precision == "auto":

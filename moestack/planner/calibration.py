@@ -145,6 +145,9 @@ class HostCalibration(StrictModel):
     # extra per layer under the FP8 recipe: each FP8 GEMM adds quantiser launches, a weight-cache lookup and its own
     # autograd Function (cost.py adds it to every layer of an fp8 plan)
     fp8_layer_s: float = Field(default=0.0084, ge=0)
+    # device idle per dropless MoE layer per forward under EP, added to the pass (cost.py sync_times): the host sync
+    # for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted ep_moe_s)
+    moe_sync_s: float = Field(default=0.0, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 
 
@@ -161,6 +164,14 @@ class Calibration(StrictModel):
     gemm_dim_half: float = Field(ge=0)  # weight dim at which efficiency is half of its large-dim value
     grouped_gemm_factor: float = Field(gt=0, le=1.5)  # grouped vs dense GEMM at the same per-expert shape
     fp8_gemm_factor: float = Field(gt=0, le=1)  # fp8 efficiency / bf16 efficiency (fraction of each dtype's peak)
+    # the same for natively scaled low-precision GEMMs (per-tensor FP8; MXFP8 / NVFP4 block scales applied by the
+    # tensor cores), dense and grouped. Measured on the H200: the row-wise-scaled grouped GEMM at the K3 expert shape
+    # 993 TFLOP/s against bf16's 666 (shared/MEASURED.md): 0.50 of the fp8 peak against 0.67 of the bf16 one, factor
+    # 0.745; moestack's blockwise recipe 0.752 / 0.692 at 8192^3 (fp8_gemm_factor). The square 8192^3 row-wise
+    # torch._scaled_mm reached bf16's efficiency (benchmarks/RESULTS.md, "The FP8 recipe in the planner"): the best
+    # case, not the training shapes. MXFP8 / NVFP4 are not measured here (assumed the same as FP8)
+    lowp_native_gemm_factor: float = Field(default=0.745, gt=0, le=1)
+    lowp_native_grouped_factor: float = Field(default=0.745, gt=0, le=1)
     # attention-like kernels (fraction of bf16 peak; FLOPs counted as the hardware does them)
     flash_attn_fwd_eff: float = Field(gt=0, le=1)
     flash_attn_bwd_eff: float = Field(gt=0, le=1)  # bwd FLOPs = 2.5x fwd (FlashAttention recomputes P)
@@ -178,6 +189,11 @@ class Calibration(StrictModel):
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     # host (CPU) time of moestack's eager trainer, a floor under the device time (HostCalibration says why)
     host: HostCalibration = Field(default_factory=lambda: HostCalibration())
+    # the same constants for the trainer's compiled modes (TrainSpec.compile: "blocks", "blocks+graphs"), measured by
+    # benchmarks/step.py (its "host ms" column: the host's time to queue one step, per layer and micro-batch where the
+    # step is host-bound). Not read yet: plans do not carry the compile mode, so every moestack plan is priced with
+    # the eager `host` above (host_profile.py), an upper bound for a compiled run
+    host_modes: dict[Literal["blocks", "blocks+graphs"], HostCalibration] = {}
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
     # measured / modelled saved activations per memory technique (benchmarks/memory.py prints them as "act x" and

@@ -28,6 +28,7 @@ from moestack.config.model_spec import LayerKind, ModelSpec
 from moestack.config.plan import V_SHAPE, Plan, RecomputePolicy
 from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS  # the chunked loss, as adapt.py prices it
 from moestack.planner.calibration import Calibration, CommCalibration
+from moestack.planner.host_profile import framework_of, host_calibration
 
 BF16 = 2
 FP32 = 4
@@ -87,12 +88,28 @@ class PartWork:
     fp8_saved: float = 0.0  # saved GEMM inputs that the fp8 recipe stores in 1 byte instead of 2 (kept part)
     expert_fp8_saved: float = 0.0  # the same on the expert side
     other_params: int = 0  # parameters outside the GEMMs (norms, conv, biases, A_log, ...)
+    expert_bias: int = 0  # per routed expert: its biases (ModelSpec.linear_bias)
     conv_params: int = 0  # of which depthwise short-conv weights (2 FLOPs each per token; elementwise-priced)
     dispatch_width: int = 0  # MoE: width of a dispatched token (latent or hidden)
     top_k: int = 0
     num_experts: int = 0
     tp_comm: bool = True  # one all-gather in / reduce-scatter out under sequence-parallel TP
     heads: int = 0  # DSA sparse attention: attention heads (the kernels pay per block of DSA_HEAD_BLOCK heads)
+    # the sequence-parallel region (pre-norm and residual, outside the TP GEMMs): split by tp only under sequence
+    # parallelism; plain TP keeps them whole on every rank (Korthikanti et al. 2022, Sec. 4.2.2: the "10 sbh")
+    sp_keep: float = 0.0  # saved per token there: the norm input (kept under selective)
+    sp_sel: float = 0.0  # the norm output, input of the first TP GEMM (selective recomputes the norm)
+    sp_elem: float = 0.0  # elementwise bytes per token there (norm read / write, residual add)
+    # saved tensors a framework may store differently (megatron_saved_delta): the attention output feeding the output
+    # projection (in act_keep), the activation outputs feeding down projections (dense / shared MLP, in
+    # act_selective) and the routed experts' outputs kept for the combine's backward (in expert_act)
+    o_in: float = 0.0
+    fc2_in: float = 0.0
+    expert_out: float = 0.0
+    # the activation function's inputs (gate / up outputs): dense and shared MLP (in act_keep), experts (in expert_act)
+    fc1_out: float = 0.0
+    expert_fc1_out: float = 0.0
+    window: int | None = None  # sliding-window attention: keys per query
 
     @property
     def dense_params(self) -> int:
@@ -101,7 +118,7 @@ class PartWork:
     @property
     def expert_params(self) -> int:
         # per-expert GEMMs are listed once with copies = top_k; the layer holds num_experts of them
-        return sum(g.params for g in self.gemms if g.expert) * self.num_experts
+        return (sum(g.params for g in self.gemms if g.expert) + self.expert_bias) * self.num_experts
 
     def fwd_gemm_flops(self) -> float:
         return sum(2.0 * g.n * g.k * g.copies for g in self.gemms)
@@ -273,6 +290,7 @@ def mla_work(spec: ModelSpec, s: int) -> PartWork:
     part.act_replicated = 2 * lat * BF16
     # kept: attention output + softmax stats, gate pre-activation; dropped by selective: q, k, v (up-proj outputs)
     part.act_keep = norm_keep + H * dv * BF16 + H * FP32 + (H * dv * BF16 if a.output_gate else 0)
+    part.o_in = H * dv * BF16
     part.act_selective = norm_sel + H * (dqk + dqk + dv) * BF16 + (H * dv * BF16 if a.output_gate else 0)
     if idx is not None:  # the indexer runs replicated on every TP rank over the whole sequence (tensor.py)
         part.act_replicated += idx.top_k * FP32 + (idx.num_heads * idx.head_dim + idx.head_dim + idx.num_heads) * BF16
@@ -281,8 +299,9 @@ def mla_work(spec: ModelSpec, s: int) -> PartWork:
     return part
 
 
-def gqa_work(spec: ModelSpec, s: int) -> PartWork:
-    """Softmax GQA with FlashAttention: causal pairs (s+1)/2 per query, 2 * d FLOPs each for QK^T and PV."""
+def gqa_work(spec: ModelSpec, s: int, window: int | None = None) -> PartWork:
+    """Softmax GQA with FlashAttention: causal pairs (s+1)/2 per query (at most `window` under sliding-window
+    attention), 2 * d FLOPs each for QK^T and PV."""
     g = spec.gqa
     assert g is not None
     h, H, Hkv, d = spec.hidden_size, g.num_heads, g.num_kv_heads, spec.gqa_head_dim
@@ -293,19 +312,19 @@ def gqa_work(spec: ModelSpec, s: int) -> PartWork:
     sel = norm_sel + (H * d * BF16 if g.output_gate else 0)
     elem = 2 * h * BF16 + (4 * (H + Hkv) * d * BF16 if g.use_rope else 0) + 3 * h * BF16
     other = h + (2 * d if g.qk_norm else 0) + (qkv_n if g.qkv_bias else 0)
-    return PartWork("gqa", gemms, attn_flops=4.0 * _causal_pairs(s) * H * d, elem_bytes=elem, act_keep=keep,
-                    act_selective=sel, other_params=other)
+    return PartWork("gqa", gemms, attn_flops=4.0 * _causal_pairs(s, window) * H * d, elem_bytes=elem, act_keep=keep,
+                    act_selective=sel, other_params=other, o_in=H * d * BF16, window=window)
 
 
 def dense_mlp_work(spec: ModelSpec) -> PartWork:
     assert spec.dense_mlp is not None
     h, inter = spec.hidden_size, spec.dense_mlp.intermediate_size
-    gated = spec.activation != "relu2"
+    gated = spec.gated_mlp
     keep, sel, elem = _mlp_act_bytes(h, inter, gated)
     norm_keep, norm_sel = _norm_bytes(h)
     return PartWork("dense", _glu_gemms("mlp", h, inter, gated), elem_bytes=elem + 5 * h * BF16,
                     act_keep=keep + norm_keep, act_selective=sel + norm_sel, other_params=h,
-                    fp8_saved=(h + inter) * BF16)
+                    fp8_saved=(h + inter) * BF16, fc2_in=sel, fc1_out=keep)
 
 
 def moe_work(spec: ModelSpec) -> PartWork:
@@ -316,7 +335,7 @@ def moe_work(spec: ModelSpec) -> PartWork:
     moe = spec.moe
     assert moe is not None
     h, E, k, inter = spec.hidden_size, moe.num_experts, moe.top_k, moe.expert_intermediate_size
-    gated = spec.activation != "relu2"
+    gated = spec.gated_mlp
     lat = moe.latent_size or h
     # router and latent projections: replicated weights on the rank's sequence shard under TP (token-sharded MoE)
     gemms = [Gemm("moe.router", n=E, k=h, split="rep", fp8=False, fp32=True, seq_shard=True)]
@@ -336,12 +355,16 @@ def moe_work(spec: ModelSpec) -> PartWork:
     part.expert_act = k * (lat * BF16 + ek + lat * BF16)
     part.expert_act_selective = k * es
     part.expert_fp8_saved = k * lat * BF16  # dispatched input (the activation output is in the selective share)
+    part.expert_out = k * lat * BF16
+    part.expert_fc1_out = k * ek
     part.act_selective = norm_sel
     part.act_keep = norm_keep + E * FP32 + k * (FP32 + 8) + (2 * lat * BF16 if moe.latent_size else 0)
     if moe.shared_intermediate_size:
         sk, ss, selem = _mlp_act_bytes(h, moe.shared_intermediate_size, gated)
         part.act_keep += sk
         part.act_selective += ss
+        part.fc2_in = ss
+        part.fc1_out = sk
     else:
         selem = 0.0
     # elementwise: norm, router sigmoid/top-k (fp32 over E), permute + unpermute (r/w k copies each), expert
@@ -353,13 +376,54 @@ def moe_work(spec: ModelSpec) -> PartWork:
     return part
 
 
-def mixer_work(spec: ModelSpec, mixer: str, s: int) -> PartWork | None:
+def attn_res_elem_bytes(h: int, n_sources: int) -> float:
+    """Forward HBM bytes per token of one Attention-Residual mix over n sources as moestack.model.attn_res runs it
+    (by source, unfused): each bf16 source read three times (RMS, score, weighted sum) and the fp32 accumulator
+    read and written once per source, then the bf16 output written."""
+    return n_sources * (3 * BF16 + 2 * FP32) * h + (FP32 + BF16) * h
+
+
+def add_attn_res(part: PartWork, h: int, n_sources: int) -> PartWork:
+    """The Attention-Residual mix in front of `part` (moestack.model.block): its two weight factors (replicated, 2h),
+    elementwise traffic, and saved bytes: its output (the part's norm input) and per-source softmax weight and rstd
+    (fp32), both recomputed under selective recompute of the block (the sources are partial sums kept anyway). It
+    runs in the sequence-parallel region (token-local, like the pre-norm): whole on every rank under plain TP."""
+    part.other_params += 2 * h
+    nbytes = attn_res_elem_bytes(h, n_sources)
+    part.elem_bytes += nbytes
+    part.sp_elem += nbytes
+    saved = h * BF16 + 2 * n_sources * FP32
+    part.act_selective += saved
+    part.sp_sel += saved
+    return part
+
+
+def mixer_work(spec: ModelSpec, mixer: str, s: int, window: int | None = None) -> PartWork | None:
     if mixer == "none":
         return None
-    builders = {"kda": kda_work, "mla": mla_work, "gqa": gqa_work, "mamba2": mamba2_work}
+    if mixer == "gqa":
+        return gqa_work(spec, s, window)
+    builders = {"kda": kda_work, "mla": mla_work, "mamba2": mamba2_work}
     if mixer not in builders:
         raise NotImplementedError(f"cost model: mixer '{mixer}' is not modelled")
     return builders[mixer](spec, s)
+
+
+def block_extras(spec: ModelSpec, part: PartWork) -> PartWork:
+    """What every sub-layer adds around its own work: its pre-norm and residual (the sequence-parallel region:
+    PartWork.sp_*), a LayerNorm's bias (spec.norm) and, with spec.linear_bias, the biases of the output / down
+    projections and the MLP up projections, the routed experts' with the experts (parameters only: Megatron's FLOPs
+    leave biases out)."""
+    h = spec.hidden_size
+    part.sp_keep, part.sp_sel = _norm_bytes(h)
+    part.sp_elem = 5 * h * BF16  # norm read + write, residual add (read two, write one)
+    if spec.norm == "layernorm":
+        part.other_params += h
+    if spec.linear_bias:
+        part.other_params += sum(g.n for g in part.gemms if not g.expert and g.split == "row")
+        part.other_params += sum(g.n for g in part.gemms if not g.expert and g.name in ("mlp.up", "shared.up"))
+        part.expert_bias = sum(g.n for g in part.gemms if g.expert)
+    return part
 
 
 def ffn_work(spec: ModelSpec, ffn: str) -> PartWork | None:
@@ -379,13 +443,22 @@ def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
         for kind in mtp:
             idx += 1
             kinds.append((idx, kind, True))
+    attn_res = spec.attn_res_block_size is not None
     for i, kind, is_mtp in kinds:
-        if kind not in cache:
-            cache[kind] = [p for p in (mixer_work(spec, kind.mixer, seq_len), ffn_work(spec, kind.ffn)) if p]
-        layers.append(LayerWork(i, kind, cache[kind], is_mtp))
+        # with Attention Residuals a layer's mixes read more sources deeper down: layers of one kind and depth share
+        sources = spec.attn_res_sources(i - 1) if attn_res and not is_mtp else None
+        key = (kind, sources)
+        if key not in cache:
+            parts = [mixer_work(spec, kind.mixer, seq_len, kind.window), ffn_work(spec, kind.ffn)]
+            parts = [p and block_extras(spec, p) for p in parts]
+            if sources is not None:
+                parts = [p and add_attn_res(p, spec.hidden_size, n) for p, n in zip(parts, sources)]
+            cache[key] = [p for p in parts if p]
+        layers.append(LayerWork(i, kind, cache[key], is_mtp))
     h, V = spec.hidden_size, spec.vocab_size
     head = Gemm("lm_head", n=V, k=h, split="col", fp8=False)
-    return ModelWork(spec, seq_len, layers, embed_params=V * h, head=head, num_heads_out=1 + spec.mtp_layers,
+    embed = V * h + (spec.max_seq_len * h if spec.learned_positions else 0)  # + the learned position table
+    return ModelWork(spec, seq_len, layers, embed_params=embed, head=head, num_heads_out=1 + spec.mtp_layers,
                      mtp_proj_params=2 * h * h + 3 * h)
 
 
@@ -393,22 +466,11 @@ def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
 # 2. Terms
 # ------------------------------------------------------------------------------------------------------------
 
-# Dropless routing: the busiest EP rank sets the pace. The max/mean tokens per EP rank is an input of the plan
-# (plan.ep_load_imbalance, default 1.1: aux-loss-free balancing, DeepSeek-V3 report Fig. 9), lowered by hot-expert
-# replication (ep_time_imbalance); buffers are sized for a 1.5x burst.
+# Dropless routing: the busiest EP rank sets the pace (Plan.moe_load_imbalance, lowered by hot-expert replication:
+# moe_time_imbalance); buffers are sized for a 1.5x burst.
 MOE_MEMORY_HEADROOM = 1.5
 # Fraction of an "overlapped" collective that still shows (imperfect overlap: launch gaps, SM contention).
 OVERLAP_RESIDUAL = 0.15
-
-
-def ep_time_imbalance(plan: Plan, num_experts: int) -> float:
-    """Max/mean routed rows per EP rank the EP compute and all-to-all are priced at: plan.ep_load_imbalance,
-    or with plan.ep_replicas slots per rank what replication leaves of it (moestack/planner/eplb.py)."""
-    if plan.ep_replicas and plan.ep > 1:
-        from moestack.planner.eplb import replicated_imbalance
-
-        return replicated_imbalance(plan.ep_load_imbalance, num_experts, plan.ep, plan.ep_replicas)
-    return plan.ep_load_imbalance
 
 
 def gemm_time(g: Gemm, rows: float, rows_per_gemm: float, tp: int, etp: int, precision: str,
@@ -431,14 +493,96 @@ def gemm_time(g: Gemm, rows: float, rows_per_gemm: float, tp: int, etp: int, pre
         dtype = "tf32" if "tf32" in peaks else "fp32"
         eff = cal.gemm_efficiency(rows_per_gemm, n, k, "bf16", grouped=g.expert)
     else:
-        dtype = "fp8" if g.fp8 and fp8_recipe_runs(precision, cluster) else "bf16"
-        eff = cal.gemm_efficiency(rows_per_gemm, n, k, dtype, grouped=g.expert)
+        recipe = gemm_recipe(precision, cluster) if g.fp8 else None
+        if recipe is None:
+            dtype, eff = "bf16", cal.gemm_efficiency(rows_per_gemm, n, k, "bf16", grouped=g.expert)
+        elif recipe.scaling == "blockwise":  # moestack's recipe: its measured factor (Calibration.fp8_gemm_factor)
+            dtype, eff = "fp8", cal.gemm_efficiency(rows_per_gemm, n, k, "fp8", grouped=g.expert)
+        else:
+            dtype = recipe.dtype
+            factor = cal.lowp_native_grouped_factor if g.expert else cal.lowp_native_gemm_factor
+            eff = cal.gemm_efficiency(rows_per_gemm, n, k, "bf16", grouped=g.expert) * factor
     return 2.0 * rows * n * k / (cluster.device.peak_flops(dtype) * eff)
 
 
+@dataclass(frozen=True)
+class GemmRecipe:
+    """A low-precision GEMM recipe (Plan.precision) as the cost model prices it.
+
+    dtype: the ClusterSpec peak its GEMMs run at; elem_bytes: one quantised element; scale_bytes: scale bytes per
+    element; scaling: "blockwise" (moestack's recipe: software-scaled 1x128 / 128x128 blocks, priced by its measured
+    Calibration.fp8_gemm_factor) or "native" (one scale per tensor, or block scales the tensor cores apply:
+    MXFP8 / NVFP4 on Blackwell, priced at the bf16 efficiency x Calibration.lowp_native_gemm_factor)."""
+
+    dtype: str
+    elem_bytes: float
+    scale_bytes: float
+    scaling: str
+
+
+GEMM_RECIPES = {
+    "fp8": GemmRecipe("fp8", 1.0, FP32 / 128, "blockwise"),
+    "fp8_tensorwise": GemmRecipe("fp8", 1.0, 0.0, "native"),
+    "mxfp8": GemmRecipe("fp8", 1.0, 1.0 / 32, "native"),  # e8m0 scale per 32 elements (OCP MX)
+    "nvfp4": GemmRecipe("fp4", 0.5, 1.0 / 16, "native"),  # e4m3 scale per 16 elements (+ one fp32 per tensor)
+}
+
+
+def gemm_recipe(precision: str, cluster: ClusterSpec) -> GemmRecipe | None:
+    """The low-precision recipe a plan of this precision runs on this cluster; None for bf16 or a device without
+    the recipe's units (its GEMMs are then priced in bf16)."""
+    recipe = GEMM_RECIPES.get(precision)
+    if recipe is None or recipe.dtype not in cluster.device.peak_tflops:
+        return None
+    return recipe
+
+
 def fp8_recipe_runs(precision: str, cluster: ClusterSpec) -> bool:
-    """Whether a plan of this precision runs the FP8 recipe on this cluster (else its GEMMs are priced in bf16)."""
-    return precision == "fp8" and "fp8" in cluster.device.peak_tflops
+    """Whether a plan of this precision runs a low-precision GEMM recipe on this cluster (GEMM_RECIPES)."""
+    return gemm_recipe(precision, cluster) is not None
+
+
+def recipe_cast_bytes(g: Gemm, rows: float, tp: int, etp: int, recipe: GemmRecipe, microbatches: int
+                      ) -> tuple[float, float]:
+    """HBM bytes of quantisation around one GEMM under a native-scaled recipe (Transformer Engine's): forward reads
+    the bf16 input [rows, k] once and writes both layouts (row-wise for the forward GEMM, column-wise for wgrad);
+    backward does the same for the output gradient [rows, n]. One scale per tensor (current scaling) needs the
+    tensor's amax first: one more bf16 read. The weight is quantised once per optimizer step (its cast is cached
+    across micro-batches), both layouts, amortised over the step's micro-batches."""
+    div = etp if g.expert else tp
+    n = g.n / div if g.split == "col" else g.n
+    k = g.k / div if g.split == "row" else g.k
+    q = 2 * (recipe.elem_bytes + recipe.scale_bytes)  # two layouts written per element read
+    read = 2 * BF16 if recipe.scale_bytes == 0 else BF16  # per-tensor scales: an amax pass before the cast
+    w = n * k * (read + q) / max(1, microbatches)
+    return rows * k * (read + q) + w, rows * n * (read + q)
+
+
+def grad_bytes(plan: Plan) -> float:
+    """Bytes per gradient element in the gradient buffers and their data-parallel reduction (Plan.grad_dtype)."""
+    return FP32 if plan.grad_dtype == "fp32" else BF16
+
+
+def bf16_weight_copy(plan: Plan, cluster: ClusterSpec, dense: float, expert: float, vocab: float) -> float:
+    """Parameters of one rank held as a bf16 compute copy next to the fp32 master weights (FSDP2's gathered
+    parameters; Megatron's bf16 model parameters). With Plan.quantized_params the low-precision GEMMs' weights are
+    held only in their GEMM format (the fp8_weights term), so just the embedding / head and the rest stay bf16."""
+    if plan.quantized_params and fp8_recipe_runs(plan.precision, cluster):
+        return min(dense, vocab)
+    return dense + expert
+
+
+def moe_time_imbalance(plan: Plan, spec: ModelSpec) -> float:
+    """Busiest EP rank's routed rows over the mean (Plan.moe_load_imbalance), with plan.ep_replicas slots per EP
+    rank what hot-expert replication leaves of it (moestack/planner/eplb.py), capped by the capacity factor when
+    tokens beyond it are dropped (ModelSpec moe.capacity_factor: no expert takes more than factor x mean)."""
+    imbalance = plan.moe_load_imbalance
+    if plan.ep_replicas and plan.ep > 1 and spec.moe is not None:
+        from moestack.planner.eplb import replicated_imbalance
+
+        imbalance = replicated_imbalance(imbalance, spec.moe.num_experts, plan.ep, plan.ep_replicas)
+    cap = spec.moe.capacity_factor if spec.moe is not None else None
+    return min(imbalance, cap) if cap is not None else imbalance
 
 
 def fp8_cast_bytes(g: Gemm, rows: float, tp: int, etp: int) -> tuple[float, float]:
@@ -749,7 +893,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     peak = cluster.device.peak_flops("bf16")
     out = PartCost()
     # routed rows on this device: its SP shard's copies gathered over etp, spread over E/ep local experts
-    imbalance = ep_time_imbalance(plan, part.num_experts) if part.kind == "moe" else 1.0
+    imbalance = moe_time_imbalance(plan, ctx.spec) if part.kind == "moe" else 1.0
     expert_rows = Tsp * part.top_k * etp * imbalance if part.kind == "moe" else 0.0
     rows_per_expert = expert_rows * ep / part.num_experts if part.kind == "moe" else 0.0
 
@@ -766,7 +910,11 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         g_fwd += t
         if g.selective:
             sel_fwd += t
-        if g.fp8 and fp8_recipe_runs(plan.precision, cluster):
+        if g.fp8 and plan.precision != "fp8" and fp8_recipe_runs(plan.precision, cluster):
+            cf, cb = recipe_cast_bytes(g, rows, tp, etp, GEMM_RECIPES[plan.precision], plan.num_microbatches)
+            cast_f += cf
+            cast_b += cb
+        elif g.fp8 and fp8_recipe_runs(plan.precision, cluster):
             cf, cb = fp8_cast_bytes(g, rows, tp, etp)
             cast_f += cf
             cast_b += cb
@@ -780,8 +928,10 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     # the DSA indexer is replicated: every TP rank scores and selects for the whole sequence (tensor.py)
     idx_f = part.indexer_flops * T / (peak * cal.flash_attn_fwd_eff) + part.topk_elems * T / cal.topk_elems_per_s
     idx_b = 2.0 * part.indexer_flops * T / (peak * cal.flash_attn_bwd_eff)
-    elem_f = elementwise_time(part.elem_bytes * T / tp + cast_f, cluster, cal)
-    elem_b = elementwise_time(2.0 * part.elem_bytes * T / tp + cast_b, cluster, cal)
+    # without sequence parallelism the norms and residual adds run on the whole sequence on every TP rank
+    sp_whole = part.sp_elem * T * (1 - 1 / tp) if not plan.sequence_parallel else 0.0
+    elem_f = elementwise_time(part.elem_bytes * T / tp + sp_whole + cast_f, cluster, cal)
+    elem_b = elementwise_time(2.0 * (part.elem_bytes * T / tp + sp_whole) + cast_b, cluster, cal)
     # what a whole-part measurement (tune) found beyond the analytic terms, per token; priced as elementwise work
     # (it is recomputed under selective and full recompute alike)
     measured = cal.parts.get(part.kind)
@@ -797,12 +947,12 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     # tensor parallel (sequence parallel): fwd all-gather in + reduce-scatter out; bwd adds the re-gather of the
     # saved input for wgrad (Korthikanti et al. 2022, Sec. 4.2.2; moestack/parallel/tensor.py keeps the gathered
     # input instead: one collective less, T x h x (1 - 1/tp) more saved bytes per unit, not modelled). moestack's
-    # collectives are DTensor redistributes on the compute stream: exposed whatever plan.tp_comm_overlap says
+    # collectives are DTensor redistributes on the compute stream: exposed
     tp_f = tp_b = 0.0
     h = ctx.spec.hidden_size
     if tp > 1 and part.tp_comm:
         coll = ring_time(cluster, T * h * BF16, tp, 1, "ag", ctx.cal.comm)
-        tp_f, tp_b = 2 * coll, 3 * coll  # exposed: plan.tp_comm_overlap is not read by tensor.py yet
+        tp_f, tp_b = tp_comm_times(plan, coll, g_fwd)
     # the gradient all-reduce of the replicated weights whose local use was partial, in every micro-batch's backward
     # (tensor.py `_LocalView`: synchronous, on the critical path); plan.tp_grad_reduce = deferred sums them once per
     # step instead (CostModel.evaluate, "tp_grad_sum")
@@ -819,7 +969,9 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     if part.kind == "moe":
         moe = ctx.spec.moe
         assert moe is not None
-        wbytes = 1.03 if plan.precision == "fp8" else BF16  # fp8 dispatch with per-128 scales (DeepEP)
+        # moestack's dispatcher sends bf16 rows under the fp8 recipe too (the experts quantise after it); fp8 rows with
+        # per-128 scales only where the plan says so (DeepEP runs; support.py: not launchable here)
+        wbytes = 1.03 if plan.ep_dispatch_dtype == "fp8" else BF16
         nbytes = Tsp * part.top_k * part.dispatch_width * imbalance
         groups = None
         if moe.router.topk_groups < moe.router.num_groups:
@@ -860,6 +1012,20 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     return out
 
 
+def tp_comm_times(plan: Plan, coll: float, g_fwd: float) -> tuple[float, float]:
+    """(fwd, bwd) exposed seconds of one sub-layer's TP collectives; `coll` is one all-gather of its input.
+
+    Sequence parallel: forward all-gather in + reduce-scatter out, backward the same + the re-gather of the input
+    for wgrad (Korthikanti et al. 2022, Sec. 4.2.2): 2 and 3 collectives. Plain TP: one all-reduce (= reduce-scatter +
+    all-gather) each way, no re-gather. plan.tp_comm_overlap: hidden behind the part's GEMMs (Megatron's userbuffers
+    overlap; OVERLAP_RESIDUAL still shows); moestack's trainer runs them on the compute stream, so the search leaves
+    the overlap off (search.TP_OVERLAP_DEFAULT)."""
+    f, b = (2 * coll, 3 * coll) if plan.sequence_parallel else (2 * coll, 2 * coll)
+    if plan.tp_comm_overlap:
+        return _overlapped(f, g_fwd, True), _overlapped(b, 2 * g_fwd, True)
+    return f, b
+
+
 def _cp_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float, rec_f: float = 0.0, rec_b: float = 0.0
               ) -> tuple[float, float]:
     """Exposed CP time of one sub-layer: (fwd, bwd), from the term of its kind (core_*: the attention core's time,
@@ -885,7 +1051,12 @@ def cp_attention_times(part: PartWork, ctx: Ctx, core_f: float, core_b: float) -
         kv = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * BF16  # MQA latent, shared by all heads
         if spec.mla.indexer is not None:
             kv += spec.mla.indexer.head_dim * BF16  # the indexer key, gathered too
-    comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag", ctx.cal.comm)
+    if part.window is not None and part.window < ctx.tokens:
+        # sliding window: a rank's queries reach back `window` keys, all on the previous shard: one send of the
+        # window's keys and values per sequence, not the all-gather (ctx.tokens is the rank's shard)
+        comm = p2p_time(cluster, plan.micro_batch_size * part.window * kv, plan.tp)
+    else:
+        comm = ring_time(cluster, plan.cp * ctx.tokens * kv, plan.cp, plan.tp, "ag", ctx.cal.comm)
     return _overlapped(comm, core_f, True), _overlapped(2 * comm, core_b, True)
 
 
@@ -942,7 +1113,8 @@ def activation_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
     T, tp = ctx.tokens, ctx.plan.tp
     factors = ctx.cal.act_factors
     if mode == "full":
-        return T * ctx.spec.hidden_size * BF16 / tp * factors.get("full", 1.0)
+        whole = tp if not ctx.plan.sequence_parallel else 1  # plain TP keeps the whole input on every rank
+        return T * ctx.spec.hidden_size * BF16 / tp * whole * factors.get("full", 1.0)
     scale = factors.get(mode, 1.0) * (factors.get("fp8", 1.0) if ctx.plan.precision == "fp8" else 1.0)
     # no extra term under expert parallelism: its local experts run the same activation as one device (Experts.glu)
     return scale * _saved_bytes(part, mode, ctx)
@@ -965,8 +1137,19 @@ def _saved_bytes(part: PartWork, mode: str, ctx: Ctx) -> float:
         # the replicated share (MLA latents, DSA indexer) is not split by tp
         rep = min(part.act_replicated, measured.act_bytes_per_token)
         per_token = (measured.act_bytes_per_token - rep) / tp + rep
-        return max(0.0, T * per_token * frac - fp8_saving) + copies
-    return _analytic_act(part, mode, ctx, ctx.plan.precision == "fp8") + copies
+        return max(0.0, T * per_token * frac - fp8_saving) + copies + _no_sp_act(part, mode, ctx)
+    return _analytic_act(part, mode, ctx, ctx.plan.precision == "fp8") + copies + _no_sp_act(part, mode, ctx)
+
+
+def _no_sp_act(part: PartWork, mode: str, ctx: Ctx) -> float:
+    """Plain TP (no sequence parallelism): the sequence-parallel region's saved tensors (norm input; under no
+    recompute also the norm output that feeds the first TP GEMM) are whole on every TP rank, not 1/tp of them
+    (Korthikanti et al. 2022, Eq. 2 vs Eq. 4)."""
+    tp = ctx.plan.tp
+    if ctx.plan.sequence_parallel or tp <= 1:
+        return 0.0
+    kept = part.sp_keep + (part.sp_sel if mode == "none" else 0.0)
+    return ctx.tokens * kept * (1 - 1 / tp)
 
 
 def autocast_weight_copies(part: PartWork, ctx: Ctx) -> float:
@@ -984,8 +1167,41 @@ def autocast_weight_copies(part: PartWork, ctx: Ctx) -> float:
     return BF16 * (dense + expert)
 
 
+def megatron_saved_delta(part: PartWork, mode: str, plan: Plan, cluster: ClusterSpec) -> float:
+    """Saved bytes per token Megatron-Core / Transformer Engine keep beyond (or short of) moestack's terms.
+
+    Megatron applies the routing probabilities inside the experts' activation (the experts take the permuted
+    probabilities), so the combine keeps no expert outputs for its backward, only the probabilities. Under a
+    low-precision recipe every Transformer Engine linear layer saves its own quantised input for the weight gradient
+    (elem + scale bytes): the inputs that only feed GEMMs (the norm output, the activation outputs feeding the down
+    projections, the dispatched expert inputs) are stored quantised instead of in bf16; the attention output is
+    quantised in addition to the bf16 copy the attention backward reads. plan.fp8_activation_input stores the
+    activation function's input (the gate / up outputs) quantised as well."""
+    delta = part.top_k * FP32 - part.expert_out if part.kind == "moe" else 0.0
+    recipe = gemm_recipe(plan.precision, cluster)
+    if recipe is None:
+        return delta
+    q = recipe.elem_bytes + recipe.scale_bytes
+    saved = 1 - q / BF16
+    delta -= part.expert_fp8_saved * saved
+    if mode == "none":
+        delta -= (part.expert_act_selective + part.fc2_in + part.sp_sel) * saved
+    if plan.fp8_activation_input:  # the activation function's input kept quantised too (Megatron, DeepSeek-V3)
+        delta -= (part.fc1_out + part.expert_fc1_out) * saved
+    return delta + part.o_in * q / BF16
+
+
 def _analytic_act(part: PartWork, mode: str, ctx: Ctx, fp8: bool) -> float:
     """Saved bytes from the analytic per-token terms (`fp8`: GEMM inputs stored in one byte)."""
+    T, tp = ctx.tokens, ctx.plan.tp
+    if framework_of(ctx.plan.host_profile) == "megatron":  # its own saved-tensor convention instead of the fp8 one
+        base = _analytic_act_moestack(part, mode, ctx, False)
+        return base + T * megatron_saved_delta(part, mode, ctx.plan, ctx.cluster) / tp
+    return _analytic_act_moestack(part, mode, ctx, fp8)
+
+
+def _analytic_act_moestack(part: PartWork, mode: str, ctx: Ctx, fp8: bool) -> float:
+    """_analytic_act as moestack's trainer saves them."""
     T, tp = ctx.tokens, ctx.plan.tp
     # summed over many layers and micro-batches, expert loads average out: stored expert activations use the mean
     # load (the transient dispatch buffers carry MOE_MEMORY_HEADROOM instead)
@@ -1037,6 +1253,24 @@ def balanced_chunks(costs: list[float], n: int, first_extra: float, last_extra: 
     return [list(range(a, b)) for a, b in zip(best, best[1:])]
 
 
+def uniform_chunks(layers: int, n: int, account: bool) -> list[list[int]]:
+    """Megatron's default pipeline split (Plan.pipeline_split): the same number of layers in each of the n chunks
+    (earlier chunks take the remainder), the embedding and the LM head extra on the first / last. `account`
+    (Megatron's account_for_embedding / loss_in_pipeline_split): the embedding and the loss count as one layer each,
+    so the first and the last chunk hold one layer less."""
+    slots = layers + (2 if account else 0)
+    sizes = [slots // n + (1 if c < slots % n else 0) for c in range(n)]
+    if account:
+        sizes[0] -= 1
+        sizes[-1] -= 1
+    if min(sizes) < 1:
+        raise ValueError(f"pipeline: {n} chunks leave a chunk without layers ({layers} layers)")
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
 def _greedy(prefix: list[float], n: int, cap: float, first_extra: float, last_extra: float) -> list[int] | None:
     """Chunk boundaries filling each chunk up to `cap` (leaving at least one layer per remaining chunk)."""
     import bisect
@@ -1085,6 +1319,7 @@ class PlanCost:
     rank_fwd_bwd: list[tuple[float, float, float]]  # per rank per micro-batch: (fwd, bwd + recompute, wgrad)
     notes: list[str] = field(default_factory=list)
     forward_activations: float = 0.0  # busiest rank: what forward leaves for backward (the memory report's term)
+    memory_by_pp_rank: list[dict[str, float]] = field(default_factory=list)  # `memory` of every pipeline rank
 
     @property
     def memory_total(self) -> float:
@@ -1137,8 +1372,11 @@ class CostModel:
         of every layer (layers of one kind share their PartWork list)."""
         r = plan.recompute
         key = (plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.seq_len, plan.precision,
-               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap, plan.cp_kda,
-               plan.tp_grad_reduce, plan.ep_load_imbalance, plan.ep_replicas)
+               r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap,
+               plan.cp_kda if plan.cp > 1 else None,
+               plan.tp_grad_reduce, plan.sequence_parallel, plan.moe_load_imbalance, plan.host_profile,
+               plan.fp8_activation_input, plan.ep_dispatch_dtype, plan.ep_replicas,
+               plan.num_microbatches if plan.precision not in ("bf16", "fp8") else 0)  # recipe_cast_bytes amortises
         costs = self._kind_cache.get(key)
         if costs is None:
             ctx = Ctx(plan, self.spec, self.cluster, self.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
@@ -1152,7 +1390,10 @@ class CostModel:
         return costs, self._kinds, self._layer_kind
 
     def chunks(self, plan: Plan, kind_cost: list[PartCost], first_extra: float, last_extra: float) -> list[list[int]]:
-        """balanced_chunks, cached on the kinds' relative costs (3 significant digits)."""
+        """balanced_chunks, cached on the kinds' relative costs (3 significant digits); or the layer-count split of
+        plan.pipeline_split (uniform_chunks)."""
+        if plan.pipeline_split != "balanced":
+            return uniform_chunks(len(self.work.layers), plan.pp * plan.vpp, plan.pipeline_split == "uniform_account")
         scale = max(c.total + c.a2a for c in kind_cost)
         rel = tuple(round((c.total + c.a2a) / scale, 3) for c in kind_cost)
         key = (rel, round(first_extra / scale, 3), round(last_extra / scale, 3), plan.pp * plan.vpp)
@@ -1176,8 +1417,13 @@ class CostModel:
             mtp = gemm_time(Gemm("mtp.proj", n=h, k=2 * h), T, T, tp, 1, plan.precision, cluster, cal)
             mtp *= self.spec.mtp_layers
         logits = T * self.spec.vocab_size / tp * self.work.num_heads_out
-        loss_f = elementwise_time(logits * 6, cluster, cal)
-        loss_b = elementwise_time(logits * 10, cluster, cal)
+        # Attention Residuals: the output mix over every block before the final norm (token-local, SP-sharded)
+        out_mix = 0.0
+        if self.spec.attn_res_block_size is not None:
+            n = self.spec.attn_res_blocks_before(self.spec.num_layers) + 1
+            out_mix = attn_res_elem_bytes(self.spec.hidden_size, n) * T / tp
+        loss_f = elementwise_time(logits * 6 + out_mix, cluster, cal)
+        loss_b = elementwise_time(logits * 10 + 2 * out_mix, cluster, cal)
         # moestack's TP keeps the head replicated and computes the loss on the rank's sequence shard (no gather of
         # the input); the [V, h] weight gradient is all-reduced over TP in every backward (tensor.py)
         coll = 0.0
@@ -1227,18 +1473,20 @@ class CostModel:
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         e_dev = 0.0 if plan.offload.experts else expert
         held = self._gathered_for_step(plan)  # zbv / dualpipev: gathered params, whole gradients (as _memory)
-        w_d, w_e = (sd, se) if plan.zero_stage == 3 else (1, 1)
+        w_d, w_e = (sd, se) if plan.zero_stage >= 1 else (1, 1)  # FSDP2 shards the fp32 parameters at every stage
         g_d, g_e = (sd, se) if plan.zero_stage >= 2 and not held else (1, 1)
         host = 0.0
         if plan.offload.optimizer:
             w_b = FP32 if plan.devices == 1 else BF16  # as _memory
+            w_d, w_e = (sd, se) if plan.zero_stage == 3 else (1, 1)
             hbm = dense * w_b / w_d + e_dev * w_b / w_e
             host += (dense / sd + e_dev / se) * (FP32 + opt_b)
         else:
             hbm = dense * FP32 / w_d + e_dev * FP32 / w_e + dense * opt_b / sd + e_dev * opt_b / se
         if held and plan.zero_stage == 3:
             hbm += (dense + e_dev) * BF16  # the gathered bf16 copy
-        grads = dense * FP32 / g_d + e_dev * FP32 / g_e
+        grad_b = grad_bytes(plan)
+        grads = dense * grad_b / g_d + e_dev * grad_b / g_e
         if plan.offload.experts:
             host += expert / se * (FP32 + FP32 + opt_b)
         inflight = inflight_microbatches(plan.schedule, p, plan.vpp, plan.num_microbatches)
@@ -1316,8 +1564,10 @@ class CostModel:
         elif p > 1:  # tied: the last stage keeps its own copy of the embedding as the head
             rank_dense[ranks[-1]] += self.work.embed_params / plan.tp + mtp_params
 
-        # EP all-to-all: exposed unless overlapped with another micro-batch's compute (DualPipe / 1F1B a2a overlap)
-        overlap_ep = plan.ep_comm_overlap or plan.schedule == "dualpipev"
+        # EP all-to-all: exposed unless the plan overlaps it with another micro-batch's compute (plan.ep_comm_overlap:
+        # moestack runs it under DualPipeV only, moestack/config/support.py; published Megatron runs also under
+        # interleaved 1F1B). No credit from the schedule alone: DualPipeV without the field runs sequentially.
+        overlap_ep = plan.ep_comm_overlap
         fwd, bwd, wgr, a2a_exposed = [], [], [], []
         for rc in rank_cost:
             compute = rc.fwd + rc.bwd + rc.recompute
@@ -1329,17 +1579,22 @@ class CostModel:
             wgr.append(rc.wgrad)
         # the host launches every kernel: a rank's pass over a micro-batch takes at least its host time
         host_f, host_b = self.host_times(plan, rank_counts, kind_layer)
+        sync_f, sync_b = self.sync_times(plan, rank_counts, kind_layer)
         host_bound = [0.0] * p
         for r in range(p):
             f_dev, b_dev = fwd[r], bwd[r]
-            fwd[r], bwd[r] = max(f_dev, host_f[r]), max(b_dev, host_b[r])
+            fwd[r], bwd[r] = max(f_dev, host_f[r]) + sync_f[r], max(b_dev, host_b[r]) + sync_b[r]
             host_bound[r] = fwd[r] + bwd[r] - f_dev - b_dev
         slow = max(range(p), key=lambda r: fwd[r] + bwd[r])
         t_pipe = pipeline_time(plan.schedule, p, v, m, fwd[slow], bwd[slow], wgr[slow])
         p2p = 0.0
-        if p > 1:
-            act_msg = plan.micro_batch_size * plan.seq_len / plan.cp * spec.hidden_size * BF16 / plan.tp
+        act_msg = plan.micro_batch_size * plan.seq_len / plan.cp * spec.hidden_size * BF16 / plan.tp
+        if p > 1 and spec.attn_res_block_size is None:
             p2p = 2 * (p * v - 1) * p2p_time(cluster, act_msg, plan.devices // p)
+        elif p > 1:  # Attention Residuals: a boundary sends its n completed blocks and the partial sum
+            p2p = 2 * sum(p2p_time(cluster, act_msg * (self._boundary_blocks(chunks[c][0]) + 1), plan.devices // p)
+                          for c in range(1, p * v))
+            self._add_boundary_state(rank_cost, chunks, ranks, act_msg)
 
         # data parallel, optimizer, offload
         dp_time, dp_exposed = self._dp_times(plan, rank_dense[slow], rank_expert[slow], fwd[slow], bwd[slow], m,
@@ -1369,7 +1624,7 @@ class CostModel:
         time["offload"] = off_time
         time = {k: val for k, val in time.items() if val > 0}
 
-        memory, forward_act = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
+        memory, forward_act, by_rank = self._memory(plan, rank_dense, rank_expert, rank_cost, rank_act_layer_max)
         tokens = plan.tokens_per_step
         flops = self.model_flops_per_token * tokens
         tflops = flops / step / plan.devices / 1e12
@@ -1379,10 +1634,27 @@ class CostModel:
                         list(zip(fwd, bwd, wgr)))
         cost.binding = binding_constraint(cost)
         cost.forward_activations = forward_act
+        cost.memory_by_pp_rank = by_rank
         if self._gathered_for_step(plan) and plan.zero_stage >= 2:  # the memory report states why
             held = "parameters gathered, gradients unsharded" if plan.zero_stage == 3 else "gradients unsharded"
             cost.notes.append(f"{plan.schedule}: {held} for the whole step (stage is the FSDP root)")
         return cost
+
+    def _boundary_blocks(self, position: int) -> int:
+        """Completed Attention-Residual blocks entering the layer at `position` (0-based into work.layers)."""
+        return self.spec.attn_res_blocks_before(min(position, self.spec.num_layers))
+
+    def _add_boundary_state(self, rank_cost: list[PartCost], chunks: list[list[int]], ranks: list[int],
+                            act_msg: float) -> None:
+        """Attention Residuals under PP: per micro-batch in flight a chunk keeps the completed blocks it received
+        (views of the received [n + 1, B, T, D] state that its mixes read: not counted by any of its layers) and the
+        stacked state it sent (held by the pipeline stage until backward). Never offloaded (act_kept too)."""
+        S = len(chunks)
+        for c in range(S):
+            held = (self._boundary_blocks(chunks[c][0]) if c > 0 else 0) + \
+                (self._boundary_blocks(chunks[c + 1][0]) + 1 if c < S - 1 else 0)
+            rank_cost[ranks[c]].act += held * act_msg
+            rank_cost[ranks[c]].act_kept += held * act_msg
 
     def host_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
                    ) -> tuple[list[float], list[float]]:
@@ -1393,7 +1665,7 @@ class CostModel:
         --measure-host` value does not).
         Recompute launches forward work again inside backward: a part under full recompute adds its share of the
         layer's forward host time, under selective half of it (an assumption: not measured)."""
-        hc = self.cal.host
+        hc = host_calibration(plan.host_profile, self.cal)
         fp8 = fp8_recipe_runs(plan.precision, self.cluster)
         redo = {"none": 0.0, "selective": 0.5, "full": 1.0}
         fwd, bwd = [], []
@@ -1409,6 +1681,24 @@ class CostModel:
                 h_b += per * (2 + again) / 3 * count
             fwd.append(h_f)
             bwd.append(h_b)
+        return fwd, bwd
+
+    def sync_times(self, plan: Plan, rank_counts: list[dict[int, int]], kind_layer: list[LayerWork]
+                   ) -> tuple[list[float], list[float]]:
+        """Device idle per rank and micro-batch pass from host syncs (HostCalibration.moe_sync_s): a dropless MoE layer
+        with expert parallelism copies its token counts to the host before the all-to-all (split sizes) and the grouped
+        GEMM (per-expert rows), so the device's queue drains and it waits for the host to launch the rest of the layer;
+        once per forward, again in a full recompute of the MoE part. Not hidden by max(device, host): it is on both.
+        A capacity factor (static buffers) needs no sync."""
+        hc = host_calibration(plan.host_profile, self.cal)
+        if hc.moe_sync_s <= 0 or plan.ep * plan.etp <= 1 or (self.spec.moe and self.spec.moe.capacity_factor):
+            return [0.0] * plan.pp, [0.0] * plan.pp
+        fwd, bwd = [], []
+        for counts in rank_counts:
+            n_moe = sum(c for k_id, c in counts.items() if kind_layer[k_id].kind.ffn == "moe")
+            again = plan.recompute.moe == "full"
+            fwd.append(n_moe * hc.moe_sync_s)
+            bwd.append(n_moe * hc.moe_sync_s if again else 0.0)
         return fwd, bwd
 
     @staticmethod
@@ -1518,41 +1808,45 @@ class CostModel:
         reduce-scattered once per step, so ZeRO-2 is priced as ZeRO-1 and ZeRO-3 as one bf16 all-gather + one
         reduce-scatter per step."""
         cl, cm = self.cluster, self.cal.comm
-        dp_stride, edp_stride = plan.tp * plan.cp, plan.ep * plan.etp
+        # dense gradients are summed over the context-parallel ranks too (their sequence shares add up): one group of
+        # dp * cp ranks, stride tp (moestack/parallel/mesh.py dp_shard_cp; Megatron's data-parallel-with-CP group)
+        dpc, dp_stride, edp_stride = plan.dp * plan.cp, plan.tp, plan.ep * plan.etp
         edp = plan.edp
         if _experts_tp_replicated(plan):  # summed over TP per micro-batch (part_cost); FSDP then reduces over dp
-            edp, edp_stride = plan.dp, dp_stride
+            edp, edp_stride = dpc, dp_stride
         z = plan.zero_stage
         held = self._gathered_for_step(plan)
         if held and z == 2:
             z = 1  # one reduce-scatter per step (moestack.parallel.pipeline.stage_module)
-        g_dense, g_exp = dense * FP32, expert * FP32
+        g_dense, g_exp = dense * grad_bytes(plan), expert * grad_bytes(plan)
         if z == 0:
-            rs = ring_time(cl, g_dense, plan.dp, dp_stride, "ar", cm) + ring_time(cl, g_exp, edp, edp_stride, "ar", cm)
+            rs = ring_time(cl, g_dense, dpc, dp_stride, "ar", cm) + ring_time(cl, g_exp, edp, edp_stride, "ar", cm)
             return rs, max(rs - 0.9 * bwd, rs / layers)
-        rs = ring_time(cl, g_dense, plan.dp, dp_stride, "rs", cm) + ring_time(cl, g_exp, edp, edp_stride, "rs", cm)
+        rs = ring_time(cl, g_dense, dpc, dp_stride, "rs", cm) + ring_time(cl, g_exp, edp, edp_stride, "rs", cm)
         if z == 1:
-            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
+            ag = ring_time(cl, g_dense, dpc, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
             exposed = max(rs - 0.9 * bwd, rs / layers) + max(ag - 0.9 * fwd, ag / layers)
             return rs + ag, exposed
         if z == 2:
-            ag = ring_time(cl, g_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
+            ag = ring_time(cl, g_dense, dpc, dp_stride, "ag", cm) + ring_time(cl, g_exp, edp, edp_stride, "ag", cm)
             per_mb = max(0.0, rs - 0.9 * bwd) + OVERLAP_RESIDUAL * min(rs, bwd)
             return m * rs + ag, m * per_mb + max(ag - 0.9 * fwd, ag / layers)
         w_dense, w_exp = dense * BF16, expert * BF16
-        ag = ring_time(cl, w_dense, plan.dp, dp_stride, "ag", cm) + ring_time(cl, w_exp, edp, edp_stride, "ag", cm)
+        ag = ring_time(cl, w_dense, dpc, dp_stride, "ag", cm) + ring_time(cl, w_exp, edp, edp_stride, "ag", cm)
         if held:  # no reshard after forward, no reduce per micro-batch (pipeline.stage_module)
             return rs + ag, max(rs - 0.9 * bwd, rs / layers) + max(ag - 0.9 * fwd, ag / layers)
         per_mb = _overlapped(ag, fwd, True) + _overlapped(ag + rs, bwd, True)
         return m * (2 * ag + rs), m * per_mb
 
     def _shards(self, plan: Plan) -> tuple[int, int]:
-        """(dense, expert) ZeRO shard counts: dense over dp_shard, experts over their DP group less replicas."""
+        """(dense, expert) ZeRO shard counts: dense over dp_shard x cp (FSDP2's dp_shard_cp mesh under context
+        parallelism; Megatron's distributed optimizer likewise shards over data parallel with CP), experts over their
+        DP group less replicas."""
         if plan.zero_stage == 0:
             return 1, 1
         if _experts_tp_replicated(plan):  # experts shard with their block over the dense dp mesh
-            return plan.dp_shard, plan.dp_shard
-        return plan.dp_shard, max(1, plan.edp // plan.dp_replicate)
+            return plan.dp_shard * plan.cp, plan.dp_shard * plan.cp
+        return plan.dp_shard * plan.cp, max(1, plan.edp // plan.dp_replicate)
 
     def _optimizer_offload(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
                            fwd: list[float], bwd: list[float], m: int) -> tuple[float, float, float]:
@@ -1606,9 +1900,10 @@ class CostModel:
         return flops / (peak * self.cal.gemm_peak_eff * 0.8)
 
     def _memory(self, plan: Plan, dense: list[float], expert: list[float], rank_cost: list[PartCost],
-                act_layer_max: list[float]) -> tuple[dict[str, float], float]:
-        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), and that
-        rank's activations at the end of forward (before the one-end-of-backward accounting)."""
+                act_layer_max: list[float]) -> tuple[dict[str, float], float, list[dict[str, float]]]:
+        """Bytes on the busiest rank, by component (module docstring; ZeRO per Rajbhandari et al. 2020), that
+        rank's activations at the end of forward (before the one-end-of-backward accounting), and every pipeline
+        rank's components (the dry run compares its rank with them)."""
         cal, spec = self.cal, self.spec
         sd, se = self._shards(plan)
         m = plan.num_microbatches
@@ -1616,6 +1911,7 @@ class CostModel:
         opt_b = optimizer_bytes_per_param(plan.optimizer)
         best: dict[str, float] = {}
         best_fwd_act = 0.0
+        by_rank: list[dict[str, float]] = []
         # zbv / dualpipev: the stage is the FSDP root (moestack.parallel.pipeline.stage_module): parameters stay
         # gathered (bf16 copy, as ZeRO 0-2) and gradients unsharded (fp32) for the whole step
         held = self._gathered_for_step(plan)
@@ -1641,7 +1937,9 @@ class CostModel:
                     mem["weights"] += (d + e_dev) * BF16  # the gathered copy
                 mem["optimizer"] = 0.0
             else:
-                mem["weights"] = d * FP32 / w_shard_d + e_dev * FP32 / w_shard_e
+                # FSDP2 shards the fp32 parameters at every ZeRO stage (moestack/parallel/fsdp.py; Megatron's
+                # distributed optimizer likewise keeps the fp32 master weights sharded): ZeRO 1/2 add the bf16 copy
+                mem["weights"] = d * FP32 / sd + e_dev * FP32 / se
                 mem["optimizer"] = d * opt_b / sd + e_dev * opt_b / se
                 if plan.optimizer == "muon":  # Muon leaves the embedding and the LM head to AdamW (8 bytes)
                     mem["optimizer"] += vocab_params * (optimizer_bytes_per_param("adamw") - opt_b) / sd
@@ -1649,9 +1947,11 @@ class CostModel:
                 # FSDP2 (moestack/parallel/fsdp.py) computes with a bf16 copy of the parameters gathered in forward
                 # and kept until backward under ZeRO 0-2; with one shard (ZeRO-0, or dp_shard = 1, e.g. pure TP)
                 # that copy comes on top of the whole fp32 parameters
-                fsdp = d * (FP32 / sd + BF16) + e_dev * (FP32 / se + BF16)
+                fsdp = d * FP32 / sd + e_dev * FP32 / se + BF16 * bf16_weight_copy(plan, self.cluster, d, e_dev,
+                                                                                   vocab_params)
                 mem["weights"] = max(mem["weights"], fsdp)
-            mem["gradients"] = d * FP32 / g_shard_d + e_dev * FP32 / g_shard_e
+            grad_b = grad_bytes(plan)
+            mem["gradients"] = d * grad_b / g_shard_d + e_dev * grad_b / g_shard_e
             inflight = inflight_microbatches(plan.schedule, plan.pp, plan.vpp, m)
             if r > 0 and plan.schedule in ("1f1b", "interleaved_1f1b"):
                 inflight = max(1.0, inflight - r * (2 if plan.schedule == "interleaved_1f1b" else 1) / plan.vpp)
@@ -1662,7 +1962,11 @@ class CostModel:
             else:
                 mem["activations"] = act * inflight
             buffers = 0.0
-            if r == head_rank:  # the chunked loss: one chunk's logits at a time
+            if r == head_rank and framework_of(plan.host_profile) == "megatron":
+                # Megatron's vocabulary-parallel fused cross-entropy (Transformer Engine): the bf16 logits of the
+                # rank's vocabulary shard, their gradient written in place, per output head (main + MTP)
+                buffers = max(buffers, T * spec.vocab_size / plan.tp * BF16 * self.work.num_heads_out)
+            elif r == head_rank:  # the chunked loss: one chunk's logits at a time
                 # under TP the head is replicated and each rank runs the loss on its sequence shard (head_cost):
                 # chunks of the full vocabulary over T / tp tokens (tp2, 2 x H200: +7.5 GiB in the loss phase)
                 buffers = max(buffers, min(T / plan.tp, LOSS_CHUNK_TOKENS) * spec.vocab_size * LOSS_BYTES_PER_LOGIT)
@@ -1678,6 +1982,9 @@ class CostModel:
                 # FP8 GEMMs' weights (all but embedding / head) until the optimizer step; under ZeRO-3 only those of
                 # the layer gathered now (it drops what FSDP frees)
                 fp8_bytes = 2 * (max(0.0, d - vocab_params) + e_dev)
+                recipe = GEMM_RECIPES[plan.precision]
+                if recipe.scaling == "native":  # Transformer Engine: row- and column-wise copies, with their scales
+                    fp8_bytes *= recipe.elem_bytes + recipe.scale_bytes
                 gathered = plan.zero_stage == 3 and not held
                 mem["fp8_weights"] = fp8_bytes / max(1, len(self.work.layers) / plan.pp) if gathered else fp8_bytes
             expert_ws = 0.0
@@ -1693,9 +2000,10 @@ class CostModel:
             if self._grads_build_up(plan):
                 self._one_end_of_backward(plan, mem, expert_ws, r == 0)
             mem["reserved"] = cal.runtime_reserved_gib * GIB
+            by_rank.append(mem)
             if sum(mem.values()) > sum(best.values()):
                 best, best_fwd_act = mem, fwd_act
-        return best, best_fwd_act
+        return best, best_fwd_act, by_rank
 
 
 def binding_constraint(cost: PlanCost) -> str:

@@ -1,7 +1,9 @@
 """`moestack plan` and `moestack tune` (registered by moestack/cli.py).
 
 plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
-     [--plot DIR] [--out plan.yaml] [--precision bf16|fp8] [--optimizer adamw|adamw_bf16|muon] [--calibration F]
+     [--plot DIR] [--out plan.yaml] [--precision bf16|fp8|fp8_tensorwise|mxfp8|nvfp4]
+     [--optimizer adamw|adamw_bf16|muon] [--calibration F]
+     [--host-profile eager|megatron|megatron-graphs|megatron-full-graphs]
 tune MODEL [--plan plan.yaml] [--out calibration.json]
 tune-comm --out comm.json [--sizes-mib 1,16,128] [--iters N] [--dtype fp32|bf16] [--merge-into calibration.json]
           (under torchrun, >= 2 ranks); tune-comm --from comm.json --merge-into calibration.json (no torchrun)
@@ -34,11 +36,19 @@ def plan(
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="where to write the best plan")] = Path("plan.yaml"),
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write memory.png and timeline.png here")] = None,
-    precision: Annotated[str, typer.Option("--precision", help="bf16 | fp8 (GEMM recipe)")] = "bf16",
+    precision: Annotated[
+        str, typer.Option("--precision", help="GEMM recipe: bf16 | fp8 (moestack's blockwise) | fp8_tensorwise | "
+                          "mxfp8 | nvfp4 (the last three are priced for published runs; the trainer runs bf16 and fp8)")
+    ] = "bf16",
     optimizer: Annotated[str, typer.Option("--optimizer", help="adamw | adamw_bf16 | muon")] = "adamw",
     calibration: Annotated[
         Optional[Path], typer.Option("--calibration", help="efficiency file from `moestack tune`")
     ] = None,
+    host_profile: Annotated[
+        str, typer.Option("--host-profile", help="whose host launches the kernels: eager (moestack's trainer, the "
+                          "calibration's host) | megatron | megatron-graphs | megatron-full-graphs (Megatron-LM runs; "
+                          "planner/host_profile.py)")
+    ] = "eager",
 ) -> None:
     """Find the fastest parallel plan that fits, or evaluate one (--fix); write the best as plan.yaml."""
     from moestack.config.plan import save_plan
@@ -47,7 +57,8 @@ def plan(
 
     if top < 1:
         raise ConfigError(f"--top: must be >= 1 (got {top})")
-    problem = load_problem(model, cluster, devices, seq_len, global_batch_tokens, calibration, precision, optimizer)
+    problem = load_problem(model, cluster, devices, seq_len, global_batch_tokens, calibration, precision, optimizer,
+                           host_profile=host_profile)
     fixed = parse_fix(fix)
     result = Planner(problem).search(fixed, require_fit=not fixed)
     best = result.best
@@ -66,7 +77,7 @@ def plan(
     pb = problem
     print(f"{pb.spec.name} on {pb.cluster.num_devices} x {pb.cluster.device.name} ({pb.cluster.name}), seq_len "
           f"{pb.seq_len}, {pb.global_batch_tokens:,} tokens/step target, {pb.precision}, {pb.optimizer}; "
-          f"calibration: {pb.cal.device}{_comm_note(pb.cal)}")
+          f"calibration: {pb.cal.device}{_comm_note(pb.cal)}; host profile: {pb.host_profile}")
     if best is None:
         c = result.closest
         print("no plan fits.")

@@ -2,8 +2,8 @@
 
 Parameters mirror moestack.model module by module (no biases unless the spec says so):
   block   2 RMSNorm(d) (attn_norm, ffn_norm); a single-sublayer block (layer_pattern) has one RMSNorm(d);
-          Attention Residuals add 2 RMSNorm(d) + 2 Linear(d, 1) per block and Linear(d, 1) + RMSNorm(d) at the
-          output (counted with the final norm).
+          Attention Residuals add two mixes per block and one at the output (counted with the final norm), each
+          a norm weight [d] and a Linear(d, 1) weight [1, d] (their product is the pseudo-query).
   KDA     q_proj, k_proj d -> H*K; v_proj d -> Hv*K; 3 short convs [C, 1, W] (C = H*K, H*K, Hv*K); decay input
           f_a d -> r, f_b r -> G (or f_proj d -> G; G = Hv*K per channel, Hv per head); A_log [Hv]; dt_bias [G];
           b_proj d -> Hv; g_proj d -> Hv*K (or g_a d -> r, g_b r -> Hv*K); o_norm [K]; o_proj Hv*K -> d.
@@ -18,7 +18,9 @@ Parameters mirror moestack.model module by module (no biases unless the spec say
   MLP     m * d * I.
   Mamba-2 in_proj d -> 2*Di + 2*ng*ds + nh; conv [Di + 2*ng*ds, 1, W] (+ bias); dt_bias, A_log, D [nh];
           gated norm [Di]; out_proj Di -> d.
-  model   embedding V*d; final RMSNorm [d]; LM head d*V (0 when tied to the embedding).
+  model   embedding V*d (+ S*d learned positions); final RMSNorm [d]; LM head d*V (0 when tied to the embedding).
+  GPT-2/3 parts (profiled, not built): norm layernorm = weight + bias [2d] per norm; gelu = one up matrix (as relu2);
+          linear_bias = biases on q/k/v (GQA qkv_bias), the output projection, the MLP / expert up and down layers.
 total_params = embedding + layers + final norm + head: the model moestack builds. other_params = final norm + MTP
 modules + vision tower (MTP and vision are counted and reported, not in total_params: they are not trained).
 Activated parameters per token = what a token's forward touches, excluding the input embedding (a row gather) and
@@ -27,7 +29,8 @@ including the LM head: only the top_k routed experts of a MoE layer.
 Forward FLOPs per token (train = 3 x forward: forward, data-gradient and weight-gradient GEMMs, Megatron's rule):
   matmul  2 x weights of every matmul/conv the token multiplies (2 x activated params minus norms, biases, A_log,
           dt_bias, D, and the router, which is reported apart as router FLOPs, as Megatron leaves it out).
-  causal softmax attention (GQA, MLA dense): QK^T and PV over on average S/2 keys: 2 * H * (d_qk + d_v) * S/2.
+  causal softmax attention (GQA, MLA dense): QK^T and PV over on average S/2 keys: 2 * H * (d_qk + d_v) * S/2;
+          a sliding window of w keys (sliding_window_layers) caps them as DSA's top-k does: w - w^2 / (2S).
   DSA (MLA with an indexer, sparse): the same over the keys a query keeps, k_eff = S/2 (S <= k) else
           k - k^2/(2S); plus indexer scores over all S/2 causal keys: 2 * Hi * (Di + 1) * S/2 (dot products and
           head weighting; the top-k selection itself is not counted). This is the sparse stage; the dense warm-up
@@ -36,6 +39,8 @@ Forward FLOPs per token (train = 3 x forward: forward, data-gradient and weight-
   KDA     chunked form, Kimi Linear report Eq. 13 per value head: 6 K^2 + 3 C K + C^2 (C = chunk size); the same
           estimate for Gated DeltaNet (per-head decay).
   Mamba-2 the SSD scan as Megatron estimates it: 7 * Di * ds.
+  AttnRes each mix over n sources (ModelSpec.attn_res_sources: n grows with depth): scores and weighted sum,
+          4 * d * n, counted with the attention terms (the per-source RMS, like the norms, is not counted).
   LM head 2 * d * V.
   MTP     per module: its blocks + eh_proj 2 * 2d * d + the shared LM head 2 * d * V (reported apart).
 Agreement with Megatron-LM `num_floating_point_operations` (standard GQA / MLA / MoE / LatentMoE): the same terms
@@ -168,14 +173,14 @@ class _Cost:
 
 
 def _glu_mult(spec: ModelSpec) -> int:
-    return 2 if spec.activation == "relu2" else 3
+    return 3 if spec.gated_mlp else 2
 
 
-def _mlp(c: _Cost, d: int, inter: int, mult: int) -> None:
-    """Dense (or shared-expert) MLP: gate/up d -> I (one of them for relu2), down I -> d."""
+def _mlp(c: _Cost, d: int, inter: int, mult: int, bias: bool = False) -> None:
+    """Dense (or shared-expert) MLP: gate/up d -> I (one of them for relu2 / gelu), down I -> d."""
     for _ in range(mult - 1):
-        c.linear(d, inter)
-    c.linear(inter, d)
+        c.linear(d, inter, bias)
+    c.linear(inter, d, bias)
     # saved: gate and up outputs (activation inputs), the activation output (down_proj input)
     c.save(mult * inter)
 
@@ -263,7 +268,7 @@ def _mla_cost(spec: ModelSpec, seq_len: int) -> _Cost:
     return c
 
 
-def _gqa_cost(spec: ModelSpec, seq_len: int) -> _Cost:
+def _gqa_cost(spec: ModelSpec, seq_len: int, window: int | None = None) -> _Cost:
     d, g = spec.hidden_size, spec.gqa
     H, G, E = g.num_heads, g.num_kv_heads, spec.gqa_head_dim
     c = _Cost()
@@ -276,8 +281,8 @@ def _gqa_cost(spec: ModelSpec, seq_len: int) -> _Cost:
     if g.output_gate:
         c.linear(d, H * E)
         c.save(2 * H * E)
-    c.linear(H * E, d)
-    c.attn = 2 * H * (E + E) * _causal_keys(seq_len)
+    c.linear(H * E, d, spec.linear_bias)
+    c.attn = 2 * H * (E + E) * _causal_keys(seq_len, window)  # a sliding window caps the keys like DSA's top-k
     c.save(d + (H + 2 * G) * E + H * E)  # input, q, k, v, O
     c.save(H, FP32)
     return c
@@ -322,12 +327,15 @@ def _moe_cost(spec: ModelSpec) -> tuple[_Cost, float]:
         if m.latent_norm:
             c.vector(width)
     expert = mult * width * inter
+    if spec.linear_bias:  # up (and gate) [I] and down [width] biases per expert, outside the matmul FLOPs
+        c.params += E * ((mult - 1) * inter + width)
+        c.activated += k * ((mult - 1) * inter + width)
     c.params += E * expert
     c.activated += k * expert
     c.matmul += 2 * k * expert
     c.save(k * (2 * width + mult * inter))  # per routed slot: expert input, output, gate/up and activation
     if m.num_shared_experts:
-        _mlp(c, d, m.shared_intermediate_size, mult)
+        _mlp(c, d, m.shared_intermediate_size, mult, spec.linear_bias)
         if m.shared_expert_gate:
             c.linear(d, 1)
             c.save(1)
@@ -337,28 +345,41 @@ def _moe_cost(spec: ModelSpec) -> tuple[_Cost, float]:
 
 def _dense_cost(spec: ModelSpec) -> _Cost:
     c = _Cost()
-    _mlp(c, spec.hidden_size, spec.dense_mlp.intermediate_size, _glu_mult(spec))
+    _mlp(c, spec.hidden_size, spec.dense_mlp.intermediate_size, _glu_mult(spec), spec.linear_bias)
     c.save(spec.hidden_size)  # input
     return c
 
 
-def _block_cost(spec: ModelSpec, kind: LayerKind, seq_len: int) -> tuple[_Cost, float]:
+def _attn_res_cost(d: int, n_sources: int) -> _Cost:
+    """One Attention-Residual mix (moestack.model.attn_res) over n sources: norm weight [d] and proj weight [1, d];
+    4 d n FLOPs (module docstring); saved: its output (the next norm's input; the sources are the residual stream,
+    saved anyway) and, per source, the softmax weight and rstd (fp32)."""
+    c = _Cost()
+    c.vector(2 * d)
+    c.attn = 4.0 * d * n_sources
+    c.save(d)
+    c.save(2 * n_sources, FP32)
+    return c
+
+
+def _block_cost(spec: ModelSpec, kind: LayerKind, seq_len: int, layer: int | None = None) -> tuple[_Cost, float]:
+    """One block; `layer` (0-based) places it in the depth for Attention Residuals (None: MTP blocks, no mixes)."""
     d = spec.hidden_size
     c = _Cost()
     n_norms = 2 if spec.layer_pattern is None else 1
-    c.vector(n_norms * d)
-    c.save(n_norms * d)  # the residual stream each norm reads
-    c.save(n_norms, FP32)  # rstd
-    if spec.attn_res_block_size is not None:
-        c.vector(2 * d)  # self_attention_res_norm, mlp_res_norm
-        c.linear(d, 1)  # self_attention_res_proj
-        c.linear(d, 1)  # mlp_res_proj
+    ln = 2 if spec.norm == "layernorm" else 1  # LayerNorm: weight + bias; saves mean and rstd
+    c.vector(n_norms * d * ln)
+    c.save(n_norms * d)  # the residual stream each norm reads (with AttnRes: the partial sums the mixes read)
+    c.save(n_norms * ln, FP32)  # rstd (and mean)
+    if spec.attn_res_block_size is not None and layer is not None:
+        for n in spec.attn_res_sources(layer):  # before the mixer, before the ffn
+            c += _attn_res_cost(d, n)
     if kind.mixer == "kda":
         c += _kda_cost(spec)
     elif kind.mixer == "mla":
         c += _mla_cost(spec, seq_len)
     elif kind.mixer == "gqa":
-        c += _gqa_cost(spec, seq_len)
+        c += _gqa_cost(spec, seq_len, kind.window)
     elif kind.mixer == "mamba2":
         c += _mamba2_cost(spec)
     dispatch = 0.0
@@ -396,12 +417,15 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
     d, V = spec.hidden_size, spec.vocab_size
     layers = []
     for i, kind in enumerate(spec.layer_kinds(), 1):
-        cost, dispatch = _block_cost(spec, kind, seq_len)
+        cost, dispatch = _block_cost(spec, kind, seq_len, i - 1)
         layers.append(_layer_profile(i, kind, cost, dispatch))
 
-    embedding = V * d
+    embedding = V * d + (spec.max_seq_len * d if spec.learned_positions else 0)  # + the position table
     head = 0 if spec.tie_word_embeddings else d * V
-    final_norm = d + (2 * d if spec.attn_res_block_size is not None else 0)  # + output_attn_res proj and norm
+    out_mix = _Cost()  # Attention Residuals: the output mix over every block, before the final norm
+    if spec.attn_res_block_size is not None:
+        out_mix = _attn_res_cost(d, spec.attn_res_blocks_before(spec.num_layers) + 1)
+    final_norm = d * (2 if spec.norm == "layernorm" else 1) + out_mix.params
     head_flops = 2 * d * V
 
     mtp = _Cost()
@@ -417,7 +441,7 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
     layer_params = sum(lp.params for lp in layers)
     total = embedding + layer_params + final_norm + head
     activated = sum(lp.activated_params for lp in layers) + final_norm + d * V
-    fwd = sum(lp.fwd_flops_per_token for lp in layers) + head_flops
+    fwd = sum(lp.fwd_flops_per_token for lp in layers) + out_mix.attn + head_flops
     notes = list(getattr(extras, "notes", []) or [])
     if spec.moe is not None and spec.moe.router.selection_bias:
         notes.append("router selection bias: a buffer of num_experts fp32 values per MoE layer, not a parameter")
@@ -444,7 +468,7 @@ def profile_model(spec: ModelSpec, seq_len: int, extras: Any = None) -> ArchProf
         mtp_train_flops_per_token=3 * mtp_flops,
         vision_params=vision,
         router_train_flops_per_token=3 * sum(lp.fwd_router_flops_per_token for lp in layers),
-        head_act_bytes_per_token=2 * d * BF16 + FP32,
+        head_act_bytes_per_token=2 * d * BF16 + FP32 + out_mix.act_bytes,
         quantization=_quantization_report(spec, layers, embedding, head, extras),
         notes=notes,
     )
@@ -505,11 +529,25 @@ def load_any_model(name_or_path: str | Path) -> tuple[ModelSpec, Any]:
     if p.suffix == ".json":
         if not p.is_file():
             raise ConfigError(f"{p}: file not found")
+        _check_json(p)
         if not is_hf_config(p):
             raise ConfigError(f"{p}: not an HF config.json (no model_type / architectures)")
         imp = load_hf_config(p)
         return imp.spec, imp.extras
     return load_model_spec(name_or_path), None
+
+
+def _check_json(p: Path) -> None:
+    """ConfigError naming where a .json file stops being JSON (a truncated download, a stray comma)."""
+    import json
+
+    try:
+        json.loads(p.read_text())
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); is it a config.json?") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{p}: line {err.lineno} column {err.colno}: not valid JSON ({err.msg}); the file is "
+                          "truncated or edited: fetch it again") from None
 
 
 def load_any_model_spec(name_or_path: str | Path) -> ModelSpec:

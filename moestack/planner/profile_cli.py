@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moestack.config.base import ConfigError
 from moestack.planner.profile import ArchProfile, load_any_model, profile_model
 
 
@@ -85,6 +86,8 @@ def profile(
 ) -> None:
     """Exact parameters, FLOPs per token, activation and dispatch bytes, per layer type and in total."""
     spec, extras = load_any_model(model)
+    if seq_len < 1:
+        raise ConfigError(f"--seq-len: must be >= 1 token per sequence (got {seq_len})")
     prof = profile_model(spec, seq_len, extras)
     if json_out:
         print(json.dumps(prof.to_json()))

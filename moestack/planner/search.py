@@ -7,8 +7,10 @@ Enumeration, outermost first (every level honours `--fix` values):
   schedule   1f1b; interleaved_1f1b with vpp in {2, 4, 8}; zbv; dualpipev (gpipe only through --fix)
   sharding   ZeRO-1 or ZeRO-3 (FSDP2) over the data-parallel group (ZeRO-0 / 2 only through --fix)
   memory     a ladder from fast to frugal: recompute none -> selective -> (dense MLP full) -> (MoE full) -> full,
-             each with offload none -> optimizer -> +activations -> +experts; the first two rungs that fit are
-             evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+             each with offload none -> optimizer -> +activations (-> +experts on one device); the first two rungs
+             that fit are evaluated, cheaper-to-reject rungs are skipped by a quick memory bound
+Plans the trainer would refuse (moestack/config/support.py: e.g. Muon with optimizer offload, cp with pp) are
+skipped, so every plan printed launches (`moestack train --plan plan.yaml --dry-run` checks one at full size).
 The dispatcher is hierarchical when the EP group spans more than one innermost domain, else flat.
 Precision and optimizer are the user's choice (they change the training recipe), never searched.
 """
@@ -20,26 +22,34 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 from moestack.config.base import ConfigError
 from moestack.config.cluster import ClusterSpec, load_cluster_spec
 from moestack.config.model_spec import ModelSpec
-from moestack.config.plan import OffloadPolicy, Plan, RecomputePolicy
+from moestack.config.plan import HostProfileName, OffloadPolicy, Plan, Precision, RecomputePolicy
+from moestack.config.support import EP_OVERLAP_SCHEDULES, unsupported
 from moestack.planner.calibration import Calibration, load_calibration
-from moestack.planner.cost import CostModel, PlanCost, group_members_per_domain
+from moestack.planner.cost import GEMM_RECIPES, CostModel, PlanCost, group_members_per_domain
 from moestack.planner.profile import load_any_model_spec, profile_model
 
 # default tokens per step: 16M (Llama 3 405B / DeepSeek-V3 pre-training scale), at most 64 sequences per device
 DEFAULT_GLOBAL_BATCH_TOKENS = 16 * 2**20
 DEFAULT_SEQS_PER_DEVICE = 64
 DEFAULT_MARGIN = 0.05  # keep 5% of HBM free for fragmentation
+# moestack's TP collectives run on the compute stream (parallel/tensor.py): the search does not credit an overlap the
+# trainer does not do (published runs that overlap say `--fix tp_overlap=true`)
+TP_OVERLAP_DEFAULT = False
+DEFAULT_IMBALANCE = Plan.model_fields["moe_load_imbalance"].default
 
 FIX_KEYS = {
     "tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs", "schedule",
-    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap",
+    "recompute", "offload", "precision", "optimizer", "dispatcher", "tp_overlap", "ep_overlap", "ep_dispatch",
+    "sp", "grad_dtype", "quantized_params", "imbalance", "pp_split", "fp8_act_input",
 }
 INT_KEYS = {"tp", "pp", "vpp", "ep", "etp", "cp", "dp", "dp_shard", "dp_replicate", "zero", "mbs", "gbs"}
-BOOL_KEYS = {"tp_overlap", "ep_overlap"}
+BOOL_KEYS = {"tp_overlap", "ep_overlap", "sp", "quantized_params", "fp8_act_input"}
+FLOAT_KEYS = {"imbalance"}
 PARTS = ("kda", "attention", "moe", "mlp")
 
 
@@ -91,6 +101,11 @@ def parse_fix(text: str | None) -> dict:
                 raise ConfigError(f"fix: {key} must be an integer (got {val!r})") from None
             if out[key] < (0 if key == "zero" else 1):
                 raise ConfigError(f"fix: {key} must be positive (got {val})")
+        elif key in FLOAT_KEYS:
+            try:
+                out[key] = float(val)
+            except ValueError:
+                raise ConfigError(f"fix: {key} must be a number (got {val!r})") from None
         elif key in BOOL_KEYS:
             if val.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigError(f"fix: {key} must be true/false (got {val!r})")
@@ -99,6 +114,8 @@ def parse_fix(text: str | None) -> dict:
             out[key] = parse_recompute(val)
         elif key == "offload":
             out[key] = parse_offload(val)
+        elif key == "ep_dispatch" and val not in ("bf16", "fp8"):
+            raise ConfigError(f"fix: ep_dispatch must be bf16 or fp8 (got {val!r})")
         else:
             out[key] = val
     return out
@@ -131,11 +148,14 @@ class Problem:
     precision: str = "bf16"
     optimizer: str = "adamw"
     margin: float = DEFAULT_MARGIN
+    host_profile: str = "eager"  # Plan.host_profile: whose host launches the kernels (planner/host_profile.py)
     cost: CostModel = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.precision == "fp8" and "fp8" not in self.cluster.device.peak_tflops:
-            raise ConfigError(f"precision: {self.cluster.device.name} has no fp8 units; use bf16")
+        recipe = GEMM_RECIPES.get(self.precision)
+        if recipe is not None and recipe.dtype not in self.cluster.device.peak_tflops:
+            raise ConfigError(f"precision: {self.cluster.device.name} has no {recipe.dtype} units for "
+                              f"{self.precision}; use bf16")
         prof = profile_model(self.spec, self.seq_len)
         self.profile = prof
         flops = prof.train_flops_per_token + prof.mtp_train_flops_per_token
@@ -144,22 +164,31 @@ class Problem:
 
 def load_problem(model: str, cluster: str, devices: int | None = None, seq_len: int | None = None,
                  global_batch_tokens: int | None = None, calibration: str | Path | None = None,
-                 precision: str = "bf16", optimizer: str = "adamw", margin: float = DEFAULT_MARGIN) -> Problem:
+                 precision: str = "bf16", optimizer: str = "adamw", margin: float = DEFAULT_MARGIN,
+                 host_profile: str = "eager") -> Problem:
     """Resolve names (presets, YAML, HF config.json) into a Problem."""
     spec = load_any_model_spec(model)
     cl = load_cluster_spec(cluster)
     if devices is not None:
         cl = cl.with_devices(devices)
-    seq = seq_len or min(spec.max_seq_len, 4096)
+    seq = seq_len if seq_len is not None else min(spec.max_seq_len, 4096)
     if seq < 2:
-        raise ConfigError(f"seq-len: must be >= 2 (got {seq})")
+        raise ConfigError(f"--seq-len: must be >= 2 tokens per sequence (got {seq}); leave it out for "
+                          f"{min(spec.max_seq_len, 4096)}")
+    if seq > spec.max_seq_len:
+        raise ConfigError(f"--seq-len: {seq} exceeds the model's max_seq_len {spec.max_seq_len}; lower it")
+    if global_batch_tokens is not None and global_batch_tokens < seq:
+        raise ConfigError(f"--global-batch-tokens: {global_batch_tokens} is less than one sequence ({seq} tokens); "
+                          "give tokens per optimizer step, e.g. 16777216")
     tokens = global_batch_tokens or min(DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_SEQS_PER_DEVICE * cl.num_devices * seq)
-    if precision not in ("bf16", "fp8"):
-        raise ConfigError(f"precision: must be bf16 or fp8 (got {precision!r})")
+    if precision not in get_args(Precision):
+        raise ConfigError(f"precision: must be one of {', '.join(get_args(Precision))} (got {precision!r})")
+    if host_profile not in get_args(HostProfileName):
+        raise ConfigError(f"host-profile: must be one of {', '.join(get_args(HostProfileName))} (got {host_profile!r})")
     if optimizer not in ("adamw", "adamw_bf16", "muon"):
         raise ConfigError(f"optimizer: must be adamw, adamw_bf16 or muon (got {optimizer!r})")
     cal = load_calibration(calibration)
-    return Problem(model, cluster, spec, cl, cal, seq, tokens, precision, optimizer, margin)
+    return Problem(model, cluster, spec, cl, cal, seq, tokens, precision, optimizer, margin, host_profile)
 
 
 @dataclass
@@ -194,7 +223,7 @@ def _offload_ladder(spec: ModelSpec, cluster: ClusterSpec) -> list[OffloadPolicy
     if cluster.device.host_memory_gib <= 0 or cluster.device.host_link_gb_s <= 0:
         return [OffloadPolicy()]
     ladder = [OffloadPolicy(), OffloadPolicy(optimizer=True), OffloadPolicy(optimizer=True, activations=True)]
-    if spec.moe is not None:
+    if spec.moe is not None and cluster.num_devices == 1:  # the trainer offloads experts on one device only
         ladder += [OffloadPolicy(optimizer=True, experts=True),
                    OffloadPolicy(optimizer=True, experts=True, activations=True)]
     return ladder
@@ -354,8 +383,15 @@ class Planner:
                             dp_replicate=repl, dp_shard=shard, zero_stage=zero, tp=tp, cp=cp, ep=ep, etp=etp,
                             schedule=schedule, precision=fix.get("precision", pb.precision),
                             optimizer=fix.get("optimizer", pb.optimizer), dispatcher=self._dispatcher(fix, ep, etp),
-                            tp_comm_overlap=fix.get("tp_overlap", True),
-                            ep_comm_overlap=fix.get("ep_overlap", schedule == "dualpipev"),
+                            tp_comm_overlap=fix.get("tp_overlap", TP_OVERLAP_DEFAULT),
+                            ep_dispatch_dtype=fix.get("ep_dispatch", "bf16"),
+                            ep_comm_overlap=fix.get("ep_overlap", schedule in EP_OVERLAP_SCHEDULES and ep * etp > 1),
+                            sequence_parallel=fix.get("sp", True), grad_dtype=fix.get("grad_dtype", "fp32"),
+                            pipeline_split=fix.get("pp_split", "balanced"),
+                            quantized_params=fix.get("quantized_params", False),
+                            fp8_activation_input=fix.get("fp8_act_input", False),
+                            moe_load_imbalance=fix.get("imbalance", DEFAULT_IMBALANCE),
+                            host_profile=pb.host_profile,
                         )
                         found = 0
                         for rung, rc in enumerate(rc_ladder):
@@ -367,6 +403,10 @@ class Planner:
                                 except ValueError as err:  # pydantic ValidationError: the Plan's own rules
                                     rejected[_reason(err)] += 1
                                     break
+                                why = unsupported(plan)
+                                if why is not None and require_fit:  # the trainer would refuse it (support.py)
+                                    rejected["not run by the trainer: " + why.split(":")[0]] += 1
+                                    continue
                                 if require_fit:
                                     lo_hbm, lo_host = pb.cost.memory_lower_bound(plan)
                                     if lowest is None or lo_hbm < lowest[0]:
@@ -379,6 +419,8 @@ class Planner:
                                         continue
                                 cost = pb.cost.evaluate(plan)
                                 evaluated += 1
+                                if why is not None:  # --fix evaluates it anyway (e.g. a published run's layout)
+                                    cost.notes.append(f"moestack train refuses this plan: {why}")
                                 if closest is None or cost.memory_total < closest.memory_total:
                                     closest = cost
                                 if cost.host_bytes > cost.host_capacity or cost.memory_total > hbm_cap:

@@ -17,7 +17,7 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
-Without a CUDA GPU it prints "no GPU: nothing to tune" and exits 0.
+Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moestack.config.base import ConfigError
 from moestack.planner.calibration import (
     Calibration,
     GemmPoint,
@@ -221,7 +222,8 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
         p = plan.model_copy(update={"micro_batch_size": b, "seq_len": s})
         ctx = Ctx(p, local, cluster, cal, float(b * s))
         seen: set[str] = set()
-        for layer in model_work(local, s).layers:
+        # measure_parts times norm + part alone: compare with the analytic part without its Attention-Residual mix
+        for layer in model_work(local.model_copy(update={"attn_res_block_size": None}), s).layers:
             for part in layer.parts:
                 t = timings.get(part.kind)
                 if t is None or part.kind in seen:
@@ -337,13 +339,13 @@ def _backend_names() -> dict[str, str]:
 
 
 def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int | None,
-             measure_host: bool = False) -> Calibration | None:
-    """Measure and write the calibration; returns it (None without a GPU)."""
+             measure_host: bool = False) -> Calibration:
+    """Measure and write the calibration; returns it. ConfigError without a GPU."""
     import torch
 
     if not torch.cuda.is_available():
-        print("no GPU: nothing to tune")
-        return None
+        raise ConfigError("tune: no CUDA GPU on this machine: tune measures kernels on the GPU the runs will use; "
+                          "run it there (the planner uses the default calibration until then)")
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import load_plan
     from moestack.planner.cost import model_work
@@ -351,7 +353,9 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
 
     spec = load_any_model_spec(model)
     plan = load_plan(plan_path) if plan_path is not None else None
-    seq = seq_len or (plan.seq_len if plan else min(spec.max_seq_len, 4096))
+    seq = seq_len if seq_len is not None else (plan.seq_len if plan else min(spec.max_seq_len, 4096))
+    if seq < 2:
+        raise ConfigError(f"--seq-len: must be >= 2 tokens per sequence (got {seq})")
     tp = plan.tp if plan else 1
     ep = plan.ep if plan else 1
     mbs = plan.micro_batch_size if plan else 1

@@ -5,17 +5,24 @@ Layout of one checkpoint, `root/step_{step:08d}/`:
                             (get_state_dict / set_state_dict, so the same code works for FSDP2-sharded models)
     meta.json               format version, step, and `extra` (the trainer's JSON-able values and tensors:
                             scheduler, sampler and RNG state, train spec, model name)
-    COMPLETE                written last: size and sha256 of every other file
+    COMPLETE                written last: size and sha256 of every other file (and, with a trust key, their
+                            HMAC: moestack/train/safe_load.py)
 
 A save goes to `root/.tmp_step_{step:08d}` and is renamed into place only after every file is fsynced and
 COMPLETE is written, so a crash leaves at most a `.tmp_*` directory, which readers ignore and the next save
-removes. Works with and without an initialised process group (rank 0 writes meta.json / COMPLETE and renames;
-a shared filesystem is assumed when there are several ranks).
+removes. The writer holds an flock on `.tmp_*/.writer.lock` until the rename, and the sweep of leftovers skips
+directories whose lock another live process holds (sweep and claim happen under `root/.lock`), so a second writer
+never deletes a save in progress. Works with and without an initialised process group (rank 0 writes meta.json /
+COMPLETE and renames; a shared filesystem is assumed when there are several ranks).
+
+Nothing in a checkpoint is unpickled with plain pickle: DCP's metadata and non-tensor entries go through the
+restricted readers of moestack/train/safe_load.py.
 """
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -45,17 +52,24 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from moestack.train.optimizers import NO_ROUNDING_STATE, ROUNDING_RNG_KEY
+from moestack.train.safe_load import (
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    UntrustedCheckpointError,
+    check_signature,
+    read_dcp_metadata,
+    sign,
+)
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
 META = "meta.json"
+WRITER_LOCK = ".writer.lock"  # held by the process writing a .tmp_* directory; not part of the checkpoint's files
 _STEP_RE = re.compile(r"step_(\d{8,})")
 _FULL_HASH_BYTES = 64 << 20  # files up to this size are hashed whole
 _SAMPLE_BYTES = 8 << 20  # larger files: size + sha256 of the first and last 8 MiB (a full hash of TBs costs too much)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message is one line naming the path and the problem."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,14 +109,19 @@ def _decode(obj: Any) -> Any:
     if not isinstance(obj, dict):
         return obj
     if "__tensor__" in obj:
-        dtype = getattr(torch, obj["dtype"])
+        dtype = getattr(torch, str(obj["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor of unknown dtype {obj['dtype']!r}")
         raw = base64.b64decode(obj["__tensor__"])
         if not raw:
             return torch.empty(obj["shape"], dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(obj["shape"]).clone()
     if "__ndarray__" in obj:
         raw = base64.b64decode(obj["__ndarray__"])
-        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+        dtype = np.dtype(obj["dtype"])
+        if dtype.hasobject:
+            raise ValueError("numpy array of Python objects")
+        return np.frombuffer(raw, dtype=dtype).reshape(obj["shape"]).copy()
     if "__tuple__" in obj:
         return tuple(_decode(v) for v in obj["__tuple__"])
     if "__items__" in obj:
@@ -190,7 +209,8 @@ def _digest(path: Path) -> dict:
 
 
 def _data_files(ckpt: Path) -> list[str]:
-    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")
+                  if p.is_file() and p.name not in (COMPLETE, WRITER_LOCK))
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -203,6 +223,58 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir() and (p / COMPLETE).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def step_dirs_any(root: Path) -> list[tuple[int, Path, bool]]:
+    """(step, path, has COMPLETE) of every `step_*` directory under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p, (p / COMPLETE).is_file()))
+    return sorted(found, reverse=True)
+
+
+def _lock_file(path: Path, block: bool) -> int | None:
+    """An fd holding an exclusive flock on file `path` (created if absent); None if another process holds it
+    (block=False). A filesystem without flock support (ENOLCK, EOPNOTSUPP) gets an unlocked fd: the same
+    behaviour as before locks existed, not a failure."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        pass
+    return fd
+
+
+@contextmanager
+def _flocked(path: Path):
+    """Hold an exclusive flock on `path` (blocking: the sections it guards are short)."""
+    fd = _lock_file(path, block=True)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _sweep_leftovers(root: Path) -> None:
+    """Remove `.tmp_*` leftovers of crashed saves / prunes; one whose WRITER_LOCK another live process holds is a
+    save in progress and is left alone. Call under `root/.lock` (a writer creates its lock under it too)."""
+    for stale in root.glob(".tmp_*"):
+        lock = stale / WRITER_LOCK
+        fd = _lock_file(lock, block=False) if lock.is_file() else -1
+        if fd is None:
+            continue  # held: another process is writing it
+        try:
+            shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def _remove_dir(root: Path, path: Path) -> None:
@@ -225,43 +297,63 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    extra: dict, keep: int) -> Path:
+                    extra: dict, keep: int, trust_key: bytes | None = None) -> Path:
     """Write `root/step_{step:08d}` atomically and keep only the `keep` newest checkpoints. Returns its path.
 
     Collective when a process group is initialised (every rank must call it). `extra` holds the trainer's
     JSON-able values, tuples, numpy arrays and tensors (e.g. scheduler.state_dict(), sampler.state_dict(),
-    capture_rng_state(), the train spec); `load_checkpoint` returns it unchanged.
+    capture_rng_state(), the train spec); `load_checkpoint` returns it unchanged. trust_key: sign COMPLETE with
+    it (HMAC, moestack/train/safe_load.py), so that loading with the key accepts this checkpoint.
     """
     assert keep > 0
     root = Path(root)
     name = f"step_{step:08d}"
     final, tmp = root / name, root / f".tmp_{name}"
     encoded_extra = _encode(extra, "extra")  # fail on bad types before touching the disk
+    held = None
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_*"):  # leftovers of a crashed save or prune
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    with _quiet_single_process():
-        dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                 no_dist=_no_dist())
-    _barrier()
-    if _rank() == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "has_optimizer": optimizer is not None, "extra": encoded_extra}
-        _write_synced(tmp / META, json.dumps(meta))
-        digests = {f: _digest(tmp / f) for f in _data_files(tmp)}
-        _write_synced(tmp / COMPLETE, json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": digests}))
-        _fsync_path(tmp)
-        if final.exists():  # re-saving a step (e.g. the final save lands on a periodic one): replace it
-            _remove_dir(root, final)
-        os.rename(tmp, final)
-        _fsync_path(root)
-        for _, old in _step_dirs(root)[:-keep]:
-            _remove_dir(root, old)
+        with _flocked(root / ".lock"):
+            _sweep_leftovers(root)
+            try:
+                tmp.mkdir()
+            except FileExistsError:
+                raise CheckpointError(f"checkpoint {final}: another process is saving this step into {root} now; "
+                                      "one run directory takes one writer") from None
+            held = _lock_file(tmp / WRITER_LOCK, block=True)
+    try:
+        _barrier()
+        with _quiet_single_process():
+            dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                     no_dist=_no_dist())
+        _barrier()
+        if _rank() == 0:
+            _publish(root, tmp, final, step, optimizer is not None, encoded_extra, keep, trust_key)
+    finally:
+        if held is not None:
+            os.close(held)  # the save is over (renamed, or abandoned: the next sweep may remove it)
     _barrier()
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, step: int, has_optimizer: bool, encoded_extra: Any, keep: int,
+             trust_key: bytes | None) -> None:
+    """Rank 0: meta.json, then COMPLETE (digests, signature), then the rename into place and the prune."""
+    meta = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "has_optimizer": has_optimizer, "extra": encoded_extra}
+    _write_synced(tmp / META, json.dumps(meta))
+    digests = {f: _digest(tmp / f) for f in _data_files(tmp)}
+    complete = {"format_version": FORMAT_VERSION, "step": step, "files": digests}
+    if trust_key is not None:
+        complete["hmac"] = sign(complete, trust_key)
+    _write_synced(tmp / COMPLETE, json.dumps(complete))
+    _fsync_path(tmp)
+    if final.exists():  # re-saving a step (e.g. the final save lands on a periodic one): replace it
+        _remove_dir(root, final)
+    os.rename(tmp, final)
+    _fsync_path(root)
+    for _, old in _step_dirs(root)[:-keep]:
+        _remove_dir(root, old)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -270,8 +362,50 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def verify_checkpoint(path: str | Path) -> dict:
-    """Check COMPLETE and every file's size and checksum; returns the parsed meta.json. Raises CheckpointError."""
+def find_resumable(root: str | Path, trust_key: bytes | None = None) -> tuple[Path | None, list[str]]:
+    """(the newest intact checkpoint under root or None, one line per thing passed over and why).
+
+    Newer `step_*` directories that fail verification (no COMPLETE marker, a damaged or missing file) are skipped
+    with a line naming them; leftovers of interrupted saves (`.tmp_step_*`) are named too. Raises CheckpointError
+    when step directories exist but none is intact (never a silent start from step 0), and at once for a crafted or
+    unsigned checkpoint (UnsafeCheckpointError / UntrustedCheckpointError: refused, not passed over).
+    """
+    root = Path(root)
+    leftovers = []  # (step, name) of interrupted saves
+    for p in root.glob(".tmp_step_*") if root.is_dir() else []:
+        m = _STEP_RE.fullmatch(p.name.removeprefix(".tmp_"))
+        if m:
+            leftovers.append((int(m.group(1)), p.name))
+
+    def interrupted_after(step: int) -> list[str]:
+        names = [name for s, name in sorted(leftovers) if s > step]
+        return [f"ignored {', '.join(names)} (an interrupted save: never completed, not a checkpoint)"] if names \
+            else []
+
+    notes = []
+    found = step_dirs_any(root)
+    for step, path, _ in found:
+        try:
+            verify_checkpoint(path, trust_key)
+        except (UnsafeCheckpointError, UntrustedCheckpointError):
+            raise
+        except CheckpointError as err:
+            reason = str(err).removeprefix(f"checkpoint {path}: ").split("; use an earlier")[0]
+            notes.append(f"skipped {path.name}: {reason}")
+            continue
+        if notes:
+            notes[-1] += f"; resuming from {path.name}, the newest intact checkpoint"
+        return path, interrupted_after(step) + notes
+    if found:
+        raise CheckpointError(f"--resume: no intact checkpoint under {root}: {'; '.join(notes)}; move the broken "
+                              "ones out of the folder to start from step 0, or restore them")
+    return None, interrupted_after(-1)
+
+
+def verify_checkpoint(path: str | Path, trust_key: bytes | None = None) -> dict:
+    """Check COMPLETE, every file's size and checksum, the signature (with `trust_key`) and that the DCP metadata
+    reads with the restricted unpickler; returns the parsed meta.json. Raises CheckpointError (UnsafeCheckpointError
+    / UntrustedCheckpointError for a crafted or unsigned one)."""
     path = Path(path)
     where = f"checkpoint {path}"
     if not path.is_dir():
@@ -280,11 +414,17 @@ def verify_checkpoint(path: str | Path) -> dict:
     if not marker.is_file():
         raise CheckpointError(f"{where}: no {COMPLETE} marker (the save did not finish); use an earlier checkpoint")
     try:
-        files = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
+        complete = json.loads(marker.read_text())
+        files = complete["files"]
+        assert isinstance(files, dict) and all(isinstance(v, dict) for v in files.values())
+    except (ValueError, KeyError, TypeError, AssertionError, OSError):
         raise CheckpointError(f"{where}: {COMPLETE} marker is unreadable (corrupted)") from None
+    if trust_key is not None:
+        check_signature(complete, trust_key, where)
     for rel, want in files.items():
         f = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{where}: {COMPLETE} lists '{rel}', outside the checkpoint; refused")
         if not f.is_file():
             raise CheckpointError(f"{where}: missing file '{rel}' (deleted or not copied)")
         got = _digest(f)
@@ -294,10 +434,15 @@ def verify_checkpoint(path: str | Path) -> dict:
             raise CheckpointError(f"{where}: checksum mismatch in '{rel}' (the file is corrupted)")
     if META not in files or ".metadata" not in files:
         raise CheckpointError(f"{where}: {COMPLETE} does not list {META} and .metadata; not a moestack checkpoint")
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+        assert isinstance(meta, dict) and isinstance(meta.get("extra", {}), dict)
+    except (ValueError, AssertionError):
+        raise CheckpointError(f"{where}: {META} is not a JSON object (corrupted)") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{where}: format version {meta.get('format_version')}, this moestack reads "
                               f"{FORMAT_VERSION}")
+    read_dcp_metadata(path)  # a crafted .metadata is refused here, before anything else reads it
     return meta
 
 
@@ -319,7 +464,7 @@ def _check_matches(path: Path, state: dict[str, Any], partial: bool = False) -> 
     pipeline stage holds only its own layers) vice versa for the model's. Raises CheckpointError naming the first
     difference."""
     where = f"checkpoint {path}"
-    saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+    saved = {k: tuple(v.size) for k, v in read_dcp_metadata(path).state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     hint = "was it saved from a different --model?"
     for section, what in (("model", "tensor"), ("optim", "optimizer state")):
@@ -350,7 +495,7 @@ def _drop_absent_rounding_rng(path: Path, state: dict[str, Any]) -> bool:
     groups = state.get("optim", {}).get("param_groups", [])
     if not any(ROUNDING_RNG_KEY in g for g in groups):
         return False
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path).state_dict_metadata
     dropped = False
     for i, group in enumerate(groups):
         prefix = f"optim.param_groups.{i}.{ROUNDING_RNG_KEY}"
@@ -385,7 +530,7 @@ def _borrow_embedding_state(path: Path, model: nn.Module, state: dict[str, Any])
     states = state.get("optim", {}).get("state", {})
     if tied is None or tied[0] is tied[1] or TIED_HEAD not in states:
         return None
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(path).state_dict_metadata
     if any(k.startswith(f"optim.state.{TIED_HEAD}.") for k in saved):  # saved under PP: the copy has its own
         return None
     head_state = states.pop(TIED_HEAD)
@@ -433,6 +578,19 @@ def _check_head_read(path: Path, state: dict[str, Any], head: torch.Tensor) -> N
                               "of a tied model, or set tie_word_embeddings: false if it was trained untied")
 
 
+def _unsafe_failure(err: BaseException) -> str | None:
+    """The message of an UnsafeCheckpointError inside DCP's wrappers (its per-rank failures, or a cause chain)."""
+    seen = [err]
+    if isinstance(err, CheckpointException):
+        seen += [e for e, _ in err.failures.values()]
+    for e in seen:
+        while e is not None:
+            if isinstance(e, UnsafeCheckpointError):
+                return str(e)
+            e = e.__cause__ or e.__context__
+    return None
+
+
 def forget_fp8_weights() -> None:
     """Drop the FP8 expert-weight cache (moestack.ops.moe.fp8_weight_cache) if it was loaded: under FSDP2 a load
     reaches the weights' gathered copies without moving the version counter the cache watches."""
@@ -442,17 +600,17 @@ def forget_fp8_weights() -> None:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    partial: bool = False) -> dict:
+                    partial: bool = False, trust_key: bytes | None = None) -> dict:
     """Verify `path`, restore model (and optimizer, if given) in place, and return the saved `extra` dict.
 
     Collective when a process group is initialised. Raises CheckpointError (one line) for a partial or corrupted
     checkpoint or one whose parameter names/shapes differ from the model's. partial: `model` is one pipeline
     stage's part of the saved model (tensors of other stages in the checkpoint are expected, not an error).
     A checkpoint saved before the optimizer kept its stochastic-rounding noise state loads with one warning (the
-    noise restarts from the seed; `_drop_absent_rounding_rng`).
+    noise restarts from the seed; `_drop_absent_rounding_rng`). trust_key: refuse a checkpoint not signed with it.
     """
     path = Path(path)
-    meta = verify_checkpoint(path)
+    meta = verify_checkpoint(path, trust_key)
     state = _state(model, optimizer)
     borrowed = _borrow_embedding_state(path, model, state)  # tied model, PP stage <- checkpoint without PP
     head_apart = _read_head_apart(model, state)  # tied model without PP <- any checkpoint (PP: two copies)
@@ -465,9 +623,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     own_names = [group.get("params") for group in state.get("optim", {}).get("param_groups", [])]
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=_no_dist())
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; keep the message to one line
         # (CheckpointException, DCP's per-rank wrapper, is a BaseException: name it, or it passes through unread)
+        unsafe = _unsafe_failure(err)
+        if unsafe is not None:
+            raise UnsafeCheckpointError(f"checkpoint {path}: {unsafe}") from None
         if isinstance(err, CheckpointException) and err.failures:
             err_type, text = next((type(e).__name__, str(e)) for e, _ in err.failures.values())
         else:
@@ -496,4 +658,14 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             if old_rounding:  # warned above, with the path; the optimizer says the same
                 warnings.filterwarnings("ignore", message=f".*{re.escape(NO_ROUNDING_STATE)}")
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _decode(meta["extra"])
+    return decode_extra(path, meta)
+
+
+def decode_extra(path: Path, meta: dict) -> dict:
+    """meta.json's `extra`, decoded (tensors, arrays, tuples); CheckpointError naming the file if it is damaged."""
+    try:
+        return _decode(meta.get("extra", {}))
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {path}: {META} 'extra' is unreadable ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); the file is damaged or was "
+                              "edited") from None

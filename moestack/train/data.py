@@ -128,6 +128,9 @@ def _expand_paths(spec: DataSpec) -> list[Path]:
                                  f"'{spec.source}'; point at the files or change data.source")
             files.extend(found)
         elif p.is_file():
+            if not os.access(p, os.R_OK):
+                raise ValueError(f"data.paths: '{p}' is not readable (permission denied); fix its permissions or "
+                                 "drop it from --data")
             files.append(p)
         else:
             raise ValueError(f"data.paths: '{p}' does not exist; check the path (relative to {Path.cwd()})")

@@ -10,7 +10,10 @@ for the bias update; in distributed runs they are already summed over the stage'
 Layers are stacked and reduced on the device; one host read per logging step for all layers. Records go to
 metrics.jsonl / TensorBoard as "train/load/<layer>/<stat>" plus "train/load/worst_max_mean"; the progress bar shows
 the worst layer; a layer above `collapse_idle_fraction` idle experts for `collapse_window` logging steps in a row
-gets one warning line; at the end `expert_load.png` (layer x expert, load / mean) lands beside loss.png.
+gets one warning line; at the end `expert_load.png` (layer x expert, load / mean) lands beside loss.png. With a plan,
+the measured imbalance the cost model priced (the busiest EP rank's tokens / the mean under EP, else the busiest
+expert's / the mean) is checked against the forecast plan.moe_load_imbalance: one warning line when it is above it
+for `collapse_window` logging steps in a row.
 
 Legend: L MoE layers, E experts, P EP ranks.
 """
@@ -87,8 +90,10 @@ class ExpertLoadMonitor:
     """
 
     def __init__(self, layers: list[str], num_experts: int, collapse_idle_fraction: float, collapse_window: int,
-                 ep: int = 1, rank_load: RankLoadFn | None = None, warn: Callable[[str], None] = print):
+                 ep: int = 1, rank_load: RankLoadFn | None = None, warn: Callable[[str], None] = print,
+                 forecast: float | None = None):
         self.layers, self.num_experts = list(layers), num_experts
+        self.forecast, self.forecast_streak, self.forecast_warned = forecast, 0, False
         self.idle_fraction, self.window = collapse_idle_fraction, collapse_window
         self.ep = ep
         self.rank_load = rank_load or (lambda _name, c: even_rank_load(c, ep))
@@ -126,7 +131,22 @@ class ExpertLoadMonitor:
             ranks_txt = f" rank {record['load/worst_rank_max_mean']:.2f}"
         self.column = (f"load {table[worst][0]:.2f} (L{names[worst]}) idle {int(record['load/idle_experts'])}"
                        f"{ranks_txt}")
+        self._check_forecast(step, record["load/worst_rank_max_mean"] if self.ep > 1 else table[worst][0])
         return record
+
+    def _check_forecast(self, step: int, measured: float) -> None:
+        """One warning when the measured imbalance stays above plan.moe_load_imbalance for `window` logging steps."""
+        if self.forecast is None or self.forecast_warned:
+            return
+        self.forecast_streak = self.forecast_streak + 1 if measured > self.forecast else 0
+        if self.forecast_streak == self.window:
+            self.forecast_warned = True
+            what = "busiest EP rank's tokens / mean" if self.ep > 1 else "busiest expert's tokens / mean"
+            self.warn(f"warning: plan.moe_load_imbalance {self.forecast:g} is below the measured load imbalance "
+                      f"({what} {measured:.2f} at step {step}, above the forecast for {self.window} logging steps "
+                      f"in a row): the planner priced this run too optimistically; re-plan with moe_load_imbalance "
+                      f"{measured:.2f} (or plan.ep_replicas for hot-expert replication), or balance the routing "
+                      "(model.moe.router)")
 
     def _collapse(self, step: int, name: str, idle: int) -> None:
         if idle > self.idle_fraction * self.num_experts:

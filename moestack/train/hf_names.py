@@ -3,7 +3,8 @@
 A name map is built from the model itself (a `Transformer` on the meta device): every tensor of its state dict
 gets exactly one rule, so a moestack tensor without an HF name is an error here, never a silent drop. Rules:
   Direct       one moestack tensor <-> one HF tensor, same values; the HF shape may differ by a reshape (Kimi
-               Linear stores A_log as [1, 1, H, 1], moestack as [H]).
+               Linear stores A_log as [1, 1, H, 1], moestack as [H]) or by zero padding (`pad`: Kimi K3 stores
+               A_log as [head_dim] = [128] for 96 heads, the tail zero; import checks the tail is zero).
   ExpertStack  one fused moestack tensor <-> E (or 2E) HF tensors: experts.w_gate_up [E, 2I, L] holds per expert
                cat(gate [I, L], up [I, L]) on dim 0; experts.w_down [E, L, I] holds per expert down [L, I].
 
@@ -13,20 +14,25 @@ Families (HF model_type) and their naming, from the public modeling code / check
                q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (MLA);
                block_sparse_moe.gate.weight, gate.e_score_correction_bias, experts.{j}.w1 / w3 / w2 (gate / up /
                down), shared_experts.{gate,up,down}_proj; dense layers mlp.{gate,up,down}_proj.
-  kimi_k3      as kimi_linear under language_model.model.* (lm head language_model.lm_head.weight), A_log [H],
+  kimi_k3      as kimi_linear under language_model.model.* (lm head language_model.lm_head.weight), A_log
+               [max(H, head_dim)] zero-padded (the release: F32 [128] for 96 heads),
                full-rank KDA g_proj, MLA output gate self_attn.g_proj, Stable LatentMoE
                block_sparse_moe.routed_expert_down_proj / routed_expert_norm / routed_expert_up_proj; a DSA indexer
-               (K3.1 Pro) as DeepSeek-V3.2 names it.
+               (K3.1 Pro) as DeepSeek-V3.2 names it. The vision tower (vision_tower.*, mm_projector.*: top-level
+               names) is skipped on import (`Family.skip_prefixes`), counted in one line.
   deepseek_v3  (also kimi_k2, deepseek_v32) MLA as above; DSA indexer self_attn.indexer.{wq_b, wk, k_norm,
                weights_proj}; mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{j}.{gate,up,down}_proj,
                mlp.shared_experts.{gate,up,down}_proj.
   qwen3_moe    self_attn.{q,k,v,o}_proj, q_norm, k_norm; mlp.gate.weight, mlp.experts.{j}.{gate,up,down}_proj.
   mixtral      self_attn.{q,k,v,o}_proj; block_sparse_moe.gate.weight, block_sparse_moe.experts.{j}.w1 / w3 / w2.
 Everywhere: embed_tokens, layers.{i}.input_layernorm / post_attention_layernorm, norm, lm_head (absent when tied).
+Attention Residuals (kimi_k3 / kimi_linear with attn_res_block_size): layers.{i}.self_attention_res_norm.weight [D]
+and self_attention_res_proj.weight [1, D] (the mix before the mixer), mlp_res_norm / mlp_res_proj (before the FFN),
+output_attn_res_norm / output_attn_res_proj next to norm (moestack: attn_res / ffn_res / out_res .norm_weight and
+.proj_weight, same shapes).
 
-Known gaps (reported by the converter as named mismatches, never dropped): the released Kimi K3 checkpoint is
-reported to store A_log with 128 entries for 96 heads (moestack: [H]); its routed experts are MXFP4-packed
-(`weight_packed` / `weight_scale`, not dequantized here); its Attention Residual tensors have no moestack module.
+Quantised tensors (compressed-tensors `weight_packed` / `weight_scale`, e.g. the released K3's MXFP4 routed
+experts) are named here by their logical `.weight`; moestack/train/convert.py maps the parts.
 """
 
 from __future__ import annotations
@@ -47,14 +53,15 @@ class Family:
     head: str  # the LM head's weight
     moe: str  # MoE block: "block_sparse_moe" or "mlp"
     experts: tuple[str, str, str]  # per-expert gate, up, down module names
-    a_log_shape: str = "flat"  # "flat" [H] or "4d" [1, 1, H, 1]
+    a_log_shape: str = "flat"  # "flat" [H], "4d" [1, 1, H, 1] or "padded" [max(H, head_dim)] (zero tail)
     fp32: tuple[str, ...] = ()  # HF tensors kept in fp32 on export without a recorded layout (name suffixes)
+    skip_prefixes: tuple[str, ...] = ()  # HF tensors of parts moestack does not train (vision tower): skipped
 
 
 _KIMI_FP32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 FAMILIES: dict[str, Family] = {
     "kimi_k3": Family("language_model.model.", "language_model.lm_head.weight", "block_sparse_moe",
-                      ("w1", "w3", "w2"), "flat", _KIMI_FP32),
+                      ("w1", "w3", "w2"), "padded", _KIMI_FP32, ("vision_tower.", "mm_projector.")),
     "kimi_linear": Family("model.", "lm_head.weight", "block_sparse_moe", ("w1", "w3", "w2"), "4d", _KIMI_FP32),
     "deepseek_v3": Family("model.", "lm_head.weight", "mlp", ("gate_proj", "up_proj", "down_proj"),
                           fp32=("e_score_correction_bias",)),
@@ -83,12 +90,17 @@ _MOE_RENAMES = {
 }
 
 
+# Attention Residual mixes of a block: moestack module -> HF prefix of its norm / proj tensors
+_ATTN_RES = {"attn_res": "self_attention_res", "ffn_res": "mlp_res"}
+
+
 @dataclass(frozen=True)
 class Direct:
     ms: str
     hf: str
     ms_shape: tuple[int, ...]
     hf_shape: tuple[int, ...]
+    pad: bool = False  # 1-D, the HF tensor may be longer: the moestack values first, then zeros
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,7 @@ class NameMap:
     rules: list[Rule]
     tied: list[tuple[str, str]]  # (moestack name, the moestack name it is tied to): not stored in HF
     fp32: tuple[str, ...]
+    skip_prefixes: tuple[str, ...] = ()
     by_hf: dict[str, tuple[Rule, tuple[int, int] | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,19 +206,21 @@ def build_name_map(spec: ModelSpec, family: str | None = None) -> NameMap:
         if ms == "lm_head.weight" and spec.tie_word_embeddings:
             tied.append((ms, "embed.weight"))
             continue
-        rule = _rule(ms, shape, fam, kinds)
+        rule = _rule(ms, shape, fam, kinds, spec)
         if rule is None:
             unmapped.append(ms)
         else:
             rules.append(rule)
     if unmapped:
         raise ConfigError(f"convert: family {fam_name} has no HF name for moestack tensors {', '.join(unmapped)}")
-    return NameMap(fam_name, f"model '{spec.name}'", rules, tied, fam.fp32)
+    return NameMap(fam_name, f"model '{spec.name}'", rules, tied, fam.fp32, fam.skip_prefixes)
 
 
-def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds) -> Rule | None:
+def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds, spec: ModelSpec) -> Rule | None:
     P = fam.prefix
-    top = {"embed.weight": P + "embed_tokens.weight", "norm.weight": P + "norm.weight", "lm_head.weight": fam.head}
+    top = {"embed.weight": P + "embed_tokens.weight", "norm.weight": P + "norm.weight", "lm_head.weight": fam.head,
+           "out_res.norm_weight": P + "output_attn_res_norm.weight",
+           "out_res.proj_weight": P + "output_attn_res_proj.weight"}
     if ms in top:
         return Direct(ms, top[ms], shape, shape)
     parts = ms.split(".")
@@ -217,6 +232,8 @@ def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds) -> Rule | None:
         return Direct(ms, layer + "input_layernorm." + rest, shape, shape)
     if sub == "ffn_norm":
         return Direct(ms, layer + "post_attention_layernorm." + rest, shape, shape)
+    if sub in _ATTN_RES and rest in ("norm_weight", "proj_weight"):
+        return Direct(ms, f"{layer}{_ATTN_RES[sub]}_{rest.removesuffix('_weight')}.weight", shape, shape)
     if sub == "attn":
         module, _, leaf = rest.rpartition(".")
         if not module:  # a bare parameter of the mixer: A_log, dt_bias
@@ -226,6 +243,8 @@ def _rule(ms: str, shape: tuple[int, ...], fam: Family, kinds) -> Rule | None:
         hf_shape = shape
         if rest == "A_log" and fam.a_log_shape == "4d":
             hf_shape = (1, 1, shape[0], 1)
+        if rest == "A_log" and fam.a_log_shape == "padded":
+            return Direct(ms, hf, shape, (max(shape[0], spec.kda.head_dim),), pad=True)
         return Direct(ms, hf, shape, hf_shape)
     if sub == "ffn":
         if kinds[i].ffn == "dense":

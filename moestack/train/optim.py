@@ -82,8 +82,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: ScheduleSpec, total_
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (fp32 scalar tensor, measured BEFORE clipping); scales gradients in place
-    so the norm is at most max_norm. max_norm 0 disables clipping (the norm is still returned)."""
+    """Global L2 norm of all gradients (fp32 scalar tensor, fp64 for fp64 gradients, measured BEFORE clipping);
+    scales gradients in place so the norm is at most max_norm. max_norm 0 disables clipping (the norm is still
+    returned)."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros((), dtype=torch.float32)
@@ -92,4 +93,4 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     if isinstance(total_norm, DTensor):  # sharded grads (FSDP2): the reduced norm, same on every rank
         total_norm = total_norm.full_tensor()
-    return total_norm.float()
+    return total_norm if total_norm.dtype == torch.float64 else total_norm.float()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moestack.config.base import ConfigError
 from moestack.config.train_spec import DataSpec
 
 # Special-token spellings tried, in order, when a tokenizer.json does not say which token ends a document.
@@ -50,16 +51,21 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         path = Path(path)
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"data.tokenizer: '{path}' is not a file; give a local tokenizer.json or 'byte'")
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ImportError(
-                f"data.tokenizer '{path}' needs the 'tokenizers' package: pip install moestack[hf]"
-            ) from None
-        if not path.is_file():
-            raise ValueError(f"data.tokenizer: '{path}' is not a file; give a local tokenizer.json or 'byte'")
+            raise ConfigError(f"data.tokenizer '{path}' needs the 'tokenizers' package: pip install 'moestack[hf]' "
+                              "(or use --tokenizer byte)") from None
         self.path = path
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises its own exception type for a bad file
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"data.tokenizer: '{path}' is not a readable tokenizer.json ({first})") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._find(_EOS_NAMES)
         if self.eos_id is None:

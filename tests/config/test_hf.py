@@ -50,12 +50,12 @@ def test_round_trip_and_every_key_accounted_for(tmp_path, name):
 def test_kimi_k3_matches_the_preset():
     imp = load_hf_config(DATA / "kimi-k3.config.json")
     preset = load_model_spec("kimi-k3")
-    skip = {"name", "family", "attn_res_block_size"}
+    skip = {"name", "family"}
     got = {k: v for k, v in imp.spec.model_dump().items() if k not in skip}
     want = {k: v for k, v in preset.model_dump().items() if k not in skip}
     assert got == want
-    assert imp.spec.attn_res_block_size == 12
-    assert "not supported: attention residuals" in " ".join(imp.spec.build_support_errors())
+    assert imp.spec.attn_res_block_size == 12 and "text_config.attn_res_block_size" in imp.mapped
+    assert imp.spec.build_support_errors() == []  # Attention Residuals are built; the quantization block is a note
     # the multimodal wrapper: text_config keys are mapped under their dotted names, the vision tower is counted
     assert "text_config.routed_expert_hidden_size" in imp.mapped
     assert "text_config.temperature" in imp.ignored and "media_placeholder_token_id" in imp.ignored
@@ -73,7 +73,7 @@ def test_deepseek_v3_mapping():
     assert spec.mla.use_rope and not spec.mla.output_gate and spec.mla.indexer is None
     assert spec.mla.rope_scaling.type == "yarn" and spec.mla.rope_scaling.factor == 40
     assert spec.activation == "swiglu" and spec.norm_eps == 1e-6
-    assert spec.build_support_errors() == ["not supported: mla.rope_scaling (yarn)"]
+    assert spec.build_support_errors() == []  # YaRN on MLA is built (moestack/model/rope.py)
 
 
 def test_deepseek_v32_indexer_and_kimi_k2():
@@ -123,6 +123,57 @@ def test_nemotron_h_is_profile_only():
     with pytest.raises(ConfigError, match="not supported: mamba layers") as info:
         spec.check_buildable()
     assert "\n" not in str(info.value)
+
+
+def test_nemotron_3_nano_loads_as_published():
+    """The Nano config publishes expand 2 with mamba_num_heads * mamba_head_dim = 4096 != 2 * 2688: the modeling
+    code sizes the mixer by the heads and never reads expand, so expand is ignored (not an error); its
+    time_step_limit [0.0, Infinity] clamps nothing. Sizes: Nemotron 3 Nano report, 31.6B total, 3.2B active
+    (3.6B with the embeddings)."""
+    from moestack.planner.profile import profile_model
+
+    imp = load_hf_config(DATA / "nemotron-3-nano-30b-a3b.config.json")
+    assert "expand" in imp.ignored and "time_step_limit" in imp.ignored and "mamba_num_heads" in imp.mapped
+    spec = imp.spec
+    assert (spec.mamba2.num_heads, spec.mamba2.head_dim, spec.hidden_size) == (64, 64, 2688)
+    kinds = spec.layer_kinds()
+    assert [sum(k.mixer == m for k in kinds) for m in ("mamba2", "gqa")] == [23, 6]
+    assert sum(k.ffn == "moe" for k in kinds) == 23 and spec.moe.latent_size is None and spec.mtp_layers == 0
+    p = profile_model(spec, 4096)
+    assert p.total_params == 31_577_937_344 and round(p.total_params / 1e8) == 316
+    assert round(p.activated_params / 1e8) == 32 and round((p.activated_params + p.embedding_params) / 1e8) == 36
+
+
+def test_nemotron_time_step_limit():
+    """The hub's Nemotron 3 Super BF16 config carries time_step_limit [0.0, Infinity] (the transcription here,
+    from the NVFP4 release, lacks it): accepted and ignored; a finite clamp changes every SSM step: rejected."""
+    cfg = _cfg("nemotron-3-super-120b-a12b.config.json")
+    cfg["time_step_limit"] = json.loads("[0.0, Infinity]")
+    imp = hf_config_to_spec(cfg)
+    assert "time_step_limit" in imp.ignored
+    assert imp.spec == load_hf_config(DATA / "nemotron-3-super-120b-a12b.config.json").spec.model_copy(
+        update={"name": imp.spec.name})
+    cfg["time_step_limit"] = [0.0, 10.0]
+    with pytest.raises(ConfigError, match=r"time_step_limit: a finite dt clamp is not modelled.*\[0.0, 10.0\]"):
+        hf_config_to_spec(cfg)
+
+
+def test_qwen3_next_activated_count_convention():
+    """moestack's activated count: every parameter one token's forward multiplies through, except the input
+    embedding (a lookup): Qwen3-Next's 36 Gated DeltaNet + 12 gated-attention layers (10 routed experts, the shared
+    expert and its gate, the attention output gate inside q_proj) = 3.253B, plus the final norm and the LM head
+    0.311B = 3.564B. The
+    config has no MTP layer. The model card's "3B activated" is the decoder layers alone (no embedding, no head),
+    3.25B rounded; Qwen3-30B-A3B's "3.3B" instead counts embedding and head (tested in test_profile.py)."""
+    from moestack.planner.profile import profile_model
+
+    spec = load_hf_config(DATA / "qwen3-next-80b-a3b.config.json").spec
+    p = profile_model(spec, 4096)
+    assert spec.mtp_layers == 0 and p.mtp_params == 0
+    decoder = sum(lp.activated_params for lp in p.layers)
+    assert decoder + p.final_norm_params + p.head_params == p.activated_params == 3_563_764_480
+    assert p.head_params == p.embedding_params == 151936 * 2048
+    assert round(decoder / 1e9) == 3 and abs(decoder - 3.2527e9) < 1e6
 
 
 def test_architectures_fallback_and_directory(tmp_path):

@@ -414,8 +414,24 @@ def test_tiny_preset_layer_runs_forward_backward():
     assert float(m.last_indexer_loss) > 0
 
 
-def test_rope_scaling_is_refused_not_ignored():
-    scaling = {"type": "yarn", "factor": 4.0}
+def test_rope_scaling_other_than_yarn_is_refused_not_ignored():
+    scaling = {"type": "linear", "factor": 4.0}
     spec = MLASpec.model_validate({**_spec(use_rope=True).model_dump(), "rope_scaling": scaling})
     with pytest.raises(NotImplementedError, match="rope_scaling"):
         GatedMLA(D, spec, 1e-5)
+
+
+def test_yarn_changes_the_rope_and_the_softmax_scale():
+    """DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1): softmax scale x (0.1 ln 40 + 1)^2, rotations
+    of the low-frequency pairs interpolated, so the layer's output differs from the plain-rope layer's."""
+    base = _spec(use_rope=True)
+    scaling = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = MLASpec.model_validate({**base.model_dump(), "rope_scaling": scaling})
+    torch.manual_seed(0)
+    plain = GatedMLA(D, base, 1e-5).double()
+    scaled = GatedMLA(D, yarn, 1e-5).double()
+    scaled.load_state_dict(plain.state_dict())
+    assert scaled.scale == pytest.approx(plain.scale * (0.1 * math.log(40) + 1) ** 2)
+    x = torch.randn(2, 64, D, dtype=torch.float64)
+    assert not torch.allclose(plain(x), scaled(x))

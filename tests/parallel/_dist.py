@@ -11,15 +11,23 @@ The ranks of one world size are kept as a pool between jobs that follow each oth
 importing torch, FSDP and dynamo costs several CPU-seconds per process, more than many jobs, on a 2-core CI
 machine. An idle pool is retired (every gloo group keeps a thread that polls, so idle ranks are not free). A job
 that fails or hangs on any rank takes the pool down (the next job starts a fresh one) and raises with that rank's
-traceback. Jobs share the process group and whatever process-global state a previous job left (seed explicitly;
-do not destroy groups: DTensor caches sharding decisions per mesh layout, and equal meshes of a later job may
-resolve to earlier groups).
+traceback. Jobs share the process group (do not destroy groups: DTensor caches sharding decisions per mesh layout,
+and equal meshes of a later job may resolve to earlier groups) and the loaded modules. Process-global state a job
+changes is put back after it (`ProcessState`): os.environ, the cwd, torch's default dtype, intra-op threads,
+grad mode and deterministic-algorithm flags, the torch / random / numpy RNGs (every job starts with a fresh
+process's), and the module-level values of every moestack module as they were when it finished importing (a
+rebound name such as `fp8_quant.FP8 = torch.float32`, a changed list, a dict entry replaced or removed; entries a
+job adds to a dict or set stay: lazy backend registrations and caches). What was put back is printed to the rank's
+log and kept in RESTORED (tests/parallel/test_dist_state.py checks all of it).
 MOESTACK_TEST_FRESH_RANKS=1 starts fresh processes for every job instead.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import pickle
@@ -133,6 +141,146 @@ def run_ranks(file: str, fn_name: str, world_size: int, timeout: float = 120.0, 
         raise
 
 
+_MISSING = object()
+RESTORED: list[str] = []  # in a rank process: what ProcessState put back after the last job
+
+
+class ProcessState:
+    """Snapshots of the process-global state a job may change, and `job()`, which puts them back afterwards.
+
+    moestack modules are snapshotted when they finish importing (`install` adds an import hook), so a module a job
+    imports for the first time is protected from that job's own changes too.
+    """
+
+    def __init__(self):
+        import torch
+
+        self.modules: dict[str, tuple[object, dict]] = {}
+        self.cwd = os.getcwd()
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.rng = self._rng_state()
+
+    @staticmethod
+    def _rng_state() -> tuple:
+        import random
+
+        import torch
+
+        np = sys.modules.get("numpy")
+        return torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None
+
+    def snapshot_module(self, module) -> None:
+        """Every global of `module` by reference, and a shallow copy of each list, dict and set."""
+        values = {name: (v, list(v) if type(v) is list else dict(v) if type(v) is dict else set(v)
+                         if type(v) is set else None)
+                  for name, v in vars(module).items() if not (name.startswith("__") and name.endswith("__"))}
+        self.modules[module.__name__] = (module, values)
+
+    def install(self) -> None:
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "moestack" and module is not None:
+                self.snapshot_module(module)
+        sys.meta_path.insert(0, _SnapshotOnImport(self))
+
+    def restore(self) -> list[str]:
+        """Put everything back; returns what had changed ("module.name", "torch default dtype", ...)."""
+        import random
+
+        import torch
+
+        changed = []
+        for mod_name, (module, values) in self.modules.items():
+            namespace = vars(module)
+            for name, (ref, content) in values.items():
+                if namespace.get(name, _MISSING) is not ref:
+                    namespace[name] = ref
+                    changed.append(f"{mod_name}.{name}")
+                if content is not None and _restore_content(ref, content):
+                    changed.append(f"{mod_name}.{name} (contents)")
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+            changed.append("cwd")
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+            changed.append("torch default dtype")
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+            changed.append("torch threads")
+        if (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+            changed.append("torch deterministic algorithms")
+        if not torch.is_grad_enabled():
+            torch.set_grad_enabled(True)
+            changed.append("torch grad mode")
+        torch_rng, py_rng, np_rng = self.rng  # always reset (compared, it would cost as much)
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            sys.modules["numpy"].random.set_state(np_rng)
+        elif "numpy" in sys.modules:  # first imported by a job: keep its fresh state from now on
+            self.rng = (torch_rng, py_rng, sys.modules["numpy"].random.get_state())
+        return changed
+
+    @contextlib.contextmanager
+    def job(self, env: dict[str, str]):
+        """os.environ := env for the job; afterwards the environment and everything else as before."""
+        saved_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            RESTORED[:] = self.restore()
+            if RESTORED:
+                print(f"[_dist] restored after the job: {', '.join(RESTORED)}", flush=True)
+
+
+def _restore_content(ref, content) -> bool:
+    """Put a list's items, a dict's replaced / removed entries, a set's removed items back; True if any."""
+    if type(ref) is list:
+        if len(ref) != len(content) or any(a is not b for a, b in zip(ref, content)):
+            ref[:] = content
+            return True
+        return False
+    if type(ref) is dict:
+        bad = {k: v for k, v in content.items() if ref.get(k, _MISSING) is not v}
+        ref.update(bad)
+        return bool(bad)
+    if type(ref) is set:
+        lost = content - ref
+        ref |= lost
+        return bool(lost)
+    return False
+
+
+class _SnapshotOnImport(importlib.abc.MetaPathFinder):
+    """Finds moestack modules as the path finder would, and snapshots each one right after it executes."""
+
+    def __init__(self, state: ProcessState):
+        self.state = state
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] != "moestack":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, state = spec.loader.exec_module, self.state
+
+        def exec_and_snapshot(module):
+            exec_module(module)
+            state.snapshot_module(module)
+
+        spec.loader.exec_module = exec_and_snapshot  # (a loader object per spec: only this module's)
+        return spec
+
+
 def _serve(root: Path, rank: int, world_size: int) -> None:
     """A rank process: join the group, then run the jobs named on stdin until it closes."""
     import torch
@@ -159,19 +307,22 @@ def _serve(root: Path, rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=world_size)
     modules: dict[str, object] = {}
     base_env = dict(os.environ)
+    state = ProcessState()
+    state.install()
     while select.select([sys.stdin], [], [], IDLE_S + 5.0)[0] and (line := sys.stdin.readline()):
         job_dir = Path(line.strip())
         job = pickle.loads((job_dir / "job.pkl").read_bytes())
-        os.environ.clear()
-        os.environ.update({**job["env"], **{k: base_env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                       "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}})
+        env = {**job["env"], **{k: base_env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                         "OMP_NUM_THREADS")}}
         try:
-            if job["file"] not in modules:
-                spec = importlib.util.spec_from_file_location(f"_dist_job_{Path(job['file']).stem}", job["file"])
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                modules[job["file"]] = module
-            result = getattr(modules[job["file"]], job["fn"])(rank, world_size, **job["kwargs"])
+            with state.job(env):
+                if job["file"] not in modules:
+                    spec = importlib.util.spec_from_file_location(f"_dist_job_{Path(job['file']).stem}",
+                                                                  job["file"])
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                    modules[job["file"]] = module
+                result = getattr(modules[job["file"]], job["fn"])(rank, world_size, **job["kwargs"])
             torch.save(result, job_dir / f"result{rank}.pt")
         except BaseException:
             (job_dir / f"error{rank}.txt").write_text(traceback.format_exc())
@@ -200,3 +351,21 @@ def small_model_spec(seq_aux_loss_coef: float = 1e-2):
     d["moe"]["router"].update(seq_aux_loss_coef=seq_aux_loss_coef)
     d["dense_mlp"] = {"intermediate_size": 128}
     return ModelSpec.model_validate(d)
+
+
+# Layer 0's pre-mixer Attention-Residual mix has one source (the embedding): its weights get an exact zero gradient
+# (as in K3), so gradient checks that insist on non-zero gradients exempt them.
+ATTN_RES_ZERO_GRAD = ("layers.0.attn_res.norm_weight", "layers.0.attn_res.proj_weight")
+
+
+def randomise_attn_res(model, seed: int = 5) -> None:
+    """Give the Attention-Residual pseudo-queries of a freshly built model random values (the same on every rank):
+    their zero init makes every mix a plain mean and the norm-weight factors' gradients zero."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res." in name:
+                value = torch.randn(p.shape, generator=g, dtype=torch.float64)
+                p.copy_(1.0 + 0.1 * value if name.endswith("norm_weight") else 0.3 * value)

@@ -10,6 +10,14 @@ and each changed rounding moves a value by an e4m3 step (~6%), which compounds t
 run on unrounded scaled values (fp8_quant.FP8 = float32, the interpreter tests' mode: same tiles, scales, layouts
 and kernels, no rounding) and the runs must then agree to fp32 precision, where a wrong shard, a stale or shared
 cache entry or a mis-routed expert gives O(1) errors. (CPU: the kernels in the Triton interpreter.)
+
+Why fp32 and not fp64 like the other layout tests: the FP8 kernels compute in fp32 (their tiles, scales and
+accumulators), so an fp64 model would not run them. The bounds come from the measured fp32 noise floor of this
+model (x86, torch 2.13 CPU): the same model without the recipe lies 8e-8 (loss) and 1.2e-5 (gradients, the largest
+in the DSA indexer's k_norm.bias: the KL target is a softmax of indexer scores) from its fp64 run; the single-process
+recipe with the two sequences of the batch swapped (another order of every token sum) moved the loss by 7.6e-8 and
+the gradients by 2e-7; TP2 x EP2 measured 7.6e-8 (loss) and 1.04e-5 (indexer k_norm.bias) from the single process.
+The bounds, 1e-5 on the loss and 3e-4 on each gradient, are >= 25x those.
 """
 
 from __future__ import annotations
@@ -35,13 +43,23 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, tp: int, ep: int) -> dict:
+    from moestack.ops.moe import fp8_quant
+
+    fp8 = fp8_quant.FP8
+    fp8_quant.FP8 = torch.float32  # unrounded (module doc); read per call by Fp8Linear and the expert backend
+    try:
+        return _runs(world, tp, ep)
+    finally:
+        fp8_quant.FP8 = fp8  # (the rank pool would put it back too: _dist.ProcessState)
+
+
+def _runs(world: int, tp: int, ep: int) -> dict:
     from moestack.config.plan import make_plan
     from moestack.model.transformer import build_model
-    from moestack.ops.moe import fp8_quant, fp8_weight_cache
+    from moestack.ops.moe import fp8_weight_cache
     from moestack.parallel import build_meshes, parallelize
     from moestack.train.fp8 import apply_fp8_recipe
 
-    fp8_quant.FP8 = torch.float32  # unrounded (module doc); read per call by Fp8Linear and the expert backend
     spec = small_model_spec().model_dump()  # a dense KDA layer, then gated MLA + LatentMoE with a shared expert
     spec.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
     spec = type(small_model_spec()).model_validate(spec)
@@ -73,4 +91,4 @@ def test_fp8_recipe_under_tp_ep_matches_single_process():
     assert abs(par[0] - single[0]) <= 1e-5 * abs(single[0]), (par[0], single[0])
     assert par[1].keys() == single[1].keys()
     errs = {n: float((par[1][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in single[1].items()}
-    assert max(errs.values()) < 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    assert max(errs.values()) < 3e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:5]

@@ -3,6 +3,8 @@
 With param_dtype bf16, FSDP shards each MoE router on its own (fp32 policy), and FSDP's pre-forward unshard of the
 router ran after the MoE's TP parameter swap, handing the router a DTensor weight ("aten.mm got mixed
 torch.Tensor and DTensor", first seen on two H200s). The run must work and track the fp32 single-process loss.
+This is a reduced-precision smoke test (the exact TP x EP comparison is test_tensor.py's, in fp64): the bf16 loss
+measured 1.9e-5 from the fp32 one (x86, torch 2.13 CPU); the bound is bf16's unit roundoff, 2^-9 ~ 2e-3.
 """
 
 from __future__ import annotations
@@ -46,6 +48,6 @@ def _worker(rank: int, world: int) -> dict:
 def test_tp2_ep2_bf16_compute_runs_and_tracks_fp32_loss():
     out = run_ranks(__file__, "_worker", 2, timeout=300)
     for r in out:
-        assert abs(r["loss"] - r["ref"]) / r["ref"] < 3e-2, r
+        assert abs(r["loss"] - r["ref"]) / r["ref"] < 2e-3, r
         assert r["router_grad_finite"] and r["router_grad_norm"] > 0, r
     assert out[0]["loss"] == out[1]["loss"]

@@ -27,7 +27,8 @@ from _dist import _REPO, run_ranks, small_model_spec  # noqa: E402
 SEQ, GLOBAL_BATCH, MICRO_STEPS, STEPS, SAVED_AT = 16, 8, 2, 4, 2
 OPTIONS = {"seq_len": SEQ, "logging.every": 1, "logging.tensorboard": False, "logging.progress": False,
            "eval_every": 0, "data.eval_fraction": 0.0, "schedule.warmup_steps": 1, "optimizer.lr": 3e-3,
-           "optimizer.grad_clip": 0.5, "checkpoint.every": SAVED_AT}
+           "optimizer.grad_clip": 0.5, "checkpoint.every": SAVED_AT, "precision": "fp64"}
+RTOL = 1e-10  # float64: the layouts differ from the single process by summation order only (measured <= 1.8e-15)
 
 
 def _plan(devices: int, model_path: Path, **layout):
@@ -102,8 +103,8 @@ def test_torchrun_plan_matches_single_process(ep2_run):
     got = _metrics(ep2_run["run"])
     for step in range(1, STEPS + 1):
         loss, norm = got[step]["train/loss"], got[step]["train/grad_norm"]
-        assert abs(loss - ref[step - 1]) < 1e-5 * abs(ref[step - 1]), (step, loss, ref[step - 1])
-        assert abs(norm - ref_norms[step - 1]) < 1e-4 * ref_norms[step - 1], (step, norm, ref_norms[step - 1])
+        assert abs(loss - ref[step - 1]) < RTOL * abs(ref[step - 1]), (step, loss, ref[step - 1])
+        assert abs(norm - ref_norms[step - 1]) < RTOL * ref_norms[step - 1], (step, norm, ref_norms[step - 1])
     assert (ep2_run["saved"] / "COMPLETE").is_file()
 
 
@@ -118,7 +119,7 @@ def test_resume_at_ep1_single_process(ep2_run):
     rest = trainer.fit()["losses"]
     ref = ep2_run["ref"][SAVED_AT:]
     for a, b in zip(rest, ref, strict=True):
-        assert abs(a - b) < 1e-5 * abs(b), (rest, ref)
+        assert abs(a - b) < RTOL * abs(b), (rest, ref)
     for layer, m in trainer.model.moe_layers().items():
         assert torch.equal(m.router.selection_bias, ep2_run["ref_bias"][layer]), layer
 
@@ -148,7 +149,7 @@ def test_resume_at_ep4_and_pp2_on_four_ranks(ep2_run):
         for rank, per_layout in enumerate(results):
             res = per_layout[name]
             for a, b in zip(res["losses"], ref, strict=True):
-                assert abs(a - b) < 1e-5 * abs(b), (name, rank, res["losses"], ref)
+                assert abs(a - b) < RTOL * abs(b), (name, rank, res["losses"], ref)
             for layer, bias in res["biases"].items():  # every rank holding a layer has the reference's biases
                 assert torch.equal(bias, ref_bias[layer]), f"{name} rank {rank} layer {layer}: router biases differ"
                 seen.add(layer)

@@ -10,6 +10,10 @@ sharded ones (moestack.parallel.pipeline.stage_module). The runner-level PP x TP
 no FSDP and never saw it. Untied models (tied ones under PP x TP: test_pipeline.py), with ZeRO-3's
 reshard-after-forward in the plan, which silently dropped the last stage's gradients (the V schedules now keep
 the stages gathered during the step).
+
+Both runs train in float64 (precision fp64): the layouts then differ from the single process by summation order
+only, measured <= 3.3e-14 (gradients; losses and norm less) on x86 / torch 2.13 CPU; the bound RTOL is
+1e-10.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from _dist import run_ranks, small_model_spec
 SEQ, GLOBAL_BATCH, STEPS = 16, 4, 2
 OPTIONS = {"seq_len": SEQ, "logging.every": 1, "logging.tensorboard": False, "logging.progress": False,
            "eval_every": 0, "data.eval_fraction": 0.0, "schedule.warmup_steps": 1, "optimizer.lr": 3e-3,
-           "optimizer.grad_clip": 0.5, "checkpoint.every": 0}
+           "optimizer.grad_clip": 0.5, "checkpoint.every": 0, "precision": "fp64"}
 CASES = ("zbv", "dualpipev")
+RTOL = 1e-10  # float64 (module docstring)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -43,18 +48,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _record_first_step(trainer: Trainer, out: dict) -> None:
-    """Wrap trainer._clip: the first call records every parameter's (whole) gradient and the global norm."""
-    clip = trainer._clip
+    """Wrap trainer._grad_norm: the first call records every parameter's (whole, unclipped) gradient and the global
+    norm."""
+    grad_norm = trainer._grad_norm
 
-    def recording():
+    def recording(params):
         if "grads" not in out:  # collective on multi-rank: every rank records, in named_parameters() order
             out["grads"] = {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-            norm = clip()
+            norm, clipped = grad_norm(params)
             out["norm"] = float(norm)
-            return norm
-        return clip()
+            return norm, clipped
+        return grad_norm(params)
 
-    trainer._clip = recording
+    trainer._grad_norm = recording
 
 
 def _worker(rank: int, world: int, runs: dict[str, tuple[str, str, str]]) -> dict:
@@ -105,13 +111,13 @@ def test_v_schedules_tp2_trainer_match_single_process(tmp_path, one_thread):
         per_rank = [r[name] for r in results]
         for rank, r in enumerate(per_rank):
             for a, b in zip(r["losses"], ref["losses"], strict=True):
-                assert abs(a - b) < 1e-5 * abs(b), f"{name} rank {rank}: losses {r['losses']} vs {ref['losses']}"
-            assert abs(r["norm"] - ref["norm"]) < 1e-5 * ref["norm"], (name, rank, r["norm"], ref["norm"])
+                assert abs(a - b) < RTOL * abs(b), f"{name} rank {rank}: losses {r['losses']} vs {ref['losses']}"
+            assert abs(r["norm"] - ref["norm"]) < RTOL * ref["norm"], (name, rank, r["norm"], ref["norm"])
         grads = {}
         for r in per_rank:  # the two ranks of a TP group hold the same whole gradients; stages are disjoint
             grads.update(r["grads"])
         want = ref["grads"]
         assert grads.keys() == want.keys(), f"{name}: {sorted(grads.keys() ^ want.keys())}"
         bad = {n: e for n, g in grads.items()
-               if (e := float((g - want[n]).norm() / want[n].norm().clamp(min=1e-30))) > 2e-5}
+               if (e := float((g - want[n]).norm() / want[n].norm().clamp(min=1e-30))) > RTOL}
         assert not bad, f"{name}: gradients differ from the single-process run: {bad}"

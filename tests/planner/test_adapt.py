@@ -128,13 +128,18 @@ def test_widest_fit_is_chosen():
         ("deepseek-v3.config.json", "h200", "dropped mla.rope_scaling (yarn)"),
         ("qwen3-30b-a3b.config.json", "h100", None),
         ("mixtral-8x7b-v0.1.config.json", "a100-80g", None),
-        ("kimi-k3.config.json", "cpu-16g", "dropped Attention Residuals"),
+        ("kimi-k3.config.json", "cpu-16g", None),
     ],
 )
 def test_hf_families_adapt(config, fit, note):
     src = load_any_model_spec(HF / config)
     result = adapt_model(src, parse_fit(fit))
     _check_proxy(result, result.source)
+    if src.attn_res_block_size is not None:  # Attention Residuals kept, with the source's number of blocks
+        p = result.spec
+        assert p.attn_res_block_size is not None and not any("Attention Residuals" in n for n in result.notes)
+        blocks = lambda s: s.attn_res_blocks_before(s.num_layers)  # noqa: E731
+        assert abs(blocks(p) - blocks(src)) <= max(1, blocks(src) // 3), (p.num_layers, p.attn_res_block_size)
     if note is not None:
         assert any(note in n for n in result.notes), result.notes
     if src.mtp_layers:

@@ -65,17 +65,17 @@ def _plan(**kw):
 
 def test_cost_model_prices_imbalance_and_replication():
     cm = _model()
-    even = cm.evaluate(_plan(ep_load_imbalance=1.0))
+    even = cm.evaluate(_plan(moe_load_imbalance=1.0))
     base = cm.evaluate(_plan())  # the default 1.1
-    skewed = cm.evaluate(_plan(ep_load_imbalance=2.0))
-    replicated = cm.evaluate(_plan(ep_load_imbalance=2.0, ep_replicas=2))
+    skewed = cm.evaluate(_plan(moe_load_imbalance=2.0))
+    replicated = cm.evaluate(_plan(moe_load_imbalance=2.0, ep_replicas=2))
     assert even.step_time_s < base.step_time_s < skewed.step_time_s
     assert replicated.step_time_s < skewed.step_time_s
-    assert C.ep_time_imbalance(replicated.plan, 128) < 1.3
+    assert C.moe_time_imbalance(replicated.plan, cm.spec) < 1.3
 
 
 def test_plan_validates_replication():
     with pytest.raises(ConfigError, match="ep_replicas"):
         _plan(ep=1, ep_replicas=2)
-    with pytest.raises(ConfigError, match="ep_load_imbalance"):
-        _plan(ep_load_imbalance=0.9)
+    with pytest.raises(ConfigError, match="moe_load_imbalance"):
+        _plan(moe_load_imbalance=0.9)

@@ -35,8 +35,28 @@ def test_kimi_k3_published_size():
         _, p = _prof(model)
         assert _rel(p.total_params, 2779.5e9) < 0.005 and _rel(p.total_params, 2779.48e9) < 1e-4
         assert _rel(p.activated_params, 104.2e9) < 0.005 and _rel(p.activated_params, 104.19e9) < 1e-4
-    first = _prof("kimi-k3")[1].layers[0]  # KDA mixer (MODEL.md: 443.7M per K3 KDA layer) + dense MLP + 2 norms
-    assert first.mixer == "kda" and first.params - 3 * 7168 * 33792 - 2 * 7168 == 443_740_384
+    # KDA mixer (MODEL.md: 443.7M per K3 KDA layer) + dense MLP + 2 norms + 2 Attention-Residual mixes (2 x 2d)
+    first = _prof("kimi-k3")[1].layers[0]
+    assert first.mixer == "kda" and first.params - 3 * 7168 * 33792 - 2 * 7168 - 4 * 7168 == 443_740_384
+
+
+def test_kimi_k3_attention_residuals_in_the_count():
+    """K3's Attention Residuals: two mixes per layer (norm weight [d] + proj [1, d] each) and the output mix, 2.68M
+    parameters, all activated. The published 2.78T / 104.2B round both counts alike (README, "Adaptation and
+    planning"): 2,779.484B / 104.190B with them, 2,779.482B / 104.187B without."""
+    spec = load_model_spec("kimi-k3")
+    with_ar, without = profile_model(spec, 4096), profile_model(spec.model_copy(update={"attn_res_block_size": None}),
+                                                                 4096)
+    d = spec.hidden_size
+    assert with_ar.total_params - without.total_params == 93 * 4 * d + 2 * d == 2_680_832
+    assert with_ar.activated_params - without.activated_params == 2_680_832
+    assert with_ar.total_params == 2_779_484_393_568 and with_ar.activated_params == 104_189_530_208
+    for p in (with_ar, without):
+        assert round(p.total_params / 1e10) == 278 and round(p.activated_params / 1e8) == 1042
+    # 8 blocks of 12 layers (the last partial) + the embedding: the output mix reads 9 sources
+    assert spec.attn_res_blocks_before(93) + 1 == 9
+    mixes = sum(sum(spec.attn_res_sources(i)) for i in range(93)) + 9
+    assert with_ar.fwd_flops_per_token - without.fwd_flops_per_token == pytest.approx(4 * d * mixes, rel=1e-12)
 
 
 def test_deepseek_v3_published_size():
@@ -78,9 +98,8 @@ def test_exact_counts_of_other_families():
 
 
 def _buildable(spec: ModelSpec) -> ModelSpec:
-    """Drop the features the builder lacks but that do not change parameter shapes (rope scaling, AttnRes is
-    compared separately)."""
-    upd = {"attn_res_block_size": None}
+    """Drop the features the builder lacks but that do not change parameter shapes (rope scaling)."""
+    upd = {}
     if spec.mla is not None and spec.mla.rope_scaling is not None:
         upd["mla"] = spec.mla.model_copy(update={"rope_scaling": None})
     return spec.model_copy(update=upd)
@@ -108,7 +127,10 @@ def test_params_match_the_built_model(model):
             skipped = (spec.moe.num_experts - spec.moe.top_k) * per_expert
         assert lp.activated_params == lp.params - skipped, lp.index
     head = net.lm_head.weight.numel()
-    assert prof.activated_params == sum(lp.activated_params for lp in prof.layers) + head + net.norm.weight.numel()
+    final = sum(t.numel() for m in (net.norm, net.out_res) if m is not None for t in m.parameters())
+    assert prof.final_norm_params == final  # with Attention Residuals: the final norm and the output mix
+    assert prof.activated_params == sum(lp.activated_params for lp in prof.layers) + head + final
+    assert (net.out_res is not None) == (spec.attn_res_block_size is not None)
 
 
 # ------------------------------------------------------------------------------------------ FLOPs vs Megatron
@@ -220,20 +242,25 @@ def test_attention_terms():
     spec, p1 = _prof("kimi-k3.1-pro", 1024)
     _, p2 = _prof("kimi-k3.1-pro", 65536)
     k3, p3 = _prof("kimi-k3", 65536)
+    # Attention Residuals: both mixes of 0-based layer i, 4 d n FLOPs each over their n sources
+    ar = lambda s, i: 4 * s.hidden_size * sum(s.attn_res_sources(i))  # noqa: E731
+    assert spec.attn_res_sources(1) == (2, 2) and spec.attn_res_sources(12) == (2, 3)  # layer 12 closes block 1
     kda1, kda2 = p1.layers[1], p2.layers[1]
     assert kda1.mixer == "kda" and kda1.fwd_attn_flops_per_token == kda2.fwd_attn_flops_per_token
-    assert kda1.fwd_attn_flops_per_token == 96 * (6 * 128 * 128 + 3 * 64 * 128 + 64 * 64)  # report Eq. 13
+    assert kda1.fwd_attn_flops_per_token - ar(spec, 1) == 96 * (6 * 128 * 128 + 3 * 64 * 128 + 64 * 64)  # Eq. 13
     m, ix = spec.mla, spec.mla.indexer
     qkv = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
     dsa1, dsa2, dense = p1.layers[3], p2.layers[3], p3.layers[3]
     assert dsa1.mixer == dense.mixer == "mla"
     # S <= top_k: sparse attention sees every causal key, like dense attention
-    assert dsa1.fwd_attn_flops_per_token == 2 * m.num_heads * qkv * 512 + 2 * ix.num_heads * (ix.head_dim + 1) * 512
+    assert dsa1.fwd_attn_flops_per_token - ar(spec, 3) == (
+        2 * m.num_heads * qkv * 512 + 2 * ix.num_heads * (ix.head_dim + 1) * 512)
     # long S: main attention ~ top_k keys, indexer still over S/2 keys; dense MLA grows with S
     k_eff = 2048 - 2048**2 / (2 * 65536)
     main = 2 * m.num_heads * qkv * k_eff
-    assert dsa2.fwd_attn_flops_per_token == pytest.approx(main + 2 * ix.num_heads * (ix.head_dim + 1) * 32768)
-    assert dense.fwd_attn_flops_per_token == 2 * m.num_heads * qkv * 32768
+    assert dsa2.fwd_attn_flops_per_token - ar(spec, 3) == pytest.approx(
+        main + 2 * ix.num_heads * (ix.head_dim + 1) * 32768)
+    assert dense.fwd_attn_flops_per_token - ar(k3, 3) == 2 * m.num_heads * qkv * 32768
 
 
 def test_dispatch_and_activation_bytes():

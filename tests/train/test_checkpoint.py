@@ -128,10 +128,10 @@ def test_keep_prunes_oldest_and_resave_replaces(tmp_path):
     root = tmp_path / "ckpt"
     for step in (10, 20, 30, 40):
         save_checkpoint(root, step, model, opt, {"step": step}, keep=2)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000030", "step_00000040"]
+    assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == ["step_00000030", "step_00000040"]
     _train(model, opt, sched, 1, seed=0)
     save_checkpoint(root, 40, model, opt, {"step": 41}, keep=2)  # same step again: replaced in place
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000030", "step_00000040"]
+    assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == ["step_00000030", "step_00000040"]
     model2, opt2, _ = _setup(7)
     assert load_checkpoint(root / "step_00000040", model2, opt2) == {"step": 41}
     assert torch.equal(model2.up.weight, model.up.weight)
@@ -169,12 +169,12 @@ def test_kill_during_save_leaves_only_tmp(tmp_path, monkeypatch):
     with pytest.raises(_Killed):
         save_checkpoint(root, 2, model, opt, {"step": 2}, keep=2)
     monkeypatch.undo()
-    assert sorted(p.name for p in root.iterdir()) == [".tmp_step_00000002", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == [".tmp_step_00000002", "step_00000001"]
     assert (root / ".tmp_step_00000002" / ".metadata").is_file()  # it really died mid-save
     assert latest_checkpoint(root) == root / "step_00000001"
     assert load_checkpoint(root / "step_00000001", *_fresh()) == {"step": 1}
     save_checkpoint(root, 3, model, opt, {"step": 3}, keep=2)  # the next save cleans the leftovers up
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000003"]
+    assert sorted(p.name for p in root.iterdir() if p.name != ".lock") == ["step_00000001", "step_00000003"]
 
 
 def _fresh():

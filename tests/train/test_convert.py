@@ -40,8 +40,8 @@ FP32_SUFFIXES = ("A_log", "dt_bias", "e_score_correction_bias")
 def _spec(family: str) -> ModelSpec:
     base = load_model_spec("tiny").model_dump()
     base.update(family=family, name=f"tiny-{family}")
-    if family == "kimi_k3":
-        return ModelSpec(**base)
+    if family == "kimi_k3":  # with K3's Attention Residuals (blocks of 2 layers)
+        return ModelSpec(**{**base, "attn_res_block_size": 2})
     if family == "kimi_linear":
         base["kda"].update(gate="kimi_linear", output_gate_rank=16)
         base["mla"].update(q_lora_rank=None, output_gate=False, indexer=None)
@@ -73,12 +73,19 @@ def _hf_shapes(spec: ModelSpec, family: str) -> dict[str, tuple[int, ...]]:
     P = "language_model.model." if family == "kimi_k3" else "model."
     d, V = spec.hidden_size, spec.vocab_size
     out = {P + "embed_tokens.weight": (V, d), P + "norm.weight": (d,)}
+    if spec.attn_res_block_size is not None:
+        out[P + "output_attn_res_norm.weight"] = (d,)
+        out[P + "output_attn_res_proj.weight"] = (1, d)
     if not spec.tie_word_embeddings:
         out["language_model.lm_head.weight" if family == "kimi_k3" else "lm_head.weight"] = (V, d)
     for i, kind in enumerate(spec.layer_kinds()):
         L = f"{P}layers.{i}."
         out[L + "input_layernorm.weight"] = (d,)
         out[L + "post_attention_layernorm.weight"] = (d,)
+        if spec.attn_res_block_size is not None:
+            for mix in ("self_attention_res", "mlp_res"):
+                out[L + f"{mix}_norm.weight"] = (d,)
+                out[L + f"{mix}_proj.weight"] = (1, d)
         a = L + "self_attn."
         if kind.mixer == "kda":
             k = spec.kda
@@ -200,6 +207,9 @@ def _ms_name(hf: str) -> str | None:
     if ".experts." in n:
         return None
     for pat, rep in [
+        (r"\.self_attention_res_(norm|proj)\.weight$", r".attn_res.\1_weight"),
+        (r"\.mlp_res_(norm|proj)\.weight$", r".ffn_res.\1_weight"),
+        (r"^output_attn_res_(norm|proj)\.weight$", r"out_res.\1_weight"),
         (r"^embed_tokens\.", "embed."), (r"\.input_layernorm\.", ".attn_norm."),
         (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.", ".attn."),
         (r"\.(mlp|block_sparse_moe)\.gate\.weight$", ".ffn.router.weight"),
@@ -364,7 +374,7 @@ def test_load_hf_weights_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     data_passes = opened[3:]  # the first 3 opens read headers only
     assert data_passes == sorted(data_passes) and len(data_passes) == 3
     ref = hf_to_state_dict(tmp_path / "hf", spec)
-    assert n == len(ref)
+    assert n.tensors == len(ref)
     for name, t in model.state_dict().items():
         assert torch.equal(t, ref[name].float()), name
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from moestack.config.base import ConfigError
 from moestack.config.train_spec import DataSpec
 from moestack.train.data import (
     BatchSampler,
@@ -53,9 +54,13 @@ def test_byte_tokenizer_round_trip():
 
 def test_hf_tokenizer_without_package_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
-    with pytest.raises(ImportError, match=r"pip install moestack\[hf\]"):
+    # the path is checked first: a typo is named as a typo, not as a missing package
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: .*tokenizer\.json' is not a file"):
         HFTokenizer(tmp_path / "tokenizer.json")
-    with pytest.raises(ImportError, match="tokenizers"):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"pip install 'moestack\[hf\]'"):
+        HFTokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="tokenizers"):
         build_tokenizer(DataSpec(tokenizer=str(tmp_path / "tokenizer.json")))
 
 

@@ -71,3 +71,22 @@ def test_training_run_writes_load_records_and_heatmap(tmp_path):
         assert r["train/load/worst_max_mean"] >= 1.0
     assert seen[0] == "" and seen[1].startswith("load ") and seen[2].startswith("load ")
     assert result["load_heatmap"] == tmp_path / "expert_load.png" and result["load_heatmap"].is_file()
+
+
+def test_monitor_warns_once_when_the_load_stays_above_the_plan_forecast():
+    lines: list[str] = []
+    mon = ExpertLoadMonitor(["1"], 4, 0.9, 3, ep=2, warn=lines.append, forecast=1.1)
+    skewed = {"1": torch.tensor([30, 30, 10, 10])}  # ranks 60 / 20: busiest rank 1.5x the mean
+    even = {"1": torch.tensor([10, 10, 10, 10])}
+    for step, counts in enumerate([skewed, skewed, even, skewed, skewed], 1):  # a streak of 2, broken, then 2
+        mon.observe(step, counts)
+    assert lines == []
+    for step in range(6, 10):
+        mon.observe(step, skewed)
+    assert len(lines) == 1 and "plan.moe_load_imbalance 1.1" in lines[0] and "1.50" in lines[0]
+    assert "at step 6" in lines[0]
+    lines.clear()
+    quiet = ExpertLoadMonitor(["1"], 4, 0.9, 2, warn=lines.append, forecast=None)  # no plan: nothing to compare
+    for step in range(1, 5):
+        quiet.observe(step, skewed)
+    assert lines == []

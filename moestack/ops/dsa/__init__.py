@@ -17,6 +17,7 @@ import torch
 
 from moestack.ops import tuned
 from moestack.ops.dsa import reference
+from moestack.ops.opaque import opaque
 
 ENV_VAR = "MOESTACK_DSA_BACKEND"
 PREFERENCE = ("triton", "reference")
@@ -82,6 +83,7 @@ def select_backend(op: str, lead: torch.Tensor, backend: str | None = None) -> s
     raise RuntimeError(f"no available DSA backend for {op}")  # unreachable while "reference" is registered
 
 
+@opaque
 def sparse_mqa_attention(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +100,7 @@ def sparse_mqa_attention(
     return _REGISTRY["sparse_mqa_attention"][name].fn(q, kv, idx, v_dim, scale)
 
 
+@opaque
 def indexer_topk_from_inputs(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -115,6 +118,7 @@ def indexer_topk_from_inputs(
     return _REGISTRY["indexer_topk_from_inputs"][name].fn(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
 
 
+@opaque
 def indexer_kl_loss(
     index_scores: torch.Tensor,
     attn_probs_target: torch.Tensor,
@@ -127,6 +131,7 @@ def indexer_kl_loss(
     return _REGISTRY["indexer_kl_loss"][name].fn(index_scores, attn_probs_target, idx)
 
 
+@opaque
 def indexer_scores_at(
     q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, backend: str | None = None
 ) -> torch.Tensor:
@@ -136,6 +141,7 @@ def indexer_scores_at(
     return _REGISTRY["indexer_scores_at"][name].fn(q_idx, k_idx, w, idx)
 
 
+@opaque
 def attention_probs_target(
     q: torch.Tensor,
     kv: torch.Tensor,

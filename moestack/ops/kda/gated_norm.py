@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
+from moestack.ops import custom_ops
 
 __all__ = ["gated_rmsnorm", "gated_rmsnorm_reference"]
 
@@ -121,4 +122,6 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     if o.shape != z.shape or weight.shape != o.shape[-1:]:
         raise ValueError(f"o, z must have one shape [..., V] and weight [V]: got {tuple(o.shape)}, "
                          f"{tuple(z.shape)}, {tuple(weight.shape)}")
+    if torch.compiler.is_compiling():  # one node of the compiled graph (moestack/ops/custom_ops.py)
+        return custom_ops.gated_rmsnorm(o, z, weight, float(eps), act)
     return _GatedRMSNorm.apply(o, z, weight, float(eps), _ACTS[act])

@@ -230,11 +230,12 @@ def kda_chunked_reference(
     # Chunk layout: sequence n owns chunks first[n] .. first[n] + n_chunks[n] - 1 of M chunks in all.
     n_chunks = [-(-(e - s) // C) for s, e in bounds]
     first = [sum(n_chunks[:n]) for n in range(N)]
-    index, valid = [], []
-    for (s, e), nc in zip(bounds, n_chunks):
+    index, valid, keep = [], [], []
+    for (s, e), nc, f in zip(bounds, n_chunks, first):
         pos = torch.arange(s, s + nc * C, device=dev)
         valid.append(pos < e)
         index.append(pos.clamp(max=max(e - 1, 0)))
+        keep.append(torch.arange(f * C, f * C + e - s, device=dev))  # the real tokens' rows (no mask: no sync)
     index_P = torch.cat(index) if index else torch.zeros(0, dtype=torch.long, device=dev)
     valid_P = torch.cat(valid) if valid else torch.zeros(0, dtype=torch.bool, device=dev)
 
@@ -286,7 +287,7 @@ def kda_chunked_reference(
             D_MHCV = torch.cat(delta)[inverse]
             o_MHCV = qg_MHCK @ S0_MHKV + P_MHCC @ D_MHCV
             o_PHV = o_MHCV.transpose(1, 2).reshape(M * C, H, V)
-            o = o_PHV[valid_P].reshape(B, T, H, V)
+            o = o_PHV.index_select(0, torch.cat(keep)).reshape(B, T, H, V)
         else:
             o = v.new_zeros(B, T, H, V, dtype=dt)
     return o.to(v.dtype), (S_NHKV if output_final_state else None)

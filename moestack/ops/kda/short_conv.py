@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
+from moestack.ops.opaque import opaque
 
 __all__ = ["short_conv_silu", "short_conv_silu_reference"]
 
@@ -256,6 +257,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         return dx, dw_CW.reshape(ctx.w_shape).to(w.dtype), None, None
 
 
+@opaque
 def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None,
                     bwd: str | None = None) -> torch.Tensor:
     """Fused silu(causal depthwise conv) (module docstring). x [B, T, C] (CUDA, or CPU under TRITON_INTERPRET=1);

@@ -25,6 +25,7 @@ import torch
 
 from moestack.ops import tuned
 from moestack.ops.moe import reference
+from moestack.ops.opaque import opaque
 from moestack.ops.moe.reference import (
     Permutation,
     gather_sorted,
@@ -67,6 +68,7 @@ def resolve_backend(backend: str | None = None) -> str:
     raise AssertionError("the reference backend is always available")
 
 
+@opaque
 def grouped_mm(
     x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None
 ) -> torch.Tensor:
@@ -79,6 +81,7 @@ def grouped_mm(
     return _BACKENDS[resolve_backend(backend)][0](x_ND, w_EDF, offs_E)
 
 
+@opaque
 def expert_ffn(
     x_ND: torch.Tensor, w_gu_ED2I: torch.Tensor, w_down_EID: torch.Tensor, offs_E: torch.Tensor,
     backend: str | None, kind: str, beta: float, lin_beta: float,

@@ -37,10 +37,12 @@ from torch import nn
 
 from moestack.ops.moe import fp8_quant as fq
 from moestack.ops.moe.fp8_grouped_gemm import Fp8GroupedMMv3
+from moestack.ops.opaque import opaque
 
 NameFilter = Callable[[str, nn.Module], bool]
 
 
+@opaque
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, q_dtype: torch.dtype | None = None,
                cublas_min_rows: int | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T in FP8 (module doc), differentiable in x and weight. Output in the autocast

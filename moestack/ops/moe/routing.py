@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moestack.ops.moe import reference
+from moestack.ops.opaque import opaque
 
 ENV_VAR = "MOESTACK_MOE_ROUTING_BACKEND"
 BACKENDS = ("triton", "reference")
@@ -135,6 +136,7 @@ class _SplitBF16Logits(torch.autograd.Function):
         return dx, dw
 
 
+@opaque
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, split_bf16: bool | None = None) -> torch.Tensor:
     """fp32 router logits x W^T [T, E]. split_bf16 (default: on CUDA when x is bf16): the split-bf16 GEMMs of
     _SplitBF16Logits instead of an fp32 GEMM (which runs without tensor cores: ~2 ms at K3's 8192 x 7168 x 896).
@@ -152,6 +154,7 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, split_bf16: bool 
 # route
 
 
+@opaque
 def route(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor | None,
@@ -229,6 +232,7 @@ def _dispatch_reference(topk_idx_TK: torch.Tensor, num_experts: int, align: int)
     return Dispatch(row_of_slot_N, _slot_of_row(row_of_slot_N, R), counts_E, offs_E, zero, K, False)
 
 
+@opaque
 def dispatch(
     topk_idx_TK: torch.Tensor,
     num_experts: int,
@@ -294,6 +298,7 @@ class _GatherRows(torch.autograd.Function):
         return g_TKD.sum(1, dtype=torch.promote_types(grad_RD.dtype, torch.float32)).to(grad_RD.dtype), None, None, None
 
 
+@opaque
 def gather(h_TD: torch.Tensor, d: Dispatch, backend: str | None = None) -> torch.Tensor:
     """Expert-major copy of the routed inputs [R, D] (padding rows zero). Deterministic forward and backward."""
     if resolve_backend(backend, h_TD.device) == "triton":
@@ -305,6 +310,7 @@ def gather(h_TD: torch.Tensor, d: Dispatch, backend: str | None = None) -> torch
     return _GatherRows.apply(h_TD, d.slot_of_row_R, d.row_of_slot_N, d.top_k)
 
 
+@opaque
 def combine(y_RD: torch.Tensor, d: Dispatch, topk_w_TK: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)] (dropped slots add nothing), summed over k in order in
     fp32; returns y_RD's dtype. Deterministic forward and backward, no atomics."""

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops import custom_ops
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KINDS = {"situ_glu": 0, "swiglu": 1}
 
@@ -141,4 +143,6 @@ def fused_glu(gate_up_N2I: torch.Tensor, kind: str = "situ_glu", beta: float = 4
         raise ValueError(f"activation must be one of {tuple(KINDS)}, got {kind!r}")
     if gate_up_N2I.dim() != 2 or gate_up_N2I.shape[1] % 2:
         raise ValueError(f"gate_up must be [N, 2I], got shape {tuple(gate_up_N2I.shape)}")
+    if torch.compiler.is_compiling():  # one node of the compiled graph (moestack/ops/custom_ops.py)
+        return custom_ops.fused_glu(gate_up_N2I, kind, float(beta), float(lin_beta))
     return _FusedGLU.apply(gate_up_N2I, kind, beta, lin_beta)

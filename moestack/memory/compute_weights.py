@@ -1,0 +1,97 @@
+"""bf16 compute copies of the weights, cast once per optimizer step and shared by every micro-batch (TrainSpec
+weight_cache, one device).
+
+Under autocast every forward casts each fp32 weight it multiplies by to bf16 again: with gradient accumulation the
+same cast runs once per micro-batch (the K3 slice: ~28 ms of a 209 ms step, issue #30). Here each Linear weight and
+each routed-expert weight is cast once, when the weights have changed (after an optimizer step, a load), and the
+forwards multiply by that copy (moestack.model.weights.compute_weight).
+
+Exactness: the copy is `w.to(bfloat16)` with autograd on, the op autocast itself runs (round to nearest even), so
+the forward sees the same bits; its gradient flows back through the same cast node (bf16 -> fp32) into the fp32
+parameter's .grad, once per micro-batch's backward, as with autocast's per-forward copy. The cast node saves no
+tensors, so every micro-batch's backward can pass through it. Losses and gradients are bitwise those of autocast
+(tests/memory/test_compute_weights.py).
+
+Left to autocast / their own path: FP8 layers (Fp8Linear and experts on the fp8 backend quantise from the fp32
+parameter: a bf16 copy would round twice), experts with MXFP4 fake quantisation (QAT) or a replaced grouped_mm seam
+(memory policies), the router (fp32 logits), norms, embeddings, KDA's gate vectors. Under FSDP2 (a plan) the
+gathered parameters are already bf16 (parallel/fsdp.py); this class is for the single-device trainer.
+
+Memory: 2 bytes per cached parameter for the whole step (autocast's copies live from a layer's forward to its
+backward), i.e. +2 B/param at the optimizer step, where the activations are already freed.
+
+Legend: none (whole parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestack.model.weights import CachedLinear
+
+
+def _expert_cacheable(experts: nn.Module) -> bool:
+    return experts.backend != "fp8" and experts.fake_quant is None and "grouped_mm" not in experts.__dict__
+
+
+class ComputeWeights:
+    """Keeps `module._compute_weights[name] = param.to(dtype)` for the chosen weights of `model` (see module doc).
+
+    refresh_if_stale() before the forwards of a step (and of an evaluation): recasts when an optimizer step ran
+    since the last cast (`optimizer` post hook) or a parameter's version counter moved (load_state_dict, copy_).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
+        from moestack.model.moe import Experts
+
+        self.dtype = dtype
+        self.targets: list[tuple[nn.Module, str]] = []
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = CachedLinear  # same object, parameters and hooks; forward reads the copy
+                self.targets.append((module, "weight"))
+            elif type(module) is CachedLinear:
+                self.targets.append((module, "weight"))
+            elif isinstance(module, Experts) and _expert_cacheable(module):
+                self.targets += [(module, "w_gate_up"), (module, "w_down")]
+        self._versions: list[int] | None = None  # parameter versions at the last cast; None = never cast
+        self.casts = 0  # refreshes done (one per optimizer step in training)
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.mark_stale()) if optimizer else None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(getattr(m, n).numel() for m, n in self.targets) * torch.finfo(self.dtype).bits // 8
+
+    def mark_stale(self) -> None:
+        self._versions = None
+
+    def _current_versions(self) -> list[int]:
+        return [getattr(m, n)._version for m, n in self.targets]
+
+    def refresh_if_stale(self) -> bool:
+        """Recast if needed; returns whether it did."""
+        if self._versions is not None and self._versions == self._current_versions():
+            return False
+        self.refresh()
+        return True
+
+    def refresh(self) -> None:
+        with torch.enable_grad():
+            for module, name in self.targets:
+                cache = module.__dict__.setdefault("_compute_weights", {})
+                cache.pop(name, None)  # free the old copy before the new one is made
+                param = getattr(module, name)
+                cache[name] = param.to(self.dtype) if param.requires_grad else param.detach().to(self.dtype)
+        self._versions = self._current_versions()
+        self.casts += 1
+
+    def remove(self) -> None:
+        """Drop every copy (forwards read the parameters again) and the optimizer hook; the Linear modules keep
+        their CachedLinear class, which then behaves as nn.Linear."""
+        for module, _ in self.targets:
+            module.__dict__.pop("_compute_weights", None)
+        if self._hook is not None:
+            self._hook.remove()
+        self.targets = []

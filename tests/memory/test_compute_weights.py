@@ -1,0 +1,130 @@
+"""bf16 compute copies of the weights (moestack/memory/compute_weights.py): bitwise the numbers of autocast's
+per-forward casts (losses, every gradient, the weights after optimizer steps), one cast per optimizer step, and
+the layers the copies must leave alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestack.config.train_spec import TrainSpec
+from moestack.memory.compute_weights import ComputeWeights
+from moestack.model.transformer import build_model
+from moestack.model.weights import CachedLinear, compute_weight
+
+STEPS, ACCUM, B, T = 2, 2, 2, 32
+
+
+def _batches(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (B, T), generator=gen), torch.randint(0, vocab, (B, T), generator=gen))
+            for _ in range(STEPS * ACCUM)]
+
+
+def _train(spec, cache: bool):
+    """STEPS AdamW steps of ACCUM micro-batches under CPU bf16 autocast; (losses, per-step grads, params, cache)."""
+    model = build_model(spec, "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    cw = ComputeWeights(model, opt) if cache else None
+    batches = iter(_batches(spec.vocab_size))
+    losses, grads = [], []
+    for _ in range(STEPS):
+        if cw is not None:
+            cw.refresh_if_stale()
+        for _ in range(ACCUM):
+            x, y = next(batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+            (loss / ACCUM).backward()
+            losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, cw
+
+
+def test_bitwise_autocast(small_spec):
+    """Losses of every micro-batch, the accumulated gradients of every step and the weights after them: equal bit for
+    bit with and without the copies (gradient accumulation over 2 micro-batches, 2 optimizer steps)."""
+    ref_losses, ref_grads, ref_params, _ = _train(small_spec, cache=False)
+    losses, grads, params, cw = _train(small_spec, cache=True)
+    for a, b in zip(ref_losses, losses, strict=True):
+        assert torch.equal(a, b), (a, b)
+    for step, (ga, gb) in enumerate(zip(ref_grads, grads, strict=True)):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), (step, name, (ga[name] - gb[name]).abs().max())
+    for name in ref_params:
+        assert torch.equal(ref_params[name], params[name]), name
+    assert cw.casts == STEPS  # once per optimizer step, not per micro-batch
+    assert ref_losses[0].dtype == torch.float32 and len({float(x) for x in losses}) > 1
+
+
+def test_targets_and_exclusions(small_spec):
+    """Every Linear (LM head included) and the routed experts get copies; FP8 experts, MXFP4 fake-quantised experts and
+    the router do not; the parameters, their names and the state_dict are unchanged."""
+    model = build_model(small_spec, "cpu", seed=0)
+    keys = list(model.state_dict())
+    moe = next(iter(model.moe_layers().values()))
+    cw = ComputeWeights(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is CachedLinear for m in linears)
+    names = {(id(m), n) for m, n in cw.targets}
+    assert (id(model.lm_head), "weight") in names
+    assert {(id(moe.experts), "w_gate_up"), (id(moe.experts), "w_down")} <= names
+    assert not any(m is moe.router for m, _ in cw.targets)
+    assert list(model.state_dict()) == keys
+    cw.refresh()
+    w = compute_weight(moe.experts, "w_down")
+    assert w.dtype == torch.bfloat16 and torch.equal(w, moe.experts.w_down.detach().to(torch.bfloat16))
+    assert w.grad_fn is not None  # differentiable back to the fp32 parameter
+    assert compute_weight(moe.router) is moe.router.weight
+    assert cw.num_bytes == 2 * sum(getattr(m, n).numel() for m, n in cw.targets)
+    cw.remove()
+    assert compute_weight(moe.experts, "w_down") is moe.experts.w_down
+
+    fresh = build_model(small_spec, "cpu", seed=0)
+    fresh_moe = next(iter(fresh.moe_layers().values()))
+    fresh_moe.experts.backend = "fp8"  # quantises from the fp32 parameter: a bf16 copy would round twice
+    assert not any(m is fresh_moe.experts for m, _ in ComputeWeights(fresh).targets)
+    qat = build_model(small_spec, "cpu", seed=0)
+    qat_moe = next(iter(qat.moe_layers().values()))
+    qat_moe.experts.fake_quant = "mxfp4"
+    assert not any(m is qat_moe.experts for m, _ in ComputeWeights(qat).targets)
+
+
+def test_refresh_follows_writes(small_spec):
+    """A copy is made again after an optimizer step (fused AdamW does not bump version counters: the step hook) and
+    after a load (version counters), and not otherwise."""
+    model = build_model(small_spec, "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cw = ComputeWeights(model, opt)
+    assert cw.refresh_if_stale() and not cw.refresh_if_stale()
+    head = model.lm_head
+    (compute_weight(head).float().sum()).backward()
+    opt.step()
+    assert cw.refresh_if_stale()
+    assert torch.equal(compute_weight(head), head.weight.detach().to(torch.bfloat16))
+    state = {k: v + 1 if k == "lm_head.weight" else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    assert cw.refresh_if_stale()
+    assert torch.equal(compute_weight(head), head.weight.detach().to(torch.bfloat16))
+
+
+def test_trainer_bitwise(small_spec, tmp_path):
+    """The trainer (precision bf16 on CPU, 2 micro-batches per step): the same losses, gradient norms and weights with
+    weight_cache on and off."""
+    from moestack.train.trainer import Trainer
+
+    out = {}
+    for cache in (False, True):
+        spec = TrainSpec(out_dir=str(tmp_path / str(cache)), steps=2, micro_batch_size=2, grad_accum_steps=2,
+                         seq_len=T, precision="bf16", device="cpu", weight_cache=cache,
+                         logging={"tensorboard": False, "progress": False})
+        trainer = Trainer(spec, small_spec, log=lambda *a, **k: None)
+        assert (trainer.compute_weights is not None) == cache
+        stats = [trainer.train_step() for _ in range(2)]
+        out[cache] = ([(s.loss, s.grad_norm) for s in stats], {n: p.detach() for n, p in trainer.model.named_parameters()})
+    assert out[False][0] == out[True][0]
+    for name, p in out[False][1].items():
+        assert torch.equal(p, out[True][1][name]), name

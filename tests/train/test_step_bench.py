@@ -1,0 +1,49 @@
+"""benchmarks/step.py on the CPU (--smoke): the rows it prints for the tiny model, the forced-uniform routing it
+labels, and its flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "step.py"
+    spec = importlib.util.spec_from_file_location("step_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_smoke_rows(bench, capsys):
+    from moestack.ops.moe import routing
+
+    real = routing.route
+    rows = bench.main(["--smoke", "--accum", "2", "--steps", "1", "--routing", "uniform,learned"])
+    out = capsys.readouterr().out
+    assert routing.route is real  # the forced routing is undone
+    assert [r.routing for r in rows] == ["uniform*", "learned"] and not any(r.error for r in rows)
+    for r in rows:
+        assert r.model == "tiny" and r.mode == "eager" and r.ran == "eager" and r.accum == 2
+        assert r.tokens_per_s > 0 and r.step_ms > 0 and r.first_s > 0 and r.mfu >= 0
+        assert r.busy != r.busy  # no GPU: not measured
+    assert rows[0].load_max_mean == 1.0  # 32 tokens x 4 slots over 16 experts: 8 rows each
+    assert rows[1].load_max_mean > 1.0
+    assert out.count("| tiny |") == 2 and "uniform* = forced balanced routing" in out and bench.HEADER in out
+
+
+def test_flags(bench):
+    with pytest.raises(SystemExit):
+        bench.parse(["--modes", "eager,fast"])
+    args = bench.parse(["--smoke"])
+    assert (args.models, args.modes, args.precisions, args.device) == ("tiny", "eager", "bf16", "cpu")
+    assert bench.fmt(bench.Row("proxy", "learned", "eager", "bf16", 1, True, error="RuntimeError: x")).endswith(
+        "error: RuntimeError: x |")
+    assert torch.isfinite(torch.tensor(bench.PEAK_BF16))

@@ -152,7 +152,7 @@ class RouterSpec(StrictModel):
     # "step": the bias solved from the whole last step routes this one (Kimi K3); "batch": each training micro-batch
     # also solves its own bias before routing, quantile_iterations coordinate steps over the stage's ranks (no lag
     # behind a fast-moving router; the step-scope bias stays the model's, used by evaluation and inference)
-    quantile_scope: Literal["step", "batch"] = "step"
+    quantile_scope: Literal["step", "batch"] = "batch"
     quantile_iterations: int = Field(default=2, ge=1)
     # Qwen3's global-batch balance loss: coef * E * sum_i f_i P_i with f_i the load fraction of the whole step's
     # batch (all micro-batches so far, all data-parallel ranks), P_i the mean normalised score of this micro-batch

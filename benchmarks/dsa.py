@@ -2,14 +2,15 @@
 
     python3 benchmarks/dsa.py                 # T in {8192, 32768}, heads in {20, 64, 96}, top-2048 (< 150 s)
     python3 benchmarks/dsa.py --t131072       # adds T = 131072 at 64 heads
-    python3 benchmarks/dsa.py --quick         # phase B check (< 90 s): T=32768 and 8192 at 64 heads, dKV atomic
-                                              # vs kmajor_ds, forward per 64-head config, the dense anchor
-    python3 benchmarks/dsa.py --bwd           # backward variants alone at T=32768, H=64 (< 140 s): atomic (the v2
-                                              # default) vs the two-pass modes, per-pass split, dense anchor
+    python3 benchmarks/dsa.py --quick         # (< 90 s): T=32768 and 8192 at 64 heads, forward per 64-head config,
+                                              # the dense anchor
+    python3 benchmarks/dsa.py --bwd           # the backward alone at T=32768, H=64 (< 140 s): both dKV forms, the
+                                              # two passes split, dense anchor
 
 Each sparse row names the autotuner's pick per kernel ("cfg"), so a run tells which tile shapes won; the
-fwd+bwd rows after the first give the relative difference of dq and dkv from the first dKV mode's (same inputs:
-bf16 accumulation-order noise, ~1e-3, is the expected size).
+deterministic dKV form's row gives the relative difference of dq and dkv from the default's (same inputs: bf16
+accumulation-order noise, ~1e-3, is the expected size). The one-pass dKV forms measured before the refactor
+(atomic, atomic_split, kmajor, sorted) were removed; their numbers stay in benchmarks/RESULTS.md.
 
 Inputs (bf16, B = 1): the MQA-form query q [T, H, 576] and latent kv [T, 576] ~ N(0, 1) (values = first 512
 dims), softmax scale 192^-0.5 (MLA's nope + rope); the selection idx [T, 2048] comes from our indexer top-k on
@@ -186,19 +187,10 @@ def bench_sparse(
             del grads
             bwd_ms = fb_ms - fwd_ms
             fb_best[0] = min(fb_best[0], fb_ms)
-            cfg = f"cfg {picked(bwd_k._sparse_mqa_bwd_kernel)}"
-            if mode == "kmajor":
-                cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_kmajor_kernel)}"
-            elif mode in ("atomic_split", "sorted"):
-                cfg += f"; dKV {picked(bwd_k._sparse_mqa_dkv_rows_kernel)}"
-            if mode in bwd_k.TWO_PASS_MODES:  # the fused dQ kernel is not used
-                cfg = f"pass 1 {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
+            cfg = f"pass 1 {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
             row(f"T={T} H={H}", f"sparse fwd+bwd (triton, dKV {mode})", f"{fb_ms:.2f}", tflops(3 * f_fwd, fb_ms),
                 f"bwd {bwd_ms:.2f} ms = {tflops(2 * f_fwd, bwd_ms)} TFLOP/s", cfg, agree)  # fmt: skip
             if fwd_sweep:
-                autotune_rows(f"T={T} H={H}", f"bwd ({mode})", bwd_k._sparse_mqa_bwd_kernel, SEEN)
-                if mode == "kmajor":
-                    autotune_rows(f"T={T} H={H}", "dKV kmajor", bwd_k._sparse_mqa_dkv_kmajor_kernel, SEEN)
                 if mode == "kmajor_ds":
                     autotune_rows(f"T={T} H={H}", "pass 1 dKV+dS", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
                     autotune_rows(f"T={T} H={H}", "pass 2 dQ", bwd_k._sparse_mqa_bwd_kernel_dq, SEEN)
@@ -265,10 +257,10 @@ def random_selection(T: int) -> torch.Tensor:
 
 
 def bench_bwd_variants(T: int, H: int) -> None:
-    """--bwd: sparse_mqa_bwd alone (on one forward's o, lse; dlse = None) per dKV mode, atomic (the v2 default) first
-    (pinned to run 4's winner, H32 K32 w8 s2: one compile) as the yardstick of the others' gradients; then the
-    two-pass split of kmajor_ds over all tokens at once: Delta, pass 1 (dKV + dS) with and without its dKV atomics,
-    pass 2 (dQ from dS), each with the TFLOP/s of the products it computes (pass 1: 4, pass 2: 1)."""
+    """--bwd: sparse_mqa_bwd alone (on one forward's o, lse; dlse = None) per dKV form, the default (kmajor_ds)
+    first as the yardstick of the deterministic one's gradients; then the two passes split over all tokens at once:
+    Delta, pass 1 (dKV + dS), pass 2 (dQ from dS), each with the TFLOP/s of the products it computes (pass 1: 4,
+    pass 2: 1)."""
     from moestack.ops.dsa import triton_attn_bwd as bwd_k
     from moestack.ops.dsa import triton_attn_fwd as fwd_k
 
@@ -284,47 +276,30 @@ def bench_bwd_variants(T: int, H: int) -> None:
     fk.configs = [c for c in fk.configs if (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"]) == (64, 64)][:1] or fk.configs
     o, lse = fwd_k.sparse_mqa_fwd(q, kv, idx, V_DIM, SCALE)
     do = torch.randn(o.shape, generator=g, device="cuda").bfloat16()
-    fused = bwd_k._sparse_mqa_bwd_kernel
-    won = [
-        c
-        for c in fused.configs
-        if (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) == (32, 32, 8, 2)
-    ]
-    fused.configs = won or fused.configs[:1]
     first: list = []
-    # (mode, pass-1 TOKEN_TILE): kmajor_ds in both work orders (0: a token's slot blocks together; 64: slots
-    # sorted by key, 64-token tiles, slot block outer: the atomics of the programs running together share a band)
-    for mode, tile in (("atomic", 0), ("kmajor_ds", 0), ("kmajor_ds", 64), ("sorted_ds", 0)):
-        label = mode if mode == "atomic" else f"{mode}, tile {tile}"
+    for mode in bwd_k.DKV_MODES:
 
-        def run(mode=mode, tile=tile, label=label):
+        def run(mode=mode):
             def step():
                 return bwd_k.sparse_mqa_bwd(q, kv, idx, o, lse, do, None, SCALE, mode)
 
-            bwd_k.TOKEN_TILE = tile
-            try:
-                ms = timed(step, reps=3 if mode != "sorted_ds" else 1, warmup=1)
-                grads = step()
-            finally:
-                bwd_k.TOKEN_TILE = 0
+            ms = timed(step, reps=3 if mode != "sorted_ds" else 1, warmup=1)
+            grads = step()
             if not first:
                 first.extend(grads)
                 agree = ""
             else:
-                agree = "vs atomic: " + ", ".join(
+                agree = "vs kmajor_ds: " + ", ".join(
                     f"{n} {_rel_err(a, b):.1e}" for n, a, b in zip(("dq", "dkv"), grads, first, strict=True)
                 )
-            if mode == "atomic":
-                cfg = picked(fused)
-            else:
-                cfg = f"dKV {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
-            row(shape, f"bwd (dKV {label})", f"{ms:.2f}", tflops(f_bwd, ms), f"cfg {cfg}", agree, "")
+            cfg = f"dKV {picked(bwd_k._sparse_mqa_bwd_kernel_dkv)}; dQ {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}"
+            row(shape, f"bwd (dKV {mode})", f"{ms:.2f}", tflops(f_bwd, ms), f"cfg {cfg}", agree, "")
             if mode == "kmajor_ds":
-                autotune_rows(shape, f"pass 1 dKV+dS tile {tile}", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
+                autotune_rows(shape, "pass 1 dKV+dS", bwd_k._sparse_mqa_bwd_kernel_dkv, SEEN)
                 autotune_rows(shape, "pass 2 dQ", bwd_k._sparse_mqa_bwd_kernel_dq, SEEN)
 
-        guarded(f"{shape} bwd {label}", run)
-        if mode == "kmajor_ds" and tile == 0:
+        guarded(f"{shape} bwd {mode}", run)
+        if mode == "kmajor_ds":
             guarded(f"{shape} two-pass split", lambda: _two_pass_split(shape, q, kv, idx, o, lse, do, nnz))
     del first[:]
     torch.cuda.empty_cache()
@@ -339,7 +314,7 @@ def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
     K = idx.shape[-1]
     HP = -(-H // bwd_k.DS_HEAD_PAD) * bwd_k.DS_HEAD_PAD
     qc, kvc, doc, lsec = q.contiguous(), kv.contiguous(), do.contiguous(), lse.contiguous()
-    idx = idx.to(torch.int32).contiguous()
+    idx = torch.sort(idx.to(torch.int32), dim=-1).values.contiguous()  # slots in key order, as the backward does
     delta = bwd_k.attention_delta(o, do, None)
     ds = torch.empty((T, K, HP), device="cuda", dtype=q.dtype)
     dkv32 = torch.zeros(kv.shape, device="cuda", dtype=torch.float32)
@@ -355,9 +330,6 @@ def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
     ms = timed(pass1, reps=3)
     row(shape, "two-pass: pass 1 dKV+dS (atomics)", f"{ms:.2f}", tflops(f1, ms), f"cfg {picked(p1)}",
         "TFLOP/s of its 4 products", "")  # fmt: skip
-    ms = forced_config(p1, p1.best_config, lambda: pass1("none"), reps=3)
-    row(shape, "two-pass: pass 1, dKV rows computed but not written", f"{ms:.2f}", tflops(f1, ms), "same config",
-        "the difference is the atomics' memory cost", "")  # fmt: skip
     ms = timed(lambda: bwd_k._dq_ds_pass(kvc, idx, ds, dq, 0, T, V_DIM), reps=3)
     row(shape, "two-pass: pass 2 dQ = dS K", f"{ms:.2f}", tflops(f2, ms),
         f"cfg {picked(bwd_k._sparse_mqa_bwd_kernel_dq)}", "TFLOP/s of its product", "")  # fmt: skip
@@ -366,9 +338,9 @@ def _two_pass_split(shape, q, kv, idx, o, lse, do, nnz) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t131072", action="store_true", help="add T = 131072 at 64 heads")
-    ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: dKV atomic vs kmajor_ds, "
-                    "forward per config, dense anchor (< 90 s)")  # fmt: skip
-    ap.add_argument("--bwd", action="store_true", help="backward variants alone at T=32768, H=64 (< 140 s)")
+    ap.add_argument("--quick", action="store_true", help="T=32768 and 8192 at 64 heads: forward per config, dense "
+                    "anchor (< 90 s)")  # fmt: skip
+    ap.add_argument("--bwd", action="store_true", help="the backward alone at T=32768, H=64 (< 140 s)")
     args = ap.parse_args()
     import triton
 
@@ -396,12 +368,8 @@ def main() -> None:
         if selections[T] is None:
             continue
         idx, idx_ms = selections[T]
-        # dKV: atomic (default) vs the two-pass kmajor_ds everywhere; at 64 heads also kmajor (and the deterministic
-        # sorted_ds at 8192: its buffer round trip is slow); --quick: atomic vs kmajor_ds only
-        if args.quick or H != 64:
-            modes = ("atomic", "kmajor_ds")
-        else:
-            modes = ("atomic", "kmajor_ds", "kmajor", "sorted_ds") if T == 8192 else ("atomic", "kmajor_ds", "kmajor")
+        # dKV: the default everywhere; the deterministic form too at 8192 x 64 (its buffer round trip is slow)
+        modes = ("kmajor_ds", "sorted_ds") if (T, H) == (8192, 64) and not args.quick else ("kmajor_ds",)
         sweep = args.quick and T == 32768
         a = (T, H, idx)
         sparse_ms = guarded(f"T={T} H={H} sparse", lambda a=a, m=modes, i=idx_ms, w=sweep: bench_sparse(*a, i, m, w))

@@ -39,7 +39,7 @@ def bench_indexer() -> None:
         st = {}
         base = X.indexer_topk_fused(*inp, TOP_K, scorer="triton", stats=st)
         ms_t = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="triton"), reps=3)
-        row(f"T={T}", "triton", f"{ms_t:.2f}", "1.00", "1.0000", str(st["fallback_rows"]))
+        row(f"T={T}", "triton", f"{ms_t:.2f}", "1.00", "1.0000", str(int(st["fallback_rows"])))
         best = ms_t
         for cfg in GI.CONFIGS:
             GI.DEFAULT_CONFIG = cfg
@@ -49,7 +49,7 @@ def bench_indexer() -> None:
                 ms = timed(lambda: X.indexer_topk_fused(*inp, TOP_K, scorer="gluon"), reps=3)
                 name = f"gluon S{cfg[0]} q{cfg[1]} heads per step {cfg[2]}"
                 row(f"T={T}", name, f"{ms:.2f}", f"{ms_t / ms:.2f}x", f"{overlap(got, base):.4f}",
-                    str(st["fallback_rows"]))  # fmt: skip
+                    str(int(st["fallback_rows"])))  # fmt: skip
                 best = min(best, ms)
                 del got
             except Exception as e:  # noqa: BLE001 - report and go on

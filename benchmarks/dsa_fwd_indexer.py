@@ -8,14 +8,14 @@ Rows ('|'-prefixed markdown), in this order (the time cap cuts the last ones fir
 * forward, T = 32768, H = 64, top-2048, d_qk 576 / d_v 512, bf16: the Triton kernel ("default") at its best run-4
   config (H64 K64 V512 8 warps 2 stages, forced: no autotuning of the other six) and "auto" (what the op runs: the
   Gluon kernel on sm_90); TFLOP/s on the selected keys (2 H nnz (576 + 512)); o / lse rel. difference vs default.
-* indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs) at T = 32768: "chunked" (the default: score
-  blocks of rows in HBM + torch.topk; the CPU default), "fused" (the GPU default: sampled threshold + fused scoring with candidate compaction + exact
-  top-k of <= 4096 candidates by a bisection select kernel; MOESTACK_DSA_TOPK=fused), "fused_torchsel" (fused with
-  torch.topk for the last step), "fused_fp8" (e4m3 scoring). Columns: ms, scoring TFLOP/s (T^2/2 x Hi x Di x 2,
-  the causal half), fraction of selected keys shared with "chunked", rows recomputed exactly (threshold missed),
-  indexer / attention forward time.
-* T = 131072: fused and fused_fp8 indexer (shared keys vs fused), the forward the op runs ("auto") on the fused
-  selection, and the indexer / attention-forward ratio (the issue asks <= 1/3 at T = 131072).
+* indexer + top-k (32 heads x 128, K3.1 Pro; random bf16 inputs) at T = 32768: "chunked" (score blocks of rows
+  in HBM + torch.topk; the CPU default), "fused" (the GPU default: sampled threshold + fused scoring with candidate
+  compaction + exact top-k of <= 4096 candidates by a bisection select kernel), "fused_torchsel" (fused with
+  torch.topk for the last step). Columns: ms, scoring TFLOP/s (T^2/2 x Hi x Di x 2, the causal half), fraction of
+  selected keys shared with "chunked", rows recomputed exactly (threshold missed), indexer / attention forward time.
+* T = 131072: the fused indexer, the forward the op runs ("auto") on its selection, and the indexer /
+  attention-forward ratio (the issue asks <= 1/3 at T = 131072). (The e4m3 scoring variant was removed; its numbers
+  stay in benchmarks/RESULTS.md.)
 Every variant runs under a guard: an error or the time cap prints a row and the run goes on.
 """
 
@@ -155,16 +155,16 @@ def bench_indexer(T: int, variants: tuple[str, ...], fwd_ms: dict, ref_name: str
         def run(variant=variant):
             stats = {}
             if variant == "chunked":
-                fn = lambda: indexer_topk_triton(q, k, w, TOP_K)
+                fn = lambda: indexer_topk_triton(q, k, w, TOP_K, mode="chunked")
             else:
-                fn = lambda: indexer_topk_fused(q, k, w, TOP_K, fp8=variant == "fused_fp8", stats=stats,
+                fn = lambda: indexer_topk_fused(q, k, w, TOP_K, stats=stats,
                                                 select="torch" if variant == "fused_torchsel" else "triton")  # fmt: skip
             ms = timed(fn, reps=3 if T <= 32768 else 2)
             sel[variant] = fn()
             agree = ""
             if variant != ref_name and ref_name in sel:
                 agree = f"shared with {ref_name} {overlap(sel[variant], sel[ref_name]):.4f}"
-            fb = f"fallback rows {stats.get('fallback_rows', '-')}"
+            fb = f"fallback rows {int(stats['fallback_rows']) if 'fallback_rows' in stats else '-'}"
             ratio = f"idx/attn-fwd {ms / attn:.2f}" if attn else ""
             times[variant] = ms
             row(f"T={T}", f"indexer+topk {variant}", f"{ms:.2f}", f"{flops / ms / 1e9:.1f}", f"{agree} {fb}", ratio)
@@ -201,9 +201,9 @@ def main() -> None:
     if not args.only_131k:
         sel32 = guarded("T=32768 selection", lambda: X.indexer_topk_fused(*indexer_inputs(32768), TOP_K))
         fwd32 = bench_forward(32768, 64, sel32) if sel32 is not None else {}
-        bench_indexer(32768, ("chunked", "fused", "fused_torchsel", "fused_fp8"), fwd32, "chunked", {})
+        bench_indexer(32768, ("chunked", "fused", "fused_torchsel"), fwd32, "chunked", {})
     if not args.no_131k:
-        variants = ("fused",) + (() if args.only_131k else ("fused_fp8",)) + (("chunked",) if args.chunked_131k else ())
+        variants = ("fused",) + (("chunked",) if args.chunked_131k else ())
         times: dict = {}
         sel = bench_indexer(131072, variants, {}, "fused", times)
         if "fused" in sel:

@@ -2,14 +2,14 @@
 
     python benchmarks/fp8_breakdown.py            # both parts
     python benchmarks/fp8_breakdown.py gemms      # FP8 vs bf16 per GEMM shape only
-    python benchmarks/fp8_breakdown.py profile    # the K3 EP16 layer's kernels, bf16 vs FP8 v3 (+ projections)
+    python benchmarks/fp8_breakdown.py profile    # the K3 EP16 layer's kernels, bf16 vs FP8 (+ projections)
 
 gemms: torch._scaled_mm with DeepSeek-V3's blockwise scales (1x128 activations x 128x128 weights; 1x128 x 1x128 for
 the weight gradients) and with rowwise scales, against bf16 mm, at K3 EP16's per-expert shapes (2340 rows per
 expert), the latent projections, all rows as one GEMM, and the 56-expert grouped GEMMs (torch._grouped_mm vs
 torch._scaled_grouped_mm rowwise). Random data, triton.testing.do_bench medians, TFLOP/s.
 profile [--variants a,b]: torch.profiler over 3 fwd+bwd iterations of benchmarks/moe.py's K3 EP16 layer per variant
-(default bf16, FP8 v3 + projections, the same with the fused expert FFN); kernel time per iteration, the largest
+(default bf16, FP8 + projections); kernel time per iteration, the largest
 kernels first, and the wall time per iteration. Gradients accumulate between the profiled iterations (no zeroing), so the
 bf16 "add" kernels there are the accumulation, which the timed benchmark (grad_to_none) does not run.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from unittest import mock
 
 import torch
 
@@ -102,7 +101,7 @@ def gemms() -> None:
     grouped_row(56, 2340, 3072, 3584, "grouped down fwd")
 
 
-PROFILE_VARIANTS = ("bf16", "fp8v3-proj", "fp8v3-fusedffn-proj")
+PROFILE_VARIANTS = ("bf16", "fp8-proj")
 
 
 def profile(iterations: int = 3, top: int = 14, variants: tuple[str, ...] = PROFILE_VARIANTS) -> None:
@@ -112,8 +111,8 @@ def profile(iterations: int = 3, top: int = 14, variants: tuple[str, ...] = PROF
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import moe as bench_moe
 
-    from moestack.ops.moe import fp8_linear
-    from moestack.ops.moe import fp8_weight_cache as wc
+    from moestack.ops.fp8 import linear as fp8_linear
+    from moestack.ops.fp8 import weight_cache as wc
 
     shape = next(s for s in bench_moe.SHAPES if s[0] == "k3-ep16")
     _, hidden, latent, inter, e_loc, e_rt, K, T, zipf, G, TG = shape
@@ -122,33 +121,32 @@ def profile(iterations: int = 3, top: int = 14, variants: tuple[str, ...] = PROF
     x = torch.randn(1, T, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
     gy = torch.randn_like(x)
     for variant in variants:
-        backend, env = bench_moe.FP8_VARIANTS[variant]
-        with mock.patch.dict(os.environ, env):
-            layer.moe.experts.backend = backend
-            if variant in bench_moe.PROJ_VARIANTS:
-                fp8_linear.enable_fp8_latent_projections(layer.moe)
-            wc.clear()
-            def step():
-                layer.forward(x, "triton").backward(gy)
+        make, proj = bench_moe.FP8_VARIANTS[variant]
+        layer.moe.experts.gemm = make()
+        if proj:
+            fp8_linear.convert_to_fp8_linear(layer.moe, ["down_proj", "up_proj"])
+        wc.clear()
 
+        def step():
+            layer.forward(x, "triton").backward(gy)
+
+        step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iterations):
             step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1000 / iterations
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iterations):
                 step()
             torch.cuda.synchronize()
-            wall_ms = (time.perf_counter() - t0) * 1000 / iterations
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(iterations):
-                    step()
-                torch.cuda.synchronize()
-            fp8_linear.revert_fp8_linear(layer.moe)
+        fp8_linear.revert_fp8_linear(layer.moe)
         rows = sorted(((e.self_device_time_total / iterations / 1000, e.count // iterations, e.key[:100])
                        for e in prof.key_averages() if e.self_device_time_total > 0), reverse=True)
         print(f"\n{variant}: kernel time per fwd+bwd {sum(r[0] for r in rows):.2f} ms, wall time {wall_ms:.2f} ms")
         for ms, count, name in rows[:top]:
             print(f"  {ms:7.3f} ms  x{count:<4d} {name}")
-    layer.moe.experts.backend = None
 
 
 def main() -> None:
@@ -160,7 +158,7 @@ def main() -> None:
     if "--variants" in args:  # profile's variants: names of benchmarks/moe.py's FP8_VARIANTS, comma list
         i = args.index("--variants")
         if i + 1 >= len(args):
-            sys.exit("fp8_breakdown.py: --variants needs a comma list, e.g. bf16,fp8v3-proj")
+            sys.exit("fp8_breakdown.py: --variants needs a comma list, e.g. bf16,fp8-proj")
         variants = tuple(args[i + 1].split(","))
         del args[i:i + 2]
     parts = args or ["gemms", "profile"]

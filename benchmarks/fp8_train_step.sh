@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Training-step throughput, bf16 vs the FP8 recipe (`--precision fp8`, moestack/train/fp8.py), same model, data and
+# Training-step throughput, bf16 vs the FP8 recipe (`--precision fp8`, moestack/ops/fp8/convert.py), same model, data and
 # seed: ROUNDS interleaved runs of STEPS steps each; prints per run the losses and the median tokens/s over steps
 # >= 5 (earlier steps compile and autotune), then the ratio of the medians. Default model: two Kimi K3 layers at full
 # width with an EP16 rank's 56 experts (benchmarks/configs/k3-ep16-slice.yaml; ~90 GiB peak on one H200).

@@ -2,7 +2,7 @@
 
     python benchmarks/fp8_wgrad_recipe.py [--rows 2340] [--experts 56]
 
-The v3 weight gradient (fp8_scaled_mm.wgrad) runs dw[e]^T = dy_e^T x_e with both operands in 128x1 token tiles
+The FP8 weight gradient (moestack/ops/fp8/scaled_mm.wgrad) runs dw[e]^T = dy_e^T x_e with both operands in 128x1 token tiles
 (DeepSeek-V3's recipe: one scale per channel per 128 tokens on each side), which cuBLAS runs at ~700-800 TFLOP/s
 against ~1000 for the forward's 1x128 x 128x128. This script times, on K3 EP16's two weight-gradient shapes
 (random data, 56 experts x 2340 tokens, one cuBLAS call per expert on one stream, bf16 out):

@@ -4,8 +4,8 @@
     python3 benchmarks/grouped_gemm.py --write-crossover crossover.json  # also write the "auto" crossover table
     python3 benchmarks/grouped_gemm.py --shapes k3_ep16 --tokens 64,2341
     python3 benchmarks/grouped_gemm.py --quick     # K3 EP16 at 32/64/128/586 tok/exp + fp8 quantiser times (< 90 s)
-    python3 benchmarks/grouped_gemm.py --small     # issue #7: <= 128 tok/exp, torch vs tma / tma-p / persistent,
-                                                   # per-kernel ms and TB/s vs the roofline (< 120 s)
+    python3 benchmarks/grouped_gemm.py --small     # issue #7: <= 128 tok/exp, torch vs triton, per-kernel ms
+                                                   # and TB/s vs the roofline (< 120 s)
 
 Per expert-FFN shape (E experts, width D, intermediate I; SwiGLU: gate_up D -> 2I, down I -> D) and tokens per
 expert (uniform, N = E * tokens rows): each of the two GEMMs timed forward and forward+backward (dX and dW) for
@@ -13,21 +13,19 @@ torch (moestack.ops.moe.reference.grouped_mm, i.e. torch's native grouped GEMM),
 bf16 inputs (weights as the transposed view of [E, F, D], like Experts passes). Times are medians of CUDA-event
 timings after a warm-up that also absorbs autotuning. TFLOP/s = 2 N D F (forward), 3x that (forward+backward).
 Rows "layer" add the two GEMMs; rows "layer (in sequence)" time them one after the other in one call.
-Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which triton's forward+backward beats torch's at every measured point below it (0: never); "triton" there is the kernel
-family --kernel or $MOESTACK_MOE_GG_KERNEL selects (persistent by default; tma with --small), written to the JSON.
+Crossover: for each GEMM shape "DxF", the largest tokens per expert up to which triton's forward+backward beats
+torch's at every measured point below it (0: never), written to the JSON (KernelSpec.moe.crossover reads it).
 
-Variants, old and new side by side: triton = the persistent kernel, swap = swap-AB kernels at <= SWAP_MAX_ROWS
-mean rows (persistent above), fp8 = v1 (weights requantised every call), fp8v2 = cached fp8 weights (steady state
-of several micro-batches per optimizer step: the weights do not change between the timed calls), the scalar
-weight scale per tile and swap-AB at <= 64 mean rows; fp8v2ns = fp8v2 without swap-AB (only timed where they
-differ). "err": per variant the largest relative error of y, dx, dw vs torch's (bf16 ~1e-3 expected; fp8 ~3e-2,
-fp8v2 the same as fp8). tma / tma-p: the swap-AB schedule with TMA-loaded operands (gg_tma.py), one program per
-work item / persistent, and its weight-gradient kernel; at <= SWAP_MAX_ROWS mean rows (persistent above).
+Backends: torch, triton (moestack.ops.moe.triton_grouped_gemm: the swap-AB schedule with TMA-loaded operands,
+gg_tma.py, and its weight gradient), fp8 (the FP8 recipe's expert GEMM with cached fp8 weights: the steady state of
+several micro-batches per optimizer step, the weights do not change between the timed calls). "err": per backend
+the largest relative error of y, dx, dw vs torch's (bf16 ~1e-3 expected; fp8 ~3e-2). (The persistent, swap, tma-p
+families and FP8 v1 / v2 measured before the refactor were removed; their numbers stay in benchmarks/RESULTS.md.)
 
 --small times calls queued back to back (the host's launch cost, ~30-80 us per Triton call with descriptors and
 autotuner dispatch, is hidden behind the previous call as in a training step; the default times each call
 synchronised, which charges it), and adds rows "| part |": each kernel alone (fwd, dX, dW; torch's through
-torch._grouped_mm, ours through gg_tma, dW also with the TMA store) with ms, bytes moved (weights or dW once, plus
+torch._grouped_mm, ours through gg_tma, dW also by the Gluon kernel where it applies) with ms, bytes moved (weights or dW once, plus
 the activations), achieved TB/s, and the roofline ms = max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s) (H200 peak
 bandwidth, dense bf16 peak).
 """
@@ -35,7 +33,6 @@ bandwidth, dense bf16 peak).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -71,32 +68,31 @@ def backends(fp8: bool = True) -> dict:
     """name -> grouped_mm; fp8=False leaves the FP8 module unimported (--small, --no-fp8)."""
     from moestack.ops.moe import triton_grouped_gemm as tg
 
-    fns = {"torch": reference.grouped_mm, "triton": partial(tg.grouped_mm, variant="persistent"),
-           "swap": partial(tg.grouped_mm, variant="swap"), "tma": partial(tg.grouped_mm, variant="tma"),
-           "tma-p": partial(tg.grouped_mm, variant="tma-p")}
+    fns = {"torch": reference.grouped_mm, "triton": tg.grouped_mm}
     if fp8:
-        from moestack.ops.moe import fp8_grouped_gemm as f8
+        from moestack.ops.fp8 import grouped_gemm as f8
 
-        fns.update({"fp8": partial(f8.grouped_mm, v2=False), "fp8v2": partial(f8.grouped_mm, v2=True),
-                    "fp8v2ns": partial(f8.grouped_mm, v2=True, swap_max_rows=0)})
+        fns["fp8"] = f8.grouped_mm
     return fns
 
 
 def quant_times(E: int, D: int, F: int, tokens: int) -> str:
-    """One '|' row: ms of the fp8 quantisers at this GEMM (rows of x, blocks of w, token tiles of x)."""
+    """One '|' row: ms of the fp8 quantisers at this GEMM (x's rows and token tiles in one read, both layouts of w's
+    blocks) and of the Triton fp8 forward GEMM alone on the quantised operands."""
     import triton.testing
 
-    from moestack.ops.moe import fp8_grouped_gemm as f8
-    from moestack.ops.moe import fp8_quant as fq
+    from moestack.ops.fp8 import grouped_gemm as f8
+    from moestack.ops.fp8 import quant as fq
 
     x, w, offs, _ = make_gemm(E, D, F, tokens, seed=7)
     x, w = x.detach(), w.detach()
-    (qx, sx), (qw, sw) = fq.quantize_rows(x), fq.quantize_blocks(w)
+    qx, sx, _, _ = fq.quantize_dual(x, offs, tiles=False)
+    (qw, sw), _ = fq.quantize_blocks_pair(w)
     t = [triton.testing.do_bench(fn, warmup=5, rep=30) for fn in
-         (lambda: fq.quantize_rows(x), lambda: fq.quantize_blocks(w), lambda: fq.quantize_token_tiles(x, offs),
-          lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype, tile_sw=True))]
-    return (f"| quant ms | {tokens} | {D}x{F} | rows {t[0]:.3f} | blocks(w) {t[1]:.3f} | token tiles {t[2]:.3f} | "
-            f"fp8 fwd GEMM alone (v2 kernel, no swap) {t[3]:.3f} |")
+         (lambda: fq.quantize_dual(x, offs), lambda: fq.quantize_blocks_pair(w),
+          lambda: f8.fp8_grouped_mm_quantized(qx, sx, qw, sw, offs, x.dtype))]
+    return (f"| quant ms | {tokens} | {D}x{F} | x rows + token tiles {t[0]:.3f} | blocks(w) pair {t[1]:.3f} | "
+            f"fp8 fwd GEMM alone (Triton) {t[2]:.3f} |")
 
 
 def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
@@ -116,21 +112,14 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
         "dX torch": lambda: reference.grouped_mm(dy, wt, offs),
         "dW torch": lambda: reference._NATIVE_GROUPED_MM(x.t(), dy, offs=offs),
         "fwd tma": lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt),
-        "fwd tma-p": lambda: gg_tma.grouped_mm_fwd(x, w, offs, bt, persistent=True),
         "dX tma": lambda: gg_tma.grouped_mm_fwd(dy, wt, offs, bt),
-        "dW tma": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False),
-        "dW tma-store": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=True),
-        "dW resident": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, tma_store=False, kernel="resident"),
+        "dW tma": lambda: gg_tma.grouped_mm_wgrad(x, dy, offs, w, bt, gluon=False),
     }
     if gg_tma._gluon_wgrad_ok(dy, x, w.transpose(1, 2)):  # the kernel's (P, Q, out) in w's [E, F, D] layout
         from moestack.ops.moe import gluon_wgrad
 
         rmax = gluon_wgrad.rmax_for(bt)
-        for cfg in gluon_wgrad.CONFIGS[rmax]:
-            parts[f"dW gluon {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, rmax, cfg)
-        if rmax > 128 and tokens <= 128:  # the smaller RMAX (less shared memory) where every expert fits it
-            for cfg in gluon_wgrad.CONFIGS[128]:
-                parts[f"dW gluon rmax128 {cfg}"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, 128, cfg)
+        parts["dW gluon"] = partial(_gluon_dw, gluon_wgrad, x, dy, offs, w, rmax)
     flops = 2.0 * N * D * F
     roof = max(2 * E * D * F / (PEAK_TBS * 1e9), flops / (PEAK_TFS * 1e9))
     cells = []
@@ -140,7 +129,7 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
             cells.append(f"{name} {ms:.3f} ms {nbytes / (ms * 1e9):.2f} TB/s ({roof / ms:.0%})")
         except Exception as e:
             cells.append(f"{name} failed {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    for name in [n for n in parts if n.startswith(("dW resident", "dW gluon"))]:  # vs the chunked kernel
+    for name in [n for n in parts if n.startswith("dW gluon")]:  # vs the chunked kernel
         try:  # (same fp32 accumulation of bf16 products: equal up to the summation order)
             a, b = parts[name]().float(), parts["dW tma"]().float()
             cells.append(f"{name} vs tma rel. diff {float((a - b).norm() / b.norm()):.1e}")
@@ -149,10 +138,10 @@ def part_rows(shape: str, tokens: int, gemm: str, x, w, offs, dy) -> None:
     print(f"| part | {shape} | {tokens} | {gemm} | roofline {roof:.3f} ms | " + " | ".join(cells) + " |", flush=True)
 
 
-def _gluon_dw(gluon_wgrad, x, dy, offs, w, rmax: int, cfg: tuple) -> torch.Tensor:
-    """dW by gluon_wgrad alone at one config (every expert here has <= rmax rows), in w's [E, F, D] layout."""
+def _gluon_dw(gluon_wgrad, x, dy, offs, w, rmax: int) -> torch.Tensor:
+    """dW by gluon_wgrad alone (every expert here has <= rmax rows), in w's [E, F, D] layout."""
     dw = torch.empty_like(w.transpose(1, 2))  # out[e, f, d] = sum_r dy[r, f] x[r, d]
-    gluon_wgrad.wgrad_gluon(dy, x, dw, offs, rmax, config=cfg)
+    gluon_wgrad.wgrad_gluon(dy, x, dw, offs, rmax)
     return dw.transpose(1, 2)
 
 
@@ -257,10 +246,9 @@ def main() -> int:
     ap.add_argument("--write-crossover", default=None, help="write the auto selector's JSON table here")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help=f"k3_ep16 at {QUICK_TOKENS} tok/exp, fp8 quantiser times")
-    ap.add_argument("--small", action="store_true", help="issue #7: few rows per expert, tma variants, parts")
-    ap.add_argument("--variants", default=None, help="comma list of backends to time (default: all but in --small)")
-    ap.add_argument("--kernel", default=None, help="Triton variant the crossover is measured for (persistent, swap, "
-                    "tma, tma-p; default $MOESTACK_MOE_GG_KERNEL's, tma with --small)")
+    ap.add_argument("--small", action="store_true", help="issue #7: few rows per expert, per-kernel parts")
+    ap.add_argument("--variants", default=None, help="comma list of backends to time (default: all; --small: "
+                    "torch,triton)")
     args = ap.parse_args()
     args.tokens_given = any(a.startswith("--tokens") for a in sys.argv[1:])  # --small: that list, not SMALL_PLAN's
     budget_s = BUDGET_S
@@ -270,7 +258,7 @@ def main() -> int:
     if args.small:
         global BACK_TO_BACK
         BACK_TO_BACK = True
-        args.variants = args.variants or "torch,tma,tma-p,triton"
+        args.variants = args.variants or "torch,triton"
         budget_s = SMALL_BUDGET_S
     if not torch.cuda.is_available():
         print("| needs a CUDA GPU |")
@@ -284,10 +272,7 @@ def main() -> int:
             ap.error(f"--variants: unknown {unknown}; choose from {list(fns)} (fp8 ones only without --no-fp8)")
         fns = {n: fns[n] for n in wanted}
     names = list(fns)
-    from moestack.ops.moe.triton_grouped_gemm import KERNEL_ENV, resolve_variant
-
-    kernel = resolve_variant(args.kernel or ("tma" if args.small and not os.environ.get(KERNEL_ENV) else None))
-    auto_kernel = {"persistent": "triton"}.get(kernel, kernel)  # the backend the crossover compares with torch
+    auto_kernel = "triton"  # the backend the crossover compares with torch
     print(f"# grouped GEMM, {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 inputs, timing "
           f"{'calls queued back to back' if BACK_TO_BACK else 'each call synchronised'}")
     head = ["shape", "tok/exp", "gemm"] + [f"{n} {p} TF/s" for p in ("fwd", "f+b") for n in names]
@@ -319,11 +304,6 @@ def main() -> int:
                 errs = {}
                 ref = outputs(reference.grouped_mm, x, w, offs, dy)
                 for n, fn in fns.items():
-                    if n == "fp8v2ns" and tokens > _fp8_swap_rows():  # the same kernels as fp8v2 there
-                        ms[n] = ms["fp8v2"]
-                        layer[n][0] += ms[n][0]
-                        layer[n][1] += ms[n][1]
-                        continue
                     try:
                         errs[n] = max(rel(a, b) for a, b in zip(outputs(fn, x, w, offs, dy), ref))
                         ms[n] = time_gemm(fn, x, w, offs, dy)
@@ -365,28 +345,19 @@ def main() -> int:
         if args.write_crossover:
             from moestack.ops.moe.gemm_select import CrossoverTable
 
-            kernel = None if auto_kernel == "triton" else auto_kernel
-            CrossoverTable(default, table, kernel).save(args.write_crossover)
-            print(f"wrote {args.write_crossover} (use: MOESTACK_MOE_CROSSOVER={args.write_crossover})")
+            CrossoverTable(default, table).save(args.write_crossover)
+            print(f"wrote {args.write_crossover} (use: --set kernels.moe.crossover={args.write_crossover})")
     if args.small:
         from moestack.ops.moe import gg_tma
 
-        for kern in (gg_tma.gg_fwd_kernel_tma, gg_tma.gg_wgrad_kernel_tma, gg_tma.gg_wgrad_kernel_resident):
+        for kern in (gg_tma.gg_fwd_kernel_tma, gg_tma.gg_wgrad_kernel_tma, gg_tma.gg_wgrad_kernel_large):
             for key, cfg in kern.cache.items():  # what the autotuner picked, per key
                 print(f"| tuned | {kern.base_fn.__name__} | {key} | {cfg} |")
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
-def _fp8_swap_rows() -> int:
-    from moestack.ops.moe.fp8_grouped_gemm import SWAP_MAX_ROWS
-
-    return SWAP_MAX_ROWS
-
-
-RATIOS = [("triton", "torch"), ("swap", "torch"), ("swap", "triton"), ("tma", "torch"), ("tma-p", "torch"),
-          ("tma", "triton"), ("fp8", "bf16"), ("fp8v2", "bf16"),
-          ("fp8v2ns", "bf16"), ("fp8v2", "fp8")]  # "bf16": the best of torch / triton / swap
+RATIOS = [("triton", "torch"), ("fp8", "bf16")]  # "bf16": the best of torch / triton
 
 
 def _row(shape, tokens, gemm, names, ms, flops, err) -> None:
@@ -398,7 +369,7 @@ def _row(shape, tokens, gemm, names, ms, flops, err) -> None:
             continue
         for p in (0, 1):
             if b == "bf16":
-                den = min((ms[n][p] for n in ("torch", "triton", "swap") if n in ms), default=float("nan"))
+                den = min((ms[n][p] for n in ("torch", "triton") if n in ms), default=float("nan"))
             else:
                 den = ms[b][p] if b in ms else float("nan")
             cells.append(f"{den / ms[a][p]:.2f}x" if a in ms else "-")

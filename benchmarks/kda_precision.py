@@ -1,7 +1,6 @@
-"""KDA bf16 precision against the fp64 reference, ours (one switch set per process) next to fla-core.
+"""KDA bf16 precision against the fp64 reference, ours (the default kernels) next to fla-core.
 
-    python3 benchmarks/kda_precision.py --all [--with-fla]  # every set in SETS (+ fla), one process each
-    MOESTACK_KDA_BWD_DOTS=tf32 python3 benchmarks/kda_precision.py [--fla]
+    python3 benchmarks/kda_precision.py [--fla]
 
 Why: with bf16 dot operands the gate gradient dg of some GPU test cases reached 1.1-1.5e-2 relative RMS (bound
 1e-2) while o, dq, dk, dv stayed at ~4e-3. This prints, per case, the relative RMS of o and every gradient for
@@ -14,17 +13,10 @@ gate="none" form both implementations share: q, k un-normalised (L2 norm in kern
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops"))
-
-SETS = ["", "MOESTACK_KDA_BWD_DOTS=wy", "MOESTACK_KDA_BWD_DOTS=bf16", "MOESTACK_KDA_INTRA_DOTS=tf32",
-        ("MOESTACK_KDA_INTRA_DOTS=tf32 MOESTACK_KDA_BWD_DOTS=tf32 MOESTACK_KDA_BWD_X=recompute "
-         "MOESTACK_KDA_B3B_FORM=masked MOESTACK_KDA_K1_EXACT=inline")]  # the last: the defaults before session 4
 CASES = [  # name, B, T, H, K, seed, correlated
     ("2x500x3 k3", 2, 500, 3, 128, 503, False),
     ("1x1000x2 k3", 1, 1000, 2, 128, 1002, False),
@@ -70,8 +62,7 @@ def errors(fwd, x, do) -> dict:
 
 def one(use_fla: bool) -> None:
     """Error rows of one implementation (fla: the first two cases only, its autotuning takes ~1 min per shape)."""
-    label = "fla chunk_kda" if use_fla else (" ".join(f"{k[13:]}={v}" for k, v in sorted(os.environ.items())
-                                                      if k.startswith("MOESTACK_KDA_")) or "ours default")
+    label = "fla chunk_kda" if use_fla else "ours default"
     if use_fla:
         from fla.ops.kda import chunk_kda
 
@@ -94,33 +85,14 @@ def one(use_fla: bool) -> None:
             return
 
 
-def run_all(budget_s: float = 260.0, with_fla: bool = False) -> None:
-    from kda_switch_check import run_isolated
-
-    t0 = time.perf_counter()
-    print("| case | implementation | " + " | ".join(NAMES) + " |\n|" + "---|" * (2 + len(NAMES)), flush=True)
-    jobs = [(s, []) for s in SETS] + ([("", ["--fla"])] if with_fla else [])  # fla last: it autotunes for minutes
-    for sets, extra in jobs:
-        left = budget_s - (time.perf_counter() - t0)
-        if left < 10:
-            print(f"| | {sets or 'default'} {' '.join(extra)} | skipped: time budget |", flush=True)
-            continue
-        rows, note = run_isolated(__file__, sets, extra, min(left, 150.0 if extra else 40.0))
-        print("\n".join(rows) if rows else f"| | {sets or 'default'} {' '.join(extra)} | {note} |", flush=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--all", action="store_true")
-    p.add_argument("--fla", action="store_true", help="this process: fla instead of ours")
-    p.add_argument("--with-fla", action="store_true", help="--all: fla too (its autotuning takes minutes)")
+    p.add_argument("--fla", action="store_true", help="fla instead of ours")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kda_precision.py needs a CUDA GPU (the kernels run in bf16)")
-    if args.all:
-        run_all(with_fla=args.with_fla)
-    else:
-        one(args.fla)
+    print("| case | implementation | " + " | ".join(NAMES) + " |\n|" + "---|" * (2 + len(NAMES)), flush=True)
+    one(args.fla)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import time
 import torch
 from torch import nn
 
+from moestack.config.kernel_spec import KernelSpec, merge
 from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
@@ -58,6 +59,7 @@ from moestack.memory.report import (
     planner_cost,
     single_device_plan,
 )
+from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer
 from moestack.train.optim import clip_grad_norm
 
@@ -105,6 +107,7 @@ def materialise(model: nn.Module, device: torch.device) -> None:
 def build(spec, plan: Plan, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     with torch.device("meta"):
         model = Transformer(spec)
+    apply_kernels(model, merge(KERNELS, plan.kernels), device)  # --kda-backend over the plan's choices
     apply_memory_policies(model, plan, device=device)
     materialise(model, device)
     torch.manual_seed(0)
@@ -276,6 +279,7 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
     return out
 
 
+KERNELS = KernelSpec()  # --kda-backend's choice (main)
 SNAPSHOT_MAX_ENTRIES = 5_000_000  # allocator trace ring buffer (alloc / free events) of a --snapshot row
 SNAPSHOT_BLOCKS = 30  # largest live blocks written
 SNAPSHOT_FRAMES = 8  # stack frames per block (innermost first, torch / Python internals left out)
@@ -377,7 +381,7 @@ def predict(spec, plan: Plan, cal) -> dict:
     end of forward (what the memory report measures), in GiB."""
     cost = planner_cost(spec, plan, cal)
     # this benchmark applies plan.precision fp8 through apply_memory_policies only: FP8 storage of the expert inputs
-    # with bf16 GEMMs, as its rows were measured; the trainer's FP8 recipe (moestack/train/fp8.py) adds the fp8
+    # with bf16 GEMMs, as its rows were measured; the trainer's FP8 recipe (moestack/ops/fp8/convert.py) adds the fp8
     # weight copies the planner prices as "fp8_weights", which these runs do not hold
     mem = {k: v for k, v in cost.memory.items() if k != "fp8_weights"}
     return {"alloc_gib": (sum(mem.values()) - mem.get("reserved", 0.0)) / GIB,
@@ -422,6 +426,8 @@ def _child_argv(args, row: dict, out_path: str) -> list[str]:
             "--warmup", str(args.warmup), "--child-row", json.dumps(row), "--child-out", out_path]
     if args.no_report:
         argv.append("--no-report")
+    if getattr(args, "kda_backend", None):
+        argv += ["--kda-backend", args.kda_backend]
     if args.calibration:
         argv += ["--calibration", args.calibration]
     if getattr(args, "snapshot", None):
@@ -636,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wall-clock limit of one row (its process is killed; the phase goes on with the next)")
     ap.add_argument("--no-isolate", action="store_true", help="run rows in this process (no subprocess per row)")
     ap.add_argument("--no-report", action="store_true", help="skip the memory report pass")
-    ap.add_argument("--kda-backend", default=None, help="sets MOESTACK_KDA_BACKEND (e.g. reference, triton)")
+    ap.add_argument("--kda-backend", default=None, help="kernels.kda.backend (e.g. reference, triton; a child row "
+                    "gets it too)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--snapshot", nargs="?", const=".", default=None, metavar="DIR",
                     help="CUDA: record the allocator history of each row (torch.cuda.memory._record_memory_history) "
@@ -656,7 +663,8 @@ def main() -> None:
         args.reference = "first" if args.phase == "largest" else "recompute full"
     t_start = time.monotonic()
     if args.kda_backend:
-        os.environ["MOESTACK_KDA_BACKEND"] = args.kda_backend
+        global KERNELS
+        KERNELS = KernelSpec(kda={"backend": args.kda_backend})
     device = torch.device(args.device)
     args.cluster = args.cluster or ("h200-1gpu" if device.type == "cuda" else "cpu")
     from moestack.planner.calibration import load_calibration

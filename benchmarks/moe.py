@@ -4,26 +4,19 @@
     python benchmarks/moe.py --gemm triton    # any name in moestack.ops.moe.available_backends()
     python benchmarks/moe.py --only k3        # shapes whose name contains "k3"
     python benchmarks/moe.py --fp8 --only k3-ep16 --rep 60   # FP8 vs bf16: layer + expert FFN at 128..2341 rows
-    python benchmarks/moe.py --fp8 --only k3-ep16 --no-ffn --rounds 3 --fp8-variants bf16,fp8v3,fp8v3-proj  # interleaved
+    python benchmarks/moe.py --fp8 --only k3-ep16 --no-ffn --rounds 3 --fp8-variants bf16,fp8,fp8-proj  # interleaved
 
---fp8 (issue #7's "FP8 layer >= 1.4x bf16 layer"): per variant (bf16 = grouped GEMM backend "torch"; fp8v2 =
-MOESTACK_FP8_V2=1; fp8v3 = MOESTACK_FP8_V3=1, fp8_grouped_gemm.py) the whole layer forward and forward+backward,
-then the expert FFN alone (Experts: gate/up GEMM, fused activation, down GEMM) at K3 EP16 widths (56 experts,
-3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per expert, and the weight quantisation an optimizer step
-adds (fp8 weights are cached per parameter version, so every micro-batch of a step reuses them). More variants
-(FP8_VARIANTS): fp8v3-triton / fp8v3-cublas force v3's GEMM path, fp8v3-tma = v3's Triton path with fp8_tma.py
-forward / dX, fp8v3-tma-all = the same plus fp8_tma.py's weight gradient, fp8v3-tma-cublaswg = TMA forward / dX
-with the per-expert cuBLAS weight gradient, fp8v3+tma = v3 with fp8_tma.py below the cuBLAS threshold. Variants
-in PROJ_VARIANTS also run the LatentMoE's down / up projections in FP8 (fp8_linear.enable_fp8_latent_projections,
-the same recipe as one-expert v3 GEMMs; reverted after the variant, so the bf16 baseline stays pure bf16):
-fp8v3-proj = fp8v3 + projections, fp8v3+tma-proj = fp8v3+tma + projections. fp8v3-gluonrows(-proj): v3's
-forward / dX at many rows per expert through gluon_fp8_gemm.py (MOESTACK_FP8_ROWS_GEMM=gluon) instead of cuBLAS;
-fp8v3-syncfree(-proj): the same with fp8_tma's weight gradient (MOESTACK_FP8_TMA_WGRAD=1), no host read at all.
-fp8v3-1s(-proj): the weight gradients on one CUDA stream; fp8v3-fusedffn(-proj): the expert FFN as one node with the
-activation inside the down GEMM's quantiser (fp8_expert_ffn.py, MOESTACK_FP8_FUSED_FFN=1); fp8v3-unfused(-proj):
-the same switch at 0 (the default: two grouped GEMMs around the activation). fp8v3-q16w(-proj) / fp8v3-q3cta(-proj):
-the activation quantiser's launch configs 4 / 6 (gluon_quant.CONFIGS, MOESTACK_FP8_QUANT_CONFIG). fp8v3-nocache(-proj):
-the fp8 weight cache off (MOESTACK_FP8_CACHE=0), i.e. the weights requantised on every call, as under FSDP2.
+--fp8 (issue #7's "FP8 layer >= 1.4x bf16 layer"): per variant (FP8_VARIANTS: bf16 = grouped GEMM backend "torch";
+fp8 = the FP8 recipe's expert GEMMs, moestack/ops/fp8/grouped_gemm.py, as `precision: fp8` sets them; fp8-triton /
+fp8-cublas = the same with kernels.fp8.cublas_min_rows forcing the Triton / the per-expert cuBLAS path; fp8-nocache
+= kernels.fp8.weight_cache off, the weights requantised on every call as under FSDP2; *-proj also runs the
+LatentMoE's down / up projections in FP8, ops/fp8/linear.py, reverted after the variant so the bf16 baseline stays
+pure bf16) the whole layer forward and forward+backward, then the expert FFN alone (Experts: gate/up GEMM, fused
+activation, down GEMM) at K3 EP16 widths (56 experts, 3584 -> 2x3072 -> 3584) with 128 / 256 / 586 / 2341 rows per
+expert, and the weight quantisation an optimizer step adds (fp8 weights are cached per parameter version, so every
+micro-batch of a step reuses them). The variants deleted in the kernel refactor (v1 / v2, the TMA and Gluon-rows
+forms, the fused expert FFN, one-stream weight gradients, other quantiser configs) and their last numbers:
+benchmarks/RESULTS.md.
 
 Per-device shapes (one layer, T tokens on this device, experts local to it): Kimi K3 at EP16 / EP64 (896 routed
 experts -> 56 / 14 local, top-16, latent 3584, inter 3072), uniform and Zipf-skewed; the single-H200 proxy; and
@@ -44,8 +37,6 @@ router logits, down- and up-projection GEMMs timed alone), speed-up vs the plain
 from __future__ import annotations
 
 import argparse
-import os
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +71,7 @@ class BenchLayer:
         self.moe = MoE(hidden, spec, "situ_glu").to(DEV)
         self.moe.init_weights(0.02)
         self.moe.to(dtype)
-        self.moe.experts.backend = gemm
+        self.moe.experts.gemm = moe_ops.GroupedGemm(gemm)
         self.router = Router(hidden, e_router, top_k, rspec).to(DEV)
         self.router.init_weights(hidden**-0.5)
         with torch.no_grad():
@@ -241,48 +232,24 @@ def run_shape(shape, gemm: str, rep_ms: int) -> list[str]:
     return [fwd_row, fb_row]
 
 
-FP8_VARIANTS = {  # name: (grouped GEMM backend, environment)
-    "bf16": ("torch", {}),
-    "fp8v2": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "0"}),
-    "fp8v3": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1"}),
-    # v3 with the GEMM path forced: per-expert cuBLAS at any row count / Triton only (fused quantisers)
-    "fp8v3-cublas": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "0"}),
-    "fp8v3-triton": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1",
-                             "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
-    # v3 on Triton with the TMA-descriptor forward / dX kernel (fp8_tma.py); and v3 + TMA below the cuBLAS rows
-    "fp8v3-tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
-                          "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
-    "fp8v3+tma": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1"}),
-    "fp8v3-tma-all": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
-                              "MOESTACK_FP8_TMA_WGRAD": "1", "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000"}),
-    # TMA forward / dX on Triton, weight gradient per expert on cuBLAS at any rows
-    "fp8v3-tma-cublaswg": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_TMA": "1",
-                                   "MOESTACK_FP8_CUBLAS_MIN_ROWS": "1000000000",
-                                   "MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS": "0"}),
-    # v3's forward / dX at many rows through the Gluon kernel (no host sync) instead of per-expert cuBLAS
-    "fp8v3-gluonrows": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "gluon"}),
-    # the same with fp8_tma's Triton weight gradient: the FP8 expert GEMMs without any host read of the offsets
-    "fp8v3-syncfree": ("fp8", {"MOESTACK_FP8_V2": "1", "MOESTACK_FP8_V3": "1", "MOESTACK_FP8_ROWS_GEMM": "gluon",
-                               "MOESTACK_FP8_TMA_WGRAD": "1"}),
+def _fp8(**kw):
+    def make():
+        from moestack.ops.fp8.grouped_gemm import Fp8GroupedGemm
+
+        return Fp8GroupedGemm(**kw)
+
+    return make
+
+
+FP8_VARIANTS = {  # name: (the experts' GEMM strategy, made per variant; also the latent projections in FP8)
+    "bf16": (lambda: moe_ops.GroupedGemm("torch"), False),
+    "fp8": (_fp8(), False),
+    "fp8-triton": (_fp8(cublas_min_rows=10**9), False),
+    "fp8-cublas": (_fp8(cublas_min_rows=0), False),
+    "fp8-nocache": (_fp8(cache_mode="off"), False),
+    "fp8-proj": (_fp8(), True),
+    "fp8-nocache-proj": (_fp8(cache_mode="off"), True),
 }
-# variants that also run the latent down / up projections in FP8 (fp8_linear.py), by their expert-GEMM variant
-# v3's per-expert cuBLAS weight gradients on one CUDA stream (before session 11's default of two)
-FP8_VARIANTS["fp8v3-1s"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_WGRAD_STREAMS": "1"})
-# v3's expert FFN with the activation inside the down GEMM's quantiser (fp8_expert_ffn.py, opt-in) / explicitly not
-FP8_VARIANTS["fp8v3-fusedffn"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "1"})
-FP8_VARIANTS["fp8v3-unfused"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_FUSED_FFN": "0"})
-# v3 with other launch configs of the Gluon activation quantiser (gluon_quant.CONFIGS[4] / [6])
-FP8_VARIANTS["fp8v3-q16w"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "4"})
-FP8_VARIANTS["fp8v3-q3cta"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_QUANT_CONFIG": "6"})
-# v3 with the fp8 weight cache off: every call requantises its weights, as v3 does under FSDP2 (each all-gather is a
-# new tensor; fp8_weight_cache.py)
-FP8_VARIANTS["fp8v3-nocache"] = ("fp8", {**FP8_VARIANTS["fp8v3"][1], "MOESTACK_FP8_CACHE": "0"})
-PROJ_VARIANTS = {"fp8v3-proj": "fp8v3", "fp8v3+tma-proj": "fp8v3+tma", "fp8v3-gluonrows-proj": "fp8v3-gluonrows",
-                 "fp8v3-syncfree-proj": "fp8v3-syncfree", "fp8v3-1s-proj": "fp8v3-1s",
-                 "fp8v3-unfused-proj": "fp8v3-unfused", "fp8v3-fusedffn-proj": "fp8v3-fusedffn",
-                 "fp8v3-q16w-proj": "fp8v3-q16w", "fp8v3-q3cta-proj": "fp8v3-q3cta",
-                 "fp8v3-nocache-proj": "fp8v3-nocache"}
-FP8_VARIANTS.update({name: FP8_VARIANTS[base] for name, base in PROJ_VARIANTS.items()})
 FFN_ROWS = (128, 256, 586, 2341)
 
 
@@ -311,8 +278,8 @@ def fp8_layer(shape, variants: list[str], rep_ms: int, rounds: int = 1) -> list[
     medians (range in brackets): the bf16 layer's time moves by several percent between rounds of one process."""
     import statistics
 
-    from moestack.ops.moe import fp8_linear
-    from moestack.ops.moe import fp8_weight_cache as wc
+    from moestack.ops.fp8 import linear as fp8_linear
+    from moestack.ops.fp8 import weight_cache as wc
 
     name, hidden, latent, inter, e_loc, e_rt, K, T, zipf, G, TG = shape
     torch.manual_seed(0)
@@ -327,14 +294,16 @@ def fp8_layer(shape, variants: list[str], rep_ms: int, rounds: int = 1) -> list[
         for v in variants:
             if v in failed:
                 continue
-            backend, env = FP8_VARIANTS[v]
+            make, proj = FP8_VARIANTS[v]
             try:
-                with mock.patch.dict(os.environ, env):
-                    layer.moe.experts.backend = backend
-                    if v in PROJ_VARIANTS and fp8_linear.enable_fp8_latent_projections(layer.moe) == 0:
+                layer.moe.experts.gemm = make()
+                if proj:
+                    if layer.moe.down_proj is None:
                         raise ValueError("no latent projections in this shape")
-                    wc.clear()
-                    t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
+                    fp8_linear.convert_to_fp8_linear(layer.moe, ["down_proj", "up_proj"], cache_mode=getattr(
+                        layer.moe.experts.gemm, "cache_mode", "on"))
+                wc.clear()
+                t_f, t_b = _time_fwd_fb(lambda: layer.forward(x, "triton"), rep_ms, [x, *layer.params], gy)
                 times[v][0].append(t_f)
                 times[v][1].append(t_b)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
@@ -342,7 +311,7 @@ def fp8_layer(shape, variants: list[str], rep_ms: int, rounds: int = 1) -> list[
                 _emit(rows, f"| layer {name} | {v} | error: {_err(e, 160)} |")
             finally:
                 fp8_linear.revert_fp8_linear(layer.moe)  # the next variant (and the baseline) in bf16 again
-    layer.moe.experts.backend = None
+    layer.moe.experts.gemm = moe_ops.GroupedGemm()
     base = None
     for v in variants:
         if v in failed:
@@ -359,7 +328,7 @@ def fp8_layer(shape, variants: list[str], rep_ms: int, rounds: int = 1) -> list[
 def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=3584, inter=3072) -> list[str]:
     """The expert FFN alone (Experts module: gate/up GEMM, fused activation, down GEMM) on sorted rows."""
     from moestack.model.moe import Experts
-    from moestack.ops.moe import fp8_weight_cache as wc
+    from moestack.ops.fp8 import weight_cache as wc
 
     ex = Experts(E, L, inter).to(DEV)
     ex.init_weights(0.02)
@@ -375,15 +344,14 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
         flops = 6.0 * N * L * inter
         base = None
         for v in variants:
-            if v in PROJ_VARIANTS:
+            make, proj = FP8_VARIANTS[v]
+            if proj:
                 continue  # the expert FFN has no projections: the same as its base variant
-            backend, env = FP8_VARIANTS[v]
             try:
-                with mock.patch.dict(os.environ, env):
-                    ex.backend = backend
-                    wc.clear()
-                    t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
-                                            [xs, ex.w_gate_up, ex.w_down], gy)
+                ex.gemm = make()
+                wc.clear()
+                t_f, t_b = _time_fwd_fb(lambda xs=xs, offs=offs: ex(xs, offs), rep_ms,
+                                        [xs, ex.w_gate_up, ex.w_down], gy)
             except Exception as e:  # noqa: BLE001 - one failing variant must not end the others
                 _emit(out, f"| expert FFN {m} rows/expert | {v} | error: {_err(e, 160)} |")
                 continue
@@ -392,15 +360,14 @@ def fp8_ffn(variants: list[str], rep_ms: int, rows_per_expert=FFN_ROWS, E=56, L=
                        f"{base[0] / t_f:.2f}x | {base[1] / t_b:.2f}x | "
                        f"{flops / t_f / 1e9:.0f} / {3 * flops / t_b / 1e9:.0f} |")
         torch.cuda.empty_cache()
-    # what an optimizer step adds: both layouts of both weights requantised once (v2: four passes, v3: two)
-    from moestack.ops.moe import fp8_quant as fq
+    # what an optimizer step adds: both layouts of both weights requantised once (one read per weight)
+    from moestack.ops.fp8 import quant as fq
 
     w1, w2 = ex.w_gate_up.transpose(1, 2), ex.w_down.transpose(1, 2)
     with torch.no_grad():
-        t2 = bench(lambda: [fq.quantize_blocks(w) for w in (w1, w1.transpose(1, 2), w2, w2.transpose(1, 2))], rep_ms)
         t3 = bench(lambda: [fq.quantize_blocks_pair(w) for w in (w1, w2)], rep_ms)
     _emit(out, f"| weight requantisation per optimizer step (E{E}, both weights, both layouts, bf16 params) | "
-               f"v2 {t2:.2f} ms / v3 {t3:.2f} ms | - | - | - | - |")
+               f"{t3:.2f} ms | - | - | - | - |")
     return out
 
 
@@ -434,7 +401,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="run shapes whose name contains this")
     p.add_argument("--rep", type=int, default=150, help="do_bench repetition time per measurement, ms")
     p.add_argument("--fp8", action="store_true", help="FP8 variants vs bf16: layer and expert FFN (module doc)")
-    p.add_argument("--fp8-variants", default="bf16,fp8v2,fp8v3,fp8v3-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
+    p.add_argument("--fp8-variants", default="bf16,fp8,fp8-proj", help=f"from {list(FP8_VARIANTS)}; first = baseline")
     p.add_argument("--ffn-rows", default=",".join(map(str, FFN_ROWS)), help="--fp8: rows per expert of the FFN rows")
     p.add_argument("--no-ffn", action="store_true", help="--fp8: layer rows only")
     p.add_argument("--rounds", type=int, default=1, help="--fp8: time the layer variants in turn this many times "

@@ -20,8 +20,8 @@ from pathlib import Path
 
 MODELS = {"kimi-k3": "kimi-k3", "deepseek-v3": "tests/data/hf_configs/deepseek-v3.config.json",
           "qwen3-235b": "tests/data/hf_configs/qwen3-235b-a22b.config.json"}
-CLUSTERS = ["a100-cluster", "cloudmatrix384", "gb200-nvl72", "h100-cluster", "h200-cluster", "h800-cluster",
-            "h200-1gpu", "cpu"]
+PRESETS = Path(__file__).resolve().parents[1] / "moestack" / "config" / "presets"
+CLUSTERS = sorted(p.stem.removeprefix("cluster-") for p in PRESETS.glob("cluster-*.yaml"))  # every cluster preset
 
 
 def _run(cmd: list[str]) -> tuple[int, str, float]:

@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# FP8 loss parity (issue #7): the proxy trained STEPS steps with bf16 expert GEMMs (the default grouped GEMM
-# backend), then again from the same seed and data in FP8: FP8=recipe (default) is `--precision fp8`, the whole
-# recipe (moestack/train/fp8.py: experts and projections); FP8=v1|v2|v3 only the expert GEMMs
-# (MOESTACK_MOE_BACKEND=fp8 with that kernel version, moestack/ops/moe/fp8_grouped_gemm.py); prints both loss curves every 10 steps, the largest
-# relative difference and the mean over the last third, each run's tokens/s and its steps skipped for a non-finite
-# loss or gradient (the trainer skips those: issue #7's divergence showed up as such steps).
+# FP8 loss parity (issue #7): the proxy trained STEPS steps in bf16, then again from the same seed and data with
+# `--precision fp8` (the whole recipe, moestack/ops/fp8/convert.py: experts and projections); prints both loss curves
+# every 10 steps, the largest relative difference and the mean over the last third, each run's tokens/s and its steps
+# skipped for a non-finite loss or gradient (the trainer skips those: issue #7's divergence showed up as such steps).
 # Everything else (attention / KDA / routing backends, bf16 autocast, fp32 AdamW) is the same in both runs.
 #
 # Usage on the device machine:  bash scripts/fp8_parity.sh [extra moestack train flags]
-#   STEPS=150 SEQ=2048 BS=2 FP8=recipe MODEL=proxy OUT=runs LOG_EVERY=10   (defaults)
+#   STEPS=150 SEQ=2048 BS=2 MODEL=proxy OUT=runs LOG_EVERY=10   (defaults)
 #   STEPS=12 LOG_EVERY=1 bash scripts/fp8_parity.sh     # short check: every step logged (~1 min per run)
-#   MOESTACK_FP8_CACHE=0 bash scripts/fp8_parity.sh   # fp8 weights requantised every call (checks the weight cache)
-#   MOESTACK_FP8_TMA=1 bash scripts/fp8_parity.sh     # v3 with the TMA forward / dX kernel (fp8_tma.py)
-#   FP8=v3 FP8_PROJ=1 bash scripts/fp8_parity.sh      # v3 experts + the LatentMoE projections (MOESTACK_FP8_PROJ)
-# (MOESTACK_FP8_* variables only affect the fp8 run: the bf16 run does not use the fp8 backend.)
+#   bash scripts/fp8_parity.sh --set kernels.fp8.weight_cache=off   # fp8 weights requantised every call
+# (The expert-GEMM-only runs FP8=v1|v2|v3 went with those kernel versions in the kernel refactor.)
 # Runtime (estimate, H200, proxy with the Triton kernels at ~0.35 s per 4096-token step): ~1.5-2 min per run
 # including compilation, ~4 min for both at the defaults.
 set -euo pipefail
@@ -28,38 +24,21 @@ DEST=${OUT:-runs}
 STEPS=${STEPS:-150}
 SEQ=${SEQ:-2048}
 BS=${BS:-2}
-FP8=${FP8:-recipe}
+FP8=recipe
 MODEL=${MODEL:-proxy}
 LOG_EVERY=${LOG_EVERY:-10}
 PY=${PYTHON:-python3}
-FP8_BACKEND=${FP8_BACKEND:-fp8}  # CPU dry run of the script: FP8_BACKEND=reference MODEL=tiny DEVICE=cpu
-case "$FP8" in
-  recipe) FP8_ENV=() ;;
-  v1) FP8_ENV=(MOESTACK_FP8_V2=0 MOESTACK_FP8_V3=0) ;;
-  v2) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=0) ;;
-  v3) FP8_ENV=(MOESTACK_FP8_V2=1 MOESTACK_FP8_V3=1) ;;
-  *) echo "FP8 must be recipe, v1, v2 or v3, got '$FP8'" >&2; exit 2 ;;
-esac
-if [ "$FP8" != recipe ]; then
-  FP8_ENV+=(MOESTACK_MOE_BACKEND="$FP8_BACKEND" MOESTACK_FP8_PROJ="${FP8_PROJ:-0}")  # FP8_PROJ=1: fp8_linear.py
-fi
 COMMON=(--model "$MODEL" --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --set seed=0 --set logging.every="$LOG_EVERY"
         --set eval_every=0 --set checkpoint.every=0 --set checkpoint.save_final=false --set logging.progress=false
         --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 ${DEVICE:+--device "$DEVICE"})
 RUN_BF16=$DEST/fp8parity_${MODEL}_bf16_s${SEQ}_b${BS}
-if [ "${FP8_PROJ:-0}" = 1 ]; then PROJ_TAG=_proj; else PROJ_TAG=; fi
-RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}${PROJ_TAG}_s${SEQ}_b${BS}
+RUN_FP8=$DEST/fp8parity_${MODEL}_fp8${FP8}_s${SEQ}_b${BS}
 rm -rf "$RUN_BF16" "$RUN_FP8"
 
 t0=$SECONDS
-env -u MOESTACK_MOE_BACKEND -u MOESTACK_FP8_PROJ "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_BF16" "$@"
+"$PY" -m moestack train "${COMMON[@]}" --out "$RUN_BF16" "$@"
 t1=$SECONDS
-if [ "$FP8" = recipe ]; then
-  env -u MOESTACK_MOE_BACKEND -u MOESTACK_FP8_PROJ "$PY" -m moestack train "${COMMON[@]}" --precision fp8 \
-    --out "$RUN_FP8" "$@"
-else
-  env "${FP8_ENV[@]}" "$PY" -m moestack train "${COMMON[@]}" --out "$RUN_FP8" "$@"
-fi
+"$PY" -m moestack train "${COMMON[@]}" --precision fp8 --out "$RUN_FP8" "$@"
 t2=$SECONDS
 echo "wall: bf16 run $((t1 - t0)) s, fp8 ($FP8) run $((t2 - t1)) s"
 

@@ -2,7 +2,7 @@
 at the fast kernels' real head shapes (KDA head_dim 128; DSA latent 512 + rope 64, 16 heads; indexer head_dim
 128, top-k 256 of 1024 keys) trained STEPS steps by the Trainer on one GPU (bf16 autocast, fp32 master weights,
 AdamW, clipping, router bias updates) with the default CUDA backends (the Triton / Gluon kernels, the fused KDA
-layer ops), then again with the plain-PyTorch reference ops everywhere (`reference_everywhere`), same seed, same
+layer ops), then again with the plain-PyTorch reference ops everywhere (`REFERENCE_KERNELS`), same seed, same
 data. It checks each fused kernel's weight gradients through the whole model, which the op tests check one by
 one: a weight gradient 70% off in one kernel (the KDA gated norm's autotuning bug of issue #26) shows here as a
 parameter whose gradient norm differs by tens of percent.
@@ -29,8 +29,8 @@ GPU only: on CPU the fused layer ops do not run (they are CUDA-only) and the int
 
 from __future__ import annotations
 
-import contextlib
-import os
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,39 +39,17 @@ STEPS, SEQ, MBS = 30, 1024, 4
 LOSS_RTOL = 3e-2  # module docstring: 7.7 bf16 unit roundoffs
 GRAD_RTOL = 5e-2  # floor of the per-parameter gradient-norm bound (module docstring)
 
-# The one place that says "reference ops everywhere" (a typed KernelSpec will replace these switches).
-_REFERENCE_ENV = {"MOESTACK_KDA_BACKEND": "reference", "MOESTACK_DSA_BACKEND": "reference",
-                  "MOESTACK_MOE_ROUTING_BACKEND": "reference", "MOESTACK_MOE_BACKEND": "reference",
-                  "MOESTACK_KDA_FUSED_LAYER_OPS": "0"}
+# The one place that says "reference ops everywhere": KernelSpec fields (moestack/config/kernel_spec.py)
+REFERENCE_KERNELS = {"kernels.kda.backend": "reference", "kernels.kda.layer_ops": "torch",
+                     "kernels.dsa.backend": "reference", "kernels.moe.routing": "reference",
+                     "kernels.moe.gemm": "reference"}
+OPS = ("kda.backend", "kda.layer_ops", "dsa.backend", "moe.routing", "moe.gemm")
 
 
-@contextlib.contextmanager
-def reference_everywhere():
-    """Every op on its plain-PyTorch reference (KDA, DSA, MoE routing and grouped GEMMs, the KDA layer's gated
-    norm and short conv); the previous selection afterwards."""
-    saved = {k: os.environ.get(k) for k in _REFERENCE_ENV}
-    os.environ.update(_REFERENCE_ENV)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def selected_backends(device: torch.device) -> dict[str, str]:
-    """What each op would pick for bf16 inputs on `device` now (to check the two runs really differ)."""
-    from moestack.model.kda import _fused_ops
-    from moestack.ops import dsa, kda
-    from moestack.ops import moe as moe_ops
-    from moestack.ops.moe import routing
-
-    q = torch.zeros(1, 64, 2, 128, device=device, dtype=torch.bfloat16)
-    return {"kda": kda.resolve_backend(None, q), "dsa": dsa.select_backend("sparse_mqa_attention", q),
-            "routing": routing.resolve_backend(None, device), "moe_gemm": moe_ops.resolve_backend(),
-            "kda_layer_ops": "fused" if _fused_ops(q) else "torch"}
+def selected_backends(out_dir) -> dict[str, str]:
+    """What each op ran, as the run directory's kernels.json records it (to check the two runs really differ)."""
+    record = json.loads((Path(out_dir) / "kernels.json").read_text())["kernels"]
+    return {op: record[op]["runs"].split(" ")[0] for op in OPS}
 
 
 def golden_spec():
@@ -92,15 +70,16 @@ def golden_spec():
         "dense_mlp": {"intermediate_size": 2048}, "activation": "situ_glu", "norm_eps": 1.0e-5})
 
 
-def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda") -> dict:
-    """The Trainer: per-step losses and every parameter's gradient norm at the first step (before clipping)."""
+def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda", kernels: dict | None = None) -> dict:
+    """The Trainer: per-step losses and every parameter's gradient norm at the first step (before clipping), with
+    the kernel choices `kernels` ({"kernels.x.y": value}; None = the defaults)."""
     from moestack.config.train_spec import load_train_spec
     from moestack.train.trainer import Trainer
 
     opts = {"seq_len": SEQ, "micro_batch_size": MBS, "steps": steps, "precision": precision, "device": device,
             "seed": 0, "logging.every": 1, "logging.tensorboard": False, "logging.progress": False, "eval_every": 0,
             "data.eval_fraction": 0.0, "schedule.warmup_steps": 5, "optimizer.lr": 1e-3, "optimizer.grad_clip": 1.0,
-            "checkpoint.every": 0, "checkpoint.save_final": False, "out_dir": str(out_dir)}
+            "checkpoint.every": 0, "checkpoint.save_final": False, "out_dir": str(out_dir), **(kernels or {})}
     trainer = Trainer(load_train_spec(None, opts), golden_spec(), log=lambda *a: None)
     norms: dict[str, float] = {}
     grad_norm = trainer._grad_norm
@@ -116,25 +95,25 @@ def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda") ->
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "kernels": selected_backends(out_dir)}
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.timeout(540)
 def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
-    device = torch.device("cuda")
-    for k in _REFERENCE_ENV:  # the fast run: the default backends, whatever the caller's environment selects
-        monkeypatch.delenv(k, raising=False)
-    fast_sel = selected_backends(device)
-    assert fast_sel["kda"] == "triton" and fast_sel["dsa"] != "reference" and fast_sel["routing"] == "triton" \
-        and fast_sel["kda_layer_ops"] == "fused", fast_sel
+    from moestack.config.settings import KERNEL_ENV
+
+    for var in KERNEL_ENV:  # the defaults and the named references, whatever the caller's environment overrides
+        monkeypatch.delenv(var, raising=False)
     fast = train(tmp_path / "fast", STEPS)
-    with reference_everywhere():
-        ref_sel = selected_backends(device)
-        assert set(ref_sel.values()) <= {"reference", "torch"}, ref_sel
-        ref = train(tmp_path / "ref", STEPS)
-        exact = train(tmp_path / "ref_fp32", 1, precision="fp32")  # the first step's gradients in fp32
+    fast_sel = fast["kernels"]
+    assert fast_sel["kda.backend"] == "triton" and fast_sel["dsa.backend"] == "triton" \
+        and fast_sel["moe.routing"] == "triton" and fast_sel["kda.layer_ops"] == "triton", fast_sel
+    ref = train(tmp_path / "ref", STEPS, kernels=REFERENCE_KERNELS)
+    ref_sel = ref["kernels"]
+    assert set(ref_sel.values()) <= {"reference", "torch"}, ref_sel
+    exact = train(tmp_path / "ref_fp32", 1, precision="fp32", kernels=REFERENCE_KERNELS)  # step 1's grads in fp32
 
     print(f"GOLDEN_GPU_ERR backends fast {fast_sel} ref {ref_sel}")
     assert len(fast["losses"]) == len(ref["losses"]) == STEPS, (len(fast["losses"]), len(ref["losses"]))

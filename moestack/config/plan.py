@@ -15,9 +15,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moestack.config.base import ConfigError, StrictModel, dump_yaml, read_yaml, validate
+from moestack.config.kernel_spec import KernelSpec
 
 RecomputeMode = Literal["none", "selective", "full"]
-# GEMM recipes: bf16; fp8 = moestack's recipe (moestack/train/fp8.py: e4m3 with DeepSeek-V3's blockwise scales, 1x128
+# GEMM recipes: bf16; fp8 = moestack's recipe (moestack/ops/fp8: e4m3 with DeepSeek-V3's blockwise scales, 1x128
 # activations / 128x128 weights); fp8_tensorwise = one scale per tensor (Transformer Engine's delayed / current
 # scaling); mxfp8 = OCP microscaling, e4m3 with an e8m0 scale per 32 elements (Blackwell); nvfp4 = e2m1 with an e4m3
 # scale per 16 elements and a per-tensor fp32 scale (Blackwell). The planner prices all five; the trainer runs bf16
@@ -104,7 +105,7 @@ class Plan(StrictModel):
     schedule: Schedule = "1f1b"
     recompute: RecomputePolicy = RecomputePolicy()
     offload: OffloadPolicy = OffloadPolicy()
-    # fp8: the FP8 recipe (moestack/train/fp8.py: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
+    # fp8: the FP8 recipe (moestack/ops/fp8: experts and projections in e4m3, DeepSeek-V3's blockwise scales)
     precision: Precision = "bf16"
     optimizer: Literal["adamw", "adamw_bf16", "muon"] = "adamw"  # adamw_bf16: bf16 m, v; muon: momentum only
     dispatcher: Literal["flat", "hierarchical"] = "flat"  # MoE all-to-all: one flat a2a or two-level (dedup)
@@ -155,6 +156,7 @@ class Plan(StrictModel):
     ep_replicas: int = Field(default=0, ge=0)
     ep_replan_every: int = Field(default=50, gt=0)
     host_profile: HostProfileName = "eager"
+    kernels: KernelSpec = KernelSpec()  # kernel choices; a TrainSpec's explicit ones win (config/kernel_spec.py)
     predicted: PlanPrediction | None = None
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from moestack.config.base import ConfigError, StrictModel, read_yaml, validate
+from moestack.config.kernel_spec import KernelSpec
 
 
 class DataSpec(StrictModel):
@@ -121,7 +122,7 @@ class TrainSpec(StrictModel):
     seq_len: int = Field(default=64, gt=1)
     eval_every: int = Field(default=100, ge=0)  # 0 = only at the end
     eval_batches: int = Field(default=4, gt=0)
-    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/train/fp8.py);
+    # auto: bf16 autocast on CUDA, fp32 elsewhere; fp8: bf16 autocast + the FP8 GEMM recipe (moestack/ops/fp8);
     # fp64: float64 weights and compute (CPU layout-equivalence tests: layouts then agree to ~1e-14)
     precision: Literal["auto", "fp32", "bf16", "fp8", "fp64"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -141,6 +142,7 @@ class TrainSpec(StrictModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     logging: LoggingSpec = LoggingSpec()
     dsa: DSATrainSpec = DSATrainSpec()
+    kernels: KernelSpec = KernelSpec()  # which implementation runs each hot op (config/kernel_spec.py)
     # "A:B": torch.profiler over the 1-based steps A..B-1 (steps before A warm up); per-rank tables and a chrome
     # trace land in out_dir as profile_rank{r}.txt / .json.gz (moestack/train/step_profile.py). Quote it in YAML.
     profile_steps: str | None = None

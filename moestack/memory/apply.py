@@ -52,8 +52,8 @@ def _compute_device(model: nn.Module) -> torch.device:
 def apply_memory_policies(model: nn.Module, plan: Plan, device: torch.device | str | None = None) -> None:
     """Apply plan.recompute, plan.offload.experts / activations and (plan.precision "fp8") FP8 storage of the
     expert GEMMs' saved inputs to `model` (a Transformer or a pipeline stage of one) in place. The storage is for
-    experts on a bf16 backend: the trainer's FP8 recipe (moestack/train/fp8.py) puts them on the fp8 backend, which
-    saves its inputs in FP8 itself.
+    experts on a bf16 strategy: the FP8 recipe (moestack/ops/fp8/convert.py) puts them on the FP8 GEMMs, which save
+    their inputs in FP8 themselves.
 
     Order: recompute wrapping first (checkpointed parts keep their own saved-tensor hooks), FP8 storage and expert
     offload on the expert GEMM seam, activation offload around each Block last. `device`: where the model computes
@@ -67,7 +67,7 @@ def apply_memory_policies(model: nn.Module, plan: Plan, device: torch.device | s
     fp8 = plan.precision == "fp8"
     if fp8:
         for moe in model.moe_layers().values():
-            if moe.experts.backend != "fp8":  # the fp8 backend saves its inputs in FP8 itself (train/fp8.py)
+            if not getattr(moe.experts.gemm, "saves_fp8_inputs", False):  # the FP8 recipe's GEMMs do it themselves
                 enable_fp8_expert_inputs(moe.experts)
     experts = None
     if plan.offload.experts:

@@ -12,8 +12,8 @@ parameter's .grad, once per micro-batch's backward, as with autocast's per-forwa
 tensors, so every micro-batch's backward can pass through it. Losses and gradients are bitwise those of autocast
 (tests/memory/test_compute_weights.py).
 
-Left to autocast / their own path: FP8 layers (Fp8Linear and experts on the fp8 backend quantise from the fp32
-parameter: a bf16 copy would round twice), experts with MXFP4 fake quantisation (QAT) or a replaced grouped_mm seam
+Left to autocast / their own path: FP8 layers (Fp8Linear and experts on the FP8 GEMM strategy quantise from the fp32
+parameter: a bf16 copy would round twice), experts with MXFP4 fake quantisation (QAT) or a wrapped GEMM strategy
 (memory policies), the router (fp32 logits), norms, embeddings, KDA's gate vectors. Under FSDP2 (a plan) the
 gathered parameters are already bf16 (parallel/fsdp.py); this class is for the single-device trainer.
 
@@ -32,7 +32,10 @@ from moestack.model.weights import CachedLinear
 
 
 def _expert_cacheable(experts: nn.Module) -> bool:
-    return experts.backend != "fp8" and experts.fake_quant is None and "grouped_mm" not in experts.__dict__
+    """The plain bf16 GEMM strategy only: not the FP8 one, not a memory policy's wrapper (offload), not QAT."""
+    from moestack.ops.moe import GroupedGemm
+
+    return type(experts.gemm) is GroupedGemm and experts.fake_quant is None
 
 
 class ComputeWeights:

@@ -13,7 +13,7 @@ what recompute keeps outside its regions. On a CPU "device" the host copy is a s
 
 Expert offload (`ExpertOffload`, Plan.offload.experts): the routed experts' weights (`Experts.w_gate_up`,
 `Experts.w_down`) live in host memory, and so do their gradients and hence their optimizer states (any torch
-optimizer steps host parameters on the host). The expert GEMM seam (`Experts.grouped_mm`) is replaced by
+optimizer steps host parameters on the host). The experts' GEMM strategy (`Experts.gemm`) is wrapped by
 `ExpertSeam`: for each grouped GEMM it copies into a device buffer only the experts that received rows
 (offs_E, i.e. the router's counts on this rank; experts with no rows are not fetched), runs the original GEMM,
 and does not keep the weights for backward: backward fetches them again (prefetched one GEMM ahead, in reverse
@@ -337,7 +337,7 @@ class _ExpertGEMM(torch.autograd.Function):
         y_NF = seam.inner(x_ND, w_run, offs_E)
         if seam.fp8_inputs:
             q = quantize_rows_fp8(x_ND)
-            saved = [q.data_ND, q.scale_N1, offs_E]
+            saved = [q.data_ND, q.scale_NG, offs_E]
         else:
             saved = [x_ND, offs_E]
         ctx.fp8 = seam.fp8_inputs
@@ -371,12 +371,12 @@ class _ExpertGEMM(torch.autograd.Function):
 
 
 class ExpertSeam:
-    """Replaces `Experts.grouped_mm` (keeping the original as `inner`): adds expert offload and / or FP8 saved
-    inputs; with neither it calls `inner` unchanged."""
+    """Wraps the experts' GEMM strategy `Experts.gemm` (keeping it as `inner`): adds expert offload and / or FP8
+    saved inputs; with neither it calls `inner` unchanged."""
 
     def __init__(self, experts: nn.Module):
         self.experts = experts
-        self.inner = experts.grouped_mm  # the bound method, or a precision variant installed before
+        self.inner = experts.gemm  # the bf16 strategy, or the FP8 recipe's installed before
         self.offload: ExpertOffload | None = None
         self.fp8_inputs = False
 
@@ -401,7 +401,7 @@ def expert_seam(experts: nn.Module) -> ExpertSeam:
     seam = getattr(experts, "_moestack_seam", None)
     if seam is None:
         seam = ExpertSeam(experts)
-        experts.grouped_mm = seam
+        experts.gemm = seam
         experts._moestack_seam = seam
     return seam
 

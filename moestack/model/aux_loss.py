@@ -3,12 +3,14 @@
 `attach_aux_loss(x, loss)` returns `x` unchanged; in backward it also sends gradient 1 * scale into `loss`.
 The trainer never has to collect losses from inside the model, so the same mechanism works under activation
 recompute and pipeline parallelism (each stage's backward reaches its own aux losses). The trainer sets the
-scale once per step (e.g. 1 / grad_accum_steps) with `set_aux_loss_scale`; a forward reads it and its backward
+scale for a step's forwards (e.g. 1 / grad_accum_steps) with `aux_loss_scale`; a forward reads it and its backward
 uses that value (so a compiled forward, whose backward is traced ahead, is guarded on it rather than keeping the
 value it was traced with).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -17,6 +19,18 @@ _SCALE = [1.0]
 
 def set_aux_loss_scale(scale: float) -> None:
     _SCALE[0] = float(scale)
+
+
+@contextlib.contextmanager
+def aux_loss_scale(scale: float):
+    """The scale for the forwards inside; the caller's is put back after (the scale is process-wide: a trainer's
+    1 / accum left behind would scale the aux losses of every later model in the process)."""
+    previous = _SCALE[0]
+    set_aux_loss_scale(scale)
+    try:
+        yield
+    finally:
+        _SCALE[0] = previous
 
 
 class _AttachAuxLoss(torch.autograd.Function):

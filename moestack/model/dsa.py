@@ -93,6 +93,7 @@ class GatedMLA(nn.Module):
         )
         self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank, self.v_dim = H, N, R, C, V
         self.scale = spec.softmax_scale
+        self.dsa_backend = "auto"  # KernelSpec.dsa.backend (moestack/model/kernels.py), for every DSA op
         scaling = spec.rope_scaling if spec.use_rope else None
         if scaling is not None:
             if scaling.type != "yarn":
@@ -171,7 +172,7 @@ class GatedMLA(nn.Module):
                     q_abs = self._absorb_query(q_nope_BTHN, q_rope_BTHR)
                     target_BTS = dsa_ref.attention_probs_target(q_abs, kv_BTX, self.scale, cu_seqlens=cu_seqlens)
                 scores_BTS = dsa_ref.indexer_scores(q_idx, k_idx, w, cu_seqlens)
-                loss = dsa_ops.indexer_kl_loss(scores_BTS, target_BTS)
+                loss = dsa_ops.indexer_kl_loss(scores_BTS, target_BTS, backend=self.dsa_backend)
 
         if self.g_proj is not None:
             o_BTHV = o_BTHV * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, self.v_dim)
@@ -234,14 +235,17 @@ class GatedMLA(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k selection -> sparse MQA attention over the latent -> (o [B,T,H,V], KL loss over the selected set)."""
         idx_BTK = dsa_ops.indexer_topk_from_inputs(
-            q_idx.detach(), k_idx.detach(), w.detach(), self.indexer.top_k, cu_seqlens=cu_seqlens
+            q_idx.detach(), k_idx.detach(), w.detach(), self.indexer.top_k, cu_seqlens=cu_seqlens,
+            backend=self.dsa_backend,
         )
         q_abs_BTHX = self._absorb_query(q_nope_BTHN, q_rope_BTHR)
-        o_lat_BTHC, lse_BTH = dsa_ops.sparse_mqa_attention(q_abs_BTHX, kv_BTX, idx_BTK, self.kv_lora_rank, self.scale)
+        o_lat_BTHC, lse_BTH = dsa_ops.sparse_mqa_attention(q_abs_BTHX, kv_BTX, idx_BTK, self.kv_lora_rank, self.scale,
+                                                         backend=self.dsa_backend)
         _, w_uv_HVC = self._kv_b_heads()
         o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HVC.to(o_lat_BTHC.dtype))
         target_BTK = dsa_ops.attention_probs_target(
-            q_abs_BTHX.detach(), kv_BTX.detach(), self.scale, lse=lse_BTH.detach(), idx=idx_BTK
+            q_abs_BTHX.detach(), kv_BTX.detach(), self.scale, lse=lse_BTH.detach(), idx=idx_BTK,
+            backend=self.dsa_backend,
         )
-        scores_BTK = dsa_ops.indexer_scores_at(q_idx, k_idx, w, idx_BTK)
-        return o_BTHV, dsa_ops.indexer_kl_loss(scores_BTK, target_BTK)
+        scores_BTK = dsa_ops.indexer_scores_at(q_idx, k_idx, w, idx_BTK, backend=self.dsa_backend)
+        return o_BTHV, dsa_ops.indexer_kl_loss(scores_BTK, target_BTK, backend=self.dsa_backend)

@@ -16,7 +16,6 @@ N packed documents.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -72,18 +71,18 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
 
-# The layer's elementwise ops run as fused Triton kernels on CUDA (fp32 inside, one pass each way); on CPU, for
-# fp64 (reference checks), or with MOESTACK_KDA_FUSED_LAYER_OPS=0, the PyTorch forms below (the kernels' specs).
-FUSED_OPS_ENV = "MOESTACK_KDA_FUSED_LAYER_OPS"
+# The layer's elementwise ops run as fused Triton kernels (fp32 inside, one pass each way) with layer_ops "triton",
+# or "auto" on CUDA below fp64; otherwise ("torch", CPU, fp64 reference checks) the PyTorch forms below (the
+# kernels' specs). KernelSpec.kda.layer_ops sets KDAAttention.layer_ops at build time.
 
 
-def _fused_ops(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype != torch.float64 and os.environ.get(FUSED_OPS_ENV, "1") != "0"
+def _fused_ops(x: torch.Tensor, mode: str) -> bool:
+    return mode == "triton" or (mode == "auto" and x.is_cuda and x.dtype != torch.float64)
 
 
-def _gated_norm(norm: RMSNorm, o: torch.Tensor, z: torch.Tensor, act: str) -> torch.Tensor:
+def _gated_norm(norm: RMSNorm, o: torch.Tensor, z: torch.Tensor, act: str, mode: str = "auto") -> torch.Tensor:
     """RMSNorm(o) * act(z) per head (ops/kda/gated_norm.py when fused)."""
-    if _fused_ops(o):
+    if _fused_ops(o, mode):
         from moestack.ops.kda.gated_norm import gated_rmsnorm  # imports Triton: only where it runs
 
         return gated_rmsnorm(o, z, norm.weight, norm.eps, act)
@@ -91,9 +90,10 @@ def _gated_norm(norm: RMSNorm, o: torch.Tensor, z: torch.Tensor, act: str) -> to
     return norm(o).to(gate.dtype) * gate
 
 
-def _conv_silu(conv: ShortConv, x_BTC: torch.Tensor, pos_T: torch.Tensor | None) -> torch.Tensor:
+def _conv_silu(conv: ShortConv, x_BTC: torch.Tensor, pos_T: torch.Tensor | None, mode: str = "auto"
+               ) -> torch.Tensor:
     """silu(conv(x)) (ops/kda/short_conv.py when fused)."""
-    if _fused_ops(x_BTC):
+    if _fused_ops(x_BTC, mode):
         from moestack.ops.kda.short_conv import short_conv_silu  # imports Triton: only where it runs
 
         return short_conv_silu(x_BTC, conv.weight, pos_T)
@@ -119,6 +119,7 @@ class KDAAttention(nn.Module):
         H, HV, K = spec.num_heads, spec.value_heads, spec.head_dim
         HK, HVK = H * K, HV * K
         self.num_heads, self.num_v_heads, self.head_dim = H, HV, K
+        self.kda_backend, self.layer_ops = "auto", "auto"  # KernelSpec.kda (moestack/model/kernels.py)
         gate_dim = HVK if spec.decay == "channel" else HV
         self.q_proj = nn.Linear(hidden_size, HK, bias=False)
         self.k_proj = nn.Linear(hidden_size, HK, bias=False)
@@ -173,9 +174,9 @@ class KDAAttention(nn.Module):
             assert B == 1, f"packed documents (cu_seqlens) need B == 1, got B={B}"
             pos_T = _doc_positions(T, cu_seqlens, x_BTD.device)
 
-        q = _conv_silu(self.q_conv, self.q_proj(x_BTD), pos_T).view(B, T, H, K)
-        k = _conv_silu(self.k_conv, self.k_proj(x_BTD), pos_T).view(B, T, H, K)
-        v = _conv_silu(self.v_conv, self.v_proj(x_BTD), pos_T).view(B, T, HV, K)
+        q = _conv_silu(self.q_conv, self.q_proj(x_BTD), pos_T, self.layer_ops).view(B, T, H, K)
+        k = _conv_silu(self.k_conv, self.k_proj(x_BTD), pos_T, self.layer_ops).view(B, T, H, K)
+        v = _conv_silu(self.v_conv, self.v_proj(x_BTD), pos_T, self.layer_ops).view(B, T, HV, K)
         q, k = _l2norm(q, self.spec.l2_eps), _l2norm(k, self.spec.l2_eps)
         if HV != H:  # value head j reads q/k head j // (HV / H)
             q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
@@ -195,9 +196,10 @@ class KDAAttention(nn.Module):
             scale=K**-0.5,
             cu_seqlens=cu_seqlens,
             chunk_size=self.spec.chunk_size,
+            backend=self.kda_backend,
         )
         z_BTHV = self._output_gate(x_BTD).view(B, T, HV, K)
-        o_BTHV = _gated_norm(self.o_norm, o_BTHV, z_BTHV, self.spec.output_gate_act)
+        o_BTHV = _gated_norm(self.o_norm, o_BTHV, z_BTHV, self.spec.output_gate_act, self.layer_ops)
         return self.o_proj(o_BTHV.reshape(B, T, HV * K))
 
     @torch.no_grad()

@@ -58,7 +58,7 @@ class Router(nn.Module):
             if spec.bias_update == "quantile" and spec.selection_bias else None
         self.register_buffer("quantile_hist", hist, persistent=False)
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = by device / env
+        self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
         self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
         self.balance_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.balance_group)
         self.last_z_loss: torch.Tensor | None = None
@@ -164,15 +164,17 @@ class Experts(nn.Module):
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, intermediate_size))
-        self.backend: str | None = None  # grouped GEMM backend; None = registry default (moestack.ops.moe)
-        self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = by device / env
+        # the GEMM strategy, set at build time: the bf16 registry with KernelSpec.moe.gemm (moestack/model/kernels.py),
+        # the FP8 GEMMs under precision fp8 (moestack/ops/fp8/convert.py), wrapped by the expert offload
+        self.gemm = moe_ops.GroupedGemm()
+        self.routing_backend: str | None = None  # activation: "triton" = fused kernel; None = auto (by device)
         # "mxfp4": quantisation-aware training, the weights the GEMMs see are their MXFP4 values (groups of 32
         # along the last dim, as the released checkpoint stores w1/w3/w2), straight-through gradient
         self.fake_quant: str | None = None
 
     def grouped_mm(self, x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        """The seam for the hot op: a precision variant (FP8, ...) replaces this method at build time."""
-        return moe_ops.grouped_mm(x_ND, w_EDF, offs_E, backend=self.backend)
+        """The seam for the hot op: the strategy in `self.gemm`. x [N, D] sorted by expert, w [E, D, F]."""
+        return self.gemm(x_ND, w_EDF, offs_E)
 
     def forward(self, h_NL: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """h_NL [N, L] rows sorted by expert, offs_E int32 [E] cumulative ends -> [N, L] (unweighted outputs).
@@ -183,19 +185,11 @@ class Experts(nn.Module):
     def ffn(
         self, x_NL: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, offs_E: torch.Tensor
     ) -> torch.Tensor:
-        """The experts on these weights (Experts' layout): one fused op where the backend has one (the FP8 v3 FFN,
-        moestack.ops.moe.expert_ffn) and nothing replaced the grouped_mm seam, else gate/up GEMM -> glu -> down
-        GEMM through the seam. The fused op needs the fused activation (triton routing backend): the same numbers."""
+        """The experts on these weights (Experts' layout): gate/up GEMM -> glu -> down GEMM through the seam."""
         if self.fake_quant == "mxfp4":
             from moestack.ops.mxfp4 import fake_quantize_mxfp4
 
             w_gate_up, w_down = fake_quantize_mxfp4(w_gate_up), fake_quantize_mxfp4(w_down)
-        if "grouped_mm" not in self.__dict__ and x_NL.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
-                routing.resolve_backend(self.routing_backend, x_NL.device) == "triton":
-            y_NL = moe_ops.expert_ffn(x_NL, w_gate_up.transpose(1, 2), w_down.transpose(1, 2), offs_E, self.backend,
-                                      self.activation, self.situ_beta, self.situ_linear_beta)
-            if y_NL is not None:
-                return y_NL
         gate_up_N2I = self.grouped_mm(x_NL, w_gate_up.transpose(1, 2), offs_E)
         return self.grouped_mm(self.glu(gate_up_N2I), w_down.transpose(1, 2), offs_E)
 
@@ -310,7 +304,7 @@ class MoE(nn.Module):
     @property
     def routing_backend(self) -> str | None:
         """Backend of the token path (moestack.ops.moe.routing): router, dispatch, gather, combine and the
-        experts' activation. None = by device / env MOESTACK_MOE_ROUTING_BACKEND."""
+        experts' activation (KernelSpec.moe.routing). None = auto (by device)."""
         return self.router.backend
 
     @routing_backend.setter

@@ -8,7 +8,7 @@ an opaque op stops its graph there, runs the op eagerly (its dispatcher, its aut
 exactly as without compile) and resumes in the next graph; what the compiler fuses is the PyTorch code between the
 ops (projections, norms, gates, residuals, the routing weights).
 
-Why not let dynamo trace the ops: their dispatchers read the tune cache and the environment per call and their
+Why not let dynamo trace the ops: their dispatchers read the tune cache per call and their
 Triton launches come with host logic dynamo cannot follow (it would break the graph inside them anyway), and the
 pure-torch references are the spec: inductor on CPU (torch 2.13) computes wrong gradients for the KDA reference's
 per-chunk tensor indexing (x[torch.tensor([j])] with a backward through it; it also corrupts the heap). Opaque ops run

@@ -2,10 +2,11 @@
 
 `moestack tune` runs every available backend of each hot op (KDA, DSA sparse attention, MoE grouped GEMM) at the
 shapes the model and plan produce, checks each against the reference, and records the fastest correct one here.
-A dispatcher asked for no backend by name (no argument, no environment variable) looks its op and shape up and
-takes the recorded backend if it is available; otherwise it falls back to its fixed preference order.
+A dispatcher on "auto" (moestack/ops/backends.py) looks its op and shape up and takes the recorded backend if it
+takes the call; otherwise it falls back to its fixed preference order. Every hit is remembered for the run record
+(`hits()`, written to the run's kernels.json).
 
-File: $MOESTACK_TUNE_CACHE, else ~/.cache/moestack/tuned-ops.json. Entries are keyed by device (GPU name, torch
+File: $MOESTACK_TUNE_CACHE (moestack/config/settings.py), else ~/.cache/moestack/tuned-ops.json. Entries are keyed by device (GPU name, torch
 and Triton versions: a driver or compiler change can reorder backends), then op, then a shape key built from the
 dimensions that decide the kernel choice (sequence lengths bucketed to powers of two).
 """
@@ -20,13 +21,20 @@ from pathlib import Path
 
 import torch
 
-ENV_VAR = "MOESTACK_TUNE_CACHE"
+from moestack.config.settings import TUNE_CACHE_ENV, tune_cache_path
+
+ENV_VAR = TUNE_CACHE_ENV
 _loaded: dict[str, tuple[float, dict]] = {}
+_hits: dict[str, str] = {}  # "op|shape key" -> backend, every lookup that returned a choice in this process
 
 
 def cache_path() -> Path:
-    env = os.environ.get(ENV_VAR)
-    return Path(env) if env else Path.home() / ".cache" / "moestack" / "tuned-ops.json"
+    return tune_cache_path()
+
+
+def hits() -> dict[str, str]:
+    """The cache entries dispatchers followed in this process ("op|key" -> backend)."""
+    return dict(_hits)
 
 
 def device_key(device: torch.device | None = None) -> str:
@@ -74,7 +82,10 @@ def lookup(op: str, key: str, device: torch.device | None) -> str | None:
     if device is None:
         return None
     entry = _read(cache_path()).get(device_key(device), {}).get(op, {}).get(key)
-    return entry.get("backend") if isinstance(entry, dict) else None
+    backend = entry.get("backend") if isinstance(entry, dict) else None
+    if backend is not None:
+        _hits[f"{op}|{key}"] = backend
+    return backend
 
 
 def record(op: str, key: str, backend: str, timings_ms: dict[str, float], errors: dict[str, float],

@@ -15,7 +15,8 @@ the bf16 weight cache:
                    routing have none). One CUDA device without FSDP2 (its gathers change the parameters' storage).
 
 What cannot run falls back one mode down, with one line saying why (also in <out_dir>/compile.json): no C++ compiler
-(inductor on CPU), no Triton (inductor on CUDA), graphs on CPU / under a plan / with the aot_eager backend.
+(inductor on CPU), no Triton (inductor on CUDA), graphs on CPU / under a plan / with the aot_eager backend / with
+gradient accumulation (a replay overwrote an output a later backward read; measured, not understood yet).
 compile.json also records what dynamo did (graphs, graph breaks and their reasons) after the first steps.
 
 Numerics: backend aot_eager (capture, no code generation) gives the eager losses bit for bit; inductor fuses and
@@ -63,7 +64,8 @@ def _cxx_compiler() -> str | None:
     return None
 
 
-def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool) -> tuple[str, str | None]:
+def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool, grad_accum_steps: int = 1
+                 ) -> tuple[str, str | None]:
     """(mode that runs, why it is lower than spec.mode or None). sharded: FSDP2 holds the parameters (a plan)."""
     mode = spec.mode
     if mode == "none":
@@ -83,6 +85,9 @@ def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool) -> tupl
             why = "CUDA graphs under FSDP2: its all-gathers move the parameters the graphs would have recorded"
         elif spec.backend != "inductor":
             why = f"CUDA graphs come from inductor's reduce-overhead mode (backend is {spec.backend})"
+        elif grad_accum_steps > 1:  # H200, torch 2.11: tests/parallel/test_compile.py, benchmarks/RESULTS.md
+            why = ("CUDA graphs with gradient accumulation: a backward read a block graph's output that a replay had "
+                   "overwritten (H200, torch 2.11); grad_accum_steps 1 runs them")
         if why is not None:
             return "blocks", why
     return mode, None
@@ -132,9 +137,10 @@ class CompiledBlocks:
         return path
 
 
-def resolve_compile(spec: CompileSpec, device: torch.device | str, sharded: bool = False) -> CompiledBlocks:
+def resolve_compile(spec: CompileSpec, device: torch.device | str, sharded: bool = False, grad_accum_steps: int = 1
+                    ) -> CompiledBlocks:
     """The mode that runs for `spec` on `device` (module doc); nothing is compiled until `apply`."""
-    runs, why = resolve_mode(spec, torch.device(device), sharded)
+    runs, why = resolve_mode(spec, torch.device(device), sharded, grad_accum_steps)
     return CompiledBlocks(CompileReport(spec.mode, runs, spec.backend, spec.fullgraph, fallback=why), spec)
 
 

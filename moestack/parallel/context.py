@@ -321,15 +321,17 @@ def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor
         with torch.no_grad():
             q_pad = F.pad(q_idx.detach(), (0, 0, 0, 0, t0, end - t1))
             w_pad = F.pad(w.detach(), (0, 0, t0, end - t1))
-            idx = dsa_ops.indexer_topk_from_inputs(q_pad, k_idx_full.detach()[:, :end], w_pad, m.indexer.top_k)
+            idx = dsa_ops.indexer_topk_from_inputs(q_pad, k_idx_full.detach()[:, :end], w_pad, m.indexer.top_k,
+                                                   backend=m.dsa_backend)
             idx = idx[:, t0:t1].contiguous()
         q_abs = m._absorb_query(q_nope, q_rope)
-        o_lat, lse = dsa_ops.sparse_mqa_attention(q_abs, kv_full, idx, C, m.scale)
+        o_lat, lse = dsa_ops.sparse_mqa_attention(q_abs, kv_full, idx, C, m.scale, backend=m.dsa_backend)
         _, w_uv = m._kv_b_heads()
         o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat, w_uv.to(o_lat.dtype))
-        target = dsa_ops.attention_probs_target(q_abs.detach(), kv_full.detach(), m.scale, lse=lse.detach(), idx=idx)
-        scores = dsa_ops.indexer_scores_at(q_idx, k_idx_full, w, idx)
-        loss = dsa_ops.indexer_kl_loss(scores, target)
+        target = dsa_ops.attention_probs_target(q_abs.detach(), kv_full.detach(), m.scale, lse=lse.detach(), idx=idx,
+                                                backend=m.dsa_backend)
+        scores = dsa_ops.indexer_scores_at(q_idx, k_idx_full, w, idx, backend=m.dsa_backend)
+        loss = dsa_ops.indexer_kl_loss(scores, target, backend=m.dsa_backend)
 
     if m.g_proj is not None:
         o_BTHV = o_BTHV * torch.sigmoid(m.g_proj(x_BTD)).view(B, T_l, H, V)
@@ -352,7 +354,7 @@ def _dense_indexer_loss(m: GatedMLA, cp: CPInfo, x_BTD, q_lat, q_nope, q_rope, k
         q_abs = F.pad(m._absorb_query(q_nope, q_rope), (0, 0, 0, 0, t0, 0))
         target = dsa_ref.attention_probs_target(q_abs, kv_full[:, :t1], m.scale)[:, t0:]
     scores = dsa_ref.indexer_scores(F.pad(q_idx, (0, 0, 0, 0, t0, 0)), k_idx_full, F.pad(w, (0, 0, t0, 0)))
-    return dsa_ops.indexer_kl_loss(scores[:, t0:], target)
+    return dsa_ops.indexer_kl_loss(scores[:, t0:], target, backend=m.dsa_backend)
 
 
 def _wrap_mla(m: GatedMLA, cp: CPInfo, tp_unit=None) -> None:

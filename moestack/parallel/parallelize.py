@@ -1,5 +1,6 @@
 """`parallelize(model, plan, meshes)`: the one place a built model becomes a parallel one, in a fixed order.
 
+    0. precision: plan.precision fp8 converts the experts' GEMMs and the projections (moestack/ops/fp8/convert.py)
     1. expert parallelism (expert.py), then tensor parallelism (DTensor plans, moestack.parallel.tensor), which
        leaves the already-EP-sharded expert weights alone and runs each MoE on its rank's own tokens, or context
        parallelism (context.py: sequence split, KDA state relay, gathered MLA latent)
@@ -48,7 +49,7 @@ def _needs_memory_policies(plan: Plan) -> bool:
 
 def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch.dtype | None = None,
                 compiled: CompiledBlocks | None = None) -> nn.Module:
-    """Apply EP -> TP -> memory policies -> compile -> FSDP to `model` in place (as `plan` and `meshes` say);
+    """Apply precision -> EP -> TP -> memory policies -> compile -> FSDP to `model` in place (as `plan` and `meshes` say);
     returns it. compiled: the run's compile choice (resolve_compile with sharded=True), None = eager.
 
     param_dtype: the dtype FSDP gathers parameters in for compute (torch.bfloat16 for bf16 training on GPUs;
@@ -58,6 +59,13 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     for module in model.modules():  # the global-batch balance loss counts load over every rank of the stage
         if isinstance(module, MoE):
             module.balance_group = meshes.stage_group
+    if plan.precision == "fp8":
+        from moestack.ops.fp8.convert import convert_precision
+
+        p = next(model.parameters(), None)
+        device = p.device if p is not None and p.device.type != "meta" else \
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        convert_precision(model, plan.precision, device, plan.kernels.fp8)
     expert_sharded = plan.ep > 1 or plan.etp > 1
     if expert_sharded:
         groups = meshes.ep_domain_groups() if plan.dispatcher == "hierarchical" else None

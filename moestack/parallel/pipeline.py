@@ -68,8 +68,7 @@ from torch.distributed.tensor import DTensor
 
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import V_SHAPE, Plan
-from moestack.model import aux_loss
-from moestack.model.aux_loss import set_aux_loss_scale
+from moestack.model.aux_loss import aux_loss_scale
 from moestack.model.loss import IGNORE_INDEX
 from moestack.model.transformer import Transformer
 from moestack.parallel.comm import TIED_COPY_ATTR
@@ -462,14 +461,8 @@ class PipelineStepRunner:
         losses: list[torch.Tensor] = []
         args = (inputs.to(self.device),) if self._first else ()
         target = targets.to(self.device) if self._last is not None else None
-        # The aux-loss scale is process-wide: restore the caller's, or later backwards in this process (another
-        # model, the next test in a reused rank process) would silently scale their aux losses by ours.
-        previous = aux_loss._SCALE[0]
-        set_aux_loss_scale(loss_scale / self.n_microbatches)  # each micro-batch's aux loss is a mean over it
-        try:
+        with aux_loss_scale(loss_scale / self.n_microbatches):  # each micro-batch's aux loss is a mean over it
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        finally:
-            set_aux_loss_scale(previous)
         if self._tie and self._tie[0].requires_grad:  # frozen (DSA dense warm-up) on both sides alike: no sum
             self._sum_tied_grads(before)
         total = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -1978,7 +1978,7 @@ class CostModel:
                 per_layer = (d + e) / max(1, len(self.work.layers) / plan.pp)
                 buffers += 2 * per_layer * BF16
             if fp8_recipe_runs(plan.precision, self.cluster):
-                # the fp8 weight cache (moestack/ops/moe/fp8_weight_cache.py): both layouts, 1 byte each, of the
+                # the fp8 weight cache (moestack/ops/fp8/weight_cache.py): both layouts, 1 byte each, of the
                 # FP8 GEMMs' weights (all but embedding / head) until the optimizer step; under ZeRO-3 only those of
                 # the layer gathered now (it drops what FSDP frees)
                 fp8_bytes = 2 * (max(0.0, d - vocab_params) + e_dev)

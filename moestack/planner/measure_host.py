@@ -108,7 +108,7 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
                  precision: str = "bf16") -> HostTiming:
     """Median wall seconds of one micro-batch forward + backward of `spec`'s model at 1 x seq_len tokens (capped at
     max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
-    (moestack/train/fp8.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
+    (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
 
     The experts are one EP rank's (planner/measure_parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what
@@ -126,7 +126,7 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
     run_spec = sampled_spec(spec, _layers_that_fit(spec, device))
     model = build_model(run_spec, device, seed=seed)
     if precision == "fp8":
-        from moestack.train.fp8 import apply_fp8_recipe
+        from moestack.ops.fp8.convert import apply_fp8_recipe
 
         apply_fp8_recipe(model, device)
     elif precision != "bf16":

@@ -73,15 +73,15 @@ def measure_grouped(experts: int, tokens_per_expert: int, n: int, k: int, peak: 
 
 def measure_fp8_factor(peak_bf16: float, peak_fp8: float) -> float | None:
     """fp8_gemm_factor: the efficiency of the GEMMs `precision: fp8` runs (DeepSeek-V3's blockwise scales through
-    moestack/ops/moe/fp8_scaled_mm.py: forward / dX with 1x128 x 128x128 scales, dW with 1x128 x 1x128), weighted
+    moestack/ops/fp8/scaled_mm.py: forward / dX with 1x128 x 128x128 scales, dW with 1x128 x 1x128), weighted
     2 : 1 as a training step runs them, over the bf16 GEMM's, both at 8192^3. A rowwise-scaled GEMM (no block
     scales) ran at bf16's efficiency on the H200 (factor 1.0), which the recipe does not reach: with it the planner
     priced a K3-width FP8 step 28% faster than measured (benchmarks/RESULTS.md, session 14). None where the
     per-expert cuBLAS path does not run (the recipe's Triton kernels take over; the default factor stays)."""
     import torch
 
-    from moestack.ops.moe import fp8_quant as fq
-    from moestack.ops.moe import fp8_scaled_mm as fsm
+    from moestack.ops.fp8 import quant as fq
+    from moestack.ops.fp8 import scaled_mm as fsm
 
     device = torch.device("cuda")
     if not fsm.available(device):
@@ -274,7 +274,7 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
     line = (f"host floor: {t.layer_s * 1e3:.2f} ms per layer per micro-batch (default {base.layer_s * 1e3:.2f}): "
             f"{t.wall_s * 1e3:.1f} ms fwd+bwd at {t.tokens} tokens over {t.layers:g} layers{sampled}{bound}; the "
             f"device finished {t.tail_s * 1e3:.1f} ms after the host ({pace})")
-    from moestack.ops.moe import fp8_unavailable_reason
+    from moestack.ops.fp8 import fp8_unavailable_reason
 
     try:  # the FP8 recipe's extra host time: the same pass on the recipe, minus the bf16 one
         reason = fp8_unavailable_reason(torch.device(device))

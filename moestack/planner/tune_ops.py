@@ -145,7 +145,7 @@ def tune_grouped_mm(experts: int, rows_per_expert: int, d: int, f: int) -> OpCho
         y.backward(dy.to(y.dtype))
         return y.float(), x.grad.float()
 
-    cands = [b for b in moe.available_backends() if b not in ("fp8", "auto")]
+    cands = [b for b in moe.available_backends() if b not in ("fp8", "crossover")]
     return _choose("moe.grouped_mm", tuned.grouped_mm_key(x0, w0), run, cands)
 
 

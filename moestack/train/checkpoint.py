@@ -592,9 +592,9 @@ def _unsafe_failure(err: BaseException) -> str | None:
 
 
 def forget_fp8_weights() -> None:
-    """Drop the FP8 expert-weight cache (moestack.ops.moe.fp8_weight_cache) if it was loaded: under FSDP2 a load
+    """Drop the FP8 expert-weight cache (moestack.ops.fp8.weight_cache) if it was loaded: under FSDP2 a load
     reaches the weights' gathered copies without moving the version counter the cache watches."""
-    cache = sys.modules.get("moestack.ops.moe.fp8_weight_cache")
+    cache = sys.modules.get("moestack.ops.fp8.weight_cache")
     if cache is not None:
         cache.clear()
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moestack.config.settings import DATA_CACHE_ENV, data_cache_dir
 from moestack.config.train_spec import DataSpec
 from moestack.train.tokenizer import token_dtype
 
-CACHE_ENV = "MOESTACK_CACHE"
+CACHE_ENV = DATA_CACHE_ENV
 BUILTIN_MAX_BYTES = 8_000_000  # ~8 MB of text: tokenizes in well under a couple of seconds
 _CACHE_VERSION = 1
 _DOC_SUFFIXES = (".txt", ".rst", ".md")
@@ -35,7 +36,7 @@ _SUFFIX = {"text": (".txt",), "jsonl": (".jsonl",), "bin": (".bin",)}
 
 def cache_dir() -> Path:
     """Where token caches live: $MOESTACK_CACHE or ~/.cache/moestack."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "moestack")
+    return data_cache_dir()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,12 +27,15 @@ import torch.distributed as dist
 from torch import nn
 
 from moestack.config.base import ConfigError, dump_yaml
+from moestack.config.kernel_spec import merge as merge_kernels
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan, runtime_unsupported
+from moestack.config.settings import ep_domain_size
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.compute_weights import ComputeWeights
 from moestack.memory.phase_peaks import GIB, PhasePeaks
-from moestack.model.aux_loss import set_aux_loss_scale
+from moestack.model.aux_loss import aux_loss_scale
+from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.compile import resolve_compile
@@ -190,7 +193,7 @@ def _ep_domain_size(plan: Plan) -> int | None:
     network tier of the plan's cluster, else the ranks per node (LOCAL_WORLD_SIZE); capped at ep."""
     if plan.dispatcher != "hierarchical":
         return None
-    size = os.environ.get("MOESTACK_EP_DOMAIN_SIZE")
+    size = ep_domain_size()
     if size is None:
         try:
             from moestack.config.cluster import load_cluster_spec
@@ -210,12 +213,12 @@ def _ep_domain_size(plan: Plan) -> int | None:
 def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
-    recipe (moestack/train/fp8.py)."""
+    recipe (moestack/ops/fp8/convert.py); the plan's kernel choices apply where the train spec leaves "auto"."""
     unsupported = runtime_unsupported(plan)
     if unsupported:
         raise ConfigError(f"plan: the trainer cannot run {'; '.join(unsupported)}")
     update = {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.num_microbatches,
-              "seq_len": plan.seq_len}
+              "seq_len": plan.seq_len, "kernels": merge_kernels(spec.kernels, plan.kernels)}
     if plan.precision == "fp8":
         if spec.precision in ("fp32", "fp64"):
             raise ConfigError(f"precision: the plan says fp8 but the train spec says {spec.precision}; drop "
@@ -239,9 +242,6 @@ def adapt_sampler_state(state: dict, batch_size: int, world_size: int) -> dict:
     return {**state, "batch_size": batch_size, "world_size": world_size, "position": consumed // rows}
 
 
-FP8_PROJ_ENV = "MOESTACK_FP8_PROJ"  # "1": LatentMoE projections in FP8 (Trainer._configure_fp8)
-
-
 class Trainer:
     def __init__(self, spec: TrainSpec, model_spec: ModelSpec, log=print, plan: Plan | None = None,
                  dry_run: bool = False):
@@ -250,6 +250,9 @@ class Trainer:
         self.dist: Distributed | None = None
         if plan is not None:
             spec = apply_plan_to_spec(spec, plan)
+            # what parallelize() applies and plan.yaml records: the merged kernel choices, and fp8 if the spec asks
+            plan = plan.model_copy(update={"kernels": spec.kernels,
+                                           "precision": "fp8" if spec.precision == "fp8" else plan.precision})
             self.device, owns = _init_distributed(self.device, plan, spec.timeouts.collective_minutes)
             meshes = build_meshes(plan, self.device.type, ep_domain_size=_ep_domain_size(plan))
             self.dist = Distributed(plan, meshes, dist.get_rank(), owns)
@@ -274,7 +277,8 @@ class Trainer:
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
-        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
+        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None,
+                                        grad_accum_steps=spec.grad_accum_steps)
         if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
             assert self.dist is not None, "a dry run needs a plan"
             self.model = self._build_parallel_model(materialise=False)
@@ -308,6 +312,7 @@ class Trainer:
             self._configure_qat(self.model)
             self._configure_dsa()
             self._configure_fp8(self.model)
+            self._configure_kernels(self.model)
             self.optimizer = build_optimizer(self.model, spec.optimizer)
             if spec.weight_cache and uses_bf16(spec, self.device):
                 self.compute_weights = ComputeWeights(self.model, self.optimizer)
@@ -393,28 +398,19 @@ class Trainer:
                 p.requires_grad_(".indexer." in name)
 
     def _configure_fp8(self, model: Transformer) -> None:
-        """precision fp8: the FP8 recipe (moestack/train/fp8.py: routed experts and the large projections in e4m3).
-        Otherwise $MOESTACK_FP8_PROJ=1 runs only the LatentMoE's down / up projections in FP8 (next to the FP8
-        expert GEMMs MOESTACK_MOE_BACKEND=fp8 selects). Applied to the whole model before any parallelism (the
-        conversions keep every Parameter object)."""
-        if self.spec.precision == "fp8":
-            from moestack.train.fp8 import apply_fp8_recipe
+        """The single-device build's precision converter (moestack/ops/fp8/convert.py; parallelize() applies it on
+        the parallel path): precision fp8 puts the routed experts and the large projections in e4m3."""
+        from moestack.ops.fp8.convert import convert_precision
 
-            self.log(apply_fp8_recipe(model, self.device).summary())
-            return
-        choice = os.environ.get(FP8_PROJ_ENV, "0")
-        if choice not in ("0", "1"):
-            raise ConfigError(f"{FP8_PROJ_ENV}={choice!r}: use 1 (FP8 latent projections) or 0 (bf16)")
-        if choice == "0":
-            return
-        from moestack.ops.moe import fp8_unavailable_reason
-        from moestack.ops.moe.fp8_linear import enable_fp8_latent_projections
+        report = convert_precision(model, self.spec.precision, self.device, self.spec.kernels.fp8)
+        if report is not None:
+            self.log(report.summary())
 
-        reason = fp8_unavailable_reason(self.device)
-        if reason is not None:
-            raise ConfigError(f"{FP8_PROJ_ENV}=1 needs a CUDA GPU with FP8 tensor cores ({reason}); unset it")
-
-        self.log(f"FP8 latent projections ({FP8_PROJ_ENV}=1): {enable_fp8_latent_projections(model)} Linear layers")
+    def _configure_kernels(self, model: Transformer) -> None:
+        """spec.kernels (with the documented environment overrides) resolved for this device once, set on the
+        model's modules (moestack/model/kernels.py); recorded in out_dir/kernels.json by fit()."""
+        self.kernels = apply_kernels(model, self.spec.kernels, self.device)
+        self.log(self.kernels.summary())
 
     def _build_parallel_model(self, materialise: bool = True) -> Transformer:
         """Build, then parallelise as the plan says. A model that fits is built whole from the seed on every rank and
@@ -435,11 +431,13 @@ class Trainer:
         whole = model
         self._configure_qat(model)
         self._configure_dsa(model)
-        self._configure_fp8(model)
+        self._configure_kernels(model)
         if plan.pp > 1:
             model = self._pipeline_stages(model, param_dtype)
         else:
-            parallelize(model, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)
+            parallelize(model, plan, meshes, param_dtype=param_dtype, compiled=self.compiled)  # fp8 converts first
+            if getattr(model, "fp8_report", None) is not None:
+                self.log(model.fp8_report.summary())
         if on_meta and materialise:
             materialize(model, whole, self.device, spec.seed)
             self._init_weights(model, sharded=True, partial=plan.pp > 1)  # a moestack checkpoint, resharded by DCP
@@ -593,7 +591,6 @@ class Trainer:
             with self.autocast():
                 total = self.pipeline.forward_backward(inputs, targets)
             return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
-        set_aux_loss_scale(1.0 / accum)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
@@ -607,7 +604,7 @@ class Trainer:
                 peaks.in_forward = True
             if self.compiled is not None:
                 self.compiled.before_forward()  # CUDA graphs: a new micro-batch, earlier outputs are consumed
-            with self.autocast():
+            with self.autocast(), aux_loss_scale(1.0 / accum):  # read by the forward's aux losses
                 loss = self.model(inputs, targets)
             if peaks is not None:
                 peaks.in_forward = False
@@ -769,6 +766,7 @@ class Trainer:
             dump_yaml(self.model_spec, self.out_dir / "model.yaml")
             if self.plan is not None:
                 dump_yaml(self.plan, self.out_dir / "plan.yaml")
+            self._write_kernels()
             self.compiled.write(self.out_dir)
         profiler = StepProfiler.maybe(spec.profile_window, self.out_dir, self.device,
                                       self.dist.rank if self.dist is not None else 0)
@@ -783,12 +781,19 @@ class Trainer:
         if self.is_main:
             self.compiled.write(self.out_dir)  # with what dynamo did (graphs, breaks)
         self.metrics.close()
+        self._write_kernels()  # again: with the `moestack tune` cache entries the run followed
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))
         heatmap = self.load_monitor.heatmap(self.out_dir / "expert_load.png") \
             if self.is_main and self.load_monitor is not None else None
         return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
                 "expert_load": load, "load_heatmap": heatmap}
+
+    def _write_kernels(self) -> None:
+        """out_dir/kernels.json: the resolved kernel choices (and tune-cache hits so far), rank 0 only."""
+        if self.is_main and getattr(self, "kernels", None) is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.kernels.write(self.out_dir / "kernels.json")
 
     def _loop(self, progress, profiler: StepProfiler | None) -> tuple[list[float], Path | None]:
         spec = self.spec
@@ -826,6 +831,8 @@ class Trainer:
             bad_steps = 0
             self.step += 1
             self._guard.mark(self.step)
+            if self.step == 1:
+                self._write_kernels()  # the first step's tune-cache hits (a later crash keeps them)
             history.append(stats.loss)
             record = {"loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                       "tokens_per_s": stats.tokens_per_s, **stats.aux}

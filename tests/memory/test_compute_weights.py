@@ -85,7 +85,9 @@ def test_targets_and_exclusions(small_spec):
 
     fresh = build_model(small_spec, "cpu", seed=0)
     fresh_moe = next(iter(fresh.moe_layers().values()))
-    fresh_moe.experts.backend = "fp8"  # quantises from the fp32 parameter: a bf16 copy would round twice
+    from moestack.ops.fp8.grouped_gemm import Fp8GroupedGemm
+
+    fresh_moe.experts.gemm = Fp8GroupedGemm()  # quantises from the fp32 parameter: a bf16 copy would round twice
     assert not any(m is fresh_moe.experts for m, _ in ComputeWeights(fresh).targets)
     qat = build_model(small_spec, "cpu", seed=0)
     qat_moe = next(iter(qat.moe_layers().values()))

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from moestack.config.kernel_spec import KernelSpec
 from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.config.plan import make_plan
 from moestack.memory.apply import apply_memory_policies
@@ -18,6 +19,7 @@ from moestack.memory.precision import FP8_MAX, FP8_REL_ERR, dequantize_rows_fp8,
 from moestack.memory.recompute import apply_recompute
 from moestack.config.plan import RecomputePolicy
 from moestack.model.aux_loss import set_aux_loss_scale
+from moestack.model.kernels import apply_kernels
 from moestack.model.moe import MoE
 from moestack.model.transformer import build_model
 
@@ -262,10 +264,9 @@ def test_apply_memory_policies_combined_is_exact(setup, reference):
 @pytest.mark.gpu
 def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch, small_spec):
     # bitwise comparison: deterministic backends (the Triton DSA backward accumulates dKV with fp32 atomics)
-    monkeypatch.setenv("MOESTACK_KDA_BACKEND", "reference")
-    monkeypatch.setenv("MOESTACK_DSA_BACKEND", "reference")
     spec = small_spec
     model = build_model(spec, "cuda", seed=0)
+    apply_kernels(model, KernelSpec(kda={"backend": "reference"}, dsa={"backend": "reference"}))
     tokens = torch.randint(0, spec.vocab_size, (2, 1024), device="cuda")
     targets = torch.randint(0, spec.vocab_size, (2, 1024), device="cuda")
 
@@ -294,9 +295,9 @@ def test_activation_offload_cuda_exact_and_frees_memory(monkeypatch, small_spec)
 
 @pytest.mark.gpu
 def test_expert_offload_cuda_exact(monkeypatch, small_spec):
-    monkeypatch.setenv("MOESTACK_DSA_BACKEND", "reference")  # deterministic dKV (see above)
     spec = small_spec
     model = build_model(spec, "cuda", seed=0)
+    apply_kernels(model, KernelSpec(dsa={"backend": "reference"}))  # deterministic dKV (see above)
     tokens = torch.randint(0, spec.vocab_size, (1, 256), device="cuda")
     targets = torch.randint(0, spec.vocab_size, (1, 256), device="cuda")
     ref = _step(copy.deepcopy(model), tokens, targets)

@@ -104,9 +104,12 @@ def test_measured_activations_follow_recompute(trained):
 
 @pytest.mark.gpu
 def test_measure_memory_cuda(trained, monkeypatch):
-    monkeypatch.setenv("MOESTACK_KDA_BACKEND", "reference")
+    from moestack.config.kernel_spec import KernelSpec
+    from moestack.model.kernels import apply_kernels
+
     model, _, tokens, targets = trained
     m = copy.deepcopy(model).cuda()
+    apply_kernels(m, KernelSpec(kda={"backend": "reference"}))
     opt = build_optimizer(m, OptimizerSpec())
     tokens, targets = tokens.repeat(2, 16).cuda(), targets.repeat(2, 16).cuda()
     m(tokens, targets).backward()

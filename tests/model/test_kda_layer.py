@@ -14,13 +14,6 @@ from moestack.model.kda import DT_MAX, DT_MIN, KDAAttention, ShortConv
 D = 24  # hidden
 
 
-@pytest.fixture(autouse=True)
-def reference_backend(monkeypatch):
-    """These tests check the layer's math in fp64, so pin the op to the fp64-capable reference backend (another
-    test module may have enabled a Triton interpreter backend in this process)."""
-    monkeypatch.setenv("MOESTACK_KDA_BACKEND", "reference")
-
-
 def _layer(dtype=torch.float64, seed=0, **overrides) -> KDAAttention:
     spec = KDASpec(**{"num_heads": 2, "head_dim": 8, "gate_rank": 6, "chunk_size": 16, **overrides})
     torch.manual_seed(seed)

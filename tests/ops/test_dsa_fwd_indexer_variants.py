@@ -1,5 +1,5 @@
-"""DSA kernel variants against the reference: the forward switch (MOESTACK_DSA_FWD) and the fused indexer top-k
-(sampled threshold + scoring with candidate compaction; MOESTACK_DSA_TOPK=fused / fused_fp8, fused the GPU default).
+"""DSA kernel variants against the reference: the forward's variant argument and the fused indexer top-k (sampled
+threshold + scoring with candidate compaction, the GPU default; the chunked block + torch.topk elsewhere).
 
 CPU: TRITON_INTERPRET=1, fp32 at tiny shapes (exact dots: tight bounds). GPU (`-m gpu`): bf16 at full size.
 Selections are compared as score multisets (index order may differ on exact ties: ReLU makes exact zeros).
@@ -18,8 +18,7 @@ pytest.importorskip("triton")
 
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa import triton_indexer_fused as fused
-from moestack.ops.dsa.triton_attn_fwd import FWD_ENV_VAR
-from moestack.ops.dsa.triton_op import sparse_mqa_attention_triton
+from moestack.ops.dsa.triton_attn_fwd import sparse_mqa_fwd
 
 CPU_TOL = 2e-5
 
@@ -43,21 +42,19 @@ def _random_idx(B, T, K, g, device="cpu"):
 # ------------------------------------------------------------------------------------------- forward switch
 
 
-def test_fwd_variant_env_switch(monkeypatch):
-    """MOESTACK_DSA_FWD picks the forward inside the autograd op (backward unchanged); a bad name raises."""
+def test_fwd_variant_argument():
+    """variant picks the forward ("auto": Gluon where it applies, else the Triton kernel); a bad name raises."""
     g = torch.Generator().manual_seed(5)
     q, kv = torch.randn(1, 9, 4, 48, generator=g), torch.randn(1, 9, 48, generator=g)
     idx = _random_idx(1, 9, 5, g)
     want, _ = ref.sparse_mqa_attention(q.double(), kv.double(), idx, 32, 0.2)
-    monkeypatch.setenv(FWD_ENV_VAR, "default")
-    o, _ = sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
-    assert _rel(o, want) < CPU_TOL
-    monkeypatch.setenv(FWD_ENV_VAR, "gluon")  # read inside the op: the Gluon kernel refuses fp32 / this latent
+    for variant in ("default", "auto"):
+        o, _ = sparse_mqa_fwd(q, kv, idx, 32, 0.2, variant=variant)
+        assert _rel(o, want) < CPU_TOL
     with pytest.raises(ValueError, match="forward variant 'gluon' needs an sm_90 GPU"):
-        sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
-    monkeypatch.setenv(FWD_ENV_VAR, "nope")
+        sparse_mqa_fwd(q, kv, idx, 32, 0.2, variant="gluon")  # the Gluon kernel refuses fp32 / this latent
     with pytest.raises(ValueError, match="forward variant"):
-        sparse_mqa_attention_triton(q, kv, idx, 32, 0.2)
+        sparse_mqa_fwd(q, kv, idx, 32, 0.2, variant="nope")
 
 
 # ------------------------------------------------------------------------------------------- fused indexer top-k
@@ -94,10 +91,34 @@ def test_indexer_fused_matches_reference(stride, margin, cap, chunk_bytes, selec
     q, k, w = _indexer_inputs(B, T, Hi, Di, seed=stride)
     stats = {}
     got = fused.indexer_topk_fused(q, k, w, K, stride=stride, margin=margin, cap=cap, chunk_bytes=chunk_bytes,
-                                   select=select, stats=stats)  # fmt: skip
+                                   select=select, stats=stats, fallback_capacity=B * T)  # fmt: skip
     _assert_same_topk(got, q, k, w, K, None)
+    assert int(stats["fallback_overflow"]) == 0
     if margin < 0.5 or margin > 4:
         assert stats["fallback_rows"] > 0  # the exact path ran
+
+
+def test_exact_fallback_capacity_and_overflow():
+    """repair_missed_rows: the first `capacity` missed rows (flat b*T + t order) get the exact top-k of all their
+    visible keys, later missed rows and unmissed rows keep their input, and the overflow is counted; no row is
+    written twice by the spare slots."""
+    from moestack.ops.dsa.exact_rows import repair_missed_rows
+
+    B, T, Hi, Di, K = 2, 23, 3, 8, 5
+    q, k, w = _indexer_inputs(B, T, Hi, Di, seed=11)
+    want = ref.indexer_topk(ref.indexer_scores(q, k, w, None), K)
+    poisoned = torch.full_like(want, -7)
+    missed = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) < 0.4
+    flat = missed.reshape(-1).nonzero().squeeze(1)
+    for capacity in (B * T, 5, len(flat)):
+        start_T = torch.zeros(T, dtype=torch.long)
+        got, n_missed, overflow = repair_missed_rows(poisoned.clone(), missed, q, k, w, start_T, capacity=capacity)
+        assert int(n_missed) == len(flat) and int(overflow) == max(0, len(flat) - capacity)
+        fixed = torch.zeros(B * T, dtype=torch.bool)
+        fixed[flat[:capacity]] = True
+        fixed = fixed.view(B, T)
+        _assert_same_topk(torch.where(fixed[..., None], got, want), q, k, w, K, None)
+        assert torch.all(got[~fixed] == -7)
 
 
 def test_topk_select_kernel_ties_and_short_rows():
@@ -145,43 +166,21 @@ def test_indexer_fused_documents(cu):
     _assert_same_topk(got, q, k, w, 5, cu_t)
 
 
-def test_indexer_fused_key_scale_and_fp8_algebra():
-    """The kernel's per-key scale path (fp8 mode's sk) on fp32 data, and the fp8 scale folding in torch:
-    sk[s] * sum_j (w sq)[t,j] ReLU(q8 . k8) equals the scores of the dequantised inputs."""
-    B, T, Hi, Di = 1, 20, 3, 16
-    q, k, w = _indexer_inputs(B, T, Hi, Di, seed=3)
-    sk = torch.rand(B, T) + 0.5
-    out = torch.full((B, T, T), float("-inf"))
-    fused._launch(q, k, w, sk, None, None, None, out, None, 0, T, T, 1, fused.MODE_DENSE, 16)
-    want = ref.indexer_scores(q.double(), k.double(), w.double()) * sk.double()[:, None, :]
-    assert _rel(out.masked_fill(out == float("-inf"), 0), want.masked_fill(want == float("-inf"), 0)) < CPU_TOL
-    q8, k8, wq, sk8 = fused.quantize_fp8(q, k, w)
-    sq = wq / w
-    deq = ref.indexer_scores(q8.double() * sq.double()[..., None], k8.double() * sk8.double()[..., None], w.double())
-    folded = ref.indexer_scores(q8.double(), k8.double(), wq.double()) * sk8.double()[:, None, :]
-    fin = torch.isfinite(deq)
-    assert _rel(folded[fin], deq[fin]) < 1e-6
-    assert _rel(deq[fin], ref.indexer_scores(q.double(), k.double(), w.double())[fin]) < 0.1  # e4m3 rounding
-
-
-def test_indexer_dispatch_env(monkeypatch):
-    """MOESTACK_DSA_TOPK routes the registered triton top-k (and so the layer) to the fused path; bad names raise."""
-    from moestack.ops import dsa as dsa_ops
-    from moestack.ops.dsa.triton_indexer import TOPK_ENV_VAR
+def test_indexer_topk_modes(monkeypatch):
+    """The registered triton top-k takes the chunked path for CPU tensors and the fused one when asked (on a GPU
+    by default); a bad mode raises."""
+    from moestack.ops.dsa.triton_indexer import indexer_topk_triton
 
     q, k, w = _indexer_inputs(1, 12, 2, 16, seed=9)
     calls = []
+    fused_topk = fused.indexer_topk_fused
     monkeypatch.setattr(fused, "indexer_topk_fused", lambda *a, **kw: calls.append(kw) or fused_topk(*a, **kw))
-    monkeypatch.setenv(TOPK_ENV_VAR, "fused")
-    got = dsa_ops.indexer_topk_from_inputs(q, k, w, 4, backend="triton")
-    assert len(calls) == 1 and calls[0]["fp8"] is False
-    _assert_same_topk(got, q, k, w, 4, None)
-    monkeypatch.setenv(TOPK_ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match="MOESTACK_DSA_TOPK"):
-        dsa_ops.indexer_topk_from_inputs(q, k, w, 4, backend="triton")
-
-
-fused_topk = fused.indexer_topk_fused
+    _assert_same_topk(indexer_topk_triton(q, k, w, 4), q, k, w, 4, None)
+    assert not calls
+    _assert_same_topk(indexer_topk_triton(q, k, w, 4, mode="fused"), q, k, w, 4, None)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="indexer top-k mode 'bogus'"):
+        indexer_topk_triton(q, k, w, 4, mode="bogus")
 
 
 # ------------------------------------------------------------------------------------------------ GPU (full size)
@@ -212,20 +211,9 @@ def test_indexer_fused_gpu(cu):
     q, k, w, cu_t = _gpu_indexer_inputs(T, cu)
     stats = {}
     got = fused.indexer_topk_fused(q, k, w, 2048, cu_seqlens=cu_t, stats=stats)
-    want = indexer_topk_triton(q, k, w, 2048, cu_t)
+    want = indexer_topk_triton(q, k, w, 2048, cu_t, mode="chunked")
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
     assert _overlap(got, want, T) > 0.999, _overlap(got, want, T)
     assert stats["fallback_rows"] < 0.01 * T, stats
     ref_idx = ref.indexer_topk_from_inputs(q.float(), k.float(), w.float(), 2048, cu_seqlens=cu_t)
     assert _overlap(got, ref_idx, T) > 0.99, _overlap(got, ref_idx, T)
-
-
-@pytest.mark.gpu
-def test_indexer_fused_fp8_gpu():
-    """e4m3 scoring at T = 8192: most of the exact top-2048 kept (fp8 rounding moves near-boundary keys)."""
-    T = 8192
-    q, k, w, _ = _gpu_indexer_inputs(T, None)
-    got = fused.indexer_topk_fused(q, k, w, 2048, fp8=True)
-    want = ref.indexer_topk_from_inputs(q.float(), k.float(), w.float(), 2048)
-    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    assert _overlap(got, want, T) > 0.8, _overlap(got, want, T)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moestack.ops import dsa as dsa_ops
+from moestack.ops.backends import Backend
 from moestack.ops.dsa import reference as ref
 
 F64 = torch.float64
@@ -359,11 +360,30 @@ def test_kl_loss_gradient_flows_to_indexer_inputs():
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """A private copy of the backend registry so test registrations never leak."""
-    monkeypatch.setattr(dsa_ops, "_REGISTRY", {op: dict(t) for op, t in dsa_ops._REGISTRY.items()})
-    monkeypatch.delenv(dsa_ops.ENV_VAR, raising=False)
-    return monkeypatch
+def registry():
+    """A private copy of the backend registries so test registrations never leak."""
+    saved = {op: dict(r._backends) for op, r in dsa_ops.REGISTRIES.items()}
+    yield
+    for op, r in dsa_ops.REGISTRIES.items():
+        r._backends.clear()
+        r._backends.update(saved[op])
+
+
+class _Fake(Backend):
+    name = "triton"
+
+    def __init__(self, on_cpu: bool):
+        self.on_cpu, self.calls = on_cpu, []
+
+    def unavailable(self, device):
+        return None if self.on_cpu or device.type == "cuda" else "CUDA only"
+
+    def prefers(self, device):
+        return True
+
+    def fn(self, q, kv, idx, v_dim, scale):
+        self.calls.append("fake")
+        return ref.sparse_mqa_attention(q, kv, idx, v_dim, scale)
 
 
 def test_dispatcher_defaults_to_reference(registry):
@@ -376,42 +396,27 @@ def test_dispatcher_defaults_to_reference(registry):
     assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
 
 
-def test_dispatcher_preference_env_and_explicit(registry):
+def test_dispatcher_preference_and_explicit(registry):
     q, kv = _attn_inputs(1, 6, 2, 4, seed=31)
     idx = _random_causal_idx(1, 6, 3, seed=32)
-    calls = []
-
-    def fake(q, kv, idx, v_dim, scale):
-        calls.append("fake")
-        return ref.sparse_mqa_attention(q, kv, idx, v_dim, scale)
-
-    dsa_ops.register_backend("triton", fake, available=lambda t: t.is_cuda)  # unavailable on CPU
+    dsa_ops.register_backend("sparse_mqa_attention", _Fake(on_cpu=False))  # cannot run on CPU
     assert dsa_ops.select_backend("sparse_mqa_attention", q) == "reference"
-    registry.setenv(dsa_ops.ENV_VAR, "triton")
-    with pytest.raises(RuntimeError, match="not available"):
-        dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5)
-    # a named backend without this op falls back to the default order
-    assert dsa_ops.select_backend("indexer_kl_loss", q) == "reference"
+    with pytest.raises(ValueError, match="cannot run this call: CUDA only"):
+        dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5, backend="triton")
+    # a named backend without this op falls back to the op's own choice
+    assert dsa_ops.select_backend("indexer_kl_loss", q, "triton") == "reference"
 
-    dsa_ops.register_backend("triton", fake)  # now available everywhere: preferred over reference
-    registry.delenv(dsa_ops.ENV_VAR)
+    fake = _Fake(on_cpu=True)  # now runs everywhere: preferred over reference
+    dsa_ops.register_backend("sparse_mqa_attention", fake)
     dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5)
-    assert calls == ["fake"]
+    assert fake.calls == ["fake"]
     dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5, backend="reference")  # explicit beats preference
-    assert calls == ["fake"]
-    registry.setenv(dsa_ops.ENV_VAR, "reference")  # env beats preference
-    dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5)
-    assert calls == ["fake"]
-    dsa_ops.sparse_mqa_attention(q, kv, idx, 3, 0.5, backend="triton")  # explicit beats env
-    assert calls == ["fake", "fake"]
+    assert fake.calls == ["fake"]
 
 
 def test_dispatcher_rejects_unknown_names(registry):
     q, _ = _attn_inputs(1, 4, 1, 2, seed=33)
     with pytest.raises(ValueError, match="not registered"):
         dsa_ops.select_backend("sparse_mqa_attention", q, "cutlass")
-    registry.setenv(dsa_ops.ENV_VAR, "nope")
-    with pytest.raises(ValueError, match="not registered"):
-        dsa_ops.select_backend("indexer_kl_loss", q)
     with pytest.raises(ValueError, match="unknown DSA op"):
-        dsa_ops.register_backend("x", lambda *a: None, op="flash")
+        dsa_ops.register_backend("flash", _Fake(True))

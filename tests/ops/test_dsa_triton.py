@@ -71,38 +71,34 @@ def _check_attention(B, T, H, V, R, K, idx, mode, dtype, device, tol_o, tol_g, s
 # ------------------------------------------------------------------------------------------------ CPU (interpreter)
 
 
-# H 20: one full + one padded head block of 16; 33: three blocks (the interpreter is slow: every mode at 20 only)
-@pytest.mark.parametrize(
-    ("H", "mode"),
-    [(20, "atomic"), (20, "atomic_split"), (20, "sorted"), (33, "atomic"), (33, "kmajor"), (20, "kmajor_ds"),
-     (20, "sorted_ds")],
-)  # fmt: skip
+# H 20: one full + one padded head block of 16; 33: three blocks
+@pytest.mark.parametrize(("H", "mode"), [(20, "kmajor_ds"), (33, "kmajor_ds"), (20, "sorted_ds")])
 def test_attention_matches_reference(H, mode):
     B, T, V, R, K = 3 - H // 20, 17, 32, 16, 18  # T, K not multiples of the 16-wide blocks
     _check_attention(B, T, H, V, R, K, _random_idx(B, T, K, seed=H), mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
-@pytest.mark.parametrize("mode", ["atomic", "kmajor", "kmajor_ds", "sorted_ds"])
+@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
 def test_attention_odd_dims_and_no_rope(mode):
-    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works. kmajor*: V = 40 spans two
-    32-wide column chunks (the interpreter's BLOCK_C), the second one partly masked."""
-    for V, R in [(20, 8), (24, 0)] + ([(40, 8)] if mode.startswith("kmajor") else []):
+    """V, R need not be powers of two (padded tiles); R = 0 (NoPE latent) works; V = 40 spans two 32-wide column
+    chunks (the interpreter's BLOCK_C), the second one partly masked."""
+    for V, R in [(20, 8), (24, 0), (40, 8)]:
         idx = _random_idx(1, 9, 5, seed=V)
         _check_attention(1, 9, 3, V, R, 5, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL, seed=V)
 
 
-@pytest.mark.parametrize("mode", ["sorted", "kmajor_ds", "sorted_ds"])
+@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
 def test_attention_varlen_packed(mode):
     cu = [0, 5, 6, 17]
     idx = _random_idx(1, 17, 6, seed=3, cu=cu)
     _check_attention(1, 17, 4, 32, 16, 6, idx, mode, torch.float32, "cpu", CPU_TOL, CPU_TOL)
 
 
-@pytest.mark.parametrize(("mode", "tile"), [("kmajor_ds", 0), ("kmajor_ds", 4), ("sorted_ds", 2)])
+@pytest.mark.parametrize(("mode", "tile"), [("kmajor_ds", 64), ("kmajor_ds", 4), ("sorted_ds", 2)])
 def test_two_pass_token_chunks(mode, tile, monkeypatch):
     """The two-pass backward over several token chunks (dS buffer of 3 tokens, 2 x 13 tokens: a chunk straddles
-    the sequences); K = 20 spans two 16-slot blocks, the second one partly masked. tile > 0: slots sorted by key,
-    pass 1 in tiles of `tile` tokens (partial tiles in every chunk)."""
+    the sequences); K = 20 spans two 16-slot blocks, the second one partly masked; slots sorted by key, pass 1 in
+    tiles of `tile` tokens (partial tiles in every chunk)."""
     from moestack.ops.dsa import triton_attn_bwd
 
     B, T, H, V, R, K = 2, 13, 3, 32, 16, 20
@@ -134,25 +130,6 @@ def test_empty_rows_and_bad_input():
         sparse_mqa_attention_triton(q, kv, idx, 32, 0.2, dkv_mode="fast")
 
 
-def test_two_pass_timing_mode_writes_no_dkv():
-    """Pass 1's benchmark-only output mode "none": the same dS as "atomic", nothing added to dKV."""
-    from moestack.ops.dsa import triton_attn_bwd as bwd
-
-    g = torch.Generator().manual_seed(23)
-    B, T, H, V, R, K = 1, 6, 3, 32, 16, 5
-    q, kv = torch.randn(B, T, H, V + R, generator=g), torch.randn(B, T, V + R, generator=g)
-    do, idx = torch.randn(B, T, H, V, generator=g), _random_idx(B, T, K, seed=23)
-    o, lse = sparse_mqa_attention_triton(q, kv, idx, V, 0.2)
-    delta = bwd.attention_delta(o, do, None)
-    out = {}
-    for mode in ("atomic", "none"):
-        ds, dkv = torch.zeros(T, K, bwd.DS_HEAD_PAD), torch.zeros(B, T, V + R)
-        bwd._dkv_ds_pass(q, kv, idx, do, lse, delta, 0.2, dkv, ds, 0, T, mode)
-        out[mode] = ds, dkv
-    assert torch.equal(out["none"][0], out["atomic"][0]) and out["atomic"][1].abs().sum() > 0
-    assert torch.all(out["none"][1] == 0)
-
-
 def test_backward_empty_rows_all_modes():
     """Queries with no selected key (lse = -inf, o = 0) get dq = 0 and add nothing to dkv in every dKV mode; the
     other rows' gradients agree across modes (the reference's autograd gives NaN through an empty logsumexp)."""
@@ -163,15 +140,14 @@ def test_backward_empty_rows_all_modes():
     do, dlse = torch.randn(1, 9, 3, 32, generator=g), torch.randn(1, 9, 3, generator=g)
     empty = (idx < 0).all(-1, keepdim=True)  # [1, 9, 1]: rows 3 and 7
     grads = {}
-    for mode in ("atomic", "kmajor_ds", "sorted_ds"):
+    for mode in ("kmajor_ds", "sorted_ds"):
         qa, ka = q.clone().requires_grad_(), kv.clone().requires_grad_()
         o, lse = sparse_mqa_attention_triton(qa, ka, idx, 32, 0.2, dkv_mode=mode)
         ((o * do).sum() + (lse.masked_fill(empty, 0) * dlse).sum()).backward()  # lse -inf there
         assert torch.all(qa.grad[0, [3, 7]] == 0) and torch.isfinite(ka.grad).all()
         grads[mode] = (qa.grad, ka.grad)
-    for mode in ("kmajor_ds", "sorted_ds"):
-        for a, b in zip(grads[mode], grads["atomic"], strict=True):
-            assert _rel(a, b) < CPU_TOL
+    for a, b in zip(grads["sorted_ds"], grads["kmajor_ds"], strict=True):
+        assert _rel(a, b) < CPU_TOL
 
 
 def _assert_same_topk(got, q, k, w, top_k, cu):
@@ -260,7 +236,7 @@ def test_gated_dsa_layer_triton_backend_matches_reference(monkeypatch):
     x = torch.randn(1, 20, 32)
     runs = {}
     for name in ("triton", "reference"):
-        monkeypatch.setenv(dsa_ops.ENV_VAR, name)
+        layer.dsa_backend = name
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         y = layer(xi, cu_seqlens=torch.tensor([0, 7, 20]))
@@ -274,7 +250,7 @@ def test_gated_dsa_layer_triton_backend_matches_reference(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["atomic", "atomic_split", "sorted", "kmajor", "kmajor_ds", "sorted_ds"])
+@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
 @pytest.mark.parametrize("H", [20, 64, 96])
 def test_attention_gpu_bf16_full_size(H, mode):
     B, T, V, R, K = 1, 1000, 512, 64, 256
@@ -285,11 +261,8 @@ def test_attention_gpu_bf16_full_size(H, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("mode", "tile"), [("atomic", 0), ("kmajor_ds", 0), ("kmajor_ds", 64)])
-def test_attention_gpu_k2048_varlen(mode, tile, monkeypatch):
-    from moestack.ops.dsa import triton_attn_bwd
-
-    monkeypatch.setattr(triton_attn_bwd, "TOKEN_TILE", tile)  # pass-1 work order of kmajor_ds
+@pytest.mark.parametrize("mode", ["kmajor_ds", "sorted_ds"])
+def test_attention_gpu_k2048_varlen(mode):
     cu = [0, 1500, 1501, 4096]
     T, K = 4096, 2048
     g = torch.Generator().manual_seed(5)
@@ -324,7 +297,7 @@ def test_indexer_topk_gpu(cu):
 @pytest.mark.gpu
 def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
     """The Gated DSA layer (proxy dims: 20 heads, latent 512 + 64, indexer 32 x 128) in sparse mode, bf16 autocast:
-    the "triton" backend (picked by default on CUDA) against MOESTACK_DSA_BACKEND=reference, output and grads."""
+    the "triton" backend (picked by default on CUDA) against backend "reference", output and grads."""
     from moestack.config.model_spec import IndexerSpec, MLASpec
     from moestack.model.dsa import GatedMLA
 
@@ -338,7 +311,7 @@ def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
     x = torch.randn(1, 1024, 1536, device="cuda")
     runs = {}
     for name in ("triton", "reference"):
-        monkeypatch.setenv(dsa_ops.ENV_VAR, name)
+        layer.dsa_backend = name
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -357,7 +330,6 @@ def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
     from moestack.ops.dsa import triton_op
 
     seen = []
-    monkeypatch.delenv(triton_op.DKV_ENV_VAR, raising=False)
     monkeypatch.setattr(triton_op._SparseMQAttention, "apply", lambda *a: seen.append(a[-1]) or (None, None))
     q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 8)
     idx = torch.zeros(1, 4, 2, dtype=torch.int32)
@@ -367,12 +339,12 @@ def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
         torch.use_deterministic_algorithms(True)
         triton_op.sparse_mqa_attention_triton(q, kv, idx, 4, 1.0)
         cuda_like = type("T", (), {"is_cuda": True})()
-        entry = dsa._REGISTRY["indexer_scores_at"]["triton"]
-        assert entry.automatic is not None and not entry.automatic(cuda_like)
+        entry = dsa.REGISTRIES["indexer_scores_at"].get("triton")
+        assert not entry.picks(cuda_like)
     finally:
         torch.use_deterministic_algorithms(was)
     assert seen == ["kmajor_ds", "sorted_ds"]
-    assert entry.automatic(cuda_like)
+    assert entry.picks(cuda_like)
 
 
 def test_gluon_forward_refuses_what_it_does_not_cover():

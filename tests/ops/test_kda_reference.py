@@ -17,9 +17,9 @@ from moestack.ops.kda import (
     kda_gate_k3,
     kda_gate_kimi_linear,
     kda_recurrent_reference,
-    register_backend,
     resolve_backend,
 )
+from moestack.ops.backends import Backend
 
 H, K, V = 3, 8, 12  # K != V on purpose
 
@@ -187,11 +187,27 @@ def test_gates_match_scalar_formulas(D):
 
 @pytest.fixture
 def clean_registry(monkeypatch):
-    monkeypatch.delenv(kda_ops.ENV_VAR, raising=False)
-    saved = dict(kda_ops._BACKENDS)
+    saved = dict(kda_ops.REGISTRY._backends)
     yield
-    kda_ops._BACKENDS.clear()
-    kda_ops._BACKENDS.update(saved)
+    kda_ops.REGISTRY._backends.clear()
+    kda_ops.REGISTRY._backends.update(saved)
+
+
+class _Fake(Backend):
+    """A backend for the dispatch mechanism: records its calls, returns v (times `factor`)."""
+
+    def __init__(self, name, runs_on_cpu=True, picks_cpu=False, factor=1.0):
+        self.name, self.runs_on_cpu, self.picks_cpu, self.factor, self.calls = name, runs_on_cpu, picks_cpu, factor, []
+
+    def unavailable(self, device):
+        return None if self.runs_on_cpu else "not here"
+
+    def prefers(self, device):
+        return self.picks_cpu
+
+    def fn(self, q, k, v, g, beta, **kw):
+        self.calls.append(kw)
+        return v * self.factor, None
 
 
 def test_default_backend_on_cpu_is_reference(clean_registry, monkeypatch):
@@ -205,49 +221,39 @@ def test_default_backend_on_cpu_is_reference(clean_registry, monkeypatch):
 
 
 def test_triton_is_default_for_cuda_only(clean_registry):
-    """Triton leads AUTO_ORDER (CUDA inputs); CPU tensors still get the reference (Triton declines them)."""
-    register_backend("triton", lambda *a, **kw: None, available=lambda: True, supports=lambda t: t.is_cuda)
-    assert kda_ops.AUTO_ORDER[0] == "triton"
-    assert resolve_backend(q=torch.zeros(1, 1, 1, 4)) == "reference" and resolve_backend("triton") == "triton"
+    """Triton leads the auto order (CUDA inputs); CPU tensors still get the reference (Triton declines them)."""
+    assert kda_ops.REGISTRY.names()[0] == "triton" and kda_ops.REGISTRY.names()[-1] == "reference"
+    assert kda_ops.REGISTRY.auto_for_device(torch.device("cpu")) == "reference"
+    assert resolve_backend(q=torch.zeros(1, 1, 1, 4)) == "reference"
 
 
-def test_auto_selection_respects_availability_and_support(clean_registry, monkeypatch):
-    monkeypatch.setattr(kda_ops, "AUTO_ORDER", ("triton", "reference"))  # the mechanism, not today's default
-    calls = []
-
-    def fake(q, k, v, g, beta, **kw):
-        calls.append(kw)
-        return v.clone(), None
-
+def test_auto_selection_respects_availability_and_support(clean_registry):
     q, k, v, g, beta, _ = (x.detach() if x is not None else None for x in _inputs(1, 4, torch.float32, "mild"))
-    register_backend("triton", fake, available=lambda: False)
-    assert resolve_backend(q=q) == "reference"
-    register_backend("triton", fake, available=lambda: True, supports=lambda t: t.is_cuda)
-    assert resolve_backend(q=q) == "reference"  # CPU tensors: triton declines
-    register_backend("triton", fake, available=lambda: True)
-    assert resolve_backend(q=q) == "triton"
+    kda_ops.REGISTRY.register(_Fake("fake", runs_on_cpu=False, picks_cpu=True), first=True)
+    assert resolve_backend(q=q) == "reference"  # cannot run here
+    kda_ops.REGISTRY.register(_Fake("fake", picks_cpu=False), first=True)
+    assert resolve_backend(q=q) == "reference"  # runs, but auto does not pick it for CPU tensors
+    fake = _Fake("fake", picks_cpu=True)
+    kda_ops.REGISTRY.register(fake, first=True)
+    assert resolve_backend(q=q) == "fake"
     o, _ = chunk_kda(q, k, v, g, beta, scale=0.5, chunk_size=16)
     torch.testing.assert_close(o, v)
-    assert calls == [dict(scale=0.5, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=16)]
+    assert fake.calls == [dict(scale=0.5, initial_state=None, output_final_state=False, cu_seqlens=None,
+                               chunk_size=16)]
 
 
-def test_env_var_and_explicit_override(clean_registry, monkeypatch):
-    register_backend("fake", lambda q, k, v, g, beta, **kw: (v * 2, None), available=lambda: True)
+def test_explicit_backend_wins(clean_registry):
+    kda_ops.REGISTRY.register(_Fake("fake", factor=2.0))
     q, k, v, g, beta, _ = (x.detach() if x is not None else None for x in _inputs(1, 4, torch.float32, "mild"))
-    monkeypatch.setenv(kda_ops.ENV_VAR, "fake")
-    assert resolve_backend() == "fake"
-    torch.testing.assert_close(chunk_kda(q, k, v, g, beta)[0], v * 2)
-    assert resolve_backend("reference") == "reference"  # the argument beats the env var
+    assert resolve_backend("fake", q) == "fake"
+    torch.testing.assert_close(chunk_kda(q, k, v, g, beta, backend="fake")[0], v * 2)
     o_ref, _ = kda_chunked_reference(q, k, v, g, beta)
     torch.testing.assert_close(chunk_kda(q, k, v, g, beta, backend="reference")[0], o_ref, rtol=0, atol=0)
 
 
-def test_unknown_backend_names_valid_ones(clean_registry, monkeypatch):
+def test_unknown_backend_names_valid_ones(clean_registry):
     with pytest.raises(ValueError, match="unknown KDA backend 'nope'.*reference"):
         resolve_backend("nope")
-    monkeypatch.setenv(kda_ops.ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match=r"'bogus' \(\$MOESTACK_KDA_BACKEND\).*reference"):
-        resolve_backend()
 
 
 def test_fla_backend_registered_but_optional(clean_registry):
@@ -255,5 +261,5 @@ def test_fla_backend_registered_but_optional(clean_registry):
     try:
         import fla  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match="not available"):
+        with pytest.raises(ValueError, match="fla is not installed"):
             resolve_backend("fla")

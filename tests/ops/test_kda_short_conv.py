@@ -24,12 +24,12 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def run_case(B, T, C, W, cu, dtype, device, tol, bwd="two_pass"):
+def run_case(B, T, C, W, cu, dtype, device, tol):
     gen = torch.Generator().manual_seed(T + C)
     x = torch.randn(B, T, C, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     w = (torch.rand(C, 1, W, generator=gen) - 0.5).to(device).requires_grad_()
     pos = None if cu is None else _doc_positions(T, torch.tensor(cu), torch.device(device))
-    y = short_conv_silu(x, w, pos, bwd=bwd)
+    y = short_conv_silu(x, w, pos)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y_ref = short_conv_silu_reference(x64, w64[:, 0, :], pos)
     dy = torch.randn(y.shape, generator=gen).to(device)
@@ -41,10 +41,9 @@ def run_case(B, T, C, W, cu, dtype, device, tol, bwd="two_pass"):
     return errs
 
 
-@pytest.mark.parametrize("bwd", ["fused", "two_pass"])
 @pytest.mark.parametrize("B,T,C,W,cu", [(2, 70, 40, 4, None), (1, 90, 130, 4, [0, 3, 50, 90]), (1, 33, 8, 2, None)])
-def test_matches_reference_cpu(B, T, C, W, cu, bwd):
-    run_case(B, T, C, W, cu, torch.float32, "cpu", 1e-5, bwd)
+def test_matches_reference_cpu(B, T, C, W, cu):
+    run_case(B, T, C, W, cu, torch.float32, "cpu", 1e-5)
 
 
 def test_reference_is_the_module():
@@ -62,14 +61,8 @@ def test_bad_weight_shape():
         short_conv_silu(torch.randn(1, 4, 8), torch.randn(6, 4))
 
 
-def test_bad_bwd_variant():
-    with pytest.raises(ValueError, match="bwd="):
-        short_conv_silu(torch.randn(1, 4, 8), torch.randn(8, 4), bwd="fast")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["fused", "two_pass"])
 @pytest.mark.parametrize("cu", [None, [0, 1000, 1001, 4096]])
-def test_gpu_bf16(cu, bwd):
-    errs = run_case(1 if cu else 2, 4096, 4096, 4, cu, torch.bfloat16, "cuda", 1e-2, bwd)
-    print(f"\nSHORTCONV_GPU_ERR bwd={bwd} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+def test_gpu_bf16(cu):
+    errs = run_case(1 if cu else 2, 4096, 4096, 4, cu, torch.bfloat16, "cuda", 1e-2)
+    print("\nSHORTCONV_GPU_ERR " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))

@@ -1,8 +1,8 @@
-"""Grouped GEMM backends against the per-expert loop: Triton (bf16 / fp32), the "auto" selector, FP8 blockwise.
+"""Grouped GEMM backends against the per-expert loop: Triton (bf16 / fp32), the "auto" selector (the FP8 GEMMs are
+tests/ops/test_fp8.py's).
 
 CPU: the Triton kernels run under TRITON_INTERPRET=1 in fp32 at tiny shapes (the interpreter's fp32 dot is exact,
-so bounds are tight); FP8 quantisation logic is checked in torch against plain loops (the interpreter rounds fp8
-casts wrongly). GPU (`-m gpu`, scripts/gpu_check.sh): bf16 and FP8 at real shapes, gradients included, against
+so bounds are tight). GPU (`-m gpu`, scripts/gpu_check.sh): bf16 at real shapes, gradients included, against
 the fp32 loop. Inputs are fresh seeded random numbers; kernel outputs are NaN-poisoned where the kernel writes
 into a caller's buffer (here every output is allocated by the kernel wrapper with torch.empty, so an unwritten
 element shows as garbage / NaN in the comparison).
@@ -20,8 +20,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moestack.ops import moe as moe_ops
-from moestack.ops.moe import fp8_grouped_gemm as f8
-from moestack.ops.moe import fp8_quant as fq
 from moestack.ops.moe import gemm_select
 from moestack.ops.moe import triton_grouped_gemm as tgg
 from moestack.ops.moe.reference import grouped_mm_loop
@@ -64,17 +62,22 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["persistent", "swap", "tma", "tma-p"])
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
 @pytest.mark.parametrize("counts,D,F,tail", CPU_CASES)
-def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
-    """tma / tma-p: TMA descriptors where widths allow (D = 18 falls back: rows not 16-byte aligned; dX needs
-    F % 16 == 0 in the interpreter's configs), forward F tiles that run past an expert's weight rows (F = 40, 36)."""
+def test_triton_forward_backward_interpreter(counts, D, F, tail, loads, monkeypatch):
+    """TMA descriptors where widths allow (D = 18 falls back: rows not 16-byte aligned; dX needs F % 16 == 0 in the
+    interpreter's configs), forward F tiles that run past an expert's weight rows (F = 40, 36); "pointer": the
+    fallback kernel everywhere."""
     if DEV == "cuda":
         pytest.skip("interpreter case; the GPU runs test_triton_bf16_gpu")
+    if loads == "pointer":
+        from moestack.ops.moe import gg_tma
+
+        monkeypatch.setattr(gg_tma, "fwd_supported", lambda x, w: False)
     x, w, offs = make_case(counts, D, F, torch.float32, seed=len(counts) + D, tail=tail)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs, variant=variant)
+    y = tgg.grouped_mm(x, w, offs)
     used = int(offs[-1])
     y_ref = loop_fp64(x, w, offs)
     assert torch.isfinite(y).all()
@@ -93,11 +96,10 @@ def test_triton_forward_backward_interpreter(counts, D, F, tail, variant):
     assert dw.stride() == w.stride(), "the weight gradient is written in w's layout"
 
 
-@pytest.mark.parametrize("tma_store", [False, True, "resident"])
-def test_tma_kernels_interpreter(tma_store):
-    """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts (TMA store or plain), against
-    the fp64 loop; hot expert with several token tiles, empty experts, tail rows; the kernels are the ones taken
-    (fwd_supported), not the fallback."""
+def test_tma_kernels_interpreter():
+    """gg_tma directly: forward, dX (the [E, K, F] layout) and dW in both layouts, against the fp64 loop; hot
+    expert with several token tiles, empty experts, tail rows; the kernels are the ones taken (fwd_supported), not
+    the fallback. Also the large-expert weight-gradient kernel of the Gluon path (SKIP_ROWS 0: every expert)."""
     if DEV == "cuda":
         pytest.skip("interpreter case")
     from moestack.ops.moe import gg_tma
@@ -110,16 +112,21 @@ def test_tma_kernels_interpreter(tma_store):
     wt = w.transpose(1, 2)  # [E, F, D] contiguous: the dX operand
     assert gg_tma.fwd_supported(x, w) and gg_tma.fwd_supported(dy, wt)
     y = gg_tma.grouped_mm_fwd(x, w, offs, BT_MAX=16)
-    dx = gg_tma.grouped_mm_fwd(dy, wt, offs, BT_MAX=16, persistent=True)
+    dx = gg_tma.grouped_mm_fwd(dy, wt, offs, BT_MAX=16)
     assert rel_err(y[:used], loop_fp64(x, w, offs)[:used]) < 2e-6 and (y[used:] == 0).all()
     assert rel_err(dx[:used], loop_fp64(dy, wt, offs)[:used]) < 2e-6 and (dx[used:] == 0).all()
+    dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
+                          zip([0, *offs[:-1].tolist()], offs.tolist())])
     for like in (w, w.contiguous()):  # the parameter's transposed view, and a contiguous [E, D, F]
-        kernel = "resident" if tma_store == "resident" else "chunked"  # resident: rows 37 > 16, its fallback too
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16, tma_store=tma_store is True, kernel=kernel)
-        dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in
-                              zip([0, *offs[:-1].tolist()], offs.tolist())])
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=16)
         assert dw.stride() == like.stride() and rel_err(dw, dw_ref) < 2e-6
         assert (dw[torch.tensor(counts) == 0] == 0).all()
+    out = torch.full((len(counts), 32, 48), float("nan"))  # [E, D, F]: P = x, Q = dy
+    grid = (2 * 1, len(counts))  # interpreter config BA 16, BB 32, GB 2: A = 32 -> 2 a-tiles, B = 48 -> 1 group
+    gg_tma.gg_wgrad_kernel_large[grid](x, dy, out, offs, 32, 48, len(counts), *x.stride(), *dy.stride(),
+                                       *out.stride(), PRECISION="ieee", RMAX=16, SKIP_ROWS=0)
+    rows = torch.tensor(counts) > 0  # experts of <= SKIP_ROWS rows (here: the empty ones) are gluon_wgrad's
+    assert rel_err(out[rows], dw_ref[rows]) < 2e-6 and out[~rows].isnan().all()
 
 
 def test_triton_plain_layout_and_autocast_dtype():
@@ -131,7 +138,7 @@ def test_triton_plain_layout_and_autocast_dtype():
 
 
 def test_experts_module_with_triton_backend_interpreter():
-    """The seam: Experts.backend = "triton" gives the reference backend's outputs and parameter gradients."""
+    """The seam: Experts.gemm = GroupedGemm("triton") gives the reference backend's outputs and parameter gradients."""
     if DEV == "cuda":
         pytest.skip("interpreter case")
     from moestack.model.moe import Experts
@@ -143,7 +150,7 @@ def test_experts_module_with_triton_backend_interpreter():
     offs = offs_from_counts([6, 0, 12, 5], "cpu")
     outs = {}
     for backend in ("reference", "triton"):
-        experts.backend = backend
+        experts.gemm = moe_ops.GroupedGemm(backend)
         experts.zero_grad()
         y = experts(h, offs)
         y.pow(2).sum().backward()
@@ -160,10 +167,10 @@ def test_triton_bad_inputs():
         tgg.grouped_mm(x[:, :4], w, offs)
 
 
-def test_registry_has_triton_auto_fp8():
-    names = moe_ops.available_backends()
-    assert "triton" in names and "auto" in names
-    assert moe_ops.PREFERENCE[0] == ("auto" if torch.cuda.is_available() else "torch")
+def test_registry_has_triton_crossover():
+    names = moe_ops.REGISTRY.names()
+    assert "triton" in names and "crossover" in names
+    assert moe_ops.REGISTRY.auto_for_device(torch.device("cpu")) == "torch"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,19 +189,13 @@ def test_crossover_table_choice_and_json(tmp_path):
     assert gemm_select.choose(N=56 * 512, E=56, D=2048, F=2048, table=table) == "torch"
     with pytest.raises(ValueError, match="default_rows"):
         gemm_select.CrossoverTable.from_dict({"by_shape": {}})
-    for kernel in ("swap", "tma", "tma-p"):
-        gemm_select.CrossoverTable(64, {}, kernel=kernel).save(path)
-        assert gemm_select.CrossoverTable.load(path).kernel == kernel
-    assert gemm_select.VARIANTS == tgg.VARIANTS
-    with pytest.raises(ValueError, match="kernel"):
-        gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "fast"})
-    with pytest.raises(ValueError, match="MOESTACK_MOE_GG_KERNEL"):
-        tgg.resolve_variant("fast")
+    with pytest.raises(ValueError, match="'kernel' is no longer a choice"):
+        gemm_select.CrossoverTable.from_dict({"default_rows": 1, "kernel": "swap"})
 
 
 def test_auto_on_cpu_matches_torch():
     x, w, offs = make_case([3, 0, 5], 8, 12, torch.float32)
-    y = moe_ops.grouped_mm(x, w, offs, backend="auto")
+    y = moe_ops.grouped_mm(x, w, offs, backend="crossover")
     assert rel_err(y, loop_fp64(x, w, offs)) < 1e-6
 
 
@@ -223,26 +224,20 @@ def gpu_counts(kind: str, E: int) -> list[int]:
     return [int(v) for v in torch.randint(0, 400, (E,), generator=g)]
 
 
-SWAP_GPU_CASES = [c for c in GPU_CASES if c[0] in ("uniform16", "uniform100", "skew", "odd")]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,kind,E,D,F", [("persistent", *c) for c in GPU_CASES] +
-                         [(v, *c) for v in ("swap", "tma") for c in SWAP_GPU_CASES] +
-                         [(v, *c) for v in ("tma-p", "tma-store") for c in SWAP_GPU_CASES if c[0] in ("uniform16",
-                                                                                                 "skew")])
-def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
-    monkeypatch.setattr(tgg, "SWAP_MAX_ROWS", 10**6)  # swap at every size here (skew: a few large experts)
-    if variant == "tma-store":  # the tma variant with dW written by TMA stores
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+@pytest.mark.parametrize("kind,E,D,F", GPU_CASES)
+def test_triton_bf16_gpu(loads, kind, E, D, F, monkeypatch):
+    """Every row count (skew: one expert of 2000 rows); "pointer": the fallback forward kernel everywhere."""
+    if loads == "pointer":
         from moestack.ops.moe import gg_tma
 
-        monkeypatch.setattr(gg_tma, "TMA_STORE", True)
-        variant = "tma"
+        monkeypatch.setattr(gg_tma, "fwd_supported", lambda x, w: False)
     counts = gpu_counts(kind, E)
     x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + D, tail=5)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    y = tgg.grouped_mm(x, w, offs, variant=variant)
+    y = tgg.grouped_mm(x, w, offs)
     used = int(offs[-1])
     xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     y_ref = grouped_mm_loop(xr, wr, offs)
@@ -251,23 +246,22 @@ def test_triton_bf16_gpu(variant, kind, E, D, F, monkeypatch):
     dxr, dwr = torch.autograd.grad(y_ref, (xr, wr), dy.float())
     errs = {"y": rel_err(y[:used], y_ref[:used]), "dx": rel_err(dx[:used], dxr[:used]), "dw": rel_err(dw, dwr)}
     if any(v > 1e-2 for v in errs.values()):
-        print(f"MOE_GEMM_GPU_ERR triton {variant} {kind} E={E} D={D} F={F}: {errs}")
+        print(f"MOE_GEMM_GPU_ERR triton {loads} {kind} E={E} D={D} F={F}: {errs}")
     assert all(v < 1e-2 for v in errs.values()), errs
     assert (y[used:] == 0).all()
     assert (dw[torch.tensor(counts) == 0] == 0).all()
-    if variant.startswith("tma"):  # no atomics: bitwise equal on a second run
-        y2 = tgg.grouped_mm(x, w, offs, variant=variant)
-        again = torch.autograd.grad(y2, (x, w), dy)
-        assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
+    y2 = tgg.grouped_mm(x, w, offs)  # no atomics: bitwise equal on a second run
+    again = torch.autograd.grad(y2, (x, w), dy)
+    assert torch.equal(y, y2) and torch.equal(dx, again[0]) and torch.equal(dw, again[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bt_max", [16, 64, 128])  # RMAX 64, 128, 256: every reduction-depth path
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the gradient's dtype (like's)
 def test_gluon_wgrad_gpu(bt_max, dtype):
-    """gluon_wgrad through gg_tma.grouped_mm_wgrad(kernel="gluon") against the fp64 loop: empty experts, 1 row,
-    depths just below / above each KS multiple, experts above RMAX (the resident kernel's chunked path), NaN in the
-    rows past offs[-1] (must never be read), both gradient layouts; bitwise equal on a second run."""
+    """gluon_wgrad through gg_tma.grouped_mm_wgrad(gluon=True) against the fp64 loop: empty experts, 1 row,
+    depths just below / above each KS multiple, experts above RMAX (gg_wgrad_kernel_large), NaN in the rows past
+    offs[-1] (must never be read), both gradient layouts; bitwise equal on a second run."""
     from moestack.ops.moe import gg_tma
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -280,7 +274,7 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
     starts = [0, *offs[:-1].tolist()]
     dw_ref = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(starts, offs.tolist())])
     for like in (w.to(dtype), w.to(dtype).contiguous()):
-        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        dw = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, gluon=True)
         kmajor = like.transpose(1, 2).is_contiguous()  # the kernel computes out = P^T Q with b contiguous
         assert gg_tma._gluon_wgrad_ok(*((dy, x, dw.transpose(1, 2)) if kmajor else (x, dy, dw)))  # taken
         err = rel_err(dw, dw_ref)
@@ -288,17 +282,16 @@ def test_gluon_wgrad_gpu(bt_max, dtype):
         assert dw.stride() == like.stride() and err < 1e-2, (err, per_expert)
         assert all(v < 1e-2 for v in per_expert), per_expert
         assert (dw[torch.tensor(counts) == 0] == 0).all()
-        again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, kernel="gluon")
+        again = gg_tma.grouped_mm_wgrad(x, dy, offs, like, BT_MAX=bt_max, gluon=True)
         assert torch.equal(dw, again)
     from moestack.ops.moe import gluon_wgrad
 
     rmax = gluon_wgrad.rmax_for(bt_max)
     small = [i for i, c in enumerate(counts) if c <= rmax]
-    for cfg in gluon_wgrad.CONFIGS[rmax]:  # every config, on the experts it writes
-        out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
-        gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax, config=cfg)
-        errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]
-        assert all(v < 1e-2 for v in errs), (cfg, errs)
+    out = torch.full((len(counts), 384, 256), float("nan"), device=DEV, dtype=dtype)  # [E, F, D]: dW^T
+    gluon_wgrad.wgrad_gluon(dy, x, out, offs, rmax)  # on the experts it writes
+    errs = [rel_err(out[i].T, dw_ref[i]) if counts[i] else float(out[i].abs().max()) for i in small]
+    assert all(v < 1e-2 for v in errs), errs
 
 
 @pytest.mark.gpu
@@ -306,230 +299,19 @@ def test_auto_gpu_no_host_sync():
     x, w, offs = make_case([64] * 56, 1024, 1024, torch.bfloat16)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    for backend in ("fp8", "triton", "auto"):  # warm-up: autotuning synchronises, the tuned launches must not
-        y = moe_ops.grouped_mm(x, w, offs, backend=backend)
+    from moestack.ops.fp8.grouped_gemm import Fp8GroupedGemm
+
+    # the FP8 strategy (below its cuBLAS threshold here: the Triton kernels) and the bf16 backends
+    gemms = [Fp8GroupedGemm(), moe_ops.GroupedGemm("triton"), moe_ops.GroupedGemm("crossover")]
+    for gemm in gemms:  # warm-up: autotuning synchronises, the tuned launches must not
+        y = gemm(x, w, offs)
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for backend in ("fp8", "triton", "auto"):
-            y = moe_ops.grouped_mm(x, w, offs, backend=backend)
+        for gemm in gemms:
+            y = gemm(x, w, offs)
             y.backward(torch.ones_like(y))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert rel_err(y.float(), grouped_mm_loop(x.float(), w.float(), offs)) < 1e-2
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# FP8: quantisation spec vs plain loops (CPU, torch), kernel logic in the interpreter with unrounded fp32 "q"
-
-E4M3_REL = 2.0**-4  # round to nearest, 3 mantissa bits, normal range
-
-
-def _plain_scale(vals: list[float]) -> float:
-    amax = max(abs(v) for v in vals)
-    return amax / 448.0 if amax > 0 else 1.0
-
-
-def _check_roundtrip(x, deq, scale_of):
-    """Each element within e4m3's relative step of the original, or within the subnormal step of its group."""
-    err = (deq - x.float()).abs()
-    bound = E4M3_REL * x.float().abs() + scale_of * 2.0**-9
-    assert (err <= bound * 1.0001).all()
-
-
-def test_quantize_rows_ref_against_plain_loop():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 300, generator=g) * torch.logspace(-3, 2, 300)
-    x[2, 128:256] = 0.0  # an all-zero group: scale 1, zeros out
-    q, s = fq.quantize_rows_ref(x)
-    assert q.dtype == fq.FP8 and s.shape == (5, 3)
-    for n in range(5):
-        for kb in range(3):
-            vals = x[n, kb * 128:(kb + 1) * 128].tolist()
-            assert s[n, kb].item() == pytest.approx(_plain_scale(vals), rel=1e-6)
-    deq = fq.dequantize_rows(q, s)
-    _check_roundtrip(x, deq, s.repeat_interleave(128, 1)[:, :300])
-    assert (deq[2, 128:256] == 0).all()
-    assert deq.abs().max() <= x.abs().max() * (1 + 1e-6)
-
-
-def test_quantize_blocks_ref_against_plain_loop():
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(2, 200, 150, generator=g).transpose(1, 2)  # [E, K=150, F=200] strided view
-    q, s = fq.quantize_blocks_ref(w)
-    assert s.shape == (2, 2, 2)
-    for e in range(2):
-        for kb in range(2):
-            for fb in range(2):
-                vals = w[e, kb * 128:(kb + 1) * 128, fb * 128:(fb + 1) * 128].flatten().tolist()
-                assert s[e, kb, fb].item() == pytest.approx(_plain_scale(vals), rel=1e-6)
-    full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :150, :200]
-    _check_roundtrip(w, fq.dequantize_blocks(q, s), full)
-    # the transposed weight quantises to the transposed blocks: dgrad reuses forward's values exactly
-    qt, st = fq.quantize_blocks_ref(w.transpose(1, 2))
-    assert torch.equal(st, s.transpose(1, 2)) and torch.equal(qt.float(), q.float().transpose(1, 2))
-
-
-def test_quantize_token_tiles_ref_against_plain_loop():
-    counts = [130, 0, 5, 256]
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(sum(counts) + 2, 70, generator=g)
-    offs = offs_from_counts(counts, "cpu")
-    qT, s = fq.quantize_token_tiles_ref(x, offs)
-    assert qT.shape == (70, fq.num_token_tiles(x.shape[0], 4) * 128)
-    # expert tiles: e0 rows 0:128, 128:130; e2 rows 130:135; e3 rows 135:263, 263:391
-    tiles = [(0, 128), (128, 130), (130, 135), (135, 263), (263, 391)]
-    for gi, (a, b) in enumerate(tiles):
-        for d in (0, 33, 69):
-            assert s[gi, d].item() == pytest.approx(_plain_scale(x[a:b, d].tolist()), rel=1e-6)
-        deq = qT[:, gi * 128:gi * 128 + (b - a)].float().t() * s[gi]
-        _check_roundtrip(x[a:b], deq, s[gi].expand(b - a, -1))
-        assert (qT[:, gi * 128 + (b - a):(gi + 1) * 128].float() == 0).all(), "tile padding is zero"
-
-
-def test_fp8_kernels_logic_interpreter():
-    """The Triton quantisers and FP8 GEMMs with unrounded fp32 "q": checks tiling, scale indexing and the
-    schedule (forward, dX, dW) against the exact fp64 loop; rounding to e4m3 is covered by the GPU tests."""
-    if DEV == "cuda":
-        pytest.skip("interpreter case; the GPU runs test_fp8_gpu")
-    counts = [40, 0, 131, 3]
-    x, w, offs = make_case(counts, 136, 144, torch.float32, seed=9, tail=2)
-    for (q, s), (qr, sr) in [
-        (fq.quantize_rows(x, torch.float32), fq.quantize_rows_ref(x, torch.float32)),
-        (fq.quantize_blocks(w, torch.float32), fq.quantize_blocks_ref(w, torch.float32)),
-    ]:
-        assert rel_err(s, sr) < 1e-6 and rel_err(q, qr) < 1e-6
-    qT, sT = fq.quantize_token_tiles(x, offs, torch.float32)
-    qTr, sTr = fq.quantize_token_tiles_ref(x, offs, torch.float32)
-    n_tiles = 1 + 2 + 1  # tiles actually used; the rest are unwritten
-    assert rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
-    assert rel_err(qT[:, :n_tiles * 128], qTr[:, :n_tiles * 128]) < 1e-6
-
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    y = f8.Fp8GroupedMM.apply(x, w, offs, torch.float32)
-    used = int(offs[-1])
-    xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    y_ref = grouped_mm_loop(xr, wr, offs)
-    assert rel_err(y[:used], y_ref[:used]) < 1e-5 and (y[used:] == 0).all()
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    dxr, dwr = torch.autograd.grad(y_ref, (xr, wr), dy.double())
-    assert rel_err(dx, dxr) < 1e-5 and rel_err(dw, dwr) < 1e-5
-    assert (dw[1] == 0).all() and dw.stride() == w.stride()
-
-
-def test_fp8_v2_weight_cache_interpreter():
-    """v2 (cached weight blocks, per-tile weight scale; swap-AB kernel at few rows or not) equals v1 and the fp64
-    loop; the cache hits while the parameter is unchanged and refreshes after an in-place update."""
-    if DEV == "cuda":
-        pytest.skip("interpreter case; the GPU runs test_fp8_v2_gpu")
-    from moestack.ops.moe import fp8_weight_cache as wc
-
-    wc.clear()
-    counts = [20, 0, 9, 3]
-    x, w, offs = make_case(counts, 136, 64, torch.float32, seed=11, tail=2)
-    param = w.transpose(1, 2).clone().requires_grad_(True)  # [E, F, D] leaf, passed as a view like Experts does
-    dy = torch.randn(x.shape[0], 64, generator=torch.Generator().manual_seed(3))
-    used = int(offs[-1])
-    outs = {}
-    for name, v2, swap in (("v1", False, None), ("v2 swap", True, 64)):
-        xg = x.clone().requires_grad_(True)
-        y = f8.Fp8GroupedMM.apply(xg, param.transpose(1, 2), offs, torch.float32, v2, swap)
-        outs[name] = (y, *torch.autograd.grad(y, (xg, param), dy))
-    for a, b in zip(outs["v2 swap"], outs["v1"]):
-        assert rel_err(a, b) < 1e-6
-    with torch.no_grad():  # v2 without swap: the persistent kernel with the scalar weight scale
-        assert rel_err(f8.Fp8GroupedMM.apply(x, param.transpose(1, 2), offs, torch.float32, True, 0),
-                       outs["v1"][0]) < 1e-6
-    for step in range(2):
-        hits = wc.stats["hits"]
-        y2 = f8.Fp8GroupedMM.apply(x, param.transpose(1, 2), offs, torch.float32, True)
-        assert wc.stats["hits"] == hits + (step == 0), "served from the cache only while the parameter is unchanged"
-        y_ref = grouped_mm_loop(x.double(), param.detach().double().transpose(1, 2), offs)
-        assert rel_err(y2[:used], y_ref[:used]) < 1e-5 and (y2[used:] == 0).all()
-        with torch.no_grad():
-            param.mul_(-1.5).add_(0.01)  # optimizer-like in-place update: the next call must see the new weights
-    opt = torch.optim.SGD([param], lr=0.0)
-    wc.clear_after_steps(opt)
-    assert wc._entries
-    opt.step()  # no gradient, no change: the hook still empties the cache
-    assert not wc._entries
-
-
-FP8_RMS = 0.05  # e4m3 on both operands: ~2.5-3% relative RMS per operand, ~4% on a product of random data
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,E,D,F", GPU_CASES)
-def test_fp8_gpu(kind, E, D, F):
-    counts = gpu_counts(kind, E)
-    x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + F, tail=5)
-    # the Triton quantisers against the torch spec
-    for (q, s), (qr, sr) in [(fq.quantize_rows(x), fq.quantize_rows_ref(x)),
-                             (fq.quantize_blocks(w), fq.quantize_blocks_ref(w))]:
-        assert rel_err(s, sr) < 1e-6
-        assert (q.float() != qr.float()).float().mean() < 1e-3, "fp8 values differ beyond a tie-rounding"
-    qT, sT = fq.quantize_token_tiles(x, offs)
-    qTr, sTr = fq.quantize_token_tiles_ref(x, offs)
-    n_tiles = sum((c + 127) // 128 for c in counts)  # tiles past these are never written nor read
-    assert rel_err(sT[:n_tiles], sTr[:n_tiles]) < 1e-6
-    assert (qT[:, :n_tiles * 128].float() != qTr[:, :n_tiles * 128].float()).float().mean() < 1e-3
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    y = f8.grouped_mm(x, w, offs, v2=False, v3=False)  # v1 (the default v3: tests/ops/test_moe_fp8.py)
-    used = int(offs[-1])
-    spec = f8.grouped_mm_fp8_reference(x.detach(), w.detach(), offs)
-    xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
-    y_ref = grouped_mm_loop(xr, wr, offs)
-    dy = torch.randn_like(y)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    dxr, dwr = torch.autograd.grad(y_ref, (xr, wr), dy.float())
-    errs = {"y_vs_spec": rel_err(y[:used], spec[:used]), "y": rel_err(y[:used], y_ref[:used]),
-            "dx": rel_err(dx[:used], dxr[:used]), "dw": rel_err(dw, dwr)}
-    bounds = {"y_vs_spec": 1e-2, "y": FP8_RMS, "dx": FP8_RMS, "dw": FP8_RMS}
-    if any(errs[k] > bounds[k] for k in errs):
-        print(f"MOE_GEMM_GPU_ERR fp8 {kind} E={E} D={D} F={F}: {errs}")
-    assert all(errs[k] <= bounds[k] for k in errs), errs
-    assert (y[used:] == 0).all()
-    assert (dw[torch.tensor(counts) == 0] == 0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind,E,D,F", [c for c in GPU_CASES if c[0] in ("uniform16", "odd")])
-def test_fp8_v2_gpu(kind, E, D, F):
-    """v2 (cached weight blocks, scalar weight scale per tile) matches v1, hits the cache on a repeat call and
-    follows an in-place update of the parameter."""
-    from moestack.ops.moe import fp8_weight_cache as wc
-
-    counts = gpu_counts(kind, E)
-    x, w, offs = make_case(counts, D, F, torch.bfloat16, seed=E + F + 1, tail=5)
-    param = w.transpose(1, 2).clone().requires_grad_(True)
-    used = int(offs[-1])
-    dy = torch.randn(x.shape[0], F, device=DEV, dtype=torch.bfloat16)
-    outs = {}
-    for v2 in (False, True):
-        xg = x.clone().requires_grad_(True)
-        y = f8.grouped_mm(xg, param.transpose(1, 2), offs, v2=v2, v3=False)
-        outs[v2] = (y[:used], *torch.autograd.grad(y, (xg, param), dy))
-    errs = [rel_err(a, b) for a, b in zip(outs[True], outs[False])]
-    assert all(e < 2e-3 for e in errs), errs  # the same fp8 values; scale products associate differently
-    hits = wc.stats["hits"]
-    f8.grouped_mm(x, param.transpose(1, 2), offs, v2=True, v3=False)
-    assert wc.stats["hits"] == hits + 1
-    with torch.no_grad():
-        param.mul_(-0.5)
-    y = f8.grouped_mm(x, param.transpose(1, 2), offs, v2=True, v3=False)
-    spec = f8.grouped_mm_fp8_reference(x, param.detach().transpose(1, 2), offs)
-    assert rel_err(y[:used], spec[:used]) < 1e-2, "v2 must requantise after the parameter changed"
-    # fp32 parameters under bf16 autocast (the trainer's setup): quantised from the parameter, so the cache hits
-    p32 = param.detach().float().requires_grad_(True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y1 = f8.grouped_mm(x.float(), p32.transpose(1, 2), offs, v2=True, v3=False)
-        hits = wc.stats["hits"]
-        y2 = f8.grouped_mm(x.float(), p32.transpose(1, 2), offs, v2=True, v3=False)
-    assert wc.stats["hits"] == hits + 1 and y1.dtype == y2.dtype == torch.bfloat16
-    assert rel_err(y2[:used], spec[:used]) < 1e-2
-    (dp,) = torch.autograd.grad(y2, (p32,), dy)
-    assert dp.dtype == torch.float32 and rel_err(dp, outs[True][2].float()) < 1e-2  # dW = x^T dy: w-independent

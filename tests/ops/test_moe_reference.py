@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from moestack.ops.backends import Backend
 from moestack.ops import moe as moe_ops
 from moestack.ops.moe import reference as ref
 
@@ -349,31 +350,41 @@ def test_moe_loop_reference_matches_per_token_loop():
         torch.testing.assert_close(out[t], acc, rtol=1e-12, atol=1e-12)
 
 
-def test_backend_registry(monkeypatch):
-    monkeypatch.delenv(moe_ops.ENV_VAR, raising=False)
-    assert moe_ops.resolve_backend() == "torch"
-    assert moe_ops.resolve_backend("reference") == "reference"
-    monkeypatch.setenv(moe_ops.ENV_VAR, "reference")
-    assert moe_ops.resolve_backend() == "reference"
-    assert moe_ops.resolve_backend("torch") == "torch"  # explicit beats env
-    monkeypatch.setenv(moe_ops.ENV_VAR, "nope")
-    with pytest.raises(ValueError, match="unknown MoE backend 'nope'"):
-        moe_ops.resolve_backend()
-    monkeypatch.delenv(moe_ops.ENV_VAR)
+class _Fake(Backend):
+    name = "fake"
 
-    calls = []
+    def __init__(self, runs: bool):
+        self.runs, self.calls = runs, []
 
-    def fake(x, w, offs):
-        calls.append(x.shape)
+    def unavailable(self, device):
+        return None if self.runs else "not installed"
+
+    def prefers(self, device):
+        return True
+
+    def fn(self, x, w, offs, table=None):
+        self.calls.append(x.shape)
         return ref.grouped_mm_loop(x, w, offs)
 
-    monkeypatch.setattr(moe_ops, "PREFERENCE", ("triton", "torch", "reference"))
-    monkeypatch.setitem(moe_ops._BACKENDS, "triton", (fake, lambda: False))
-    assert moe_ops.resolve_backend() == "torch"  # unavailable: skipped by auto-selection ...
-    with pytest.raises(ValueError, match="not available"):
-        moe_ops.resolve_backend("triton")  # ... and refused when asked for
-    moe_ops.register_backend("triton", fake, lambda: True)
-    assert moe_ops.resolve_backend() == "triton"  # first of PREFERENCE
-    x, w_param, offs = make_gmm_inputs(COUNT_CASES["balanced"])
-    moe_ops.grouped_mm(x, w_param.transpose(1, 2), offs)
-    assert calls == [x.shape]
+
+def test_backend_registry():
+    cpu = torch.empty(0, 4)
+    assert moe_ops.resolve_backend(None, cpu) == "torch"
+    assert moe_ops.resolve_backend("reference", cpu) == "reference"
+    with pytest.raises(ValueError, match="unknown MoE grouped GEMM backend 'nope'"):
+        moe_ops.resolve_backend("nope", cpu)
+    saved = dict(moe_ops.REGISTRY._backends)
+    try:
+        moe_ops.REGISTRY.register(_Fake(runs=False), first=True)
+        assert moe_ops.resolve_backend(None, cpu) == "torch"  # unavailable: skipped by auto-selection ...
+        with pytest.raises(ValueError, match="cannot run this call: not installed"):
+            moe_ops.resolve_backend("fake", cpu)  # ... and refused when asked for
+        fake = _Fake(runs=True)
+        moe_ops.REGISTRY.register(fake, first=True)
+        assert moe_ops.resolve_backend(None, cpu) == "fake"  # first of the order
+        x, w_param, offs = make_gmm_inputs(COUNT_CASES["balanced"])
+        moe_ops.grouped_mm(x, w_param.transpose(1, 2), offs)
+        assert fake.calls == [x.shape]
+    finally:
+        moe_ops.REGISTRY._backends.clear()
+        moe_ops.REGISTRY._backends.update(saved)

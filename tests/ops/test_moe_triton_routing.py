@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.model.mlp import glu_activation
 from moestack.model.moe import MoE
+from moestack.ops import moe as moe_ops
 from moestack.ops.moe import reference as ref
 from moestack.ops.moe import routing
 
@@ -208,9 +209,8 @@ def test_bad_inputs_one_line_errors(monkeypatch):
         routing.dispatch(torch.zeros(2, 1, dtype=torch.int64), 4, align=0)
     with pytest.raises(ValueError, match="priority_TK"):
         routing.dispatch(torch.zeros(2, 1, dtype=torch.int64), 4, capacity=2)
-    monkeypatch.setenv(routing.ENV_VAR, "cutlass")
-    with pytest.raises(ValueError, match="MOESTACK_MOE_ROUTING_BACKEND"):
-        routing.resolve_backend(None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernels.moe.routing"):
+        routing.resolve_backend("cutlass", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
@@ -362,7 +362,7 @@ def test_gpu_layer_bf16_k3_shape(align):
     m = MoE(2048, spec, "situ_glu").cuda()
     m.init_weights(0.02)
     m.row_align = align
-    m.experts.backend = "torch"  # this file tests the routing path; the grouped GEMM backends have their own tests
+    m.experts.gemm = moe_ops.GroupedGemm("torch")  # the routing path here; the grouped GEMMs have their own tests
     x = torch.randn(2, 4096, 2048, device="cuda")
     gy = torch.randn_like(x)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -385,7 +385,7 @@ def test_gpu_layer_has_no_host_sync(capacity_factor):
                    capacity_factor=capacity_factor)
     m = MoE(512, spec, "situ_glu").cuda().to(torch.bfloat16)
     m.init_weights(0.02)
-    m.experts.backend = "torch"
+    m.experts.gemm = moe_ops.GroupedGemm("torch")
     x = torch.randn(2, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     m(x).sum().backward()
     torch.cuda.synchronize()

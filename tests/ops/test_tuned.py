@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moestack.ops import moe, tuned
+from moestack.ops.backends import Backend
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
     monkeypatch.setenv(tuned.ENV_VAR, str(path))
-    monkeypatch.delenv(moe.ENV_VAR, raising=False)
     return path
 
 
@@ -37,16 +37,38 @@ def test_broken_cache_falls_back(cache):
     assert tuned.lookup("kda", "H=1", torch.device("cpu")) is None
 
 
+class _Spy(Backend):
+    name = "spy"
+
+    def __init__(self):
+        self.calls = []
+
+    def prefers(self, device):
+        return False  # never picked by the fixed order: only through the cache
+
+    def fn(self, x, w, offs, table=None):
+        self.calls.append(1)
+        return moe.grouped_mm_loop(x, w, offs)
+
+
 def test_grouped_mm_dispatch_follows_the_recorded_backend(cache, monkeypatch):
+    """A recorded choice replaces "auto" per shape (even a backend auto never picks), is remembered for the run
+    record, and never beats a named one."""
     x, w = torch.randn(10, 4), torch.randn(3, 4, 5)
     offs = torch.tensor([3, 7, 10], dtype=torch.int32)
-    calls = []
-    monkeypatch.setitem(moe._BACKENDS, "spy", (lambda *a: calls.append(1) or moe.grouped_mm_loop(*a), lambda: True))
-    torch.testing.assert_close(moe.grouped_mm(x, w, offs), moe.grouped_mm_loop(x, w, offs))
-    assert not calls
-    tuned.record("moe.grouped_mm", tuned.grouped_mm_key(x, w), "spy", {}, {}, torch.device("cpu"))
-    torch.testing.assert_close(moe.grouped_mm(x, w, offs), moe.grouped_mm_loop(x, w, offs))
-    assert calls == [1]
-    monkeypatch.setenv(moe.ENV_VAR, "reference")  # an explicit choice still wins
-    moe.grouped_mm(x, w, offs)
-    assert calls == [1]
+    spy = _Spy()
+    saved = dict(moe.REGISTRY._backends)
+    moe.REGISTRY.register(spy)
+    try:
+        cpu = torch.device("cpu")
+        torch.testing.assert_close(moe.grouped_mm(x, w, offs), moe.grouped_mm_loop(x, w, offs))
+        assert not spy.calls
+        tuned.record("moe.grouped_mm", tuned.grouped_mm_key(x, w), "spy", {}, {}, cpu)
+        torch.testing.assert_close(moe.grouped_mm(x, w, offs), moe.grouped_mm_loop(x, w, offs))
+        assert spy.calls == [1]
+        assert tuned.hits()[f"moe.grouped_mm|{tuned.grouped_mm_key(x, w)}"] == "spy"
+        moe.grouped_mm(x, w, offs, backend="reference")  # an explicit choice still wins
+        assert spy.calls == [1]
+    finally:
+        moe.REGISTRY._backends.clear()
+        moe.REGISTRY._backends.update(saved)

@@ -16,8 +16,9 @@ and equal meshes of a later job may resolve to earlier groups) and the loaded mo
 changes is put back after it (`ProcessState`): os.environ, the cwd, torch's default dtype, intra-op threads,
 grad mode and deterministic-algorithm flags, the torch / random / numpy RNGs (every job starts with a fresh
 process's), and the module-level values of every moestack module as they were when it finished importing (a
-rebound name such as `fp8_quant.FP8 = torch.float32`, a changed list, a dict entry replaced or removed; entries a
-job adds to a dict or set stay: lazy backend registrations and caches). What was put back is printed to the rank's
+rebound name such as `reference.FP8 = torch.float32`, a changed list, a dict entry replaced or removed, a backend
+registry's backends (moestack/ops/backends.py) replaced, removed or reordered; entries a job adds to a dict or set
+stay: lazy backend registrations and caches). What was put back is printed to the rank's
 log and kept in RESTORED (tests/parallel/test_dist_state.py checks all of it).
 MOESTACK_TEST_FRESH_RANKS=1 starts fresh processes for every job instead.
 """
@@ -127,9 +128,11 @@ def run_ranks(file: str, fn_name: str, world_size: int, timeout: float = 120.0, 
     RuntimeError with its traceback; a hang past `timeout` seconds raises TimeoutError. Either way the ranks are
     killed (no rank is left waiting in a collective).
     """
+    from moestack.config.settings import fresh_test_ranks
+
     job = {"file": str(Path(file).resolve()), "fn": fn_name, "kwargs": kwargs, "env": dict(os.environ)}
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.usable() or os.environ.get("MOESTACK_TEST_FRESH_RANKS") == "1":
+    if pool is None or not pool.usable() or fresh_test_ranks():
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = _Pool(world_size)
@@ -156,6 +159,7 @@ class ProcessState:
         import torch
 
         self.modules: dict[str, tuple[object, dict]] = {}
+        self.registries: dict[int, tuple[str, object, dict, dict]] = {}  # id -> (where, registry, its dict, copy)
         self.cwd = os.getcwd()
         self.dtype = torch.get_default_dtype()
         self.threads = torch.get_num_threads()
@@ -178,6 +182,11 @@ class ProcessState:
                          if type(v) is set else None)
                   for name, v in vars(module).items() if not (name.startswith("__") and name.endswith("__"))}
         self.modules[module.__name__] = (module, values)
+        for name, v in vars(module).items():  # backend registries (objects, so the copies above miss them)
+            for key, reg in (v.items() if type(v) is dict else [(None, v)]):
+                if _is_registry(reg) and id(reg) not in self.registries:
+                    where = f"{module.__name__}.{name}" + (f"[{key!r}]" if key is not None else "")
+                    self.registries[id(reg)] = (where, reg, reg._backends, dict(reg._backends))
 
     def install(self) -> None:
         for name, module in list(sys.modules.items()):
@@ -200,6 +209,12 @@ class ProcessState:
                     changed.append(f"{mod_name}.{name}")
                 if content is not None and _restore_content(ref, content):
                     changed.append(f"{mod_name}.{name} (contents)")
+        for where, reg, backends, content in self.registries.values():
+            if reg._backends is not backends or list(backends.items()) != list(content.items()):
+                backends.clear()
+                backends.update(content)
+                reg._backends = backends
+                changed.append(f"{where} (backends)")
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
             changed.append("cwd")
@@ -239,6 +254,10 @@ class ProcessState:
             RESTORED[:] = self.restore()
             if RESTORED:
                 print(f"[_dist] restored after the job: {', '.join(RESTORED)}", flush=True)
+
+
+def _is_registry(v) -> bool:
+    return type(v).__name__ == "Registry" and type(v).__module__ == "moestack.ops.backends"
 
 
 def _restore_content(ref, content) -> bool:

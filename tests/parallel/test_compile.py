@@ -34,6 +34,9 @@ def test_modes_and_fallbacks(monkeypatch):
     assert mode == "blocks" and "FSDP2" in why
     mode, why = resolve_mode(CompileSpec(mode="blocks+graphs", backend="aot_eager"), cuda, False)
     assert mode == "blocks" and "reduce-overhead" in why
+    mode, why = resolve_mode(CompileSpec(mode="blocks+graphs"), cuda, False, grad_accum_steps=2)
+    assert mode == "blocks" and "accumulation" in why
+    assert resolve_mode(CompileSpec(mode="blocks+graphs"), cuda, False, grad_accum_steps=1) == ("blocks+graphs", None)
     monkeypatch.setattr(compile_mod, "_cxx_compiler", lambda: None)
     mode, why = resolve_mode(CompileSpec(mode="blocks"), cpu, False)
     assert mode == "none" and "C++ compiler" in why
@@ -124,8 +127,9 @@ def test_cuda_compiled_within_bf16(tmp_path, mode):
     spec_model = ModelSpec.model_validate(data)
     losses = {}
     for m in ("none", mode):
-        spec = TrainSpec(out_dir=str(tmp_path / m.replace("+", "_")), steps=3, micro_batch_size=2,
-                         grad_accum_steps=2, seq_len=128, device="cuda", precision="bf16", eval_every=0,
+        accum = 1 if mode == "blocks+graphs" else 2  # graphs run with one micro-batch per step (compile.py)
+        spec = TrainSpec(out_dir=str(tmp_path / m.replace("+", "_")), steps=3, micro_batch_size=4 // accum,
+                         grad_accum_steps=accum, seq_len=128, device="cuda", precision="bf16", eval_every=0,
                          compile=m, logging={"tensorboard": False, "progress": False},
                          checkpoint={"save_final": False}, data={"eval_fraction": 0.0})
         torch._dynamo.reset()

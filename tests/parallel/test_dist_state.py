@@ -1,5 +1,5 @@
 """The rank pool (_dist.py) hands every job the process state of a fresh rank: a job that changes process-global
-state (fp8_quant.FP8 as test_fp8_tp.py sets it, the aux-loss scale, torch's default dtype and threads, the RNGs, an
+state (a rebound module constant, the aux-loss scale, torch's default dtype and threads, the RNGs, an
 environment variable, a replaced backend registration) is followed by one that sees none of it, in the same rank
 processes."""
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
-LEAK_ENV = "MOESTACK_TEST_LEAK_PROBE"
+LEAK_ENV = "TEST_DIST_LEAK_PROBE"
 
 
 def _probe(rank: int, world: int) -> dict:
@@ -24,12 +24,13 @@ def _probe(rank: int, world: int) -> dict:
 
     from moestack.model import aux_loss
     from moestack.ops import moe as moe_ops
-    from moestack.ops.moe import fp8_quant
+    from moestack.ops.fp8 import reference as fp8_ref
 
-    return {"pid": os.getpid(), "fp8": fp8_quant.FP8, "aux_scale": list(aux_loss._SCALE),
+    return {"pid": os.getpid(), "fp8": fp8_ref.FP8, "aux_scale": list(aux_loss._SCALE),
             "dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(), "grad": torch.is_grad_enabled(),
             "env": os.environ.get(LEAK_ENV), "torch_rng": torch.rand(3), "py_rng": random.random(),
-            "backend": moe_ops._BACKENDS["reference"][1](), "restored": list(sys.modules["__main__"].RESTORED)}
+            "backend": (moe_ops.REGISTRY.names(), moe_ops.REGISTRY.get("reference").unavailable(torch.device("cpu"))),
+            "restored": list(sys.modules["__main__"].RESTORED)}
 
 
 def _mutate(rank: int, world: int) -> int:
@@ -39,9 +40,16 @@ def _mutate(rank: int, world: int) -> int:
 
     from moestack.model import aux_loss
     from moestack.ops import moe as moe_ops
-    from moestack.ops.moe import fp8_quant
+    from moestack.ops.backends import Backend
+    from moestack.ops.fp8 import reference as fp8_ref
 
-    fp8_quant.FP8 = torch.float32
+    class Broken(Backend):
+        name = "reference"
+
+        def unavailable(self, device):
+            return "replaced by a careless test"
+
+    fp8_ref.FP8 = torch.float32
     aux_loss.set_aux_loss_scale(0.25)
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(2)
@@ -49,8 +57,7 @@ def _mutate(rank: int, world: int) -> int:
     torch.manual_seed(1234)
     random.seed(1234)
     os.environ[LEAK_ENV] = "leaked"
-    fn, available = moe_ops._BACKENDS["reference"]
-    moe_ops.register_backend("reference", fn, lambda: False)
+    moe_ops.REGISTRY.register(Broken(), first=True)
     return os.getpid()
 
 
@@ -69,6 +76,6 @@ def test_jobs_do_not_leak_process_state():
             assert a[key] == b[key], f"rank {rank}: {key} leaked from the previous job: {a[key]} -> {b[key]}"
         assert torch.equal(a["torch_rng"], b["torch_rng"]), f"rank {rank}: the torch RNG did not start afresh"
         # the guard saw (and put back) each change
-        for what in ("fp8_quant.FP8", "aux_loss._SCALE (contents)", "torch default dtype", "torch threads",
-                     "torch grad mode", "moestack.ops.moe._BACKENDS (contents)"):
+        for what in ("fp8.reference.FP8", "aux_loss._SCALE (contents)", "torch default dtype", "torch threads",
+                     "torch grad mode", "moestack.ops.moe.REGISTRY (backends)"):
             assert any(r.endswith(what) for r in b["restored"]), (rank, what, b["restored"])

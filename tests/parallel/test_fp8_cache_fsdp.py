@@ -1,16 +1,15 @@
-"""The FP8 weight cache (fp8_weight_cache.py) under FSDP2 ZeRO-3 on 2 gloo ranks: the same training run with the
-cache on (both modes) and off gives bitwise the same losses, gradients and parameters; MOESTACK_FP8_CACHE=step
-quantises once per weight and optimizer step, the default drops the weights FSDP frees and so holds less at its
+"""The FP8 weight cache (moestack/ops/fp8/weight_cache.py) under FSDP2 ZeRO-3 on 2 gloo ranks: the same training run with the
+cache on (both modes) and off gives bitwise the same losses, gradients and parameters; cache mode step
+(kernels.fp8.weight_cache) quantises once per weight and optimizer step, the default drops the weights FSDP frees and so holds less at its
 peak. (Without the cache's optimizer-step hook the "step" run would serve the first step's fp8 weights in the
 second and differ from the run without the cache: session 12's control; the hook itself is unit-tested in
-tests/ops/test_moe_fp8.py.)
+tests/ops/test_fp8.py.)
 
 FSDP2 gathers the unsharded expert weights into new storage for every forward and (ZeRO-3) backward, without moving
 their version counter, and the fused optimizer update does not move it either: the cache keys on the unsharded
 parameter object and is emptied at every optimizer step. Two MoE layers (their gathers may reuse each other's
-storage), 2 optimizer steps of 2 micro-batches each (gradient accumulation). The experts run the "fp8" backend's v3
-path (on CPU its Triton kernels in the interpreter; the backend is registered as available inside the ranks for
-this job only). Before session 12 the key held the data pointer, which changes with every gather: 1-2 hits of 16.
+storage), 2 optimizer steps of 2 micro-batches each (gradient accumulation). The experts run the FP8 GEMM strategy
+(grouped_gemm.Fp8GroupedGemm; on CPU its Triton kernels in the interpreter). Before session 12 the key held the data pointer, which changes with every gather: 1-2 hits of 16.
 """
 
 from __future__ import annotations
@@ -29,16 +28,14 @@ LAYERS = 3  # a dense layer, then two KDA + MoE layers
 
 
 def _worker(rank: int, world: int) -> dict:
-    import os
-
     from torch.distributed.tensor import DTensor
 
     from moestack.config.model_spec import ModelSpec
     from moestack.config.plan import make_plan
     from moestack.config.train_spec import OptimizerSpec
     from moestack.model.transformer import build_model
-    from moestack.ops import moe as moe_ops
-    from moestack.ops.moe import fp8_weight_cache as wc
+    from moestack.ops.fp8 import weight_cache as wc
+    from moestack.ops.fp8.grouped_gemm import Fp8GroupedGemm
     from moestack.parallel import build_meshes, parallelize
     from moestack.train.optim import build_optimizer
 
@@ -47,12 +44,9 @@ def _worker(rank: int, world: int) -> dict:
     spec = ModelSpec.model_validate(spec)
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, spec.vocab_size, (world * MICRO * ROWS, T + 1), generator=g) for _ in range(STEPS)]
-    fp8_entry = moe_ops._BACKENDS["fp8"]
-    moe_ops.register_backend("fp8", fp8_entry[0], lambda: True)  # CPU: the interpreter runs its Triton path
     out = {}
     try:
-        for cache in ("1", "step", "0"):
-            os.environ["MOESTACK_FP8_CACHE"] = cache
+        for cache in ("on", "step", "off"):
             wc.clear()
             wc.stats.update(hits=0, misses=0, peak_bytes=0)
             plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=world * ROWS,
@@ -61,7 +55,7 @@ def _worker(rank: int, world: int) -> dict:
             moes = [b.ffn for b in model.layers.values() if b.kind.ffn == "moe"]
             assert len(moes) == LAYERS - 1
             for moe in moes:
-                moe.experts.backend = "fp8"
+                moe.experts.gemm = Fp8GroupedGemm(cache_mode=cache)
             init = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
             model = parallelize(model, plan, build_meshes(plan, "cpu"))
             opt = build_optimizer(model, OptimizerSpec(lr=1e-2, weight_decay=0.1))
@@ -80,8 +74,6 @@ def _worker(rank: int, world: int) -> dict:
                       for n, p in model.named_parameters()}
             out[cache] = {"losses": losses, "grads": grads, "params": params, "stats": dict(wc.stats), "init": init}
     finally:
-        moe_ops.register_backend("fp8", *fp8_entry)
-        os.environ.pop("MOESTACK_FP8_CACHE", None)
         wc.clear()
     return out
 
@@ -91,8 +83,8 @@ def test_fp8_weight_cache_under_fsdp2():
         pytest.skip("CPU ranks with the fp8 kernels in the interpreter (a GPU session has no TRITON_INTERPRET)")
     results = run_ranks(__file__, "_worker", world_size=2, timeout=900)
     for rank, out in enumerate(results):
-        on, step, off = out["1"], out["step"], out["0"]
-        assert off["stats"] == {"hits": 0, "misses": 0, "peak_bytes": 0}  # MOESTACK_FP8_CACHE=0: never consulted
+        on, step, off = out["on"], out["step"], out["off"]
+        assert off["stats"] == {"hits": 0, "misses": 0, "peak_bytes": 0}  # mode off: never consulted
         # "step": per step and weight one quantisation, the second micro-batch and every backward (ZeRO-3 gathers
         # again) hit, and the fp8 copies of both layers are held at once
         lookups = STEPS * MICRO * (LAYERS - 1) * 4  # forward: gate/up and down; backward: the same for dX

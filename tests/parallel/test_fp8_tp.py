@@ -1,15 +1,15 @@
-"""The FP8 recipe (moestack/train/fp8.py) under tensor parallelism with expert parallelism folded onto the TP ranks,
-on 2 gloo ranks: one forward + backward against the single-process run of the same recipe.
+"""The FP8 recipe (moestack/ops/fp8/convert.py) under tensor parallelism with expert parallelism folded onto the TP
+ranks, on 2 gloo ranks: one forward + backward against the single-process run of the same recipe.
 
 What this checks is the plumbing: the TP units swap in local weight shards and Fp8Linear must quantise the shard it
 is handed (column-wise projections by head, row-wise o_proj / down_proj, the shared experts' column / row split),
-the fp8 weight cache must key on the right tensor, and the fp8 expert backend must run on each rank's tokens (the
-MoE is token-sharded under TP) and, with EP, on the local experts after the all-to-all. With real e4m3 rounding the
-two runs cannot agree exactly: TP changes fp32 summation orders and the token blocks of the weight-gradient scales,
-and each changed rounding moves a value by an e4m3 step (~6%), which compounds through the layers. So the kernels
-run on unrounded scaled values (fp8_quant.FP8 = float32, the interpreter tests' mode: same tiles, scales, layouts
-and kernels, no rounding) and the runs must then agree to fp32 precision, where a wrong shard, a stale or shared
-cache entry or a mis-routed expert gives O(1) errors. (CPU: the kernels in the Triton interpreter.)
+the fp8 weight cache must key on the right tensor, and the experts' FP8 GEMM strategy must run on each rank's tokens
+(the MoE is token-sharded under TP) and, with EP, on the local experts after the all-to-all. With real e4m3 rounding
+the two runs cannot agree exactly: TP changes fp32 summation orders and the token blocks of the weight-gradient
+scales, and each changed rounding moves a value by an e4m3 step (~6%), which compounds through the layers. So the
+kernels run on unrounded scaled values (apply_fp8_recipe's q_dtype float32, the interpreter tests' mode: same tiles,
+scales, layouts and kernels, no rounding) and the runs must then agree to fp32 precision, where a wrong shard, a
+stale or shared cache entry or a mis-routed expert gives O(1) errors. (CPU: the kernels in the Triton interpreter.)
 
 Why fp32 and not fp64 like the other layout tests: the FP8 kernels compute in fp32 (their tiles, scales and
 accumulators), so an fp64 model would not run them. The bounds come from the measured fp32 noise floor of this
@@ -43,22 +43,15 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, tp: int, ep: int) -> dict:
-    from moestack.ops.moe import fp8_quant
-
-    fp8 = fp8_quant.FP8
-    fp8_quant.FP8 = torch.float32  # unrounded (module doc); read per call by Fp8Linear and the expert backend
-    try:
-        return _runs(world, tp, ep)
-    finally:
-        fp8_quant.FP8 = fp8  # (the rank pool would put it back too: _dist.ProcessState)
+    return _runs(world, tp, ep)  # unrounded FP8 passed per call (q_dtype), no module state to restore
 
 
 def _runs(world: int, tp: int, ep: int) -> dict:
     from moestack.config.plan import make_plan
     from moestack.model.transformer import build_model
-    from moestack.ops.moe import fp8_weight_cache
+    from moestack.ops.fp8 import weight_cache as fp8_weight_cache
+    from moestack.ops.fp8.convert import apply_fp8_recipe
     from moestack.parallel import build_meshes, parallelize
-    from moestack.train.fp8 import apply_fp8_recipe
 
     spec = small_model_spec().model_dump()  # a dense KDA layer, then gated MLA + LatentMoE with a shared expert
     spec.update(num_layers=2, full_attention_layers=[2], dense_layers=[1])
@@ -70,7 +63,7 @@ def _runs(world: int, tp: int, ep: int) -> dict:
     for name in ("parallel", "single"):  # both ranks run both (an idle rank would leave the pool)
         fp8_weight_cache.clear()
         model = build_model(spec, "cpu", seed=0)
-        report = apply_fp8_recipe(model, torch.device("cpu"))
+        report = apply_fp8_recipe(model, torch.device("cpu"), q_dtype=torch.float32)  # unrounded (doc)
         if name == "parallel":
             plan = make_plan(model="tiny", cluster="cpu", devices=world, seq_len=T, global_batch_size=B,
                              micro_batch_size=B, tp=tp, ep=ep, zero_stage=0)

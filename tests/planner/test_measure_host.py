@@ -100,7 +100,7 @@ def test_calibrate_host_writes_layer_s_and_source_into_the_calibration(monkeypat
 
 def test_calibrate_host_measures_the_fp8_recipe_where_it_runs(monkeypatch):
     """Where FP8 runs, the same pass on the FP8 recipe: fp8_layer_s = its layer_s minus the bf16 one (>= 0)."""
-    import moestack.ops.moe as moe_ops
+    import moestack.ops.fp8 as fp8_ops
 
     timings = {prec: HostTiming(wall_s=wall, wall_2x_s=wall, tail_s=0.0, tokens=256, reps=7, layers_built=4,
                                 layers_trained=4, layers_priced=4) for prec, wall in (("bf16", 0.24), ("fp8", 0.36))}
@@ -112,7 +112,7 @@ def test_calibrate_host_measures_the_fp8_recipe_where_it_runs(monkeypatch):
 
     monkeypatch.setattr(mh, "measure_host", fake)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.setattr(moe_ops, "fp8_unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(fp8_ops, "fp8_unavailable_reason", lambda device=None: None)
     host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
     assert asked == ["bf16", "fp8"]
     assert host.layer_s == pytest.approx(0.06) and host.fp8_layer_s == pytest.approx(0.03)
@@ -122,7 +122,7 @@ def test_calibrate_host_measures_the_fp8_recipe_where_it_runs(monkeypatch):
     timings["fp8"].wall_2x_s = 0.3  # device time leaks in (a wide model): the difference is not the host's
     host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
     assert host.fp8_layer_s == HostCalibration().fp8_layer_s and "not host-bound" in line
-    monkeypatch.setattr(moe_ops, "fp8_unavailable_reason", lambda device=None: "sm_80 has no FP8")
+    monkeypatch.setattr(fp8_ops, "fp8_unavailable_reason", lambda device=None: "sm_80 has no FP8")
     asked.clear()
     host, line = calibrate_host(load_model_spec("tiny"), HostCalibration(), device="cuda")
     assert asked == ["bf16"] and host.fp8_layer_s == HostCalibration().fp8_layer_s and "sm_80 has no FP8" in line

@@ -1,6 +1,6 @@
-"""precision fp8 (moestack/train/fp8.py): which layers the recipe puts in FP8, how a plan turns it on, the one-line
+"""precision fp8 (moestack/ops/fp8/convert.py): which layers the recipe puts in FP8, how a plan turns it on, the one-line
 errors where it cannot run, and a short training run on it (CPU: the FP8 kernels in the Triton interpreter) that
-tracks the bf16 run. The FP8 numerics themselves are tests/ops/test_moe_fp8*.py's."""
+tracks the bf16 run. The FP8 numerics themselves are tests/ops/test_fp8*.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moestack.config.base import ConfigError
 from moestack.config.plan import make_plan
 from moestack.config.train_spec import TrainSpec
 from moestack.model.transformer import build_model
-from moestack.train.fp8 import FP8_LINEARS, apply_fp8_recipe
+from moestack.ops.fp8.convert import FP8_LINEARS, apply_fp8_recipe, convert_precision
 from moestack.train.trainer import Trainer, apply_plan_to_spec
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
@@ -30,7 +30,7 @@ def _fp8_names(model):
 
 
 def test_recipe_layers(monkeypatch):
-    """Experts on the fp8 backend; exactly the projections the cost model prices in FP8 become Fp8Linear, every
+    """Experts on the FP8 GEMM strategy; exactly the projections the cost model prices in FP8 become Fp8Linear, every
     other Linear (head, indexer, KDA beta and low-rank gates) stays; the memory policy adds no second FP8 copy of
     the expert inputs."""
     from moestack.memory import apply_memory_policies
@@ -41,7 +41,8 @@ def test_recipe_layers(monkeypatch):
     model = build_model(type(load_model_spec("tiny")).model_validate(spec), "cpu", seed=0)
     report = apply_fp8_recipe(model, torch.device("cpu"))
     moes = model.moe_layers()
-    assert report.moe_layers == len(moes) > 0 and all(m.experts.backend == "fp8" for m in moes.values())
+    assert report.moe_layers == len(moes) > 0 and all(
+        type(m.experts.gemm).__name__ == "Fp8GroupedGemm" for m in moes.values())
     converted = _fp8_names(model)
     assert converted == set(report.linears) and not report.kept_bf16
     kinds = {type(model.get_submodule(n.rsplit(".", 1)[0])).__name__ for n in converted}
@@ -64,6 +65,7 @@ def test_recipe_errors_and_plan(monkeypatch):
     with pytest.raises(ConfigError, match="precision: fp8 cannot run here: the device is cpu.*use precision bf16"):
         apply_fp8_recipe(model, torch.device("cpu"))
     assert not _fp8_names(model)
+    assert convert_precision(model, "bf16", torch.device("cpu")) is None and not _fp8_names(model)
     plan = make_plan(model="tiny", cluster="cpu", devices=1, seq_len=64, global_batch_size=2, micro_batch_size=2,
                      precision="fp8")
     assert apply_plan_to_spec(TrainSpec(), plan).precision == "fp8"

@@ -147,3 +147,20 @@ def test_no_host_sync_in_cuda_step(spec, tmp_path, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert stats is not None
+
+
+def test_step_leaves_the_aux_loss_scale_as_it_found_it(spec, tmp_path):
+    """The aux-loss scale is process-wide (moestack/model/aux_loss.py): a step at grad_accum_steps 2 uses 1/2 for its
+    own forwards and puts the caller's back, so a later model in the process gets its aux gradients unscaled."""
+    from moestack.model import aux_loss
+
+    tr = _trainer(spec, tmp_path, fused=False)
+    seen = []
+    real = aux_loss._AttachAuxLoss.apply
+    aux_loss._AttachAuxLoss.apply = lambda x, loss, scale: (seen.append(scale), real(x, loss, scale))[1]
+    try:
+        assert tr.train_step() is not None
+    finally:
+        aux_loss._AttachAuxLoss.apply = real
+    assert seen and set(seen) == {0.5}
+    assert aux_loss._SCALE[0] == 1.0

@@ -175,19 +175,37 @@ def _online_softmax(s, ids, m_i, l_part, scale_log2):
     return p, alpha, m_new, l_part * alpha[:, None] + p
 
 
+def smem_bytes(config: tuple[int, int], V: int = 512, R: int = 64, elt: int = 2) -> int:
+    """Shared memory of one program: Q [BLOCK_H, V + R], the key ring NUM_STAGES x [BLOCK_K, V + R], P."""
+    bk, ns = config
+    return elt * (BLOCK_H * (V + R) + ns * bk * (V + R) + BLOCK_H * bk)
+
+
+def fitting_config(device: torch.device) -> tuple[int, int] | None:
+    """The first of CONFIGS (DEFAULT_CONFIG first) whose shared memory fits `device`; None if none does."""
+    from moestack.ops.launch import fits
+
+    for config in (DEFAULT_CONFIG, *CONFIGS):
+        if fits(smem_bytes(config), device, warps=8):
+            return config
+    return None
+
+
 def supported(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> bool:
-    """The shapes and device this kernel covers: sm_90, bf16 / fp16, latent = 512 value + 64 rope dims."""
+    """The shapes and device this kernel covers: sm_90, bf16 / fp16, latent = 512 value + 64 rope dims, and a config
+    that fits the device's shared memory."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
-            and v_dim == 512 and q.shape[-1] == 576 and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
+            and v_dim == 512 and q.shape[-1] == 576 and torch.cuda.get_device_capability(q.device)[0] == 9
+            and fitting_config(q.device) is not None)  # fmt: skip
 
 
 def sparse_mqa_fwd_gluon(q, kv, idx, v_dim: int, scale: float,
                          config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """q [B,T,H,576], kv [B,S,576], idx [B,T,K] int32 -> (o [B,T,H,512], lse [B,T,H] fp32); see the module doc.
-    config: (BLOCK_K, NUM_STAGES), one of CONFIGS (default DEFAULT_CONFIG)."""
+    config: (BLOCK_K, NUM_STAGES), one of CONFIGS (default: DEFAULT_CONFIG, or the first that fits the device)."""
     B, T, H, D = q.shape
     K = idx.shape[-1]
-    bk, ns = config or DEFAULT_CONFIG
+    bk, ns = config or fitting_config(q.device) or DEFAULT_CONFIG
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous()
     o = torch.empty((B, T, H, v_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, T, H), device=q.device, dtype=torch.float32)

@@ -36,7 +36,11 @@ BLOCK_T = 64  # one wgmma M tile over 4 warps; the two warpgroups split the key 
 # (BLOCK_S, Q_STAGES, GROUP: heads per barrier step, even)
 CONFIGS = ((256, 8, 4), (256, 4, 2), (256, 6, 2), (256, 8, 2))
 DEFAULT_CONFIG = (256, 8, 4)
-SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block: key tile + q ring must fit
+
+
+def smem_bytes(bs: int, stages: int, Di: int, elt: int = 2) -> int:
+    """Shared memory of one program: the key tile [BLOCK_S, Di] and the q ring Q_STAGES x [BLOCK_T, Di]."""
+    return (bs + stages * BLOCK_T) * Di * elt
 
 
 @gluon.jit
@@ -179,11 +183,11 @@ def _add(a, b):
     return a + b
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, kscale) -> bool:
-    """sm_90, bf16 / fp16 scoring (not the fp8 variant), head dim a power of two in 64..256, an even head count
-    (the heads go at least in pairs)."""
+def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """sm_90, bf16 / fp16 scoring, head dim a power of two in 64..256, an even head count (the heads go at least in
+    pairs)."""
     Hi, Di = q.shape[-2:]
-    return (q.is_cuda and kscale is None and q.dtype in (torch.bfloat16, torch.float16)
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and k.dtype == q.dtype and Di in (64, 128, 256) and Hi % 2 == 0
             and torch.cuda.get_device_capability(q.device)[0] == 9)  # fmt: skip
 
@@ -195,8 +199,10 @@ def launch_select(q, k, w, dstart, thr, cnt, out_s, out_i, t0: int, t1: int, cap
     bs, stages, group = config or DEFAULT_CONFIG
     if Hi % group:  # a head count that is not a multiple of the group: pairs (applies() asked for an even one)
         stages, group = 4, 2
-    if (bs + stages * BLOCK_T) * Di * q.element_size() > SMEM_BYTES:  # Di = 256: a smaller key tile and ring
-        bs, stages, group = 128, 4, 2
+    from moestack.ops.launch import fits
+
+    if not fits(smem_bytes(bs, stages, Di, q.element_size()), q.device, warps=8):
+        bs, stages, group = 128, 4, 2  # Di = 256 on sm_90: a smaller key tile and ring (128 KB: fits every sm_90)
     i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(t1 - t0, BLOCK_T), triton.cdiv(t1, bs), B)
     _indexer_select_gluon_kernel[grid](

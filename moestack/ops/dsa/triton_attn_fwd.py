@@ -26,25 +26,33 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
 
 
-def autotune_off() -> bool:
-    """MOESTACK_DSA_AUTOTUNE=0: one config per DSA kernel (one compile, no autotuning)."""
-    return os.environ.get("MOESTACK_DSA_AUTOTUNE", "1") == "0"
+def prune_head_blocks(configs, named_args, **kwargs):
+    """Head blocks no wider than needed, value slices clamped to the padded value dims VP (a config asking for
+    more is the same config with BLOCK_V = VP: the value dims are never split then), duplicates dropped, then
+    whatever does not fit the device's shared memory (moestack/ops/launch.py)."""
+    from moestack.ops.launch import fit_configs
 
-
-def _prune_head_blocks(configs, named_args, **kwargs):
-    """Drop head blocks wider than needed and value slices wider than the padded value dims."""
-    H, V = named_args["H"], kwargs.get("VP", named_args.get("VP", 1 << 30))
+    args = {**named_args, **kwargs}
+    H, VP = args["H"], args.get("VP", 1 << 30)
     cap = max(64, triton.next_power_of_2(H))  # 64 kept for few heads too: wgmma needs 64 rows, may beat mma.sync
-    kept = [c for c in configs if c.kwargs["BLOCK_H"] <= cap and c.kwargs.get("BLOCK_V", 0) <= V]
-    return kept or configs[:1]
+    kept, seen = [], set()
+    for c in configs:
+        if c.kwargs["BLOCK_H"] > cap and any(d.kwargs["BLOCK_H"] <= cap for d in configs):
+            continue
+        if c.kwargs.get("BLOCK_V", 0) > VP:
+            c = triton.Config({**c.kwargs, "BLOCK_V": VP}, num_warps=c.num_warps, num_stages=c.num_stages,
+                              maxnreg=c.maxnreg, pre_hook=c.pre_hook)
+        key = (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages, c.maxnreg)
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return fit_configs(kept, args, "dsa")
 
 
 def fwd_configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "BLOCK_V": 32}, num_warps=4, num_stages=1)]
     out = []
-    if autotune_off():
-        return [triton.Config({"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_V": 512}, num_warps=8, num_stages=2)]
     # sm_90 compile (ptxas) of each: no spills, shared memory 94-221 KB; BLOCK_H 64 runs wgmma, 32 / 16 mma.sync.
     # (64, 64, 512): phase B. With 8 warps Triton puts all warps on the head axis of the score tile (it feeds the
     # P V dot), so both warpgroups compute the same [64, BLOCK_K] scores from shared memory; 64 slots per step
@@ -65,7 +73,7 @@ def fwd_configs():
 @triton.autotune(
     configs=fwd_configs(),
     key=["H", "K", "V", "R"],
-    prune_configs_by={"early_config_prune": _prune_head_blocks},
+    prune_configs_by={"early_config_prune": prune_head_blocks},
 )
 @triton.jit(do_not_specialize=["T", "H", "K"])
 def _sparse_mqa_fwd_kernel(
@@ -130,12 +138,10 @@ def _sparse_mqa_fwd_kernel(
         tl.store(LSE + pid_t.to(tl.int64) * H + offs_h, lse, mask=mask_h)  # lse contiguous [B*T, H]
 
 
-# gluon: the sm_90 Gluon kernel with the score tile split over the warpgroups (gluon_attn_fwd.py); auto: gluon where
-# it applies (H200, T=32768, H=64: 29.1 ms vs 35.9 for "default"), else "default". (Sessions 3-5 also had Triton
-# variants "splits" / "pf" / "splits_pf*" - the score tile split by scf.if regions, prefetch hints - all slower
-# than "default" on the H200; removed once the Gluon kernel did the split properly: benchmarks/RESULTS.md run 5.)
+# gluon: the sm_90 Gluon kernel with the score tile split over the warpgroups (gluon_attn_fwd.py), the default where
+# it applies (H200, T=32768, H=64: 29.1 ms vs 35.9 for the Triton kernel); elsewhere the Triton kernel ("default").
+# "auto" picks; the others are for tests and benchmarks.
 FWD_VARIANTS = ("auto", "default", "gluon")
-FWD_ENV_VAR = "MOESTACK_DSA_FWD"
 
 
 def padded_dims(V: int, R: int) -> tuple[int, int]:
@@ -180,11 +186,11 @@ def sparse_mqa_fwd(
     """q [B,T,H,D], kv [B,S,D], idx [B,T,K] int32 -> (o [B,T,H,v_dim] q.dtype, lse [B,T,H] fp32).
 
     variant: "default" (the Triton kernel: autotuned, value dims optionally split over programs) or "gluon"
-    (gluon_attn_fwd: sm_90, bf16 / fp16, 512 + 64 latent dims); "auto": "gluon" where it applies, else "default";
-    None reads MOESTACK_DSA_FWD (default "auto")."""
-    variant = variant or os.environ.get(FWD_ENV_VAR, "auto")
+    (gluon_attn_fwd: sm_90, bf16 / fp16, 512 + 64 latent dims); "auto" (None): "gluon" where it applies, else
+    "default"."""
+    variant = variant or "auto"
     if variant not in FWD_VARIANTS:
-        raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS} (argument or {FWD_ENV_VAR})")
+        raise ValueError(f"forward variant '{variant}' is not one of {FWD_VARIANTS}")
     check_inputs(q, kv, idx, v_dim)
     B, T, H, D = q.shape
     if variant in ("auto", "gluon"):  # before the Triton kernels' NaN-poisoned outputs: the Gluon path has its own
@@ -193,8 +199,7 @@ def sparse_mqa_fwd(
             return gluon.sparse_mqa_fwd_gluon(q, kv, idx, v_dim, scale)
         if variant == "gluon":
             raise ValueError(f"forward variant 'gluon' needs an sm_90 GPU, bf16 / fp16 and a 512 + 64 latent (got "
-                             f"{q.device} {q.dtype}, D={D}, v_dim={v_dim}); use 'auto' (or unset "
-                             f"{FWD_ENV_VAR})")  # fmt: skip
+                             f"{q.device} {q.dtype}, D={D}, v_dim={v_dim}); use 'auto'")  # fmt: skip
         variant = "default"
     K = idx.shape[-1]
     q, kv = q.contiguous(), kv.contiguous()

@@ -11,17 +11,16 @@ block at all; this one stays as the simple blockwise baseline and the CPU / inte
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
 from moestack.ops.dsa.triton_attn_fwd import INTERPRET
+from moestack.ops.launch import pruner
 
 CHUNK_BYTES = 1 << 30  # fp32 score block of one chunk of query rows
-TOPK_ENV_VAR = "MOESTACK_DSA_TOPK"  # "auto" (default: fused on a GPU) | "chunked" | "fused" | "fused_fp8"
+TOPK_MODES = ("auto", "chunked", "fused")
 
 
 def _configs():
@@ -33,7 +32,8 @@ def _configs():
     ]
 
 
-@triton.autotune(configs=_configs(), key=["Hi", "DP"], restore_value=["OUT"])
+@triton.autotune(configs=_configs(), key=["Hi", "DP"], restore_value=["OUT"],
+                 prune_configs_by={"early_config_prune": pruner("indexer")})
 @triton.jit(do_not_specialize=["t0", "t1", "Hi"])
 def _indexer_scores_kernel(
     Q, KI, W, DOC, OUT,
@@ -79,23 +79,23 @@ def indexer_topk_triton(
     top_k: int,
     cu_seqlens: torch.Tensor | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    mode: str = "auto",
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded (as the reference).
 
-    MOESTACK_DSA_TOPK = "auto" (default: "fused" on a GPU, "chunked" elsewhere: in the Triton interpreter the
-    fused path's two scoring passes cost more than they save), "chunked" (this function's block + torch.topk),
-    "fused" or "fused_fp8" (triton_indexer_fused: sampled threshold + fused scoring with candidate compaction, no
-    score block in memory; the same selected sets; H200, T = 32768, one run: 17.9 vs 20.3 ms for the chunked path,
-    12.9 ms since with the Gluon candidate pass; benchmarks/RESULTS.md DSA runs 5 and 9)."""
-    mode = os.environ.get(TOPK_ENV_VAR, "auto")
-    if mode not in ("auto", "chunked", "fused", "fused_fp8"):
-        raise ValueError(f"{TOPK_ENV_VAR} = '{mode}' is not one of auto, chunked, fused, fused_fp8")
+    mode "auto": "fused" on a GPU (triton_indexer_fused: sampled threshold + fused scoring with candidate
+    compaction, no score block in memory; the same selected sets; H200, T = 32768: 12.9 ms with the Gluon candidate
+    pass vs 20.3 ms for the chunked path, benchmarks/RESULTS.md DSA runs 5 and 9), "chunked" elsewhere (this
+    function's block + torch.topk: in the Triton interpreter the fused path's two scoring passes cost more than
+    they save). "chunked" / "fused" force one (tests, benchmarks)."""
+    if mode not in TOPK_MODES:
+        raise ValueError(f"indexer top-k mode '{mode}' is not one of {', '.join(TOPK_MODES)}")
     if mode == "auto":
         mode = "fused" if q_idx.is_cuda else "chunked"
-    if mode != "chunked":
+    if mode == "fused":
         from moestack.ops.dsa.triton_indexer_fused import indexer_topk_fused
 
-        return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, fp8=mode == "fused_fp8")
+        return indexer_topk_fused(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T, Hi, Di = q_idx.shape
@@ -131,7 +131,8 @@ def _target_configs():
             triton.Config({"BLOCK_H": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)]  # fmt: skip
 
 
-@triton.autotune(configs=_target_configs(), key=["H", "K", "VP", "RP"])
+@triton.autotune(configs=_target_configs(), key=["H", "K", "VP", "RP"],
+                 prune_configs_by={"early_config_prune": pruner("dsa_target")})
 @triton.jit(do_not_specialize=["T", "H", "K"])
 def _probs_target_kernel(
     Q, KV, IDX, LSE, P,

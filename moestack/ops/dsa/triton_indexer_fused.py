@@ -1,6 +1,5 @@
 """Lightning-indexer top-k without a score block: sampled threshold, fused scoring + compaction, exact top-k of
-the candidates (opt-in: MOESTACK_DSA_TOPK=fused / fused_fp8 routes triton_indexer.indexer_topk_triton, the
-registered "triton" backend, here; or call indexer_topk_fused directly).
+the candidates (the "triton" backend's top-k on a GPU: triton_indexer.indexer_topk_triton routes here).
 
     I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s])     s visible from t (causal, same document)
 
@@ -22,9 +21,9 @@ Per chunk of query rows [t0, t1) (candidate buffers bounded by CHUNK_BYTES):
 
 Cost: the scoring GEMM once (+ 1/STRIDE for the sample), no T x T HBM traffic, a top-k over [T, CAP].
 Scoring tile [BLOCK_T rows, BLOCK_S keys], heads looped: each head's q [BLOCK_T, Di] is read per key tile, so the
-q traffic per FLOP falls with BLOCK_S (64 x 256 at 8 warps: 1 byte per 256 FLOP).
-FP8 (fp8=True): q per (token, head) and k per token scaled to e4m3; ReLU(a . sk) = sk ReLU(a) for the positive
-key scale, so the scales fold into w (per row) and one multiply per key: I = sk[s] sum_j (w sq)[t,j] ReLU(q8.k8).
+q traffic per FLOP falls with BLOCK_S (64 x 256 at 8 warps: 1 byte per 256 FLOP). The candidate pass runs the Gluon
+kernel (gluon_indexer_select.py) where it applies (sm_90, bf16 / fp16, an even number of heads), this Triton kernel
+elsewhere. (An e4m3 scoring mode was removed: README.md.)
 
 Shape legend: B batch, T tokens, R rows of a chunk, Hi indexer heads, Di their dim, K = top_k, CAP candidates.
 """
@@ -32,16 +31,15 @@ Shape legend: B batch, T tokens, R rows of a chunk, Hi indexer heads, Di their d
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from moestack.ops.dsa import reference as ref
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET, autotune_off, gluon_module
+from moestack.ops.dsa.exact_rows import repair_missed_rows
+from moestack.ops.dsa.triton_attn_fwd import INTERPRET, gluon_module
 
-SCORER_ENV_VAR = "MOESTACK_DSA_IDX_SCORER"
 CHUNK_BYTES = 1 << 30  # candidate buffers (8 B per slot) + sample scores of one chunk of query rows
 MODE_DENSE, MODE_SELECT = 0, 1
 
@@ -49,16 +47,19 @@ MODE_DENSE, MODE_SELECT = 0, 1
 def _configs():
     if INTERPRET:
         return [triton.Config({"BLOCK_T": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
-    # sm_90 ptxas (sm90_report.py): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
+    # sm_90 ptxas (benchmarks/tools/dsa_spill_report.py idx): (64, 256) 8 warps spills <= 32 B, the others 150-400 B
     tiles = [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]
-    if autotune_off():
-        tiles = tiles[:1]
     return [triton.Config({"BLOCK_T": bt, "BLOCK_S": bs}, num_warps=w, num_stages=s) for bt, bs, w, s in tiles]
 
 
 def _prune(configs, named_args, **kwargs):
-    """The sampled (dense) pass is 1/STRIDE of the work: its first config only (one compile, no tuning)."""
-    return configs[:1] if kwargs.get("MODE", named_args.get("MODE")) == MODE_DENSE else configs
+    """The configs that fit the device (moestack/ops/launch.py); the sampled (dense) pass is 1/STRIDE of the work:
+    its first fitting config only (one compile, no tuning)."""
+    from moestack.ops.launch import fit_configs
+
+    args = {**named_args, **kwargs}
+    kept = fit_configs(configs, args, "indexer")
+    return kept[:1] if args.get("MODE") == MODE_DENSE else kept
 
 
 # reset_to_zero CNT: each autotuning run appends from slot 0 again. No restore of OUT_S / OUT_I: every run writes
@@ -67,11 +68,11 @@ def _prune(configs, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.jit(do_not_specialize=["t0", "t1", "Hi", "n_cols"])
 def indexer_select_kernel(
-    Q, KI, W, KSCALE, DSTART, THR, CNT, OUT_S, OUT_I,
+    Q, KI, W, DSTART, THR, CNT, OUT_S, OUT_I,
     t0, t1, Hi, n_cols,
-    s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_sb, s_ob, s_or,
+    s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_ob, s_or,
     Di: tl.constexpr, DP: tl.constexpr, KEY_STRIDE: tl.constexpr, MODE: tl.constexpr, CAP: tl.constexpr,
-    HAS_DOC: tl.constexpr, HAS_KSCALE: tl.constexpr,
+    HAS_DOC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Scores of rows [t0, t1) (this program: BLOCK_T of them) against key columns m (this program: BLOCK_S of
@@ -116,8 +117,6 @@ def indexer_select_kernel(
         b_q_next = tl.load(q_base + o_q, mask=mask_q & (j + 1 < Hi), other=0.0)
         b_w_next = tl.load(w_base + b_lr * s_wt, mask=mask_t & (j + 1 < Hi), other=0.0).to(tl.float32)
         b_acc += tl.maximum(tl.dot(b_q, b_kt), 0.0) * b_w[:, None]
-    if HAS_KSCALE:
-        b_acc = b_acc * tl.load(KSCALE + b * s_sb + b_pos, mask=mask_s, other=1.0)[None, :]
     b_vis = (b_pos[None, :] <= b_rows[:, None]) & mask_t[:, None] & mask_s[None, :]
     if HAS_DOC:
         b_vis = b_vis & (b_pos[None, :] >= tl.load(DSTART + b_rows, mask=mask_t, other=0)[:, None])
@@ -231,7 +230,7 @@ def kth_largest(samp: torch.Tensor, kth: torch.Tensor, kernel: bool | None = Non
     return out
 
 
-def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride, mode, cap):
+def _launch(q, k, w, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key_stride, mode, cap):
     B, _, Hi, Di = q.shape
     DP = max(16, triton.next_power_of_2(Di))
 
@@ -243,80 +242,72 @@ def _launch(q, k, w, kscale, dstart, thr, cnt, out_s, out_i, t0, t1, n_cols, key
     f32 = torch.zeros(1, device=q.device, dtype=torch.float32)
     i32 = torch.zeros(1, device=q.device, dtype=torch.int32)
     indexer_select_kernel[grid](
-        q, k, w, f32 if kscale is None else kscale, i32 if dstart is None else dstart,
+        q, k, w, i32 if dstart is None else dstart,
         f32 if thr is None else thr, i32 if cnt is None else cnt, out_s, i32 if out_i is None else out_i,
         t0, t1, Hi, n_cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1),
-        kscale.stride(0) if kscale is not None else 0, out_s.stride(0), out_s.stride(1),
+        out_s.stride(0), out_s.stride(1),
         Di=Di, DP=DP, KEY_STRIDE=key_stride, MODE=mode, CAP=cap, HAS_DOC=dstart is not None,
-        HAS_KSCALE=kscale is not None,
     )  # fmt: skip
 
 
-def quantize_fp8(q_idx, k_idx, w):
-    """e4m3 q (per token and head) and k (per token) with the scales folded: returns (q8, k8, w * sq, sk)."""
-    f8 = torch.float8_e4m3fn
-    fmax = torch.finfo(f8).max
-    sq = q_idx.float().abs().amax(-1).clamp_min(1e-12) / fmax  # [B,T,Hi]
-    sk = k_idx.float().abs().amax(-1).clamp_min(1e-12) / fmax  # [B,T]
-    q8 = (q_idx.float() / sq[..., None]).to(f8)
-    k8 = (k_idx.float() / sk[..., None]).to(f8)
-    return q8, k8, (w.float() * sq).contiguous(), sk.contiguous()
-
-
 @torch.no_grad()
+def sampling_stride(cap: int) -> int:
+    """Every stride-th key scored for the threshold: a row just over `cap` visible keys gets >= 64 samples (at
+    top-16 a stride of 16 left 2-4 samples per row and a third of the rows missed their threshold), at most 16."""
+    return max(1, min(16, cap // 64))
+
+
 def indexer_topk_fused(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
     w: torch.Tensor,
     top_k: int,
     cu_seqlens: torch.Tensor | None = None,
-    stride: int = 16,
+    stride: int | None = None,
     margin: float = 1.5,
     cap: int | None = None,
-    fp8: bool = False,
     select: str = "triton",
     chunk_bytes: int = CHUNK_BYTES,
     stats: dict | None = None,
     scorer: str | None = None,
+    fallback_capacity: int | None = None,
 ) -> torch.Tensor:
     """q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] -> idx [B,T,top_k] int32, -1 padded: the selected set of
-    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass; margin: expected
-    candidates per row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); fp8: e4m3 scoring
-    (approximate scores, so near-tie selections may differ from bf16); select: "triton" (topk_select_kernel,
-    slots in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference).
-    stats (optional dict) receives the number of rows recomputed exactly ("fallback_rows"). scorer: the candidate
-    pass's kernel, "triton" (indexer_select_kernel), "gluon" (gluon_indexer_select: sm_90, bf16 / fp16, even head
-    count; H200: 168 vs 207 ms at T = 131072, the same selection) or "auto" (gluon where it applies); None reads
-    MOESTACK_DSA_IDX_SCORER (default "auto")."""
+    reference.indexer_topk_from_inputs. stride: key sampling step of the threshold pass (default sampling_stride:
+    16 at K3's top-2048, denser for small top-k, whose rows would see too few samples); margin: expected candidates per
+    row / top_k; cap: candidate slots per row (default 2 top_k, >= top_k); select: "triton" (topk_select_kernel, slots
+    in candidate order, not sorted by score) or "torch" (torch.topk, descending as the reference). stats (optional dict)
+    receives the rows whose threshold missed ("fallback_rows", recomputed exactly) and those of them beyond the exact
+    fallback's capacity ("fallback_overflow"), device scalars; fallback_capacity: rows recomputed at most (default
+    exact_rows.fallback_capacity). scorer: the candidate pass's kernel, "triton" (indexer_select_kernel), "gluon"
+    (gluon_indexer_select: sm_90, bf16 / fp16, even head count; H200: 168 vs 207 ms at T = 131072, the same selection)
+    or "auto" / None (gluon where it applies)."""
     if q_idx.dim() != 4 or k_idx.dim() != 3 or w.dim() != 3:
         raise ValueError("q_idx [B,T,Hi,Di], k_idx [B,T,Di], w [B,T,Hi] expected")
     B, T = q_idx.shape[:2]
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens (packed documents) needs batch size 1, got B = {B}")
     cap = cap or 2 * top_k
+    stride = stride or sampling_stride(cap)
     if select not in ("triton", "torch"):
         raise ValueError(f"select = '{select}' is not one of triton, torch")
-    scorer = scorer or os.environ.get(SCORER_ENV_VAR, "auto")
+    scorer = scorer or "auto"
     if scorer not in ("auto", "triton", "gluon"):
-        raise ValueError(f"scorer = '{scorer}' is not one of auto, triton, gluon (argument or {SCORER_ENV_VAR})")
+        raise ValueError(f"scorer = '{scorer}' is not one of auto, triton, gluon")
     if cap < top_k or stride < 1 or margin <= 0:
         raise ValueError(f"need cap >= top_k, stride >= 1, margin > 0; got cap={cap}, stride={stride}, "
                          f"margin={margin}")  # fmt: skip
     dev = q_idx.device
-    if fp8:
-        q, k, wq, kscale = quantize_fp8(q_idx, k_idx, w)
-    else:
-        q, k, wq, kscale = q_idx.contiguous(), k_idx.to(q_idx.dtype).contiguous(), w.contiguous(), None
+    q, k, wq = q_idx.contiguous(), k_idx.to(q_idx.dtype).contiguous(), w.contiguous()
     gluon_select = None  # the Gluon candidate pass (gluon_indexer_select), where it applies and is asked for
     if scorer in ("auto", "gluon"):
         gluon_select = gluon_module("gluon_indexer_select")
-        if gluon_select is not None and not gluon_select.applies(q, k, kscale):
+        if gluon_select is not None and not gluon_select.applies(q, k):
             gluon_select = None
         if scorer == "gluon" and gluon_select is None:
-            raise ValueError(f"scorer 'gluon' needs an sm_90 GPU, bf16 / fp16 (not fp8) and an even number of heads "
-                             f"of 64 / 128 / 256 dims (got {q.device} {q.dtype}, q {tuple(q.shape)}, fp8={fp8}); "
-                             f"use scorer='auto' (or unset {SCORER_ENV_VAR})")  # fmt: skip
+            raise ValueError(f"scorer 'gluon' needs an sm_90 GPU, bf16 / fp16 and an even number of heads of 64 / "
+                             f"128 / 256 dims (got {q.device} {q.dtype}, q {tuple(q.shape)}); use scorer='auto'")
     pos_T = torch.arange(T, device=dev)
     if cu_seqlens is None:
         dstart = None
@@ -338,7 +329,7 @@ def indexer_topk_fused(
         if t1 > cap:  # some row of the chunk may see more than cap keys: sampled threshold
             n_cols = (t1 - 1) // stride + 1
             samp = torch.full((B, R, n_cols), float("-inf"), device=dev, dtype=torch.float32)
-            _launch(q, k, wq, kscale, dstart, None, None, samp, None, t0, t1, n_cols, stride, MODE_DENSE, cap)
+            _launch(q, k, wq, dstart, None, None, samp, None, t0, t1, n_cols, stride, MODE_DENSE, cap)
             n_samp = n_samp_T[t0:t1]
             r = torch.ceil(margin * top_k * n_samp.double() / n_vis.double()).long().clamp(1, r_bound)
             r = torch.minimum(r, n_samp.clamp_min(1))
@@ -355,7 +346,7 @@ def indexer_topk_fused(
         if gluon_select is not None:
             gluon_select.launch_select(q, k, wq, dstart, thr, cnt, cand_s, cand_i, t0, t1, cap)
         else:
-            _launch(q, k, wq, kscale, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
+            _launch(q, k, wq, dstart, thr, cnt, cand_s, cand_i, t0, t1, t1, 1, MODE_SELECT, cap)
         if select == "torch":
             vals, slot = cand_s.topk(top_k, dim=-1)  # descending
             idx = cand_i.gather(-1, slot).masked_fill(vals == float("-inf"), -1)
@@ -369,49 +360,10 @@ def indexer_topk_fused(
         del cand_s, cand_i
         bads.append((cnt > cap) | (cnt < n_vis.clamp_max(top_k).to(torch.int32)))  # threshold missed
         out.append(idx)
-    idx = torch.cat(out, dim=1)
-    bad_rows = torch.cat(bads, dim=1).nonzero()  # [n, 2] (b, t); the one host sync
-    if len(bad_rows):
-        idx[bad_rows[:, 0], bad_rows[:, 1]] = _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k)
+    idx, missed, overflow = repair_missed_rows(torch.cat(out, dim=1), torch.cat(bads, dim=1), q_idx, k_idx, w,
+                                               start_T, fallback_capacity)  # no host sync (exact_rows.py)
     if stats is not None:
-        stats["fallback_rows"] = len(bad_rows)
+        stats["fallback_rows"], stats["fallback_overflow"] = missed, overflow
     return idx
 
 
-def _exact_rows(q_idx, k_idx, w, bad_rows, start_T, top_k, block_bytes: int = 1 << 28):
-    """Exact top-k of the listed rows (bad_rows [n, 2] = (b, t)) over all visible keys, fp32; a block of rows holds
-    its [rows, keys, Hi] fp32 products (<= block_bytes)."""
-    out = []
-    Hi = q_idx.shape[2]
-    rows_per_block = max(1, block_bytes // (4 * Hi * (int(bad_rows[:, 1].max()) + 1)))
-    for i in range(0, len(bad_rows), rows_per_block):
-        br = bad_rows[i : i + rows_per_block]
-        b, t = br[:, 0], br[:, 1]
-        s_max = int(t.max()) + 1
-        dots = torch.einsum("nhd,nsd->nsh", q_idx[b, t].float(), k_idx[b, :s_max].float())  # [n, S, Hi]
-        I = torch.einsum("nsh,nh->ns", dots.relu(), w[b, t].float())
-        keys = torch.arange(s_max, device=t.device)
-        vis = (keys[None, :] <= t[:, None]) & (keys[None, :] >= start_T[t][:, None])
-        out.append(ref.indexer_topk(I.masked_fill(~vis, float("-inf"))[None], top_k)[0])
-    return torch.cat(out, 0)
-
-
-def sm90_report(compile_one) -> None:
-    """sm90_report.py hook: compile the scoring kernel's GPU configs in both modes (bf16 and fp8 inputs)."""
-    scal = {n: "i32" for n in ("t0", "t1", "Hi", "n_cols", "s_qb", "s_qt", "s_qh", "s_kb", "s_ks", "s_wb", "s_wt",
-                                "s_sb", "s_ob", "s_or")}  # fmt: skip
-    if os.environ.get("ONLY", "") in "topk select":
-        compile_one("topk select CAP4096", topk_select_kernel, {"CS": "*fp32", "CI": "*i32", "CNT": "*i32",
-                    "OUT": "*i32"}, {"CAP": 4096, "BLOCK": 4096}, {n: "i32" for n in ("R", "K", "s_cb", "s_cr",
-                    "s_ob", "s_or")}, 8, 1)  # fmt: skip
-    for dt in ("*bf16", "*fp8e4nv"):
-        ptr = {"Q": dt, "KI": dt, "W": "*fp32", "KSCALE": "*fp32", "DSTART": "*i32", "THR": "*fp32", "CNT": "*i32",
-               "OUT_S": "*fp32", "OUT_I": "*i32"}  # fmt: skip
-        for mode in (MODE_SELECT, MODE_DENSE):
-            for cfg in _configs():
-                kw = cfg.kwargs
-                consts = {"Di": 128, "DP": 128, "KEY_STRIDE": 1 if mode else 16, "MODE": mode, "CAP": 4096,
-                          "HAS_DOC": False, "HAS_KSCALE": dt != "*bf16", **kw}  # fmt: skip
-                label = f"indexer {dt[1:]} mode{mode} T{kw['BLOCK_T']} S{kw['BLOCK_S']}"
-                if os.environ.get("ONLY", "") in label:  # e.g. ONLY="bf16 mode1"
-                    compile_one(label, indexer_select_kernel, ptr, consts, scal, cfg.num_warps, cfg.num_stages)

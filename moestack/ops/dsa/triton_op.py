@@ -3,21 +3,16 @@
     sparse_mqa_attention_triton(q, kv, idx, v_dim, scale, dkv_mode=None)  ->  (o, lse)
 
 Forward saves q, kv, idx, o and lse (no [T, K] intermediates); backward rebuilds P from lse. Both outputs are
-differentiable (the lse gradient folds into Delta). dkv_mode picks the backward's dKV scatter ("atomic",
-"atomic_split", "kmajor", the two-pass "kmajor_ds", or the deterministic "sorted" / "sorted_ds"; see
-triton_attn_bwd); the environment variable MOESTACK_DSA_DKV sets the default.
+differentiable (the lse gradient folds into Delta). dkv_mode picks the backward's dKV scatter (triton_attn_bwd):
+"kmajor_ds" (atomics), or under torch.use_deterministic_algorithms(True) "sorted_ds" (a sorted segment sum).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moestack.ops.dsa.triton_attn_bwd import DKV_MODES, sparse_mqa_bwd
-from moestack.ops.dsa.triton_attn_fwd import INTERPRET, sparse_mqa_fwd
-
-DKV_ENV_VAR = "MOESTACK_DSA_DKV"
+from moestack.ops.dsa.triton_attn_fwd import sparse_mqa_fwd
 
 
 class _SparseMQAttention(torch.autograd.Function):
@@ -38,11 +33,9 @@ class _SparseMQAttention(torch.autograd.Function):
 
 
 def dkv_mode_default() -> str:
-    """The backward's dKV mode when none is passed: $MOESTACK_DSA_DKV, else the two-pass backward (H200, T=32768,
-    H=64: 101 ms vs 270 for "atomic"), or under torch.use_deterministic_algorithms(True) its sorted form (212 ms),
-    the deterministic one without float atomics."""
-    default = "sorted_ds" if torch.are_deterministic_algorithms_enabled() else "kmajor_ds"
-    return os.environ.get(DKV_ENV_VAR, default)
+    """The backward's dKV mode when none is passed: the two-pass backward with atomics (H200, T=32768, H=64: 101 ms),
+    or under torch.use_deterministic_algorithms(True) its sorted form (212 ms), without float atomics."""
+    return "sorted_ds" if torch.are_deterministic_algorithms_enabled() else "kmajor_ds"
 
 
 def sparse_mqa_attention_triton(
@@ -60,17 +53,12 @@ def sparse_mqa_attention_triton(
     """
     mode = dkv_mode or dkv_mode_default()
     if mode not in DKV_MODES:
-        raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES} (argument or {DKV_ENV_VAR})")
+        raise ValueError(f"dkv_mode '{mode}' is not one of {DKV_MODES}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} is not supported by the Triton DSA kernels; use fp32, fp16 or bf16")
     if kv.dtype != q.dtype:  # e.g. a bf16 query (autocast matmul) against an fp32 normalised latent
         kv = kv.to(q.dtype)
     return _SparseMQAttention.apply(q, kv, idx, v_dim, scale, mode)
-
-
-def triton_available(q: torch.Tensor) -> bool:
-    """CUDA tensors, or any tensor when the kernels were built for the interpreter (TRITON_INTERPRET=1)."""
-    return (q.is_cuda or INTERPRET) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 def indexer_topk_triton(q_idx, k_idx, w, top_k, cu_seqlens=None):

@@ -1,27 +1,25 @@
-"""KDA op: `chunk_kda` dispatches to a registered backend.
+"""KDA op: `chunk_kda` runs one backend of REGISTRY (moestack/ops/backends.py).
 
-Backends (see README.md):
-    "reference"  kda_chunked_reference, pure PyTorch, always available (CPU training fallback)
-    "fla"        fla.ops.kda.chunk_kda, only when `fla` is importable (a public anchor for benchmarks)
-    "triton"     ours (triton_op.py registers itself; imported lazily on first dispatch, see _LAZY_BACKENDS)
+Backends (README.md):
+    "triton"     ours (triton_op.py, imported on first use): the default on CUDA for K, V <= 256
+    "reference"  kda_chunked_reference, pure PyTorch, every device and dtype (CPU training, fp64 checks)
+    "fla"        fla.ops.kda.chunk_kda where `fla` is installed: a public anchor for benchmarks, only when named
 
-Selection: the explicit `backend` argument, else the env var MOESTACK_KDA_BACKEND, else the first backend of
-AUTO_ORDER that is available and supports the inputs.
+`backend` None / "auto": a `moestack tune` choice for the shape, else the first of triton, reference that takes the
+inputs. The model's choice comes from KernelSpec.kda.backend (KDAAttention.kda_backend, set at build time).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from moestack.ops import tuned
+from moestack.ops.backends import Backend, ReferenceBackend, Registry
 from moestack.ops.opaque import opaque
-
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
     kda_gate_k3,
@@ -30,99 +28,106 @@ from moestack.ops.kda.reference import (
 )
 
 __all__ = [
-    "AUTO_ORDER",
-    "ENV_VAR",
+    "REGISTRY",
     "chunk_kda",
     "kda_chunked_reference",
     "kda_gate_k3",
     "kda_gate_kimi_linear",
     "kda_recurrent_reference",
-    "register_backend",
     "registered_backends",
     "resolve_backend",
 ]
 
-ENV_VAR = "MOESTACK_KDA_BACKEND"
-# "triton" first: it is picked for CUDA inputs (triton_supports). It was opt-in for a while after in-model bf16
-# training went non-finite on the H200 (2026-11-29); the cause was the power-series triangular inverse, which
-# loses every digit for correlated keys (tests/ops/test_kda_triton.py::test_correlated_keys_weak_gates).
-AUTO_ORDER = ("triton", "reference")
 
-# fn(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size) -> (o, final_state)
-KDAFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
-
-
-@dataclass(frozen=True)
-class _Backend:
-    fn: KDAFn
-    available: Callable[[], bool]  # installed / importable at all
-    supports: Callable[[torch.Tensor], bool] | None  # can it run these inputs (device, dtype)? None = any
+def triton_runs_on(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None: a GPU, or the interpreter for CPU tensors)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if device.type == "cuda" or (device.type == "cpu" and _interpret()):
+        return None
+    return f"the Triton kernels need a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs them on CPU for tests)"
 
 
-_BACKENDS: dict[str, _Backend] = {}
+def _interpret() -> bool:
+    from moestack.ops.launch import interpret
+
+    return interpret()
 
 
-def _triton_may_run() -> bool:
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+def fixed_smem_bytes(K: int, elt: int = 2) -> int:
+    """Shared memory of the largest fixed-config kernel (K1, B3a, B3b) at head dim K, as compiled for sm_90 by
+    Triton 3.6 with 2-byte intermediates (benchmarks/tools/launch_fit_check.py: 69632 B up to K = 128, B3a's
+    81920 B at 256), scaled for wider ones. The autotuned K2 / B2 prune their own configs (moestack/ops/launch.py)."""
+    return (69632 if K <= 128 else 81920) * elt // 2
 
 
-# Backends whose module registers itself on import: name -> (module, package it needs, may it run here?).
-# Imported on first use, not at package import (so TRITON_INTERPRET set by a test module is seen before kernels
-# are decorated), and only where they can run (or when asked for by name): importing the Triton kernels on a
-# machine without a GPU would switch the whole process to the slow Triton interpreter.
-_LAZY_BACKENDS = {"triton": ("moestack.ops.kda.triton_op", "triton", _triton_may_run)}
+class TritonKDA(Backend):
+    """Our Triton kernels (triton_op.py). Imported on first call, so a test's TRITON_INTERPRET is seen first."""
+
+    name = "triton"
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return triton_runs_on(device)
+
+    def verify(self, lead: torch.Tensor) -> str | None:
+        if lead.shape[-1] > 256:
+            return f"head dim {lead.shape[-1]} > 256"
+        if lead.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"dtype {lead.dtype} (fp32 / bf16 / fp16 only)"
+        if lead.is_cuda:
+            from moestack.ops.launch import fits
+
+            need = fixed_smem_bytes(lead.shape[-1], lead.element_size())
+            if not fits(need, lead.device, warps=8):
+                return f"its fixed-config kernels need {need} B of shared memory per block, more than this GPU has"
+        return self.unavailable(lead.device)
+
+    def fn(self, q, k, v, g, beta, **kw):
+        return importlib.import_module("moestack.ops.kda.triton_op").kda_triton(q, k, v, g, beta, **kw)
 
 
-def _load_lazy_backends(force: str | None = None) -> None:
-    for name, (module, needs, may_run) in _LAZY_BACKENDS.items():
-        if name in _BACKENDS or importlib.util.find_spec(needs) is None:
-            continue
-        if name == force or may_run():
-            importlib.import_module(module)
+class FlaKDA(Backend):
+    """fla's chunk_kda (the public anchor of benchmarks/kda.py); never picked by "auto"."""
+
+    name = "fla"
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if importlib.util.find_spec("fla") is None:
+            return "fla is not installed (pip install flash-linear-attention)"
+        return None if device.type == "cuda" else "fla runs on CUDA only"
+
+    def picks(self, lead: torch.Tensor) -> bool:
+        return False
+
+    def prefers(self, device: torch.device) -> bool:
+        return False
+
+    def fn(self, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+        from fla.ops.kda import chunk_kda as fla_chunk_kda  # optional dependency
+
+        del chunk_size  # fla picks its own (64)
+        if initial_state is not None:
+            initial_state = initial_state.float()  # fla keeps the recurrent state in fp32
+        return fla_chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state,
+                             cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
 
 
-def register_backend(
-    name: str,
-    fn: KDAFn,
-    available: Callable[[], bool],
-    supports: Callable[[torch.Tensor], bool] | None = None,
-) -> None:
-    """Register (or replace) a backend.
-
-    fn is called as fn(q, k, v, g, beta, scale=, initial_state=, output_final_state=, cu_seqlens=, chunk_size=)
-    with the shapes of `chunk_kda` and returns (o [B, T, H, V], final_state [N, H, K, V] fp32 or None); it may
-    ignore chunk_size (a tuning knob, not part of the math). `available()` says whether it can run at all;
-    `supports(q)` (optional) whether it can run these inputs; auto-selection skips it when either is False.
-    """
-    _BACKENDS[name] = _Backend(fn, available, supports)
+REGISTRY = Registry("KDA", tuned_op="kda")
+REGISTRY.register(TritonKDA())
+REGISTRY.register(FlaKDA())
+REGISTRY.register(ReferenceBackend(kda_chunked_reference))
 
 
 def registered_backends() -> list[str]:
-    _load_lazy_backends()
-    return sorted(_BACKENDS)
+    return sorted(REGISTRY.names())
 
 
 def resolve_backend(backend: str | None = None, q: torch.Tensor | None = None) -> str:
-    """The backend `chunk_kda` would use: explicit name > $MOESTACK_KDA_BACKEND > first usable of AUTO_ORDER."""
-    name = backend or os.environ.get(ENV_VAR) or None
-    _load_lazy_backends(force=name)
-    if name is not None:
-        if name not in _BACKENDS:
-            source = "backend argument" if backend else f"${ENV_VAR}"
-            raise ValueError(f"unknown KDA backend '{name}' ({source}); valid: {', '.join(registered_backends())}")
-        if not _BACKENDS[name].available():
-            raise RuntimeError(f"KDA backend '{name}' is registered but not available here (not installed?)")
-        return name
-    if q is not None:  # a choice measured by `moestack tune` at this shape wins over the fixed order
-        choice = tuned.lookup("kda", tuned.kda_key(q), q.device)
-        b = _BACKENDS.get(choice) if choice else None
-        if b is not None and b.available() and (b.supports is None or b.supports(q)):
-            return choice
-    for cand in AUTO_ORDER:
-        b = _BACKENDS.get(cand)
-        if b is not None and b.available() and (q is None or b.supports is None or b.supports(q)):
-            return cand
-    raise RuntimeError(f"no KDA backend of {AUTO_ORDER} is usable; registered: {registered_backends()}")
+    """The backend `chunk_kda` would use for q (default: a bf16 probe of head dim 128 on the current device)."""
+    if q is None:
+        q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    return REGISTRY.pick(backend, q, lambda: tuned.kda_key(q)).name
 
 
 @opaque
@@ -143,23 +148,14 @@ def chunk_kda(
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0, already activated); beta: [B, T, H].
     scale defaults to K ** -0.5; initial_state [N, H, K, V]; cu_seqlens int [N + 1] offsets (B == 1).
-    Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V] fp32 or None).
+    backend: a REGISTRY name, or None / "auto". Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V]
+    fp32 or None).
     """
     if is_fake(q):
         return _shapes_only(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
-    name = resolve_backend(backend, q)
-    return _BACKENDS[name].fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
+    b = REGISTRY.pick(backend, q, lambda: tuned.kda_key(q))
+    return b.fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
 def _shapes_only(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
@@ -174,33 +170,3 @@ def _shapes_only(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     S = torch.einsum("bthk,bthv->bhkv", k.float(), v.float()).sum(0, keepdim=True).expand(N, H, K, v.shape[-1])
     return o, S + initial_state.float() if initial_state is not None else S
-
-
-# ---- built-in backends -----------------------------------------------------------------------------------------
-
-
-def _fla_available() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
-def _fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    from fla.ops.kda import chunk_kda as fla_chunk_kda  # imported lazily: optional dependency
-
-    del chunk_size  # fla picks its own (64)
-    if initial_state is not None:
-        initial_state = initial_state.float()  # fla keeps the recurrent state in fp32
-    return fla_chunk_kda(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
-    )
-
-
-register_backend("reference", kda_chunked_reference, available=lambda: True)
-register_backend("fla", _fla_chunk_kda, available=_fla_available, supports=lambda q: q.is_cuda)

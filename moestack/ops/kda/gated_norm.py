@@ -16,6 +16,9 @@ import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
 from moestack.ops import custom_ops
+from moestack.ops.launch import pruner
+
+_prune = {"early_config_prune": pruner("tile")}  # [BR, BV] fp32 tiles: shared memory only for the row sums
 
 __all__ = ["gated_rmsnorm", "gated_rmsnorm_reference"]
 
@@ -43,7 +46,7 @@ def _gate(z, ACT: tl.constexpr):
 
 
 @triton.autotune(configs=_configs([triton.Config({"BR": 32}, num_warps=4), triton.Config({"BR": 64}, num_warps=8)]),
-                 key=["V", "ACT"])
+                 key=["V", "ACT"], prune_configs_by=_prune)
 @triton.jit
 def gated_rmsnorm_fwd_kernel(o, z, w, y, R, eps, V: tl.constexpr, BV: tl.constexpr, ACT: tl.constexpr,
                              BR: tl.constexpr):
@@ -62,7 +65,7 @@ def gated_rmsnorm_fwd_kernel(o, z, w, y, R, eps, V: tl.constexpr, BV: tl.constex
 # reset_to_zero: pdw has a row per 32-row block; a BR=64 run writes only the first half, so rows an earlier
 # autotuning run (BR=32) wrote must not survive into the caller's sum.
 @triton.autotune(configs=_configs([triton.Config({"BR": 32}, num_warps=4), triton.Config({"BR": 64}, num_warps=8)]),
-                 key=["V", "ACT"], reset_to_zero=["pdw"])
+                 key=["V", "ACT"], reset_to_zero=["pdw"], prune_configs_by=_prune)
 @triton.jit
 def gated_rmsnorm_bwd_kernel(o, z, w, dy, do, dz, pdw, R, eps, V: tl.constexpr, BV: tl.constexpr,
                              ACT: tl.constexpr, BR: tl.constexpr):

@@ -4,18 +4,15 @@
 
 pos[t] is the position of token t inside its packed document (None: one document per row), so a tap never reads
 the previous document. `short_conv_silu_reference` is the spec (the same sums as `model.kda.ShortConv`);
-`short_conv_silu` runs one Triton kernel forward and, backward, either two (`"two_pass"`: dz and the dw partials,
-then dx from dz; each x tile loaded W times) or one (`"fused"`: dz recomputed at W row shifts, W^2 tile loads and
-~20 KB of register spills per thread at BT 64 x BC 128 on sm_90: 0.79x torch at 1x32768x4096). Nothing is saved
-but x. The PyTorch form makes ~3W elementwise passes each way and keeps W shifted copies of x for backward.
-Backward switch: `bwd=` argument, else $MOESTACK_SHORTCONV_BWD (read per call), else `DEFAULT_BWD`.
+`short_conv_silu` runs one Triton kernel forward and two backward (dz and the dw partials, then dx from dz; each x
+tile loaded W times). Nothing is saved but x. The PyTorch form makes ~3W elementwise passes each way and keeps W
+shifted copies of x for backward. (A single-kernel backward, dz recomputed at W row shifts, spilled ~20 KB per
+thread and ran 0.79x torch; it was removed: README.md.)
 
 Shape legend: B batch, T tokens, C channels, W taps (kernel width).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +20,13 @@ import triton
 import triton.language as tl
 
 from moestack.ops.kda.triton_fwd import _configs
+from moestack.ops.launch import pruner
 from moestack.ops.opaque import opaque
+
+_prune = {"early_config_prune": pruner("tile")}  # fixed [BT, BC] fp32 tiles, no dots
 
 __all__ = ["short_conv_silu", "short_conv_silu_reference"]
 
-BWD_VARIANTS = ("fused", "two_pass")
-DEFAULT_BWD = "two_pass"  # H200 2026-11-29, 1x32768x4096: fwd+bwd 2.88 ms vs fused 7.46 vs torch 6.07
 DW_ROWS = 32  # rows per dw partial in the two-pass backward (fixed: the partials' shape must not depend on tuning)
 
 
@@ -68,7 +66,8 @@ def _conv_pre(x, w, pos, i_b, t_rows, o_c, T, C, W: tl.constexpr, HAS_POS: tl.co
 
 
 @triton.autotune(configs=_configs([triton.Config({"BT": 64, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"])
+                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                BT: tl.constexpr, BC: tl.constexpr):
@@ -81,59 +80,11 @@ def short_conv_silu_fwd_kernel(x, w, pos, y, T, C, W: tl.constexpr, HAS_POS: tl.
              (z * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
 
 
-# reset_to_zero: pdw has a row block per 32 rows; a BT=64 run writes only the first half, so rows an earlier
-# autotuning run (BT=32) wrote must not survive into the caller's sum.
-@triton.autotune(configs=_configs([triton.Config({"BT": 64, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 32, "BC": 256}, num_warps=4)]), key=["C", "W"],
-                 reset_to_zero=["pdw"])
-@triton.jit
-def short_conv_silu_bwd_kernel(x, w, pos, dy, dx, pdw, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
-                               BT: tl.constexpr, BC: tl.constexpr):
-    """dz = dy * silu'(z) (z recomputed); dx[t] = sum_j w[W-1-j] dz[t+j] [pos[t+j] >= j];
-    pdw[block, b, W-1-j, c] = sum over this block's rows t of dz[t] x[t-j] [pos[t] >= j] (summed by the caller)."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t_rows = i_t * BT + tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    m_rows = t_rows < T
-    b_dx = tl.zeros([BT, BC], tl.float32)
-    for j in tl.static_range(W):
-        t_j = t_rows + j  # the rows whose tap j reads row t
-        m_j = t_j < T
-        z = _conv_pre(x, w, pos, i_b, t_j, o_c, T, C, W, HAS_POS, BT, BC)
-        b_dy = tl.load(dy + (i_b * T + t_j).to(tl.int64)[:, None] * C + o_c[None, :],
-                       mask=m_j[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        s = tl.sigmoid(z)
-        dz = b_dy * s * (1.0 + z * (1.0 - s))
-        m_tap = m_j & m_rows
-        if HAS_POS:
-            m_tap = m_tap & (tl.load(pos + t_j, mask=m_j, other=0) >= j)
-        b_w = tl.load(w + o_c * W + (W - 1 - j), mask=m_c, other=0.0).to(tl.float32)
-        b_dx += tl.where(m_tap[:, None], dz, 0.0) * b_w[None, :]
-    # dz at this block's own rows again (cheaper than keeping it live), for the weight gradient.
-    z0 = _conv_pre(x, w, pos, i_b, t_rows, o_c, T, C, W, HAS_POS, BT, BC)
-    s0 = tl.sigmoid(z0)
-    dz0 = tl.load(dy + (i_b * T + t_rows).to(tl.int64)[:, None] * C + o_c[None, :],
-                  mask=m_rows[:, None] & m_c[None, :], other=0.0).to(tl.float32) * s0 * (1.0 + z0 * (1.0 - s0))
-    if HAS_POS:
-        p0 = tl.load(pos + t_rows, mask=m_rows, other=0)
-    for j in tl.static_range(W):
-        t_src = t_rows - j
-        m = m_rows & (t_src >= 0)
-        if HAS_POS:
-            m = m & (p0 >= j)
-        b_x = tl.load(x + (i_b * T + t_src).to(tl.int64)[:, None] * C + o_c[None, :],
-                      mask=m[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        n_b = tl.num_programs(2)
-        tl.store(pdw + ((i_t * n_b + i_b) * W + (W - 1 - j)).to(tl.int64) * C + o_c, tl.sum(dz0 * b_x, 0), mask=m_c)
-    tl.store(dx + (i_b * T + t_rows).to(tl.int64)[:, None] * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
-             mask=m_rows[:, None] & m_c[None, :])
-
-
 # 16 fp32 elements per thread per tile: ptxas hoists the W tile loads (more bytes in flight), <= ~130 registers.
 @triton.autotune(configs=_configs([triton.Config({"BC": 128}, num_warps=8),
                                    triton.Config({"BC": 64}, num_warps=4),
-                                   triton.Config({"BC": 256}, num_warps=8)]), key=["C", "W"])
+                                   triton.Config({"BC": 256}, num_warps=8)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_bwd_dz_kernel(x, w, pos, dy, dz, pdw, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                   BT: tl.constexpr, BC: tl.constexpr):
@@ -167,7 +118,8 @@ def short_conv_silu_bwd_dz_kernel(x, w, pos, dy, dz, pdw, T, C, W: tl.constexpr,
 
 @triton.autotune(configs=_configs([triton.Config({"BT": 32, "BC": 128}, num_warps=8),
                                    triton.Config({"BT": 16, "BC": 128}, num_warps=4),
-                                   triton.Config({"BT": 64, "BC": 128}, num_warps=8)]), key=["C", "W"])
+                                   triton.Config({"BT": 64, "BC": 128}, num_warps=8)]), key=["C", "W"],
+                 prune_configs_by=_prune)
 @triton.jit
 def short_conv_silu_bwd_dx_kernel(dz, w, pos, dx, T, C, W: tl.constexpr, HAS_POS: tl.constexpr,
                                   BT: tl.constexpr, BC: tl.constexpr):
@@ -207,33 +159,9 @@ def _bwd_two_pass(x, w, pos, dy):
     return dx, pdw.sum((0, 1)).t()
 
 
-def _bwd_fused(x, w, pos, dy):
-    """dx, dw (fp32 [C, W]) through the single recomputing kernel."""
-    B, T, C = x.shape
-    W = w.shape[-1]
-    dx = torch.empty_like(x)
-    n_blocks = triton.cdiv(T, 32)  # the smallest BT of the configs bounds the number of row blocks
-    pdw = torch.zeros(n_blocks, B, W, C, device=x.device, dtype=torch.float32)
-
-    def grid(meta):
-        return (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)
-
-    short_conv_silu_bwd_kernel[grid](x, w, x if pos is None else pos, dy, dx, pdw, T, C, W=W,
-                                     HAS_POS=pos is not None)
-    return dx, pdw.sum((0, 1)).t()
-
-
-def _pick_bwd(bwd: str | None) -> str:
-    bwd = bwd or os.environ.get("MOESTACK_SHORTCONV_BWD") or DEFAULT_BWD
-    if bwd not in BWD_VARIANTS:
-        raise ValueError(f"short conv backward variant {bwd!r} is unknown: use one of {BWD_VARIANTS} "
-                         f"(argument bwd= or $MOESTACK_SHORTCONV_BWD)")
-    return bwd
-
-
 class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, pos, bwd):
+    def forward(ctx, x, w, pos):
         B, T, C = x.shape
         W = w.shape[-1]
         x_c, w_c = x.contiguous(), w.reshape(C, W).contiguous()
@@ -246,26 +174,23 @@ class _ShortConvSiLU(torch.autograd.Function):
         short_conv_silu_fwd_kernel[grid](x_c, w_c, x_c if pos_c is None else pos_c, y, T, C, W=W,
                                          HAS_POS=pos_c is not None)
         ctx.save_for_backward(x_c, w_c, pos_c)
-        ctx.w_shape, ctx.bwd = w.shape, bwd
+        ctx.w_shape = w.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w, pos = ctx.saved_tensors
-        run = _bwd_two_pass if ctx.bwd == "two_pass" else _bwd_fused
-        dx, dw_CW = run(x, w, pos, dy.contiguous())
-        return dx, dw_CW.reshape(ctx.w_shape).to(w.dtype), None, None
+        dx, dw_CW = _bwd_two_pass(x, w, pos, dy.contiguous())
+        return dx, dw_CW.reshape(ctx.w_shape).to(w.dtype), None
 
 
 @opaque
-def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None,
-                    bwd: str | None = None) -> torch.Tensor:
+def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None) -> torch.Tensor:
     """Fused silu(causal depthwise conv) (module docstring). x [B, T, C] (CUDA, or CPU under TRITON_INTERPRET=1);
-    w [C, W] or [C, 1, W] (nn.Conv1d layout), any float dtype (gradient in w's dtype); pos [T] int or None;
-    bwd: backward kernels, "fused" or "two_pass" (None: $MOESTACK_SHORTCONV_BWD, else DEFAULT_BWD).
+    w [C, W] or [C, 1, W] (nn.Conv1d layout), any float dtype (gradient in w's dtype); pos [T] int or None.
     Computes in fp32, returns x's dtype."""
     if x_BTC.dim() != 3:
         raise ValueError(f"x_BTC must be [B, T, C], got shape {tuple(x_BTC.shape)}")
     if w.numel() % x_BTC.shape[-1] or w.shape[0] != x_BTC.shape[-1]:
         raise ValueError(f"w must be [C, W] or [C, 1, W] with C = {x_BTC.shape[-1]}, got {tuple(w.shape)}")
-    return _ShortConvSiLU.apply(x_BTC, w, pos_T, _pick_bwd(bwd))
+    return _ShortConvSiLU.apply(x_BTC, w, pos_T)

@@ -25,53 +25,38 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops.launch import prune_recurrence
+
 BT = 64  # chunk size: rows of every intra-chunk tile
 SUB = 16  # rows of a diagonal sub-block; each has its own reference point for the exp factorisation
 # Largest log-decay span inside a 16-row sub-block for which the factorised exp is exact in fp32
 # (factors stay within e^+-80, fp32 reaches e^88). Chunks beyond it take the exact per-column path.
 SPAN_MAX = 80.0
 GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
-# Matmul precision of the triangular inverse X (it feeds W, U and every gradient). tf32: X to ~1e-4 relative for
-# independent keys, ~1e-3 for strongly correlated ones (cos 0.8-0.9; torch simulation), and no register spills
-# in K1 / B3a. tf32x3 (MOESTACK_KDA_INV_PRECISION=tf32x3): ~fp32 accuracy, ~0.3 KB spills per thread (ptxas).
-INV_PRECISION = tl.constexpr(os.environ.get("MOESTACK_KDA_INV_PRECISION", "tf32"))
-# Operands of K1's score dots (Akk, Aqk) and WY dots (W = X.., U = X..): "bf16" (default: bf16 operands, fp32
-# accumulate: half the shared-memory staging, twice the tensor-core rate) or "tf32" (fp32 operands);
-# the decay factors are bounded, <= 1 off the diagonal sub-blocks, so only the 8-bit mantissa is lost). The
-# inverse itself stays at INV_PRECISION. Read per call (kda_fwd_intra's intra_dots=, else this variable).
-INTRA_DOTS_ENV = "MOESTACK_KDA_INTRA_DOTS"
-INTRA_DOTS = ("bf16", "tf32")  # the first is the default
-K2_ENV = "MOESTACK_KDA_K2"  # a fixed (BV, warps) for the forward recurrence, see k2_config_choice
-# A fixed (BKS, warps) for K1, see k1_config_choice. "16:4": 255 registers (ptxas, sm_90; 44-80 B spills), so two
-# CTAs fit per SM (49 KB shared each) where the 8-warp default (241 registers) runs one: two chunks' dependent
-# dot chains interleave. "16:8:128" caps registers at 128 (maxnreg): two 8-warp CTAs per SM, 328 B spills.
-K1_ENV = "MOESTACK_KDA_K1"
-K1_BF16_DEFAULT = (32, 4, None)  # K1's (BKS, warps, maxnreg) with bf16 dots when $MOESTACK_KDA_K1 is unset
-# "split" (default) or "inline". split: K1 in two launches, the exact path compiled only into the second, which
-# runs just the chunks the first flagged (ptxas spills at 16:4: 80 -> 16 B tf32, 44 -> 8 B bf16; 32:4 bf16 500 ->
-# 60 B).
-K1_EXACT_ENV, K1_EXACT = "MOESTACK_KDA_K1_EXACT", ("split", "inline")
-# K1's W / U pass by column blocks of this size (16, 32, 64, 128) instead of BKS: fewer, larger dots (16 -> 4 at
-# 64); ptxas at 16:4 bf16, split, storing X: 56 B spills -> 80 B (32), 156 B (64). Unset = BKS. Read per call.
-K1_WY_ENV = "MOESTACK_KDA_K1_WY"
-# "1": K1's score loop as one dot per stripe with the k and q rows stacked ([2 BT, BKS] x [BKS, BT]) instead of two
-# (Akk, Aqk share the right factor); implies MOESTACK_KDA_K1_EXACT=split (the joined form has no exact path).
-K1_JOIN_ENV = "MOESTACK_KDA_K1_JOIN"
+# Matmul precision of the triangular inverse X (it feeds W, U and every gradient): X to ~1e-4 relative for
+# independent keys, ~1e-3 for strongly correlated ones (cos 0.8-0.9; torch simulation), and no register spills in
+# K1 / B3a (tf32x3 was ~fp32 accurate with ~0.3 KB of spills per thread).
+INV_PRECISION = tl.constexpr("tf32")
+# K1's one launch config (BKS, warps): with bf16 score / WY dots the fastest measured, and the one every GPU test
+# ran (H200, session 4: K1 3.43 ms at 1x32768x32x128). README.md "Triton kernels" has the measured alternatives.
+K1_CONFIG = {"BKS": 32, "num_warps": 4}
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
 # TRITON_INTERPRET=1 must be set before this module is imported (the CPU tests do; it stays on for the process).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# The low-precision dot operand type of the "bf16" switches. The interpreter's bf16 dot is broken (NaN), so there
-# the same code paths run in fp16 (the CPU tests check their structure at a loose bound; precision: GPU tests).
+# Operands of K1's score dots (Akk, Aqk) and WY dots (W = X.., U = X..) and of B3a's WY dots: bf16 (fp32
+# accumulate: half the shared-memory staging, twice the tensor-core rate; the decay factors are <= 1 off the diagonal
+# sub-blocks, so only mantissa bits are lost). The interpreter's bf16 dot is broken (NaN), so there the same code
+# runs in fp16; the CPU tests set this to fp32 to check the kernels' logic exactly (a global read per call under the
+# interpreter), the GPU tests check the bf16 precision.
 LOWP_DT = tl.constexpr(tl.float16 if INTERPRET else tl.bfloat16)
 
 
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
-    """Autotuning needs a GPU: under the interpreter, or with MOESTACK_KDA_AUTOTUNE=0 (quick GPU tests: fewer
-    compiles), keep only the first config."""
-    if INTERPRET or os.environ.get("MOESTACK_KDA_AUTOTUNE", "1") == "0":
-        return configs[:1]
-    return configs
+    """Autotune candidates: the first only under the interpreter (autotuning needs a GPU); on a GPU all of them,
+    pruned at launch against the device's shared memory (moestack/ops/launch.py, which also keeps only the first
+    that fits when KernelSpec.autotune is off)."""
+    return configs[:1] if INTERPRET else configs
 
 
 # ---- shared jit helpers (also used by triton_bwd) ------------------------------------------------------------
@@ -184,10 +169,9 @@ def _exact_diag_factor(b_b, j, BT: tl.constexpr, SUB: tl.constexpr, STRICT: tl.c
 
 @triton.jit
 def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
-                  BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, WITH_Q: tl.constexpr,
-                  LOWP: tl.constexpr = False):
-    """Akk (strictly lower) and, if WITH_Q, Aqk (lower incl. diagonal), [BT, BT] fp32. b_b [BT, BK] is the
-    chunk's cumulative log-decay, also readable by rows at p_gc (see _gc_row). LOWP: bf16 dot operands."""
+                  BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, LOWP: tl.constexpr):
+    """Akk (strictly lower) and Aqk (lower incl. diagonal), [BT, BT] fp32. b_b [BT, BK] is the chunk's cumulative
+    log-decay, also readable by rows at p_gc (see _gc_row). LOWP: low-precision dot operands (LOWP_DT)."""
     o_t = tl.arange(0, BT)
     b_akk = tl.zeros([BT, BT], tl.float32)
     b_aqk = tl.zeros([BT, BT], tl.float32)
@@ -198,58 +182,20 @@ def _intra_scores(b_q, b_k, b_b, p_gc, n, stride, ncol, slow,
         if LOWP:
             b_krt = tl.trans(b_kr.to(LOWP_DT))
             b_akk += tl.dot((b_k * e_l).to(LOWP_DT), b_krt)
-            if WITH_Q:
-                b_aqk += tl.dot((b_q * e_l).to(LOWP_DT), b_krt)
+            b_aqk += tl.dot((b_q * e_l).to(LOWP_DT), b_krt)
         else:
             b_akk += tl.dot(b_k * e_l, tl.trans(b_kr))
-            if WITH_Q:
-                b_aqk += tl.dot(b_q * e_l, tl.trans(b_kr))
+            b_aqk += tl.dot(b_q * e_l, tl.trans(b_kr))
     if slow:
         # Exact diagonal sub-blocks, one column at a time (only for gates too strong for the factorisation).
         for j in range(BT):
             b_ke = _exact_diag_factor(b_b, j, BT, SUB, False) * _row(b_k, j, BT)[None, :]
             put = (o_t == j)[None, :]
             b_akk += tl.where(put, tl.sum(b_k * b_ke, 1)[:, None], 0.0)
-            if WITH_Q:
-                b_aqk += tl.where(put, tl.sum(b_q * b_ke, 1)[:, None], 0.0)
+            b_aqk += tl.where(put, tl.sum(b_q * b_ke, 1)[:, None], 0.0)
     b_akk = tl.where(o_t[:, None] > o_t[None, :], b_akk, 0.0)
     b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk, 0.0)
     return b_akk, b_aqk
-
-
-@triton.jit
-def _intra_scores_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b, p_gc, ncol, K: tl.constexpr,
-                         BT: tl.constexpr, SUB: tl.constexpr, BKS: tl.constexpr, LOWP: tl.constexpr):
-    """[Akk; Aqk] ([2 BT, BT], not yet masked) of one channel block with ONE dot per stripe instead of two: the
-    rows of k and q~ are stacked, as both meet the same right factor k_j exp(r - b_j). Read from memory (rq, rk,
-    gc are written by then). No exact path (K1_EXACT=split). b_k, b_b: this block's k_hat and b [BT, BKS]."""
-    o_r = tl.arange(0, 2 * BT)
-    row = o_r % BT
-    is_q = o_r >= BT
-    m_r = row < n
-    o_k = col0 + tl.arange(0, BKS)
-    m_2 = m_r[:, None] & (o_k < K)[None, :]
-    offs = (t0 + row).to(tl.int64) * H + i_h  # [2 BT]
-    p_x = offs[:, None] * K + o_k[None, :]
-    b_x = tl.load(k + p_x, mask=m_2 & ~is_q[:, None], other=0.0).to(tl.float32) \
-        + tl.load(q + p_x, mask=m_2 & is_q[:, None], other=0.0).to(tl.float32)
-    b_s = tl.load(rk + offs, mask=m_r & ~is_q, other=0.0) + tl.load(rq + offs, mask=m_r & is_q, other=0.0) * scale
-    b_x = b_x * b_s[:, None]  # [k_hat; q~]
-    b_bl = _gc_row(p_gc, BT - 1, n, H * K, ncol, BKS)
-    b_b2 = tl.where(m_r[:, None], tl.load(gc + p_x, mask=m_2, other=0.0), b_bl[None, :])
-    o_t = tl.arange(0, BT)
-    b_a2 = tl.zeros([2 * BT, BT], tl.float32)
-    for c in range(BT // SUB):
-        r = _gc_row(p_gc, c * SUB + SUB - 1, n, H * K, ncol, BKS)
-        m_l = (row >= c * SUB)[:, None]
-        e_l = tl.where(m_l, tl.exp(tl.where(m_l, b_b2 - r[None, :], 0.0)), 0.0)  # [2 BT, BKS]
-        m_s = ((o_t >= c * SUB) & (o_t < c * SUB + SUB))[:, None]
-        b_kr = b_k * tl.where(m_s, tl.exp(tl.where(m_s, r[None, :] - b_b, 0.0)), 0.0)  # [BT, BKS]
-        if LOWP:
-            b_a2 += tl.dot((b_x * e_l).to(LOWP_DT), tl.trans(b_kr.to(LOWP_DT)))
-        else:
-            b_a2 += tl.dot(b_x * e_l, tl.trans(b_kr))
-    return b_a2
 
 
 @triton.jit
@@ -300,16 +246,7 @@ def _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K: tl.constexpr, BT: tl.constexp
 # ---- kernels -------------------------------------------------------------------------------------------------
 
 
-# BKS (channel block): at K = 128, BKS = 32 and 8 warps compiles without spills (ptxas, sm_90), 64 spills ~0.4 KB.
-# First config from the H200 run of 2026-11-29 (tf32 dots, 1x32768x32x128): BKS 16 / 4 warps 4.26 ms vs 32 / 8
-# 5.26 (two CTAs per SM at 4 warps); GPU op tests passed with it. With bf16 dots BKS 32 / 4 warps was fastest (3.43).
-@triton.autotune(configs=_configs([
-    triton.Config({"BKS": 16}, num_warps=4),
-    triton.Config({"BKS": 32}, num_warps=4),
-    triton.Config({"BKS": 32}, num_warps=8),
-    triton.Config({"BKS": 64}, num_warps=8),
-    triton.Config({"BKS": 32}, num_warps=16),
-]), key=["K", "V", "GATE", "L2NORM"])
+# One fixed launch config (K1_CONFIG): BKS (channel block) 32 at 4 warps.
 @triton.jit
 def kda_fwd_kernel_intra(
     q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens,
@@ -318,15 +255,15 @@ def kda_fwd_kernel_intra(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_DT_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPAN_MAX: tl.constexpr, BKS: tl.constexpr,
-    LOWP: tl.constexpr, STORE_X: tl.constexpr = False, SEL: tl.constexpr = 0, BKW: tl.constexpr = 0,
-    JOIN: tl.constexpr = False,
+    LOWP: tl.constexpr, STORE_X: tl.constexpr, SEL: tl.constexpr,
 ):
     """One program per (chunk slot, head): writes W, U, Qp, Kd [T, H, *], Aqk [T, H, BT], b_last [NC, H, K],
     and for backward the cumulative log-decay b (gc [T, H, K] fp32), 1/||q||, 1/||k|| (rq, rk [T, H]) and the
     exact-path flag [NC, H]; with STORE_X also X = (I + Diag(beta) Akk)^-1 (xinv [T, H, BT] fp32) and Akk
-    (akk [T, H, BT]), which the backward then reads instead of recomputing them (MOESTACK_KDA_BWD_X=saved).
-    SEL (MOESTACK_KDA_K1_EXACT=split): 1 = finish only the chunks the factorised exp covers, with the exact path
-    compiled out (registers), the others stop after writing their flag; 2 = only the flagged chunks, run after 1."""
+    (akk [T, H, BT]), which the backward reads instead of recomputing them.
+    Two launches: SEL 1 finishes only the chunks the factorised exp covers, with the exact path compiled out
+    (registers: ptxas spills 500 -> 60 B at 32:4 bf16), the others stop after writing their flag; SEL 2 then runs
+    only the flagged chunks (LOWP off: its bf16 form never ran through the GPU tests; no work when none is flagged)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if SEL == 2:
         if tl.load(flag + i_c * H + i_h) == 0:
@@ -372,35 +309,23 @@ def kda_fwd_kernel_intra(
         slow = False
 
     # Pass 2: Akk, Aqk; Qp = q~ exp(b), Kd = k exp(b_last - b), b_last.
-    if JOIN:
-        b_a2 = tl.zeros([2 * BT, BT], tl.float32)  # [Akk; Aqk], split after the loop
-    else:
-        b_akk = tl.zeros([BT, BT], tl.float32)
-        b_aqk = tl.zeros([BT, BT], tl.float32)
+    b_akk = tl.zeros([BT, BT], tl.float32)
+    b_aqk = tl.zeros([BT, BT], tl.float32)
     for col0 in range(0, K, BKS):
         b_b, b_bl = _b_cols(gc, p_gc, t0, n, m_t, H, i_h, col0, K, BT, BKS)
         b_q = tl.load(_tok_ptr(q, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * (b_rq * scale)[:, None]
         b_k = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32) * b_rk[:, None]
-        if JOIN:
-            b_a2 += _intra_scores_joined(q, k, rq, rk, gc, t0, n, H, i_h, col0, scale, b_k, b_b, p_gc + col0,
-                                         K - col0, K, BT, SUB, BKS, LOWP)
-        else:
-            b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, True,
-                                      LOWP)
-            b_akk += b_a
-            b_aqk += b_aq
+        b_a, b_aq = _intra_scores(b_q, b_k, b_b, p_gc + col0, n, H * K, K - col0, slow, BT, SUB, BKS, LOWP)
+        b_akk += b_a
+        b_aqk += b_aq
         tl.store(_tok_ptr(qp, t0, n, H, i_h, K, BT, BKS, col0), (b_q * tl.exp(b_b)).to(qp.dtype.element_ty),
                  boundary_check=(0, 1))
         tl.store(_tok_ptr(kd, t0, n, H, i_h, K, BT, BKS, col0),
                  (b_k * tl.exp(b_bl[None, :] - b_b)).to(kd.dtype.element_ty), boundary_check=(0, 1))
         o_kc = col0 + tl.arange(0, BKS)
         tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_kc, b_bl, mask=o_kc < K)
-    if JOIN:
-        b_akk, b_aqk = tl.split(tl.permute(tl.reshape(b_a2, [2, BT, BT]), (1, 2, 0)))
-        b_akk = tl.where(o_t[:, None] > o_t[None, :], b_akk, 0.0)
-        b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_aqk, 0.0)
     tl.store(_tok_ptr(aqk, t0, n, H, i_h, BT, BT, BT), b_aqk.to(aqk.dtype.element_ty), boundary_check=(0, 1))
     if STORE_X:  # here, not after the inverse: Akk would stay live through it (registers)
         tl.store(_tok_ptr(akk, t0, n, H, i_h, BT, BT, BT), b_akk.to(akk.dtype.element_ty), boundary_check=(0, 1))
@@ -413,10 +338,7 @@ def kda_fwd_kernel_intra(
         b_minv_d = b_minv.to(LOWP_DT)
     else:
         b_minv_d = b_minv
-    if BKW == 0:  # W and U by channel blocks of BKS (as the scores)
-        _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K, V, BT, BKS, LOWP)
-    else:  # by blocks of BKW: fewer, larger dots (MOESTACK_KDA_K1_WY)
-        _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K, V, BT, BKW, LOWP)
+    _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K, V, BT, BKS, LOWP)
 
 
 @triton.jit
@@ -448,7 +370,7 @@ def _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K: 
     triton.Config({"BV": 32}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=8, num_stages=2),
     triton.Config({"BV": 64}, num_warps=4, num_stages=2),
-]), key=["K", "V", "STORE_O", "STORE_H"])
+]), key=["K", "V", "STORE_O", "STORE_H"], prune_configs_by={"early_config_prune": prune_recurrence})
 @triton.jit
 def kda_fwd_kernel_recurrence(
     w, u, qp, kd, aqk, gl, h0, chunk_offsets, cu_seqlens,
@@ -508,40 +430,16 @@ def kda_fwd_kernel_recurrence(
 # ---- launchers -----------------------------------------------------------------------------------------------
 
 
-def _named_choice(value: str | None, env: str, allowed: tuple, what: str) -> str:
-    """The argument, else $env, else allowed[0]; ValueError naming the allowed values otherwise."""
-    choice = value or os.environ.get(env) or allowed[0]
-    if choice not in allowed:
-        raise ValueError(f"{what}={choice!r} is unknown: use one of {allowed} (argument or ${env})")
-    return choice
-
-
-def intra_dots_choice(intra_dots: str | None = None) -> str:
-    """K1's dot operand precision: the argument, else $MOESTACK_KDA_INTRA_DOTS, else "bf16".
-
-    bf16 is the default since session 4 (H200 2026-11-29, 1x32768x32x128: K1 4.03 vs 4.26 ms at BKS 16 / 4 warps),
-    once the op-level, correlated-keys and in-model GPU tests passed with it (benchmarks/RESULTS.md, KDA)."""
-    return _named_choice(intra_dots, INTRA_DOTS_ENV, INTRA_DOTS, "intra_dots")
-
-
-def k1_exact_choice(k1_exact: str | None = None) -> str:
-    """The argument, else $MOESTACK_KDA_K1_EXACT, else "split" (see K1_EXACT_ENV)."""
-    return _named_choice(k1_exact, K1_EXACT_ENV, K1_EXACT, "k1_exact")
-
-
 def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, scale: float, gate: int,
                   lower_bound: float, l2norm: bool, beta_sigmoid: bool, inter_dtype: torch.dtype,
-                  l2_eps: float = 1e-6, intra_dots: str | None = None, k1_config: str | None = None,
-                  store_x: bool = False, k1_exact: str | None = None, k1_wy: int | None = None) -> dict:
+                  l2_eps: float = 1e-6, store_x: bool = False) -> dict:
     """Run the intra-chunk kernel. q, k, g [T, H, K]; v [T, H, V]; beta [T, H] (tokens of all sequences packed).
 
     chunk_map int32 [NC, 2] (sequence, chunk-in-sequence; -1 = dead slot), cu_seqlens int32 [N + 1].
     Returns dict of w, qp, kd [T, H, K], u [T, H, V], aqk [T, H, BT] (inter_dtype), gl [NC, H, K] fp32 (b of the
     chunk's last row), and for backward gc [T, H, K] fp32 (b), rq, rk [T, H] fp32 (inverse norms; 1 without the
-    norm) and flag [NC, H] int32 (1 = the chunk took the exact path). intra_dots: see intra_dots_choice;
-    k1_config: see k1_config_choice. store_x: also xinv [T, H, BT] fp32 (the chunk's X = (I + Diag(beta) Akk)^-1
-    by rows) and akk [T, H, BT] (inter_dtype), for a backward that reads them instead of recomputing.
-    k1_exact: see k1_exact_choice. k1_wy: the W / U column block (else $MOESTACK_KDA_K1_WY, else BKS).
+    norm) and flag [NC, H] int32 (1 = the chunk took the exact path). store_x: also xinv [T, H, BT] fp32 (the
+    chunk's X = (I + Diag(beta) Akk)^-1 by rows) and akk [T, H, BT] (inter_dtype), which the backward reads.
     """
     T, H, K = q.shape
     V = v.shape[-1]
@@ -562,27 +460,10 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
     if store_x:
         out["xinv"] = q.new_empty(T, H, BT, dtype=torch.float32)
         out["akk"] = q.new_empty(T, H, BT, dtype=inter_dtype)
-    kern, extra = kda_fwd_kernel_intra, {}
-    lowp = intra_dots_choice(intra_dots) == "bf16"
-    choice = k1_config_choice(k1_config)
-    if choice is None and lowp:  # the GPU-validated bf16 config, not the autotuner's pick among untested ones
-        choice = K1_BF16_DEFAULT
-    if choice is not None:  # a fixed config: the plain jit function under the autotuner
-        kern = getattr(kda_fwd_kernel_intra, "fn", kda_fwd_kernel_intra)
-        extra = {"BKS": choice[0], "num_warps": choice[1]}
-        if choice[2] is not None:  # a register cap: two 8-warp CTAs per SM at 128 (ptxas: ~0.3 KB spills)
-            extra["maxnreg"] = choice[2]
-    wy = k1_wy or os.environ.get(K1_WY_ENV) or 0
-    if str(wy) not in ("0", "16", "32", "64", "128"):
-        raise ValueError(f"k1_wy={wy!r} must be 16, 32, 64 or 128 (argument or ${K1_WY_ENV})")
-    join = os.environ.get(K1_JOIN_ENV, "0")
-    if join not in ("0", "1"):
-        raise ValueError(f"${K1_JOIN_ENV}={join!r} must be 0 or 1")
-    split = join == "1" or k1_exact_choice(k1_exact) == "split"
-    # The exact-path launch (sel 2: the rare chunks with gates beyond SPAN_MAX) keeps tf32 dots: its bf16 variants
-    # were never validated on the GPU, and it costs nothing when no chunk is flagged.
-    for sel in (1, 2) if split else (0,):
-        kern[(NC, H)](
+    # The exact-path launch (sel 2: the rare chunks with gates beyond SPAN_MAX) keeps tf32 dots: its bf16 variant
+    # was never validated on the GPU, and it costs nothing when no chunk is flagged.
+    for sel in (1, 2):
+        kda_fwd_kernel_intra[(NC, H)](
             q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
             chunk_map, cu_seqlens,
             out["w"], out["u"], out["qp"], out["kd"], out["aqk"], out["gl"], out["gc"], out["rq"], out["rk"],
@@ -590,49 +471,15 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
             scale, H,
             K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=lowp and sel != 2, STORE_X=store_x, SEL=sel,
-            BKW=int(wy),
-            JOIN=join == "1" and sel == 1, **extra,
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=sel != 2, STORE_X=store_x, SEL=sel, **K1_CONFIG,
         )
     return out
 
 
-def _pair_choice(spec: str | None, env: str, what: str, sizes: tuple, maxnreg: bool = False) -> tuple | None:
-    """Parse "size:warps" (or "size:warps:maxnreg" when maxnreg; None in the third place when absent), from the
-    argument, else $env; None when neither is set."""
-    spec = spec or os.environ.get(env)
-    if not spec:
-        return None
-    form = "'size:warps[:maxnreg]', e.g. '16:4' or '16:8:128'" if maxnreg else "'size:warps', e.g. '16:4'"
-    try:
-        vals = [int(x) for x in spec.split(":")]
-    except ValueError:
-        vals = []
-    if len(vals) not in ((2, 3) if maxnreg else (2,)):
-        raise ValueError(f"{what}={spec!r} must be {form} (argument or ${env})")
-    if vals[0] not in sizes or vals[1] not in (2, 4, 8, 16) or (len(vals) == 3 and not 64 <= vals[2] <= 255):
-        raise ValueError(f"{what}={spec!r}: size must be one of {sizes}, warps 2/4/8/16, maxnreg 64..255 "
-                         f"(argument or ${env})")
-    return (vals[0], vals[1], vals[2] if len(vals) == 3 else None) if maxnreg else (vals[0], vals[1])
-
-
-def k1_config_choice(k1_config: str | None = None) -> tuple[int, int, int | None] | None:
-    """K1's (BKS, num_warps, maxnreg or None) override: the argument, else $MOESTACK_KDA_K1 ("BKS:warps[:maxnreg]",
-    e.g. "16:4" or "16:8:128"), else None (the autotuned / first config)."""
-    return _pair_choice(k1_config, K1_ENV, "k1_config", (16, 32, 64), maxnreg=True)
-
-
-def k2_config_choice(k2_config: str | None = None) -> tuple[int, int] | None:
-    """K2's (BV, num_warps) override: the argument, else $MOESTACK_KDA_K2 ("BV:warps", e.g. "16:4"), else None
-    (the autotuned / first config). Smaller BV = more programs (V/BV x N x H) for the sequential chunk walk."""
-    return _pair_choice(k2_config, K2_ENV, "k2_config", (16, 32, 64, 128))
-
-
 def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int, out_dtype,
-                       store_o: bool, store_ht: bool, store_states: bool, k2_config: str | None = None):
+                       store_o: bool, store_ht: bool, store_states: bool):
     """Run the recurrence kernel over the intra outputs. Returns (o [T, H, V] or None, ht [N, H, K, V] fp32 or
-    None, h [NC, H, K, V] or None (state entering each chunk), d [T, H, V] or None (the chunks' U - W S)).
-    k2_config: see k2_config_choice."""
+    None, h [NC, H, K, V] or None (state entering each chunk), d [T, H, V] or None (the chunks' U - W S))."""
     w = intra["w"]
     T, H, K = w.shape
     NC = intra["gl"].shape[0]
@@ -645,18 +492,12 @@ def kda_fwd_recurrence(intra: dict, h0, chunk_offsets, cu_seqlens, *, n_seqs: in
     def grid(meta):
         return (triton.cdiv(V, meta["BV"]), n_seqs, H)
 
-    kern, extra = kda_fwd_kernel_recurrence, {}
-    choice = k2_config_choice(k2_config)
-    if choice is not None:  # a fixed config: the plain jit function under the autotuner
-        kern = getattr(kda_fwd_kernel_recurrence, "fn", kda_fwd_kernel_recurrence)
-        extra = {"BV": choice[0], "num_warps": choice[1], "num_stages": 2}
-    kern[grid](
+    kda_fwd_kernel_recurrence[grid](
         w, intra["u"], intra["qp"], intra["kd"], intra["aqk"], intra["gl"],
         dummy if h0 is None else h0, chunk_offsets, cu_seqlens,
         dummy if o is None else o, dummy if ht is None else ht, dummy if h is None else h, dummy if d is None else d,
         H,
         K=K, V=V, BT=BT, BK=triton.next_power_of_2(K),
         HAS_H0=h0 is not None, STORE_HT=store_ht, STORE_H=store_states, STORE_D=store_states, STORE_O=store_o,
-        **extra,
     )
     return o, ht, h, d

@@ -1,4 +1,4 @@
-"""KDA Triton backend: the autograd.Function, the two public entry points and the dispatcher registration.
+"""KDA Triton backend: the autograd.Function and the two public entry points (the registry's "triton" backend).
 
     kda_triton(q, k, v, g, beta, ...)                   plain: q, k normalised, g an activated log-decay, beta in (0, 1)
     kda_fused(q, k, v, g, beta, A_log, dt_bias, ...)    fused: raw gate input, raw beta logits, un-normalised q, k
@@ -6,10 +6,10 @@
 Save-vs-recompute policy (one switch, `recompute`): backward needs, per chunk, the forward intermediates of the
 intra kernel (W, Qp, Kd [T, H, K] and U [T, H, V] in the input dtype, Aqk [T, H, 64], the cumulative log-decay
 gc [T, H, K] fp32, inverse norms, b_last) and of the recurrence (D [T, H, V], the state entering each chunk
-h [NC, H, K, V]). recompute=True (default) keeps only the inputs and re-runs both forward kernels at the start
-of backward (+26% fwd+bwd time at 1x32768x32x128). recompute=False keeps them from the forward: per token and head
-(3K + 2V + 64 + K*V/64) elements of the input dtype plus 4K + 8 bytes, i.e. ~2.45 KB in bf16 at K = V = 128
-(235 KB per token for a 96-head K3 layer). README.md ("Triton kernels") has the numbers.
+h [NC, H, K, V], and X, Akk [T, H, 64] for the WY backward). recompute=True (default) keeps only the inputs and
+re-runs both forward kernels at the start of backward (+26% fwd+bwd time at 1x32768x32x128). recompute=False keeps
+them from the forward: per token and head (3K + 2V + 64 + K*V/64) elements of the input dtype plus 4K + 8 bytes and
+X / Akk (384 B in bf16), ~2.8 KB at K = V = 128. README.md ("Triton kernels") has the numbers.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunk slots.
 """
@@ -18,35 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from moestack.ops.kda.triton_bwd import bwd_dots_choice, bwd_x_choice, kda_bwd_intra, kda_bwd_recurrence
+from moestack.ops.kda.triton_bwd import kda_bwd_intra, kda_bwd_recurrence
 from moestack.ops.kda.triton_fwd import (
     BT,
     GATE_K3,
     GATE_KIMI,
     GATE_NONE,
     INTERPRET,
-    intra_dots_choice,
-    k1_exact_choice,
     kda_fwd_intra,
     kda_fwd_recurrence,
 )
 
-__all__ = ["kda_fused", "kda_triton", "triton_available", "triton_supports"]
+__all__ = ["kda_fused", "kda_triton"]
 
 _GATES = {"none": GATE_NONE, "k3": GATE_K3, "kimi": GATE_KIMI}
-# kda_fwd_intra's outputs, all kept by "save" (xinv, akk: only with MOESTACK_KDA_BWD_X=saved, else None)
+# kda_fwd_intra's outputs, all kept by "save" (xinv, akk: written by the saving forward and by the recompute)
 _INTRA = ("w", "u", "qp", "kd", "aqk", "gl", "gc", "rq", "rk", "flag", "xinv", "akk")
-
-
-def triton_available() -> bool:
-    """There is a GPU, or the kernels were built for the interpreter (CPU tests, TRITON_INTERPRET=1 at import)."""
-    return torch.cuda.is_available() or INTERPRET
-
-
-def triton_supports(q: torch.Tensor) -> bool:
-    """For automatic selection: CUDA tensors with K <= 256. CPU tensors run under the interpreter only when the
-    backend is asked for by name (the interpreter is far too slow to be picked by default)."""
-    return q.is_cuda and q.shape[-1] <= 256
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor, T_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +79,7 @@ class _KDATriton(torch.autograd.Function):
         intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
                               lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
                               beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q),
-                              intra_dots=cfg["intra_dots"], store_x=save and cfg["bwd_x"] == "saved",
-                              k1_exact=cfg["k1_exact"])  # X / Akk only when kept (a recompute writes its own)
+                              store_x=save)  # X / Akk only when kept (a recompute writes its own)
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
         saved = [intra.get(n) for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)
@@ -111,8 +97,7 @@ class _KDATriton(torch.autograd.Function):
             intra = kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"],
                                   gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
                                   l2_eps=cfg["l2_eps"], beta_sigmoid=cfg["beta_sigmoid"],
-                                  inter_dtype=_inter_dtype(q), intra_dots=cfg["intra_dots"],
-                                  store_x=cfg["bwd_x"] == "saved", k1_exact=cfg["k1_exact"])
+                                  inter_dtype=_inter_dtype(q), store_x=True)
             _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                             store_o=False, store_ht=False, store_states=True)
         else:
@@ -124,7 +109,7 @@ class _KDATriton(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, pd_dt, pd_alog = kda_bwd_intra(
             q, k, v, g, beta, A_log, dt_bias, intra, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
             gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
-            beta_sigmoid=cfg["beta_sigmoid"], bwd_dots=cfg["bwd_dots"])
+            beta_sigmoid=cfg["beta_sigmoid"])
         dA_log = None if A_log is None or pd_alog is None else pd_alog.sum(0).to(A_log.dtype)
         ddt = None if dt_bias is None or pd_dt is None else pd_dt.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
         grads = [x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta)]
@@ -177,11 +162,7 @@ def kda_fused(
         l2_eps=float(l2_eps),
         beta_sigmoid=bool(beta_sigmoid),
         recompute=bool(recompute),
-        intra_dots=intra_dots_choice(),  # $MOESTACK_KDA_INTRA_DOTS, fixed here so a recompute matches the forward
-        k1_exact=k1_exact_choice(),  # $MOESTACK_KDA_K1_EXACT: K1 in one launch or two (exact path split out)
-        bwd_x=bwd_x_choice(),  # $MOESTACK_KDA_BWD_X: K1 writes X and Akk for backward ("saved") or not
     )
-    cfg["bwd_dots"] = bwd_dots_choice(bwd_x=cfg["bwd_x"])  # $MOESTACK_KDA_BWD_DOTS: B3a / B3b dot operands
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None
     return _KDATriton.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, output_final_state)
@@ -206,17 +187,3 @@ def kda_triton(
     return kda_fused(q, k, v, g, beta, gate="none", l2norm=False, beta_sigmoid=False, scale=scale,
                      initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      recompute=recompute)
-
-
-def _register() -> None:
-    from moestack.ops.kda import register_backend
-
-    register_backend(
-        "triton",
-        lambda q, k, v, g, beta, **kw: kda_triton(q, k, v, g, beta, **kw),
-        available=triton_available,
-        supports=triton_supports,
-    )
-
-
-_register()

@@ -3,11 +3,9 @@
 The choice uses only host-known numbers: mean rows per expert N / E (no read of offs, so no host sync) and the
 GEMM shape (D, F). Below or at the crossover the Triton kernel (moestack.ops.moe.triton_grouped_gemm) runs,
 above it torch's. Crossovers come from `benchmarks/grouped_gemm.py --write-crossover PATH` (JSON, format below);
-point MOESTACK_MOE_CROSSOVER at that file to use it, else the defaults here apply.
+KernelSpec.moe.crossover names that file to use it, else the defaults here apply.
 
-JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}, "kernel": "swap"}  key "DxF" = GEMM in-width x
-out-width; "kernel" (optional): the Triton kernel family for the small shapes ("persistent" / "swap" / "tma" /
-"tma-p", triton_grouped_gemm.resolve_variant), absent = $MOESTACK_MOE_GG_KERNEL, default persistent.
+JSON: {"default_rows": 128, "by_shape": {"2048x2048": 256, ...}}  key "DxF" = GEMM in-width x out-width.
 """
 
 from __future__ import annotations
@@ -22,17 +20,12 @@ import torch
 
 from moestack.ops.moe import reference
 
-VARIANTS = ("persistent", "swap", "tma", "tma-p")  # = triton_grouped_gemm.VARIANTS (no triton import here)
-
-ENV_VAR = "MOESTACK_MOE_CROSSOVER"
 # Defaults measured on one H200 (`benchmarks/grouped_gemm.py --small --write-crossover`, forward + backward): the
-# TMA swap-AB kernel ("tma") beats torch's grouped GEMM on K3's expert GEMMs up to 128 rows per expert (session 8,
-# with the Gluon weight gradient from 64 rows: layer fwd+bwd 1.42x at 16, 1.30-1.38x at 32, 1.23-1.25x at 64,
-# 1.05-1.09x at 128; session 3, before it, had 64, with 0.94x at 128); on the smaller shapes (56 x 2048 -> 1024,
+# TMA swap-AB kernels beat torch's grouped GEMM on K3's expert GEMMs up to 128 rows per expert (layer fwd+bwd 1.42x
+# at 16, 1.30-1.38x at 32, 1.23-1.25x at 64, 1.05-1.09x at 128); on the smaller shapes (56 x 2048 -> 1024,
 # 224 x 1024 -> 512) torch wins at every measured row count. A JSON written on the local GPU replaces these.
 DEFAULT_ROWS = 0
 DEFAULT_BY_SHAPE = {"3584x6144": 128, "3072x3584": 128}
-DEFAULT_KERNEL = "tma"
 
 
 @dataclass
@@ -41,8 +34,6 @@ class CrossoverTable:
 
     default_rows: int = DEFAULT_ROWS
     by_shape: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BY_SHAPE))
-    # Triton kernel family below the crossover; None = $MOESTACK_MOE_GG_KERNEL (else triton_grouped_gemm's default)
-    kernel: str | None = None
 
     def threshold(self, D: int, F: int) -> int:
         return self.by_shape.get(f"{D}x{F}", self.default_rows)
@@ -51,11 +42,11 @@ class CrossoverTable:
     def from_dict(cls, d: dict) -> CrossoverTable:
         if not isinstance(d.get("default_rows"), int):
             raise ValueError("crossover JSON: default_rows must be an int (mean rows per expert)")
+        if "kernel" in d:
+            raise ValueError("crossover JSON: 'kernel' is no longer a choice (the Triton grouped GEMM has one kernel "
+                             "family since the refactor); remove the key")
         by_shape = {str(k): int(v) for k, v in d.get("by_shape", {}).items()}
-        kernel = d.get("kernel")
-        if kernel is not None and kernel not in VARIANTS:
-            raise ValueError(f"crossover JSON: kernel must be one of {VARIANTS}, got {kernel!r}")
-        return cls(d["default_rows"], by_shape, kernel)
+        return cls(d["default_rows"], by_shape)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CrossoverTable:
@@ -63,18 +54,19 @@ class CrossoverTable:
 
     def save(self, path: str | os.PathLike) -> None:
         d = {"default_rows": self.default_rows, "by_shape": self.by_shape}
-        if self.kernel is not None:
-            d["kernel"] = self.kernel
         Path(path).write_text(json.dumps(d, indent=1))
 
 
 @functools.cache
 def default_table() -> CrossoverTable:
-    """The table from $MOESTACK_MOE_CROSSOVER if set, else the built-in default (read once per process)."""
-    path = os.environ.get(ENV_VAR)
-    if path:
-        return CrossoverTable.load(path)
-    return CrossoverTable(kernel=os.environ.get("MOESTACK_MOE_GG_KERNEL") or DEFAULT_KERNEL)
+    """The built-in table (KernelSpec.moe.crossover names a JSON that replaces it: load_table)."""
+    return CrossoverTable()
+
+
+@functools.cache
+def load_table(path: str | None) -> CrossoverTable:
+    """The table of KernelSpec.moe.crossover (read once per path), or the built-in one for None."""
+    return default_table() if path is None else CrossoverTable.load(path)
 
 
 def choose(N: int, E: int, D: int, F: int, table: CrossoverTable | None = None) -> str:
@@ -83,12 +75,14 @@ def choose(N: int, E: int, D: int, F: int, table: CrossoverTable | None = None) 
     return "triton" if N <= table.threshold(D, F) * E else "torch"
 
 
-def grouped_mm_auto(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """The "auto" backend (same contract as reference.grouped_mm). Triton only on CUDA in bf16 / fp16."""
+def grouped_mm_auto(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor,
+                    table: CrossoverTable | None = None) -> torch.Tensor:
+    """The "crossover" backend (same contract as reference.grouped_mm). Triton only on CUDA in bf16 / fp16."""
+    table = table or default_table()
     dtype = reference._compute_dtype(x_ND, w_EDF)
-    small = choose(x_ND.shape[0], w_EDF.shape[0], w_EDF.shape[1], w_EDF.shape[2]) == "triton"
+    small = choose(x_ND.shape[0], w_EDF.shape[0], w_EDF.shape[1], w_EDF.shape[2], table) == "triton"
     if small and x_ND.is_cuda and dtype in (torch.bfloat16, torch.float16):
         from moestack.ops.moe import triton_grouped_gemm
 
-        return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E, variant=default_table().kernel)
+        return triton_grouped_gemm.grouped_mm(x_ND, w_EDF, offs_E)
     return reference.grouped_mm(x_ND, w_EDF, offs_E)

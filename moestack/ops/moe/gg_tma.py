@@ -1,11 +1,11 @@
-"""Grouped GEMM for few rows per expert with TMA tensor descriptors: the weight-streaming kernels of variant "tma".
+"""Grouped GEMM for few rows per expert with TMA tensor descriptors: the default Triton grouped GEMM's kernels.
 
     y[rows of e]  = x[rows of e] @ w[e]           gg_fwd_kernel_tma    (dX = dY @ w[e]^T: the same kernel, W_KMAJOR=0)
     dW[e]         = x[rows of e]^T @ dY[rows e]   gg_wgrad_kernel_tma  (written in the parameter's own layout)
 
 At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16: 3.7 GB per layer forward). So:
 
-- Swap-AB (as triton_grouped_gemm's "swap"): acc [BF, BT] = w[e]^T-tile [BF, BK] @ x-tile^T [BK, BT]; the weight
+- Swap-AB (as triton_grouped_gemm's pointer kernel): acc [BF, BT] = w[e]^T-tile [BF, BK] @ x-tile^T [BK, BT]; the weight
   columns are the MMA's M side (wgmma wants M >= 64), the expert's rows (BT = 16..128) its N side.
 - Both operands come in by TMA (host `TensorDescriptor`s, block shapes set per autotune config by a pre-hook), so
   the weight stream costs no address arithmetic or masks in registers and the loads of a stage are one bulk copy.
@@ -20,21 +20,16 @@ At a few rows per expert the GEMM is bound by reading the weights once (K3 EP16:
 - Schedule: the work list (expert, f-tile, token-tile) of triton_grouped_gemm, derived in registers from offs (no
   host sync, no tile on empty experts); token tiles of one weight tile are consecutive (L2 reuse under skew).
   Grid: one program per work item (upper bound cdiv(N, BT) + E token tiles; extra programs exit at once), so the
-  hardware overlaps one program's pipeline fill / epilogue with another's stream; or persistent ("tma-p": 2 per
-  SM, strided over the list).
+  hardware overlaps one program's pipeline fill / epilogue with another's stream.
 - Weight gradient, few rows: out[e, a, b] = sum_r P[r, a] Q[r, b] with b the contiguous dimension of the gradient
   (P, Q = dY, X for the [E, F, D] parameter layout, X, dY for a contiguous [E, D, F]), so the accumulator's rows
   are stored coalesced; one program per (expert, a-tile, group of GB b-tiles), one flat loop over (b-tile, row
   chunk of BT) pipelined 3 deep, so operand chunks stream across tile boundaries and the next tile's loads
   overlap this tile's store (a loop per tile would wait for its first load after every store). Row chunks are
-  masked loads (rows past the expert must not contribute). Store: plain masked stores (116-128 registers at
-  8 warps: two programs per SM), or a TMA store through a 3D descriptor [E, A, B] (clipped per expert) with
-  $MOESTACK_MOE_GG_TMA_STORE=1 (ptxas then serialises the MMA before the store: C7517, 150+ registers).
-
-- Weight gradient, resident variant (opt-in, $MOESTACK_MOE_GG_WGRAD=resident; gluon_wgrad.py replaces both at
-  64+ rows on sm_90): the chunked loop above re-reads P for every b-tile; gg_wgrad_kernel_resident loads an
-  expert's whole P[rows, a-tile] once (experts of <= RMAX rows) and runs one dot of depth RMAX per b-tile. H200, 128 rows per expert: 1.15 vs 1.42 ms (ncu 2.24 vs 1.82
-  TB/s), 1.21-1.35x torch's dW; at 32 rows slower (RMAX = 2x the mean rows doubles the MMA depth).
+  masked loads (rows past the expert must not contribute); plain masked stores (116-128 registers at 8 warps: two
+  programs per SM).
+- Weight gradient from 64 mean rows per expert on sm_90: gluon_wgrad.py (experts of at most its RMAX rows), the
+  larger experts by gg_wgrad_kernel_large here (chunks of RMAX rows per b-tile).
 
 No atomics: each output element is written by one program in a fixed order (bitwise reproducible).
 Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF/BK weight tile, BA/BB dW tile.
@@ -43,24 +38,22 @@ Legend: N rows, E experts, K reduction width, F output width, BT token tile, BF/
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moestack.ops.launch import pruner
 from moestack.ops.moe.triton_grouped_gemm import (
     INTERPRET,
     _expert_tiles,
-    _num_programs,
     _pick,
     _precision,
     empty_grad_like,
     quick_bench,
 )
 
-TMA_STORE = os.environ.get("MOESTACK_MOE_GG_TMA_STORE", "0") == "1"
 _MIN_BK = 16 if INTERPRET else 64  # smallest K tile of the configs (dX needs K % BK == 0)
 
 
@@ -103,7 +96,9 @@ def _prune_fwd(configs, named_args, **kwargs):
     keep = [c for c in configs
             if (c.kwargs["BT"], c.kwargs["BF"], c.kwargs["BK"], c.num_warps, c.num_stages) in want
             and (args["W_KMAJOR"] or args["K"] % c.kwargs["BK"] == 0)]
-    return keep or configs[:1]
+    from moestack.ops.launch import fit_configs
+
+    return fit_configs(keep or configs[:1], args, "gg_tma_fwd")
 
 
 @triton.autotune(configs=_fwd_configs(), key=["K", "F", "E", "BT_MAX", "W_KMAJOR"], do_bench=quick_bench,
@@ -153,26 +148,23 @@ def gg_fwd_kernel_tma(
 
 def _wgrad_configs() -> list[triton.Config]:
     if INTERPRET:
-        return [triton.Config({"BA": 16, "BB": 32, "GB": 2}, num_warps=4, num_stages=1, pre_hook=_wgrad_blocks)]
+        return [triton.Config({"BA": 16, "BB": 32, "GB": 2}, num_warps=4, num_stages=1)]
     # few rows: each dW tile is written once after a short reduction (store bound); GB tiles per program, the
     # flat loop pipelined 3 deep. (BA, BB, GB, warps, stages): 64 accumulator registers per thread, 116-128 in
-    # all (plain store), so two programs per SM at 8 warps, three at 4 (gg_spill_report.py)
+    # all, so two programs per SM at 8 warps, three at 4 (benchmarks/tools/launch_fit_check.py moe --hints --ptxas)
     shapes = [(128, 128, 8, 8, 3), (64, 128, 8, 4, 3)]
-    return [triton.Config({"BA": a, "BB": b, "GB": g}, num_warps=w, num_stages=s, pre_hook=_wgrad_blocks)
-            for a, b, g, w, s in shapes]
+    return [triton.Config({"BA": a, "BB": b, "GB": g}, num_warps=w, num_stages=s) for a, b, g, w, s in shapes]
 
 
-def _wgrad_blocks(nargs) -> None:
-    if nargs["out_desc"] is not None:
-        nargs["out_desc"].block_shape = [1, nargs["BA"], nargs["BB"]]
+_prune_wgrad = pruner("gg_wgrad")
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["A", "B", "E", "BT", "TMA_STORE"], do_bench=quick_bench)
+@triton.autotune(configs=_wgrad_configs(), key=["A", "B", "E", "BT"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune_wgrad})
 @triton.jit(do_not_specialize=["E"])
 def gg_wgrad_kernel_tma(
-    p, q, out, out_desc, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
-    PRECISION: tl.constexpr, TMA_STORE: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr,
-    GB: tl.constexpr,
+    p, q, out, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
+    PRECISION: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, GB: tl.constexpr,
 ):
     """out[e, a-tile, b-tiles] = P[rows of e, a-tile]^T @ Q[rows of e, b-tile] for GB consecutive b-tiles, as one
     flat loop over (b-tile, row chunk of BT) so the software pipeline streams operand chunks across tile
@@ -202,40 +194,27 @@ def gg_wgrad_kernel_tma(
                       mask=m_r[:, None] & m_b[None, :], other=0.0)  # [BT, BB]
         b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
         if c == n_chunks - 1:
-            if TMA_STORE:
-                if b0 < B:
-                    out_desc.store([e, i_a * BA, b0], b_acc.to(out_desc.dtype).reshape([1, BA, BB]))
-            else:
-                tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
-                         mask=m_a[:, None] & m_b[None, :])
+            tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                     mask=m_a[:, None] & m_b[None, :])
             b_acc = tl.zeros((BA, BB), dtype=tl.float32)
 
 
-# dW kernel: "chunked" (gg_wgrad_kernel_tma), "resident" (gg_wgrad_kernel_resident), "gluon" (gluon_wgrad.py, sm_90;
-# experts above its RMAX rows go to the resident kernel's chunked path) or "auto": gluon from GLUON_MIN_ROWS mean
-# rows per expert (H200, K3 EP16: faster than chunked and torch at 64 rows, slower than chunked at 32), else chunked
-WGRAD_KERNEL = os.environ.get("MOESTACK_MOE_GG_WGRAD", "auto")
-WGRAD_KERNELS = ("auto", "chunked", "resident", "gluon")
+# The weight gradient: gluon_wgrad from GLUON_MIN_ROWS mean rows per expert where it applies (H200, K3 EP16: faster
+# than the chunked kernel and torch at 64 rows, slower than chunked at 32), with gg_wgrad_kernel_large for the
+# experts above its RMAX rows; else gg_wgrad_kernel_tma.
 GLUON_MIN_ROWS = 64
 
 
-def _wgrad_resident_configs() -> list[triton.Config]:
-    """_wgrad_configs' tiles without the TMA-store pre-hook (this kernel stores plainly)."""
-    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in _wgrad_configs()]
-
-
-@triton.autotune(configs=_wgrad_resident_configs(), key=["A", "B", "E", "RMAX"], do_bench=quick_bench)
+@triton.autotune(configs=_wgrad_configs(), key=["A", "B", "E", "RMAX"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune_wgrad})
 @triton.jit(do_not_specialize=["E"])
-def gg_wgrad_kernel_resident(
+def gg_wgrad_kernel_large(
     p, q, out, offs, A, B, E, stride_pn, stride_pa, stride_qn, stride_qb, stride_oe, stride_oa, stride_ob,
     PRECISION: tl.constexpr, RMAX: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, GB: tl.constexpr,
-    SKIP_ROWS: tl.constexpr = 0,
+    SKIP_ROWS: tl.constexpr,
 ):
-    """As gg_wgrad_kernel_tma (same grid and output), for experts of at most RMAX rows: the expert's whole
-    P[rows, a-tile] is loaded once and reused for the GB b-tiles (one dot of depth RMAX each), so per output tile
-    only Q's [RMAX, BB] block is read (the chunked loop re-reads P for every b-tile). A larger expert falls back
-    to chunks of RMAX rows per b-tile (P re-read). SKIP_ROWS > 0: experts of at most that many rows are left
-    alone (gluon_wgrad writes them)."""
+    """gg_wgrad_kernel_tma's output (same grid) for the experts of more than SKIP_ROWS rows (the others are
+    gluon_wgrad's): per b-tile, the expert's rows in chunks of RMAX."""
     i_t, e = tl.program_id(0), tl.program_id(1)
     n_groups = tl.cdiv(tl.cdiv(B, BB), GB)
     i_a, i_g = i_t // n_groups, i_t % n_groups
@@ -244,38 +223,23 @@ def gg_wgrad_kernel_resident(
     o_a = i_a * BA + tl.arange(0, BA)
     m_a = o_a < A
     p_oe = out + e.to(tl.int64) * stride_oe
-    if SKIP_ROWS > 0:  # noqa: SIM102 (a constexpr test, then a run-time one: Triton needs them apart)
-        if end - start <= SKIP_ROWS:
-            return
+    if end - start <= SKIP_ROWS:
+        return
     o_r = tl.arange(0, RMAX)
-    if end - start <= RMAX:
-        rows64 = (start + o_r).to(tl.int64)
-        m_r = start + o_r < end
-        b_pt = tl.trans(tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
-                                mask=m_r[:, None] & m_a[None, :], other=0.0))  # [BA, RMAX]
-        for j in range(GB):
-            o_b = (i_g * GB + j) * BB + tl.arange(0, BB)
-            m_b = o_b < B
+    for j in range(GB):
+        o_b = (i_g * GB + j) * BB + tl.arange(0, BB)
+        m_b = o_b < B
+        b_acc = tl.zeros((BA, BB), dtype=tl.float32)
+        for r0 in range(start, end, RMAX):
+            rows64 = (r0 + o_r).to(tl.int64)
+            m_r = r0 + o_r < end
+            b_p = tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
+                          mask=m_r[:, None] & m_a[None, :], other=0.0)  # [RMAX, BA]
             b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
                           mask=m_r[:, None] & m_b[None, :], other=0.0)  # [RMAX, BB]
-            b_acc = tl.dot(b_pt, b_q, input_precision=PRECISION)
-            tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
-                     mask=m_a[:, None] & m_b[None, :])
-    else:
-        for j in range(GB):
-            o_b = (i_g * GB + j) * BB + tl.arange(0, BB)
-            m_b = o_b < B
-            b_acc = tl.zeros((BA, BB), dtype=tl.float32)
-            for r0 in range(start, end, RMAX):
-                rows64 = (r0 + o_r).to(tl.int64)
-                m_r = r0 + o_r < end
-                b_p = tl.load(p + rows64[:, None] * stride_pn + o_a[None, :] * stride_pa,
-                              mask=m_r[:, None] & m_a[None, :], other=0.0)  # [RMAX, BA]
-                b_q = tl.load(q + rows64[:, None] * stride_qn + o_b[None, :] * stride_qb,
-                              mask=m_r[:, None] & m_b[None, :], other=0.0)  # [RMAX, BB]
-                b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
-            tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
-                     mask=m_a[:, None] & m_b[None, :])
+            b_acc = tl.dot(tl.trans(b_p), b_q, b_acc, input_precision=PRECISION)
+        tl.store(p_oe + o_a[:, None] * stride_oa + o_b[None, :] * stride_ob, b_acc.to(out.dtype.element_ty),
+                 mask=m_a[:, None] & m_b[None, :])
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -297,8 +261,7 @@ def fwd_supported(x_NK: torch.Tensor, w_EKF: torch.Tensor) -> bool:
     return w_EKF.stride(2) == 1 and w_EKF.stride(0) == K * w_EKF.stride(1) and K % _MIN_BK == 0 and _tma_ok(w_EKF)
 
 
-def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor, BT_MAX: int,
-                   persistent: bool = False) -> torch.Tensor:
+def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor, BT_MAX: int) -> torch.Tensor:
     """y [N, F] = x[rows of e] @ w[e] (rows >= offs[-1] zero); requires fwd_supported(x, w). BT_MAX: the mean
     rows per expert as a power of two in 16..128 (triton_grouped_gemm.swap_token_tile), picks the configs."""
     N, K = x_NK.shape
@@ -313,11 +276,8 @@ def grouped_mm_fwd(x_NK: torch.Tensor, w_EKF: torch.Tensor, offs_E: torch.Tensor
         w2 = torch.as_strided(w_EKF, (E * K, F), (w_EKF.stride(1), 1))
     w_desc = TensorDescriptor.from_tensor(w2, [16, 16])
     x_desc = TensorDescriptor(x_NK, [N, K], [x_NK.stride(0), 1], [16, 16])  # block shapes: set by the pre-hook
-    max_programs = _num_programs(x_NK.device)  # 2 per SM
-
     def grid(meta):
-        work = (triton.cdiv(N, meta["BT"]) + E) * triton.cdiv(F, meta["BF"])
-        return (max(1, min(max_programs, work) if persistent else work),)
+        return (max(1, (triton.cdiv(N, meta["BT"]) + E) * triton.cdiv(F, meta["BF"])),)
 
     gg_fwd_kernel_tma[grid](
         x_desc, w_desc, y, offs_E, N, K, F, E, y.stride(0), y.stride(1), BT_MAX,
@@ -343,12 +303,11 @@ def _gluon_wgrad_ok(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor) -> bool
 
 
 def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tensor, like: torch.Tensor,
-                     BT_MAX: int, tma_store: bool | None = None, kernel: str | None = None) -> torch.Tensor:
+                     BT_MAX: int, gluon: bool | None = None) -> torch.Tensor:
     """dW [E, D, F], dW[e] = x[rows of e]^T @ dy[rows of e] (zero for empty experts), in like's dtype and layout
-    (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). Rows are reduced in chunks
-    of min(BT_MAX, 64); kernel (None: $MOESTACK_MOE_GG_WGRAD, default "auto", see WGRAD_KERNEL): "resident" =
-    gg_wgrad_kernel_resident with RMAX = 2 BT_MAX rows (<= 128); "gluon" = gluon_wgrad where it applies (experts of
-    <= 2 BT_MAX rows, <= 256; the larger ones by the resident kernel's chunked path), else "chunked"."""
+    (the transposed view of [E, F, D] when like is one, else contiguous [E, D, F]). gluon (None: from
+    GLUON_MIN_ROWS mean rows per expert) runs gluon_wgrad where it applies (experts of <= 2 BT_MAX rows, <= 256;
+    the larger ones by gg_wgrad_kernel_large); else gg_wgrad_kernel_tma, rows in chunks of min(BT_MAX, 64)."""
     D = x_ND.shape[1]
     F = dy_NF.shape[1]
     E = like.shape[0]
@@ -358,37 +317,23 @@ def grouped_mm_wgrad(x_ND: torch.Tensor, dy_NF: torch.Tensor, offs_E: torch.Tens
     else:
         out, P, Q = dw, x_ND, dy_NF
     A, B = out.shape[1], out.shape[2]
-    kernel = kernel or WGRAD_KERNEL
-    if kernel not in WGRAD_KERNELS:
-        raise ValueError(f"MOESTACK_MOE_GG_WGRAD / kernel={kernel!r}: use one of {', '.join(WGRAD_KERNELS)}")
-    if kernel == "auto":
-        kernel = "gluon" if BT_MAX >= GLUON_MIN_ROWS else "chunked"
-    gluon = kernel == "gluon" and not INTERPRET and _gluon_wgrad_ok(P, Q, out)
-    if kernel == "resident" or gluon:
-        rmax = 16 if INTERPRET else min(128, max(32, 2 * BT_MAX))
-        skip = _gluon_wgrad().rmax_for(BT_MAX) if gluon else 0
-        if gluon:
-            _gluon_wgrad().wgrad_gluon(P, Q, out, offs_E, skip)
-
-        def grid_r(meta):
-            return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)
-
-        gg_wgrad_kernel_resident[grid_r](
-            P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), PRECISION=_precision(x_ND.dtype), RMAX=rmax,
-            SKIP_ROWS=skip,
-        )  # fmt: skip
-        return dw
-    tma_store = TMA_STORE if tma_store is None else tma_store
-    tma_store = tma_store and _tma_ok(out)
-    out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, 16, 16]) if tma_store else None
 
     def grid(meta):
         return (triton.cdiv(A, meta["BA"]) * triton.cdiv(triton.cdiv(B, meta["BB"]), meta["GB"]), E)
 
+    gluon = (BT_MAX >= GLUON_MIN_ROWS) if gluon is None else gluon
+    if gluon and not INTERPRET and _gluon_wgrad_ok(P, Q, out):
+        skip = _gluon_wgrad().rmax_for(BT_MAX)
+        _gluon_wgrad().wgrad_gluon(P, Q, out, offs_E, skip)
+        gg_wgrad_kernel_large[grid](
+            P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), PRECISION=_precision(x_ND.dtype),
+            RMAX=min(128, max(32, 2 * BT_MAX)), SKIP_ROWS=skip,
+        )  # fmt: skip
+        return dw
     gg_wgrad_kernel_tma[grid](
-        P, Q, out, out_desc, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
+        P, Q, out, offs_E, A, B, E, P.stride(0), P.stride(1), Q.stride(0), Q.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        PRECISION=_precision(x_ND.dtype), TMA_STORE=tma_store, BT=min(BT_MAX, 16 if INTERPRET else 64),
+        PRECISION=_precision(x_ND.dtype), BT=min(BT_MAX, 16 if INTERPRET else 64),
     )
     return dw

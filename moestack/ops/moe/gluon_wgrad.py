@@ -56,14 +56,10 @@ TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
 KS = gl.constexpr(SLICE)
 SMEM_BYTES = 232448  # sm_90's shared memory per block
-# (BB, Q_ROWS, num_warps) per RMAX, first = default (H200, K3 EP16 shapes, session 8 calls 11-12; the others were
-# 2-15% slower there and stay for the GPU test and the benchmark's parts); shared memory = RMAX * BA * 2 (P)
+# (BB, Q_ROWS, num_warps) per RMAX: the fastest measured (H200, K3 EP16 shapes, session 8 calls 11-12; the others
+# tried were 2-15% slower and were removed); shared memory = RMAX * BA * 2 (P)
 # + Q_ROWS * BB * 2 (Q ring) + BA * BB * out bytes (the epilogue's layout conversion); fit_config shrinks BB to fit
-CONFIGS = {
-    64: ((128, 256, 4), (64, 256, 4), (128, 512, 8)),
-    128: ((128, 256, 4), (64, 256, 4), (64, 512, 4), (128, 512, 8)),
-    256: ((64, 512, 4), (32, 512, 4), (128, 512, 8)),
-}
+CONFIGS = {64: (128, 256, 4), 128: (128, 256, 4), 256: (64, 512, 4)}
 
 
 @gluon.jit
@@ -211,15 +207,17 @@ def smem_bytes(rmax: int, bb: int, q_rows: int, num_warps: int, out_bytes: int) 
     return 2 * rmax * ba + 2 * q_rows * bb + ba * bb * out_bytes + 8 * (q_rows // SLICE)
 
 
-def fit_config(config: tuple[int, int, int], rmax: int, A: int, B: int, out_bytes: int) -> tuple[int, int, int]:
+def fit_config(config: tuple[int, int, int], rmax: int, A: int, B: int, out_bytes: int,
+               smem_limit: int = SMEM_BYTES) -> tuple[int, int, int]:
     """config adjusted to the operands: BB divides B in pairs, 4 warps where A is not a multiple of 128, and BB
-    halved (then the ring) until the program fits shared memory (fp32 gradients double the conversion scratch)."""
+    halved (then the ring) until the program fits `smem_limit` bytes of shared memory (fp32 gradients double the
+    conversion scratch)."""
     bb, q_rows, nw = config
     while B % (2 * bb):
         bb //= 2
     if A % (TILE_A * nw // 4):
         nw = 4
-    while smem_bytes(rmax, bb, q_rows, nw, out_bytes) > SMEM_BYTES - 1024 and (bb > 16 or q_rows > 2 * rmax):
+    while smem_bytes(rmax, bb, q_rows, nw, out_bytes) > smem_limit - 1024 and (bb > 16 or q_rows > 2 * rmax):
         if bb > 16:
             bb //= 2
         else:
@@ -231,9 +229,12 @@ def wgrad_gluon(P: torch.Tensor, Q: torch.Tensor, out: torch.Tensor, offs_E: tor
                 config: tuple[int, int, int] | None = None) -> None:
     """out[e] = P[rows of e]^T @ Q[rows of e] for the experts of <= rmax rows (others untouched: the caller's
     chunked kernel writes them). Requires supported(P, Q, out). config: (BB, Q_ROWS, num_warps), default
-    CONFIGS[rmax][0], fitted to the operands by fit_config."""
+    CONFIGS[rmax], fitted to the operands and the device's shared memory by fit_config."""
+    from moestack.ops.launch import device_limits
+
     E, A, B = out.shape
-    bb, q_rows, nw = fit_config(config or CONFIGS[rmax][0], rmax, A, B, out.element_size())
+    limit = device_limits(P.device.index if P.device.index is not None else torch.cuda.current_device()).smem
+    bb, q_rows, nw = fit_config(config or CONFIGS[rmax], rmax, A, B, out.element_size(), limit)
     out2 = torch.as_strided(out, (E * A, B), (out.stride(1), 1))  # [e * A + a, b]
     triton.set_allocator(_scratch)  # a context variable: set on the thread that launches (autograd's too)
     _wgrad_gluon_kernel[(A // (TILE_A * nw // 4), E)](

@@ -2,7 +2,8 @@
 
 Backends: "triton" (fused router kernel, counting-sort permutation, gather / combine kernels; CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1) and "reference" (pure torch, always available; the spec).
-Selection: explicit `backend` > env MOESTACK_MOE_ROUTING_BACKEND > "triton" on CUDA, else "reference".
+Selection: `backend` (KernelSpec.moe.routing, set on the MoE layer at build time) > "triton" on CUDA, else
+"reference".
 
 The layout (`Dispatch`) has R rows, a static number (no host sync decides it):
     dropless, align a:   expert e owns rows [start_e, start_e + count_e), start_e = sum_{j<e} ceil(count_j/a)*a;
@@ -25,10 +26,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from moestack.ops.backends import Backend, ReferenceBackend, Registry
 from moestack.ops.moe import reference
 from moestack.ops.opaque import opaque
 
-ENV_VAR = "MOESTACK_MOE_ROUTING_BACKEND"
 BACKENDS = ("triton", "reference")
 
 
@@ -56,15 +57,33 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """explicit > env MOESTACK_MOE_ROUTING_BACKEND > "triton" on CUDA (when installed) > "reference"."""
-    name = backend or os.environ.get(ENV_VAR) or None
-    if name is None:
+    """backend (None / "auto": "triton" on CUDA when installed, else "reference")."""
+    if backend is None or backend == "auto":
         return "triton" if device.type == "cuda" and _triton_installed() else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"MoE routing backend must be one of {BACKENDS}, got {name!r} (set {ENV_VAR} or backend=)")
-    if name == "triton" and not triton_available():
+    if backend not in BACKENDS:
+        raise ValueError(f"MoE routing backend must be one of {BACKENDS}, got {backend!r} (kernels.moe.routing)")
+    if backend == "triton" and not triton_available():
         raise ValueError("MoE routing backend 'triton' needs triton and CUDA (or TRITON_INTERPRET=1); use 'reference'")
-    return name
+    return backend
+
+
+class _TritonRouting(Backend):
+    """The Triton token path (triton_router.py, triton_permute.py, triton_activation.py); the functions below
+    branch on the name, so only the checks are used."""
+
+    name = "triton"
+    fn = None
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if not _triton_installed():
+            return "Triton is not installed"
+        return None if device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" else \
+            "the Triton routing kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU for tests)"
+
+
+REGISTRY = Registry("MoE routing")
+REGISTRY.register(_TritonRouting())
+REGISTRY.register(ReferenceBackend(None))
 
 
 def capacity_rows(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float, align: int = 1) -> int:
@@ -330,7 +349,6 @@ def combine(y_RD: torch.Tensor, d: Dispatch, topk_w_TK: torch.Tensor, backend: s
 
 __all__ = [
     "BACKENDS",
-    "ENV_VAR",
     "Dispatch",
     "capacity_rows",
     "combine",

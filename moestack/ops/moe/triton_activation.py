@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from moestack.ops import custom_ops
+from moestack.ops.launch import pruner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KINDS = {"situ_glu": 0, "swiglu": 1}
@@ -41,8 +42,7 @@ def _tanh(x):
 
 @triton.jit
 def glu_act(b_g, b_u, beta, lin_beta, KIND: tl.constexpr):
-    """act(gate, up) in fp32 (module doc); the fused GLU quantisers (fp8_quant, gluon_quant) call it too, so all
-    round alike.
+    """act(gate, up) in fp32 (module doc).
     x / beta as x * (1 / beta): the divisions (MUFU reciprocals) are what bounds these kernels' instruction rate."""
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     if KIND == 0:
@@ -68,6 +68,7 @@ def glu_grads(b_g, b_u, b_da, beta, lin_beta, KIND: tl.constexpr):
     return b_dg, b_du
 
 
+_PRUNE = {"early_config_prune": pruner("tile")}  # fixed [BN, BI] fp32 tiles, no dots
 _CONFIGS = _configs([
     triton.Config({"BN": 4, "BI": 1024}, num_warps=4),
     triton.Config({"BN": 8, "BI": 512}, num_warps=4),
@@ -75,7 +76,7 @@ _CONFIGS = _configs([
 ])
 
 
-@triton.autotune(configs=_CONFIGS, key=["I", "KIND"])
+@triton.autotune(configs=_CONFIGS, key=["I", "KIND"], prune_configs_by=_PRUNE)
 @triton.jit
 def glu_fwd_kernel(gu_ptr, a_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr):
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -88,7 +89,7 @@ def glu_fwd_kernel(gu_ptr, a_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: 
     tl.store(a_ptr + o_n.to(tl.int64)[:, None] * I + o_i[None, :], b_a.to(a_ptr.dtype.element_ty), mask=m)
 
 
-@triton.autotune(configs=_CONFIGS, key=["I", "KIND"])
+@triton.autotune(configs=_CONFIGS, key=["I", "KIND"], prune_configs_by=_PRUNE)
 @triton.jit
 def glu_bwd_kernel(
     gu_ptr, da_ptr, dgu_ptr, N, I, beta, lin_beta, KIND: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moestack.ops.launch import pruner
 from moestack.ops.moe.routing import Dispatch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -29,6 +30,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _configs(configs: list[triton.Config]) -> list[triton.Config]:
     """Autotuning needs a GPU: keep the first config under the interpreter."""
     return configs[:1] if INTERPRET else configs
+
+
+_PRUNE = {"early_config_prune": pruner("tile")}  # fixed [rows, BD] tiles, no dots (launch.py)
 
 
 # ---- dispatch --------------------------------------------------------------------------------------------------
@@ -103,6 +107,7 @@ def dispatch_triton(topk_idx_TK: torch.Tensor, num_experts: int, align: int = 1)
         triton.Config({"BR": 8, "BD": 512}, num_warps=8),
     ]),
     key=["D"],
+    prune_configs_by=_PRUNE,
 )
 @triton.jit
 def gather_fwd_kernel(h_ptr, slot_of_row_ptr, x_ptr, R, D, K, BR: tl.constexpr, BD: tl.constexpr):
@@ -123,6 +128,7 @@ def gather_fwd_kernel(h_ptr, slot_of_row_ptr, x_ptr, R, D, K, BR: tl.constexpr, 
         triton.Config({"BT": 4, "BD": 512}, num_warps=8),
     ]),
     key=["D", "K", "HAS_W"],
+    prune_configs_by=_PRUNE,
 )
 @triton.jit
 def combine_fwd_kernel(
@@ -154,6 +160,7 @@ def combine_fwd_kernel(
         triton.Config({"BT": 2, "BD": 512}, num_warps=4),
     ]),
     key=["D", "K"],
+    prune_configs_by=_PRUNE,
 )
 @triton.jit
 def combine_bwd_kernel(

@@ -1,7 +1,7 @@
-"""FP8 expert weights quantised once per optimizer step and parameter version (the "fp8" backend's v2 / v3 cache).
+"""FP8 weights quantised once per optimizer step and parameter version (the FP8 expert GEMMs' and Linears' cache).
 
-Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales
-(fp8_quant.quantize_blocks) are computed on the first call and reused until the weight changes. A weight counts
+Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales in both
+layouts (quant.quantize_blocks_pair) are computed on the first call and reused until the weight changes. A weight counts
 as changed (1) after every optimizer step: importing this module registers a global optimizer step post-hook
 (torch.optim.optimizer.register_optimizer_step_post_hook, run by every torch.optim.Optimizer subclass) that empties
 the cache, and (2) when its version counter moves (in-place ops on the parameter or a view of it outside an
@@ -15,61 +15,53 @@ the forward layout and the transposed dX layout are two entries of one parameter
 Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` or `p.data = ...`
 by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes.
 clear_after_steps(optimizer) is kept for callers (the global hook already does it).
-`MOESTACK_FP8_CACHE=0` quantises on every call instead (a check that the cache changes nothing).
+Mode (KernelSpec.fp8.weight_cache, passed per call by the FP8 strategies): "off" quantises on every call instead (a
+check that the cache changes nothing).
 
 Memory under FSDP2: an entry whose weight FSDP has freed (resharded: its storage resized to 0) is dropped at the next
 miss, so the cache holds fp8 copies of only the weights gathered now (ZeRO-3: about one layer), not of every layer:
 ZeRO-3's memory bound holds, at the price of quantising a weight again when it is gathered again (its backward, the
-next micro-batch). `MOESTACK_FP8_CACHE=step` keeps them until the optimizer step instead (one quantisation per weight
+next micro-batch). Mode "step" keeps them until the optimizer step instead (one quantisation per weight
 and step; the fp8 copies of every gathered layer stay, i.e. the size of the unsharded bf16 weights).
 `stats["peak_bytes"]` is the most the cache held at once.
 Tensors that do not outlive the call (fp32 parameters cast to bf16 under autocast make a new tensor each call)
 miss every time: still correct, no gain. Inference tensors have no version counter and are never cached.
 
-Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together. `pair` (v3) fills
-both layouts from one read of the weight.
+Memory: one fp8 copy per layout, i.e. the size of the bf16 weights for both layouts together. `pair` fills both
+layouts from one read of the weight.
 
 Under FSDP2 the unsharded parameter a forward sees is one tensor object for the whole run, refilled by every
 all-gather into new storage without a version bump: the key is that object and the view's offset, shape and strides
 (not its data pointer, which changes with every gather), so all micro-batches of a step and their backward use one
 quantisation (tests/parallel/test_fp8_cache_fsdp.py: ZeRO-3, bitwise the same run with the cache on and off, one
-quantisation per weight and step; with a pointer in the key it had hit 1-2 of 16 lookups, and benchmarks/moe.py's
-fp8v3-nocache variant shows what that costs: the K3 EP16 layer 49.5 vs 41.5 ms). Writes that reach the unsharded
+quantisation per weight and step; with a pointer in the key it had hit 1-2 of 16 lookups: the K3 EP16 layer 49.5 vs
+41.5 ms, benchmarks/RESULTS.md). Writes that reach the unsharded
 parameter only through its shards (a checkpoint load, an HF import) must clear(): load_checkpoint and
 load_hf_weights do.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.fp8 import quant as fq
+from moestack.ops.fp8.reference import FP8
 
 _entries: dict[tuple, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
 stats = {"hits": 0, "misses": 0, "peak_bytes": 0}
-MODES = ("1", "step", "0")
+MODES = ("on", "step", "off")
 
 
 def _owner(w: torch.Tensor) -> torch.Tensor:
     return w._base if w._base is not None else w
 
 
-def mode() -> str:
-    """$MOESTACK_FP8_CACHE (read per call): "1" (default), "step" or "0" (module doc)."""
-    value = os.environ.get("MOESTACK_FP8_CACHE", "1")
-    if value not in MODES:
-        raise ValueError(f"MOESTACK_FP8_CACHE={value!r}: use 1 (default: until the optimizer step or until FSDP frees "
-                         f"the weight), step (until the optimizer step) or 0 (off)")
-    return value
-
-
-def _version(w: torch.Tensor) -> int | None:
-    """The key's version, None = do not cache (inference tensors; MOESTACK_FP8_CACHE=0 turns the cache off)."""
-    if w.is_inference() or mode() == "0":
+def _version(w: torch.Tensor, mode: str) -> int | None:
+    """The key's version, None = do not cache (inference tensors; mode "off")."""
+    if w.is_inference() or mode == "off":
         return None
     return w._version
 
@@ -98,9 +90,9 @@ def _stale(owner: torch.Tensor | None, keep_freed: bool) -> bool:
     return owner is None or (not keep_freed and owner.numel() > 0 and owner.untyped_storage().size() == 0)
 
 
-def _purge() -> None:
-    """Drop the entries of dead weights and (mode "1") of weights FSDP freed. O(entries), run on misses only."""
-    keep_freed = mode() == "step"
+def _purge(mode: str) -> None:
+    """Drop the entries of dead weights and (mode "on") of weights FSDP freed. O(entries), run on misses only."""
+    keep_freed = mode == "step"
     for key in [k for k, v in _entries.items() if _stale(v[0](), keep_freed)]:
         del _entries[key]
 
@@ -124,28 +116,12 @@ def _lookup(w: torch.Tensor, q_dtype: torch.dtype, version: int):
     return None
 
 
-def blocks(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """fq.quantize_blocks(w_EKF, q_dtype), from the cache while w's version is unchanged."""
-    version = _version(w_EKF)
-    if version is None:
-        return fq.quantize_blocks(w_EKF, q_dtype)
-    hit = _lookup(w_EKF, q_dtype, version)
-    if hit is not None:
-        stats["hits"] += 1
-        return hit
-    stats["misses"] += 1
-    _purge()
-    with torch.no_grad():
-        q, s = fq.quantize_blocks(w_EKF, q_dtype)
-    _entries[_key(w_EKF, q_dtype)] = (weakref.ref(_owner(w_EKF)), version, q, s)
-    _note_peak()
-    return q, s
-
-
-def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8):
-    """(blocks(w), blocks(w^T)) as fq.quantize_blocks_pair: on a miss both layouts come from one read of w and
-    both are cached (the backward's blocks(w.transpose(1, 2)) then hits)."""
-    version = _version(w_EKF)
+def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = FP8, mode: str = "on"):
+    """quant.quantize_blocks_pair(w) (both layouts from one read of w, both cached: the backward's lookup of w^T
+    hits), from the cache while w's version is unchanged. mode: one of MODES (module doc)."""
+    if mode not in MODES:
+        raise ValueError(f"fp8 weight cache mode {mode!r}: use one of {MODES} (kernels.fp8.weight_cache)")
+    version = _version(w_EKF, mode)
     if version is None:
         return fq.quantize_blocks_pair(w_EKF, q_dtype)
     wT = w_EKF.transpose(1, 2)
@@ -154,7 +130,7 @@ def pair(w_EKF: torch.Tensor, q_dtype: torch.dtype = fq.FP8):
         stats["hits"] += 1
         return fwd, bwd
     stats["misses"] += 1
-    _purge()
+    _purge(mode)
     with torch.no_grad():
         fwd, bwd = fq.quantize_blocks_pair(w_EKF, q_dtype)
     ref = weakref.ref(_owner(w_EKF))

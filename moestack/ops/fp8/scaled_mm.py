@@ -1,12 +1,12 @@
-"""FP8 expert GEMMs one expert at a time through torch._scaled_mm's blockwise recipes (cuBLAS, the v3 large-M path).
+"""FP8 expert GEMMs one expert at a time through torch._scaled_mm's blockwise recipes (cuBLAS: the many-rows path).
 
 torch 2.11's grouped scaled GEMM (`torch._scaled_grouped_mm`, F.scaled_grouped_mm) takes only rowwise / MX /
 NVFP4 scales, but the dense `torch._scaled_mm` takes DeepSeek-V3's recipes on sm90 (cuBLAS >= 12.9):
-(1x128, 128x128) and (1x128, 1x128), scales given as fp32 dequantisation factors (amax / 448, what fp8_quant
+(1x128, 128x128) and (1x128, 1x128), scales given as fp32 dequantisation factors (amax / 448, what quant.py
 writes). So with many rows per expert one cuBLAS call per expert is the fast kernel; the loop needs the offsets
 on the host (one device-to-host copy per offsets tensor, cached: the gate/up and down GEMMs of a layer and their
 backward share it). Below a few hundred rows per expert the launches dominate and the Triton kernels win, so
-fp8_grouped_gemm only takes this path at mean rows per expert >= MOESTACK_FP8_CUBLAS_MIN_ROWS.
+grouped_gemm.py only takes this path at mean rows per expert >= KernelSpec.fp8.cublas_min_rows (512).
 
 Layouts torch._scaled_mm expects (v1 API, recipe inferred from the scale shapes), per expert e:
     forward / dX   a = q[r0 : r0 + Mp]     [Mp, K] row-major, Mp = rows rounded up to 4 (cuBLAS wants the scale
@@ -22,7 +22,7 @@ Layouts torch._scaled_mm expects (v1 API, recipe inferred from the scale shapes)
                    With a single tile (ng = 1) torch reads the scales as rowwise, which is the same product.
 
 `SCALED_MM` is the one call site; CPU tests replace it with an emulation that checks these shapes and strides
-(tests/ops/test_moe_fp8.py). `available(device)` probes the real call once per device against the dequantised
+(tests/ops/test_fp8.py). `available(device)` probes the real call once per device against the dequantised
 product (with out= or a copy, 128x128 scales K-block-major as torch's tests pass them or row-major) and says no
 (the caller falls back to Triton) if every way raises or disagrees; it prints what it found.
 """
@@ -30,28 +30,13 @@ product (with out= or a copy, 128x128 scales K-block-major as torch's tests pass
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import torch
 
-from moestack.ops.moe import fp8_quant as fq
+from moestack.ops.fp8 import quant as fq
+from moestack.ops.fp8 import reference as fref
 from moestack.ops.moe.triton_grouped_gemm import empty_grad_like
-
-CUBLAS_MIN_ROWS_ENV = "MOESTACK_FP8_CUBLAS_MIN_ROWS"
-CUBLAS_MIN_ROWS = 512  # default; measured crossover to be confirmed on the GPU (benchmarks/moe.py --fp8)
-
-
-def cublas_min_rows() -> int:
-    """Mean rows per expert from which v3 takes this path: $MOESTACK_FP8_CUBLAS_MIN_ROWS (read per call), else
-    CUBLAS_MIN_ROWS."""
-    return int(os.environ.get(CUBLAS_MIN_ROWS_ENV, CUBLAS_MIN_ROWS))
-
-
-def cublas_wgrad_min_rows(default: int) -> int:
-    """Mean rows per expert from which v3's weight gradient alone takes this path:
-    $MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS, else `default` (the forward's threshold)."""
-    return int(os.environ.get("MOESTACK_FP8_CUBLAS_WGRAD_MIN_ROWS", default))
 
 
 def _torch_scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
@@ -94,17 +79,17 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     same transposed, sbT [E, F/128, K/128], both contiguous. Rows >= ends[-1] are zero."""
     N, K = qa.shape
     E, _, F = qb.shape
-    nk = K // fq.GROUP
+    nk = K // fref.GROUP
     assert qa.stride() == (K, 1) and qb.stride(1) == 1 and qb.stride(2) == K
     assert sb.is_contiguous() and sbT.is_contiguous()
-    assert K % fq.GROUP == 0
+    assert K % fref.GROUP == 0
     kmajor = _state["b128_kmajor"]
-    assert qa._base is not None and qa._base.shape[0] >= N + 3, "qa must come from fp8_quant.quantize_dual"
+    assert qa._base is not None and qa._base.shape[0] >= N + 3, "qa must come from quant.quantize_dual"
     qa_full = qa._base[:N + 3]  # the buffer's zero rows past N
     y_full = torch.empty((N + 3, F), device=qa.device, dtype=out_dtype)
     starts = [0] + ends[:-1]
     counts = [max(b - a, 0) for a, b in zip(starts, ends)]
-    base, mp = fq.expert_major_layout(counts)
+    base, mp = fref.expert_major_layout(counts)
     # views by as_strided (one call each: at a few hundred rows per expert this loop's host time is what limits)
     st = torch.as_strided
     a0, s0, y0, b0 = qa_full.storage_offset(), sa_flat.storage_offset(), y_full.storage_offset(), qb.storage_offset()
@@ -125,20 +110,6 @@ def rows_mm(qa: torch.Tensor, sa_flat: torch.Tensor, qb: torch.Tensor, sb: torch
     return y
 
 
-WGRAD_STREAMS_ENV = "MOESTACK_FP8_WGRAD_STREAMS"  # "1" or "2" CUDA streams for the per-expert weight gradients
-WGRAD_STREAMS = 2  # default: the K3 EP16 layer 0.5-0.9 ms faster (benchmarks/RESULTS.md session 11)
-
-
-def wgrad_streams() -> int:
-    """$MOESTACK_FP8_WGRAD_STREAMS (read per call): 2 = consecutive experts' weight-gradient GEMMs alternate between
-    the current stream and a side stream, so one expert's last partial wave of tiles runs beside the next one's
-    first (benchmarks/RESULTS.md session 11); 1 = all on the current stream."""
-    choice = os.environ.get(WGRAD_STREAMS_ENV, str(WGRAD_STREAMS))
-    if choice not in ("1", "2"):
-        raise ValueError(f"{WGRAD_STREAMS_ENV}={choice!r}: use 1 or 2 (CUDA streams for the FP8 weight gradients)")
-    return int(choice)
-
-
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -152,13 +123,14 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
           like: torch.Tensor) -> torch.Tensor:
     """dw [E, D, F] (like's dtype; laid out as like when like is the transposed view of a contiguous [E, F, D]
     parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F]).
-    Each expert's GEMM writes only its own dw[e], so with wgrad_streams() == 2 every other one runs on a side
-    stream (ordered after the current stream's work so far; the current stream waits for it before returning)."""
+    Each expert's GEMM writes only its own dw[e], so every other one runs on a side stream (ordered after the
+    current stream's work so far; the current stream waits for it before returning): one expert's last partial
+    wave of tiles runs beside the next one's first (the K3 EP16 layer 0.5-0.9 ms faster, benchmarks/RESULTS.md
+    session 11)."""
     D, F = qxT.shape[0], qdyT.shape[0]
     transposed = like.transpose(1, 2).is_contiguous()
     dw = empty_grad_like(like, D, F)
-    two = wgrad_streams() == 2
-    main = torch.cuda.current_stream(dw.device) if dw.is_cuda and two else None
+    main = torch.cuda.current_stream(dw.device) if dw.is_cuda else None
     side = _side_stream(dw.device) if main is not None else None
     if side is not None:
         side.wait_stream(main)  # the operands and dw were written / allocated on the current stream
@@ -166,7 +138,7 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
     start = 0
     launched = 0
     for e, end in enumerate(ends):
-        g1 = g0 + (max(end - start, 0) + fq.GROUP - 1) // fq.GROUP
+        g1 = g0 + (max(end - start, 0) + fref.GROUP - 1) // fref.GROUP
         start = end
         if g1 == g0:
             dw[e].zero_()
@@ -181,7 +153,7 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
 
 
 def _expert_wgrad(qxT, sx, qdyT, sdy, dw, e: int, g0: int, g1: int, transposed: bool) -> None:
-    cols = slice(g0 * fq.GROUP, g1 * fq.GROUP)
+    cols = slice(g0 * fref.GROUP, g1 * fref.GROUP)
     if transposed:  # dw[e]^T [F, D] = dy_e^T x_e
         args = (qdyT[:, cols], qxT[:, cols].t(), sdy[g0:g1].t(), sx[g0:g1], dw[e].t())
     else:
@@ -226,11 +198,11 @@ def _probe_all(device: torch.device) -> bool:
             with torch.autocast("cuda", enabled=False), torch.no_grad():  # the first call may come from inside
                 ok, msg = _probe(device)
             if ok:
-                print(f"fp8_scaled_mm: torch._scaled_mm blockwise per-expert path on (out= {out_kwarg}, "
+                print(f"moestack.ops.fp8.scaled_mm: torch._scaled_mm blockwise per-expert path on (out= {out_kwarg}, "
                       f"128x128 scales K-block-major {kmajor}); {msg}")
                 return True
-            print(f"fp8_scaled_mm: probe (out= {out_kwarg}, K-block-major {kmajor}) failed: {msg}")
-    print("fp8_scaled_mm: torch._scaled_mm blockwise unusable here; the Triton FP8 kernels run instead")
+            print(f"moestack.ops.fp8.scaled_mm: probe (out= {out_kwarg}, K-block-major {kmajor}) failed: {msg}")
+    print("moestack.ops.fp8.scaled_mm: torch._scaled_mm blockwise unusable here; the Triton FP8 kernels run instead")
     return False
 
 
@@ -249,11 +221,7 @@ def _probe(device: torch.device) -> tuple[bool, str]:
         y = rows_mm(qx, sx, qw, sw, swT, ends, torch.bfloat16)
         _, _, qdyT, sdyT = fq.quantize_dual(dy, offs, expert_major=True)
         dw = wgrad(qxT, sxT, qdyT, sdyT, ends, like=w)
-        qr, sr = fq.quantize_rows_ref(x)
-        qwr, swr = fq.quantize_blocks_ref(w)
-        from moestack.ops.moe.reference import grouped_mm_loop
-
-        y_ref = grouped_mm_loop(fq.dequantize_rows(qr, sr), fq.dequantize_blocks(qwr, swr), offs)
+        y_ref = fref.grouped_mm_fp8_reference(x, w, offs)
         dw_ref = torch.stack([x[a:b].float().t() @ dy[a:b].float() for a, b in ((0, 130), (130, 136))])
         err_y = float((y.float() - y_ref).norm() / y_ref.norm())
         err_w = float((dw.float() - dw_ref).norm() / dw_ref.norm())

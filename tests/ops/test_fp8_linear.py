@@ -1,8 +1,8 @@
-"""FP8 Linear (fp8_linear.py): the v3 expert GEMM with one expert, for the LatentMoE's down / up projections.
+"""FP8 Linear (moestack/ops/fp8/linear.py): the expert GEMM with one expert, for the LatentMoE's down / up projections.
 
-CPU: the Triton kernels in the interpreter, the cuBLAS path through test_moe_fp8's emulated torch._scaled_mm (which
+CPU: the Triton kernels in the interpreter, the cuBLAS path through test_fp8's emulated torch._scaled_mm (which
 asserts torch's blockwise layout rules). Exact checks use unrounded fp32 "q" (the interpreter rounds fp8 casts
-wrongly); the e4m3 checks compare with the recipe in torch (fp8_quant's *_ref) at a bound that allows for the
+wrongly); the e4m3 checks compare with the recipe in torch (reference.py's *_ref) at a bound that allows for the
 interpreter's rounding, and with the plain fp32 Linear at an fp8 bound.
 """
 
@@ -16,17 +16,17 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_moe_fp8 import DEV, emulated_scaled_mm, rel_err  # first: sets TRITON_INTERPRET
+from test_fp8 import DEV, emulated_scaled_mm, rel_err  # first: sets TRITON_INTERPRET
 
-from moestack.ops.moe import fp8_linear as fl
-from moestack.ops.moe import fp8_quant as fq
-from moestack.ops.moe import fp8_scaled_mm as fsm
-from moestack.ops.moe import fp8_weight_cache as wc
+from moestack.ops.fp8 import linear as fl
+from moestack.ops.fp8 import reference as fq
+from moestack.ops.fp8 import scaled_mm as fsm
+from moestack.ops.fp8 import weight_cache as wc
 
-# numeric cases run the Triton kernels on CPU tensors: interpreter only (the v3 GPU tests cover the kernels)
+# numeric cases run the Triton kernels on CPU tensors: interpreter only (test_fp8's GPU tests cover the kernels)
 interpreter_only = pytest.mark.skipif(DEV == "cuda", reason="interpreter / emulation case")
 
-# path: (in, out, N rows). cuBLAS: both widths multiples of 512, forced by MOESTACK_FP8_CUBLAS_MIN_ROWS=0; Triton:
+# path: (in, out, N rows). cuBLAS: both widths multiples of 512, forced by cublas_min_rows=0; Triton:
 # widths that are not (192: a partial 128-group), N past one 128-token tile and not a multiple of 128
 PATHS = {"cublas": (512, 512, 131), "triton": (192, 160, 150)}
 # e4m3 on both operands: the torch recipe is 3.6-3.7% (relative RMS) from fp32 here. The interpreter's fp8 cast
@@ -40,18 +40,19 @@ RECIPE_VS_FP32 = 0.05
 
 @pytest.fixture
 def gemm_path(request, monkeypatch):
-    """Select the cuBLAS (emulated, one call per GEMM counted) or the Triton path; yields (in, out, N, calls)."""
+    """Select the cuBLAS (emulated, one call per GEMM counted) or the Triton path; yields (in, out, N, calls,
+    cublas_min_rows)."""
     calls: list[tuple[int, ...]] = []
     if request.param == "cublas":
+        min_rows = 0
         monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
-        monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", "0")
         monkeypatch.setattr(fsm, "_scaled_mm_into", lambda *a: (calls.append(tuple(a[0].shape)), emulated_scaled_mm(
             *a[:4], a[4].dtype, a[4]))[1])
     else:
-        monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", str(10**9))
+        min_rows = 10**9
         monkeypatch.setattr(fsm, "rows_mm", lambda *a, **k: pytest.fail("the Triton case took the cuBLAS path"))
     wc.clear()
-    yield (*PATHS[request.param], calls)
+    yield (*PATHS[request.param], calls, min_rows)
     wc.clear()
 
 
@@ -75,7 +76,7 @@ def forward_backward(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
 
 
 def recipe_reference(x: torch.Tensor, W: torch.Tensor, dy: torch.Tensor, q_dtype: torch.dtype):
-    """The FP8 recipe in torch (fp8_quant's *_ref), fp64: y = deq(x rows) deq(W^T blocks), dx = deq(dy rows)
+    """The FP8 recipe in torch (reference.py's *_ref), fp64: y = deq(x rows) deq(W^T blocks), dx = deq(dy rows)
     deq(W blocks), dW = deq(dy token tiles)^T deq(x token tiles)."""
     N = x.shape[0]
     offs = torch.tensor([N], dtype=torch.int32)
@@ -97,9 +98,10 @@ def recipe_reference(x: torch.Tensor, W: torch.Tensor, dy: torch.Tensor, q_dtype
 def test_fp8_linear_exact_with_unrounded_q(gemm_path):
     """Unrounded fp32 "q": forward, dX and dW equal x W^T and its gradients in fp64 (scales, tiling and layouts
     exact); the cuBLAS case makes one call per GEMM, the Triton case none."""
-    n_in, n_out, N, calls = gemm_path
+    n_in, n_out, N, calls, min_rows = gemm_path
     lin, x, dy = make_linear(n_in, n_out, N, seed=1)
-    y, dx, dw = forward_backward(lambda a, w: fl.fp8_linear(a, w, q_dtype=torch.float32), x, lin.weight, dy)
+    y, dx, dw = forward_backward(lambda a, w: fl.fp8_linear(a, w, q_dtype=torch.float32, cublas_min_rows=min_rows),
+                                 x, lin.weight, dy)
     y_ref, dx_ref, dw_ref = recipe_reference(x, lin.weight.detach(), dy, torch.float32)
     assert rel_err(y, y_ref) < 1e-5 and rel_err(dx, dx_ref) < 1e-5 and rel_err(dw, dw_ref) < 1e-5
     assert rel_err(y_ref, x.double() @ lin.weight.detach().double().t()) < 1e-6  # fp32 "q" quantises nothing
@@ -111,9 +113,9 @@ def test_fp8_linear_exact_with_unrounded_q(gemm_path):
 @pytest.mark.parametrize("gemm_path", ["cublas", "triton"], indirect=True)
 def test_fp8_linear_e4m3_vs_recipe_and_fp32(gemm_path):
     """Real e4m3: forward and both gradients near the torch recipe and within an fp8 bound of the fp32 Linear."""
-    n_in, n_out, N, _ = gemm_path
+    n_in, n_out, N, _, min_rows = gemm_path
     lin, x, dy = make_linear(n_in, n_out, N, seed=2)
-    got = forward_backward(fl.fp8_linear, x, lin.weight, dy)
+    got = forward_backward(lambda a, w: fl.fp8_linear(a, w, cublas_min_rows=min_rows), x, lin.weight, dy)
     recipe = recipe_reference(x, lin.weight.detach(), dy, fq.FP8)
     exact = forward_backward(lambda a, w: a @ w.t(), x, lin.weight, dy)
     for name, g, r, e in zip(("y", "dx", "dW"), got, recipe, exact):
@@ -123,10 +125,9 @@ def test_fp8_linear_e4m3_vs_recipe_and_fp32(gemm_path):
 
 
 @interpreter_only
-def test_fp8_linear_leading_dims_and_autocast(monkeypatch):
+def test_fp8_linear_leading_dims_and_autocast():
     """x [B, T, in] -> [B, T, out]; inside autocast the output is in the autocast dtype, the gradients in the
-    input's and the parameter's dtypes (Triton path, 40 rows: swap-AB)."""
-    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", str(10**9))
+    input's and the parameter's dtypes (Triton path at these widths, 40 rows: swap-AB)."""
     wc.clear()
     lin, x, dy = make_linear(192, 160, 20, seed=3, lead=(2,))
     y, dx, dw = forward_backward(lambda a, w: fl.fp8_linear(a, w, q_dtype=torch.float32), x, lin.weight, dy)
@@ -165,7 +166,9 @@ def test_convert_keeps_parameters_and_state_dict():
     assert fl.convert_to_fp8_linear(model, ["a", "b.0"]) == 2
     assert type(model["a"]) is fl.Fp8Linear and type(model["b"][0]) is fl.Fp8Linear and type(model["c"]) is nn.Linear
     assert fl.convert_to_fp8_linear(model, ["a"]) == 0  # already FP8
-    assert fl.convert_to_fp8_linear(model, lambda name, m: name == "c") == 1
+    assert fl.convert_to_fp8_linear(model, ["c"], torch.float32, 64, "step") == 1
+    assert (model["c"].fp8_q_dtype, model["c"].fp8_cublas_min_rows, model["c"].fp8_cache_mode) == (
+        torch.float32, 64, "step")
     assert all(a is b for a, b in zip(model.modules(), modules)) and len(list(model.modules())) == len(modules)
     assert all(a is b for a, b in zip(model.parameters(), params))
     assert list(model.state_dict()) == keys
@@ -181,28 +184,30 @@ def _fp8_names(module: nn.Module) -> set[str]:
 
 
 @interpreter_only
-def test_enable_fp8_latent_projections_moe_and_tiny_model(monkeypatch):
-    """Exactly the latent down / up projections, in a MoE and in the tiny preset's model, which then runs forward
-    and backward with gradients on the converted weights."""
+def test_latent_projections_moe_and_tiny_model():
+    """The recipe's Linear list for a LatentMoE is exactly its down / up projections; the tiny preset's model with
+    those converted runs forward and backward with gradients on the converted weights."""
     from moestack.config import load_model_spec
     from moestack.config.model_spec import MoESpec
     from moestack.model.moe import MoE
     from moestack.model.transformer import build_model
+    from moestack.ops.fp8.convert import fp8_linear_names
 
-    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", str(10**9))
     wc.clear()
     moe = MoE(32, MoESpec(num_experts=4, top_k=2, expert_intermediate_size=16, latent_size=16), "situ_glu")
-    assert fl.enable_fp8_latent_projections(moe) == 2 and _fp8_names(moe) == {"down_proj", "up_proj"}
-    assert fl.enable_fp8_latent_projections(moe) == 0
+    assert fp8_linear_names(moe) == (["down_proj", "up_proj"], [])
+    assert fl.convert_to_fp8_linear(moe, ["down_proj", "up_proj"]) == 2 and _fp8_names(moe) == {"down_proj", "up_proj"}
     plain = MoE(32, MoESpec(num_experts=4, top_k=2, expert_intermediate_size=16), "situ_glu")
-    assert fl.enable_fp8_latent_projections(plain) == 0
+    assert fp8_linear_names(plain) == ([], [])
 
     model = build_model(load_model_spec("tiny"), "cpu", seed=0)
     moe_names = list(model.moe_layers())
     assert moe_names and all(model.layers[n].ffn.down_proj is not None for n in moe_names)
     keys = list(model.state_dict())
-    assert fl.enable_fp8_latent_projections(model) == 2 * len(moe_names)
-    assert _fp8_names(model) == {f"layers.{n}.ffn.{p}" for n in moe_names for p in ("down_proj", "up_proj")}
+    latent = [f"layers.{n}.ffn.{p}" for n in moe_names for p in ("down_proj", "up_proj")]
+    assert set(latent) <= set(fp8_linear_names(model)[0])
+    assert fl.convert_to_fp8_linear(model, latent, cublas_min_rows=10**9) == 2 * len(moe_names)
+    assert _fp8_names(model) == set(latent)
     assert list(model.state_dict()) == keys
     tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
     loss = model(tokens, tokens)
@@ -220,7 +225,6 @@ def test_host_ends_skip_host_offsets(monkeypatch):
     """On the cuBLAS path (forward, dX, dW) the Linear passes its row count as host offsets: fsm.host_offsets is
     never called and its one cached entry (the experts' offsets) survives."""
     monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
-    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", "0")
     wc.clear()
     expert_offs = torch.tensor([5, 9, 20], dtype=torch.int32)
     expert_ends = fsm.host_offsets(expert_offs)  # the expert layer's cached read
@@ -231,7 +235,8 @@ def test_host_ends_skip_host_offsets(monkeypatch):
 
     monkeypatch.setattr(fsm, "host_offsets", no_host_read)
     lin, x, dy = make_linear(512, 512, 131, seed=4)
-    y, dx, dw = forward_backward(lambda a, w: fl.fp8_linear(a, w, q_dtype=torch.float32), x, lin.weight, dy)
+    y, dx, dw = forward_backward(lambda a, w: fl.fp8_linear(a, w, q_dtype=torch.float32, cublas_min_rows=0), x,
+                                 lin.weight, dy)
     W = lin.weight.detach().double()
     assert rel_err(y, x.double() @ W.t()) < 1e-5 and rel_err(dx, dy.double() @ W) < 1e-5
     assert rel_err(dw, dy.double().t() @ x.double()) < 1e-5
@@ -246,14 +251,13 @@ def test_weight_cache_follows_the_linear_weight(monkeypatch):
     of the same parameter is its own entry, an in-place update and an optimizer step each make the next call miss
     and the output follow the new weight."""
     monkeypatch.setattr(fsm, "SCALED_MM", emulated_scaled_mm)
-    monkeypatch.setenv("MOESTACK_FP8_CUBLAS_MIN_ROWS", "0")
     wc.clear()
     lin, x, _ = make_linear(512, 512, 131, seed=5)
     lin.__class__ = fl.Fp8Linear  # what convert_to_fp8_linear does
 
     def run() -> torch.Tensor:
         with torch.no_grad():
-            return fl.fp8_linear(x, lin.weight, q_dtype=torch.float32)
+            return fl.fp8_linear(x, lin.weight, q_dtype=torch.float32, cublas_min_rows=0)
 
     def counts() -> tuple[int, int]:
         return wc.stats["hits"], wc.stats["misses"]

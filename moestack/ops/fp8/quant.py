@@ -1,29 +1,22 @@
-"""FP8 e4m3 quantisation for the expert GEMMs, fine-grained scales (DeepSeek-V3 style): Triton kernels + torch spec.
+"""FP8 e4m3 quantisation in Triton (fine-grained scales, DeepSeek-V3 style); the torch spec is reference.py.
 
-Three groupings, each with one fp32 scale = amax(|group|) / 448 (1 for an all-zero group) and q = x / scale
-rounded to e4m3 (values saturate at +-448 by construction):
+Three groupings, each with one fp32 scale = amax(|group|) / 448 (1 for an all-zero group), q = x / scale in e4m3
+(reference.py has the layouts):
     rows 1x128      x [N, K] -> q [N, K], s [N, ceil(K/128)]            activations along the reduction dim
-                    (forward x, and dY for the input gradient)
-    blocks 128x128  w [E, K, F] -> q [E, K, F], s [E, ceil(K/128), ceil(F/128)]   weights; q is laid out with K
-                    (dim 1, the reduction) contiguous, so the same function serves w (forward) and w^T (dX)
-    token tiles 128x1 along tokens, per expert: x [N, D], offs -> qT [D, P], s [G, D]   operands of the weight
-                    gradient, whose reduction runs over each expert's tokens. Tile g covers 128 rows of one expert
-                    (expert tiles are numbered in expert order, as the grouped GEMM schedule numbers m-tiles with
-                    BM = 128); rows past the expert's end are zeros. Stored transposed (tokens contiguous: the
-                    reduction dim contiguous, the layout Hopper's FP8 MMA wants). G = ceil(N/128) + E bounds the
-                    tile count without reading offs on the host; P = 128 G.
+    blocks 128x128  w [E, K, F] -> q [E, K, F] (K contiguous), s [E, ceil(K/128), ceil(F/128)]   weights
+    token tiles 128x1 along each expert's tokens: x [N, D], offs -> qT [D, P], s [G, D]   the weight gradient's
+                    operands (the reduction runs over each expert's tokens)
+`quantize_dual` reads x once per 128x128 tile of one expert and writes both the 1x128 row tiles (forward / dX
+operand) and the 128x1 token tiles (wgrad operand): on sm_90 by gluon_quant.py (1.6x faster on the H200), elsewhere
+and under the interpreter by its Triton kernel here (the same bytes). `quantize_blocks_pair` reads w once per
+128x128 block and writes both weight layouts (w and w^T, each with its reduction dim contiguous).
+`quantize_dual(expert_major=True)` writes the row scales expert by expert, each expert's block [ceil(K/128), Mp_e]
+contiguous (Mp_e = its row count rounded up to 4): the layout torch._scaled_mm's 1x128 recipe takes for one expert's
+rows (scaled_mm.py); padding entries are zero. `quantize_rows` (1x128 tiles of any [N, K]) is also the FP8
+activation-storage format of moestack/memory/precision.py.
 
-Fused variants (v3, fp8_grouped_gemm.py): `quantize_dual` reads x once per 128x128 tile of one expert and
-writes both the 1x128 row tiles (forward / dX operand) and the 128x1 token tiles (wgrad operand);
-`quantize_blocks_pair` reads w once per 128x128 block and writes both weight layouts (w and w^T, each with its
-reduction dim contiguous). `quantize_dual(expert_major=True)` writes the row scales expert by expert, each
-expert's block [ceil(K/128), Mp_e] contiguous (Mp_e = its row count rounded up to 4, blocks in expert order
-starting at ceil(K/128) * sum of the earlier Mp): the "outer-dim-major" layout torch._scaled_mm's 1x128 recipe
-takes for one expert's rows (fp8_scaled_mm.py); padding entries are zero. `quantize_glu_dual` is quantize_dual of
-the GLU activation computed per tile from gate_up (fp8_expert_ffn.py): the activation is never written.
-
-`*_ref` functions are the torch spec (loop-clear, CPU-testable). `out_dtype=torch.float32` makes the Triton
-kernels write the unrounded x / scale (used by the interpreter tests, whose fp8 casts round wrongly).
+`out_dtype=torch.float32` makes the kernels write the unrounded x / scale (the interpreter tests: its fp8 casts
+round wrongly).
 
 Legend: N rows, K reduction width, F output width, E experts, D width, G token tiles, P = 128 G padded tokens.
 """
@@ -38,109 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moestack.ops.moe.triton_activation import KINDS as GLU_KINDS
-from moestack.ops.moe.triton_activation import glu_act
+from moestack.ops.fp8.reference import FP8, GROUP, num_token_tiles
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128  # tile / block edge of every grouping
-QUANT_ENV = "MOESTACK_FP8_QUANT"  # quantize_dual's kernel on sm_90: "gluon" (default, gluon_quant.py) or "triton"
-
-
-def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-
-
-def _cast(v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return v.clamp(-FP8_MAX, FP8_MAX).to(out_dtype)
-
-
-def num_token_tiles(N: int, E: int) -> int:
-    """Upper bound on the per-expert 128-row tiles of N rows over E experts (host-known, no sync)."""
-    return triton.cdiv(N, GROUP) + E
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# torch spec
-
-
-def quantize_rows_ref(x_NK: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    N, K = x_NK.shape
-    nk = triton.cdiv(K, GROUP)
-    xp = torch.nn.functional.pad(x_NK.float(), (0, nk * GROUP - K)).view(N, nk, GROUP)
-    s = _scale(xp.abs().amax(-1))  # [N, nk]
-    q = _cast(xp / s[..., None], out_dtype).view(N, nk * GROUP)[:, :K]
-    return q, s
-
-
-def quantize_blocks_ref(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    E, K, F = w_EKF.shape
-    nk, nf = triton.cdiv(K, GROUP), triton.cdiv(F, GROUP)
-    wp = torch.nn.functional.pad(w_EKF.float(), (0, nf * GROUP - F, 0, nk * GROUP - K))
-    blocks = wp.view(E, nk, GROUP, nf, GROUP)
-    s = _scale(blocks.abs().amax(dim=(2, 4)))  # [E, nk, nf]
-    q = _cast(blocks / s[:, :, None, :, None], out_dtype).view(E, nk * GROUP, nf * GROUP)[:, :K, :F]
-    return q, s
-
-
-def quantize_token_tiles_ref(
-    x_ND: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype = FP8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    N, D = x_ND.shape
-    E = offs_E.numel()
-    G = num_token_tiles(N, E)
-    qT = torch.zeros((D, G * GROUP), dtype=out_dtype, device=x_ND.device)
-    s = torch.ones((G, D), dtype=torch.float32, device=x_ND.device)
-    g, start = 0, 0
-    for end in offs_E.tolist():
-        for r0 in range(start, end, GROUP):
-            tile = x_ND[r0:min(r0 + GROUP, end)].float()  # [<=128, D]
-            s[g] = _scale(tile.abs().amax(0))
-            qT[:, g * GROUP:g * GROUP + tile.shape[0]] = _cast(tile / s[g], out_dtype).t()
-            g += 1
-        start = end
-    return qT, s
-
-
-def expert_major_layout(counts: list[int]) -> tuple[list[int], list[int]]:
-    """Host-side view of quantize_dual's expert-major row scales: (base_e, Mp_e) per expert; expert e's block
-    starts at element base_e * ceil(K/128) and is [ceil(K/128), Mp_e] contiguous."""
-    mp = [(c + 3) // 4 * 4 for c in counts]
-    base, acc = [], 0
-    for m in mp:
-        base.append(acc)
-        acc += m
-    return base, mp
-
-
-def expert_major_scales_ref(s_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Plain row scales [N, nk] -> the expert-major flat layout of quantize_dual (zeros in the padding)."""
-    N, nk = s_NK.shape
-    E = offs_E.numel()
-    out = torch.zeros(nk * (N + 3 * E), dtype=torch.float32, device=s_NK.device)
-    ends = offs_E.tolist()
-    starts = [0] + ends[:-1]
-    base, mp = expert_major_layout([max(b - a, 0) for a, b in zip(starts, ends)])
-    for e in range(E):
-        n = max(ends[e] - starts[e], 0)
-        if n:
-            blk = out[base[e] * nk: (base[e] + mp[e]) * nk].view(nk, mp[e])
-            blk[:, :n] = s_NK[starts[e]:ends[e]].t()
-    return out
-
-
-def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """q [N, K] * s [N, ceil(K/128)] broadcast over each 128-column group, fp32."""
-    return q.float() * s.repeat_interleave(GROUP, dim=1)[:, : q.shape[1]]
-
-
-def dequantize_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """q [E, K, F] * s [E, ceil(K/128), ceil(F/128)] broadcast over each 128x128 block, fp32."""
-    K, F = q.shape[1:]
-    full = s.repeat_interleave(GROUP, dim=1).repeat_interleave(GROUP, dim=2)[:, :K, :F]
-    return q.float() * full
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,34 +77,6 @@ def fp8_quant_blocks_kernel(
 
 
 @triton.jit
-def fp8_quant_token_tiles_kernel(x, qT, s, offs, N, D, E, P, stride_xn, BE: tl.constexpr, BD: tl.constexpr,
-                                 G: tl.constexpr):
-    g, i_d = tl.program_id(0), tl.program_id(1)
-    o_e = tl.arange(0, BE)
-    m_e = o_e < E
-    b_end = tl.load(offs + o_e, mask=m_e, other=0)
-    b_start = tl.load(offs + o_e - 1, mask=m_e & (o_e > 0), other=0)
-    b_tiles = tl.where(m_e, (tl.maximum(b_end - b_start, 0) + G - 1) // G, 0)
-    b_tile_end = tl.cumsum(b_tiles, 0)
-    if g < tl.sum(b_tiles, 0):
-        e = tl.sum((b_tile_end <= g).to(tl.int32), 0)
-        sel = o_e == e
-        first = tl.sum(tl.where(sel, b_tile_end - b_tiles, 0), 0)
-        rows = tl.sum(tl.where(sel, b_start, 0), 0) + (g - first) * G + tl.arange(0, G)  # [G]
-        m_r = rows < tl.sum(tl.where(sel, b_end, 0), 0)
-        o_d = i_d * BD + tl.arange(0, BD)
-        m_d = o_d < D
-        b_x = tl.load(x + rows.to(tl.int64)[:, None] * stride_xn + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
-                      other=0.0).to(tl.float32)  # [G, BD]
-        b_amax = tl.max(tl.abs(b_x), 0)
-        b_s = tl.where(b_amax > 0, b_amax / 448.0, 1.0)  # [BD]
-        b_q = tl.clamp(b_x / b_s[None, :], -448.0, 448.0)
-        cols = g.to(tl.int64) * G + tl.arange(0, G)  # token positions in qT
-        tl.store(qT + o_d.to(tl.int64)[None, :] * P + cols[:, None], b_q.to(qT.dtype.element_ty), mask=m_d[None, :])
-        tl.store(s + g.to(tl.int64) * D + o_d, b_s, mask=m_d)
-
-
-@triton.jit
 def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base, mp,
                       G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr):
     """Quantise one fp32 [G, G] tile (columns i_k of the output, token tile g) into both copies and their scales."""
@@ -238,12 +103,9 @@ def _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, 
 
 
 @triton.jit
-def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn, beta, lin_beta,
-                          BE: tl.constexpr, G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr,
-                          SRC: tl.constexpr, KIND: tl.constexpr):
-    """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales.
-    SRC: 0 = the tile of x; 1 = act(gate, up) from x = gate_up [N, 2K], rounded to x's dtype first (as the unfused
-    activation kernel stores it)."""
+def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_qn,
+                          BE: tl.constexpr, G: tl.constexpr, EXPERT_MAJOR: tl.constexpr, TILES: tl.constexpr):
+    """One [G tokens of one expert, G columns] tile: 1x128 row scales (along K) and 128x1 token scales."""
     g, i_k = tl.program_id(0), tl.program_id(1)
     o_e = tl.arange(0, BE)
     m_e = o_e < E
@@ -264,21 +126,11 @@ def fp8_quant_dual_kernel(x, q, s, qT, sT, offs, K, E, P, nk, stride_xn, stride_
         base = tl.sum(tl.where(sel, tl.cumsum(b_mp, 0) - b_mp, 0), 0)  # expert-major scale block (EXPERT_MAJOR)
         mp = tl.sum(tl.where(sel, b_mp, 0), 0)
         cols = i_k * G + tl.arange(0, G)  # [G] output columns
-        if SRC == 0:
-            m_c = cols < K
-            b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
-                          other=0.0).to(tl.float32)  # [G, G]
-            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
-                              mp, G, EXPERT_MAJOR, TILES)
-        else:
-            m_c = cols < K
-            m = m_r[:, None] & m_c[None, :]
-            p_g = x + rows64[:, None] * stride_xn + cols[None, :]
-            b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
-            b_u = tl.load(p_g + K, mask=m, other=0.0).to(tl.float32)
-            b_x = glu_act(b_g, b_u, beta, lin_beta, KIND).to(x.dtype.element_ty).to(tl.float32)
-            _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
-                              mp, G, EXPERT_MAJOR, TILES)
+        m_c = cols < K
+        b_x = tl.load(x + rows64[:, None] * stride_xn + cols[None, :], mask=m_r[:, None] & m_c[None, :],
+                      other=0.0).to(tl.float32)  # [G, G]
+        _quant_store_tile(b_x, q, s, qT, sT, rows64, local, m_r, cols, m_c, g, i_k, K, P, nk, stride_qn, base,
+                          mp, G, EXPERT_MAJOR, TILES)
 
 
 @triton.jit
@@ -312,36 +164,11 @@ def quantize_dual(
     """One read of x [N, K] (rows sorted by expert, offs int32 [E]) -> (q, s, qT, sT):
     q [N, K] 1x128 row tiles (a view of an [N + 3, K] buffer: the rows past N exist so that one expert's rows
     can be read rounded up to 4, and are zero), s the row scales, [N, ceil(K/128)] or (expert_major) the flat
-    expert-major layout (module doc); qT [K, P], sT [G, K] the 128x1 token tiles of quantize_token_tiles
-    (None when tiles=False). Rows at or past offs[-1] are not quantised (never read by the GEMMs)."""
-    x_NK = x_NK.contiguous()
-    return _dual(0, x_NK, x_NK.shape[1], offs_E, out_dtype, expert_major, tiles)
-
-
-def quantize_glu_dual(
-    gate_up_N2I: torch.Tensor, offs_E: torch.Tensor, kind: str, beta: float, lin_beta: float,
-    out_dtype: torch.dtype = FP8, expert_major: bool = False, tiles: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """quantize_dual(fused_glu(gate_up)) in one pass: the activation [N, I] is computed per tile (rounded to
-    gate_up's dtype, as triton_activation stores it) and never written. I a multiple of 128."""
-    gu = gate_up_N2I.contiguous()
-    return _dual(1, gu, gu.shape[1] // 2, offs_E, out_dtype, expert_major, tiles, kind, beta, lin_beta)
-
-
-def fused_sources_ok(inter: int) -> bool:
-    """quantize_glu_dual needs the up half to start on a tile: I a multiple of 128."""
-    return inter % GROUP == 0
-
-
-def _dual(src: int, x: torch.Tensor, K: int, offs_E: torch.Tensor, out_dtype: torch.dtype, expert_major: bool,
-          tiles: bool, kind: str = "situ_glu", beta: float = 0.0, lin_beta: float = 0.0):
-    """quantize_dual (src 0) and quantize_glu_dual (src 1): the output is [N, K]; x is the source tensor."""
-    if src and not fused_sources_ok(x.shape[1] // 2):
-        raise ValueError(f"fused GLU quantiser: intermediate size {x.shape[1] // 2} must be a multiple of {GROUP}; "
-                         "quantise the activation with quantize_dual instead")
-    if src and kind not in GLU_KINDS:
-        raise ValueError(f"activation must be one of {tuple(GLU_KINDS)}, got {kind!r}")
-    N = x.shape[0]
+    expert-major layout (module doc); qT [K, P], sT [G, K] the 128x1 token tiles of
+    reference.quantize_token_tiles_ref (None when tiles=False). Rows at or past offs[-1] are not quantised (never
+    read by the GEMMs)."""
+    x = x_NK.contiguous()
+    N, K = x.shape
     E = offs_E.numel()
     nk = triton.cdiv(K, GROUP)
     qbuf = torch.empty((N + 3, K), device=x.device, dtype=out_dtype)
@@ -357,39 +184,30 @@ def _dual(src: int, x: torch.Tensor, K: int, offs_E: torch.Tensor, out_dtype: to
         sT = torch.empty((G, K), device=x.device, dtype=torch.float32)
     else:
         qT, sT = qbuf, s  # placeholders, never written (TILES=False)
-    glu = (GLU_KINDS.get(kind, 0), float(beta), float(lin_beta))
-    gluon_quant = _gluon_dual(x.device) if x.is_cuda and N else None
+    gluon_quant = gluon_module("gluon_quant", x.device) if x.is_cuda and N else None
     if gluon_quant is not None:
-        gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles, src=src, glu=glu, K=K)
+        gluon_quant.launch(x, qbuf, s, qT, sT, offs_E, P, expert_major, tiles)
     elif N:
         fp8_quant_dual_kernel[(G, nk)](
-            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0), glu[1], glu[2],
-            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles, SRC=src, KIND=glu[0],
+            x, qbuf, s, qT, sT, offs_E, K, E, P, nk, x.stride(0), qbuf.stride(0),
+            BE=triton.next_power_of_2(E), G=GROUP, EXPERT_MAJOR=expert_major, TILES=tiles,
             num_warps=16 if tiles else 8)  # sm_90a: 93 / 48 registers, no spills (170 at 8 warps with tiles)
     return qbuf[:N], s, (qT if tiles else None), (sT if tiles else None)
 
 
-def _gluon_dual(device: torch.device):
-    """gluon_quant (the same tiles without the transposing shuffle) where it runs and $MOESTACK_FP8_QUANT is not
-    "triton"; else None (the Triton kernel)."""
-    choice = os.environ.get(QUANT_ENV, "gluon")
-    if choice not in ("gluon", "triton"):
-        raise ValueError(f"{QUANT_ENV}={choice!r}: use 'gluon' (default on sm_90) or 'triton'")
-    return gluon_module("gluon_quant", device) if choice == "gluon" else None
-
-
 def gluon_module(name: str, device: torch.device):
-    """moestack.ops.moe.<name>, a Gluon (sm_90) kernel module, where it runs on device; else None."""
+    """moestack.ops.fp8.<name>, a Gluon (sm_90) kernel module, where it runs on device; else None (the Triton
+    kernel runs)."""
     return _gluon_module(name, device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
 def _gluon_module(name: str, device_index: int):
     try:
-        module = importlib.import_module(f"moestack.ops.moe.{name}")
+        module = importlib.import_module(f"moestack.ops.fp8.{name}")
     except ImportError:  # a Triton without Gluon's Hopper pieces
         return None
-    from moestack.ops.moe import gluon_quant
+    from moestack.ops.fp8 import gluon_quant
 
     return module if gluon_quant.supported(device_index) else None
 
@@ -482,21 +300,3 @@ def quantize_blocks(w_EKF: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[
     fp8_quant_blocks_kernel[(nk, nf, E)](
         w_EKF, q, s, K, F, *w_EKF.stride(), *q.stride(), G=GROUP, num_warps=8)
     return q, s
-
-
-def quantize_token_tiles(
-    x_ND: torch.Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype = FP8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x1 tiles along each expert's tokens: qT [D, P] (tokens contiguous), s [G, D] fp32 (see module doc).
-    Tiles past the last expert's are left unwritten (never read)."""
-    x_ND = x_ND.contiguous()
-    N, D = x_ND.shape
-    E = offs_E.numel()
-    G = num_token_tiles(N, E)
-    P = G * GROUP
-    qT = torch.empty((D, P), device=x_ND.device, dtype=out_dtype)
-    s = torch.empty((G, D), device=x_ND.device, dtype=torch.float32)
-    BD = 64
-    fp8_quant_token_tiles_kernel[(G, triton.cdiv(D, BD))](
-        x_ND, qT, s, offs_E, N, D, E, P, x_ND.stride(0), BE=triton.next_power_of_2(E), BD=BD, G=GROUP, num_warps=4)
-    return qT, s

@@ -113,7 +113,7 @@ def test_empty_histogram_keeps_the_bias():
 def test_router_quantile_update_uses_every_micro_batch_and_balances():
     torch.manual_seed(5)
     D, E, K, T = 16, 16, 2, 512
-    spec = RouterSpec(bias_update="quantile", quantile_bins=4000, seq_aux_loss_coef=0.0)
+    spec = RouterSpec(bias_update="quantile", quantile_scope="step", quantile_bins=4000, seq_aux_loss_coef=0.0)
     router = Router(D, E, K, spec)
     router.init_weights(0.5)
     mean = torch.randn(D)

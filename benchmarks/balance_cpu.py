@@ -56,10 +56,12 @@ class MoEStack(nn.Module):
 
 
 def moe_spec(router: dict, experts: int, top_k: int) -> MoESpec:
-    """The tiny preset's MoE at E experts top-K (small widths), its router updated by `router`."""
+    """The tiny preset's MoE at E experts top-K (small widths), with the training presets' balancing (the proxy's
+    quantile scope: tiny, the test model, uses step scope) updated by `router`."""
     m = load_model_spec("tiny").moe.model_dump()
     m.update(num_experts=experts, top_k=top_k, expert_intermediate_size=32, latent_size=None, num_shared_experts=1,
              shared_intermediate_size=64)
+    m["router"]["quantile_scope"] = load_model_spec("proxy").moe.router.quantile_scope
     m["router"].update(router)
     return MoESpec.model_validate(m)
 
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
     a = ap.parse_args()
-    preset = load_model_spec("tiny").moe.router
+    preset = moe_spec({}, a.experts, a.top_k).router
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{a.experts} experts top-{a.top_k}, {a.layers} MoE layers, {a.batch}x{a.seq} tokens/step, {a.steps} steps; "
           f"preset router: bias_update {preset.bias_update}, quantile_scope {preset.quantile_scope}")

@@ -195,11 +195,14 @@ def _fit(trainer, model_spec, resume: bool) -> None:
     say(f"checkpoint: {result['checkpoint']}")
     say(f"metrics:    {result['metrics']} (TensorBoard: {spec.out_dir})")
     say(f"loss plot:  {result['plot']}")
+    if result.get("load_heatmap"):
+        say(f"load map:   {result['load_heatmap']}")
 
 
 def _fmt(s) -> str:
     mfu = f" mfu {s.mfu * 100:.1f}%" if s.mfu is not None else ""
-    return f"loss {s.loss:.4f} lr {s.lr:.2e} gnorm {s.grad_norm:.2f} tok/s {s.tokens_per_s:,.0f}{mfu}"
+    load = f" {s.load}" if getattr(s, "load", "") else ""
+    return f"loss {s.loss:.4f} lr {s.lr:.2e} gnorm {s.grad_norm:.2f} tok/s {s.tokens_per_s:,.0f}{mfu}{load}"
 
 
 def _register_commands() -> None:

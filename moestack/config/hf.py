@@ -330,6 +330,7 @@ def _deepseek(f: _Fields, extras: HFExtras) -> dict[str, Any]:
     }
     if topk_method == "greedy":
         router["num_groups"] = router["topk_groups"] = 1  # greedy ignores the groups
+    router["bias_update"] = _bias_update(router)
     if not f.get("seq_aux", True):
         raise f.reject("seq_aux", "only the sequence-wise balance loss is implemented")
     if f.has("aux_loss_alpha"):
@@ -417,6 +418,7 @@ def _kimi_linear(f: _Fields, extras: HFExtras) -> dict[str, Any]:
         "scaling_factor": float(f.get("routed_scaling_factor", 1.0)),
         "selection_bias": topk_method == "noaux_tc",
     }
+    router["bias_update"] = _bias_update(router)
     moe = {
         "num_experts": f.req("num_experts"),
         "top_k": f.req("num_experts_per_token"),
@@ -496,7 +498,16 @@ def _kimi_k3(f: _Fields, extras: HFExtras) -> dict[str, Any]:
     return out
 
 
-def _softmax_router(f: _Fields, renorm_key: str | None, default_renorm: bool) -> dict[str, Any]:
+def _bias_update(router: dict[str, Any]) -> str:
+    """Quantile balancing (moestack/ops/moe/quantile.py) wherever it applies: a selection bias and no group-limited
+    routing; the sign rule otherwise (it does not model the group choice)."""
+    return "quantile" if router.get("selection_bias") and router.get("num_groups", 1) == 1 else "sign"
+
+
+def _softmax_router(f: _Fields, renorm_key: str | None, default_renorm: bool, global_batch: bool = False
+                    ) -> dict[str, Any]:
+    """Softmax top-k without a selection bias. router_aux_loss_coef is the balance loss's weight: the global-batch
+    loss for the Qwen3 families (trained with it: arXiv:2501.11873), the sequence-wise loss otherwise."""
     router = {
         "score": "softmax",
         "renormalize": bool(f.get(renorm_key, default_renorm)) if renorm_key else default_renorm,
@@ -504,7 +515,11 @@ def _softmax_router(f: _Fields, renorm_key: str | None, default_renorm: bool) ->
         "selection_bias": False,
     }
     if f.has("router_aux_loss_coef"):
-        router["seq_aux_loss_coef"] = float(f.get("router_aux_loss_coef"))
+        coef = float(f.get("router_aux_loss_coef"))
+        if global_batch:
+            router.update(global_aux_loss_coef=coef, seq_aux_loss_coef=0.0)
+        else:
+            router["seq_aux_loss_coef"] = coef
     return router
 
 
@@ -555,7 +570,7 @@ def _qwen3_moe(f: _Fields, extras: HFExtras) -> dict[str, Any]:
             "num_experts": f.req("num_experts"),
             "top_k": f.req("num_experts_per_tok"),
             "expert_intermediate_size": f.req("moe_intermediate_size"),
-            "router": _softmax_router(f, "norm_topk_prob", False),
+            "router": _softmax_router(f, "norm_topk_prob", False, global_batch=True),
         },
         norm_eps=float(f.req("rms_norm_eps")),
     )
@@ -614,7 +629,7 @@ def _qwen3_next(f: _Fields, extras: HFExtras) -> dict[str, Any]:
             "num_shared_experts": 1 if shared else 0,
             "shared_intermediate_size": shared,
             "shared_expert_gate": bool(shared),
-            "router": _softmax_router(f, "norm_topk_prob", False),
+            "router": _softmax_router(f, "norm_topk_prob", False, global_batch=True),
         },
         norm_eps=float(f.req("rms_norm_eps")),
         mtp_layers=f.get("num_nextn_predict_layers", f.get("mtp_num_hidden_layers", 0)),
@@ -710,6 +725,7 @@ def _nemotron_h(f: _Fields, extras: HFExtras) -> dict[str, Any]:
             "renormalize": bool(f.get("norm_topk_prob", True)),
             "scaling_factor": float(f.get("routed_scaling_factor", 1.0)),
             "selection_bias": True,  # e_score_correction_bias
+            "bias_update": "quantile" if f.get("n_group", 1) == 1 else "sign",
         },
     }
     if f.has("moe_latent_size"):

@@ -144,6 +144,24 @@ class RouterSpec(StrictModel):
     selection_bias: bool = True  # aux-loss-free balancing bias, added for selection only
     bias_update_rate: float = Field(default=1e-3, ge=0)  # gamma in bias += gamma * sign(mean_load - load)
     seq_aux_loss_coef: float = Field(default=1e-4, ge=0)  # alpha of the sequence-wise balance loss
+    # how the selection bias moves once per optimizer step: "sign" (DeepSeek-V3, the rate above) or "quantile"
+    # (Kimi K3's quantile balancing: set to the bias that balances the step's tokens, solved from a histogram of
+    # quantile_bins bins per expert; moestack/ops/moe/quantile.py)
+    bias_update: Literal["sign", "quantile"] = "sign"
+    quantile_bins: int = Field(default=1000, ge=8)
+    # "step": the bias solved from the whole last step routes this one (Kimi K3); "batch": each training micro-batch
+    # also solves its own bias before routing, quantile_iterations coordinate steps over the stage's ranks (no lag
+    # behind a fast-moving router; the step-scope bias stays the model's, used by evaluation and inference)
+    quantile_scope: Literal["step", "batch"] = "batch"
+    quantile_iterations: int = Field(default=2, ge=1)
+    # Qwen3's global-batch balance loss: coef * E * sum_i f_i P_i with f_i the load fraction of the whole step's
+    # batch (all micro-batches so far, all data-parallel ranks), P_i the mean normalised score of this micro-batch
+    global_aux_loss_coef: float = Field(default=0.0, ge=0)
+    z_loss_coef: float = Field(default=0.0, ge=0)  # router z-loss (ST-MoE): coef * mean_t logsumexp(logits_t)^2
+    # multiplier of the optimizer's learning rate for the router weight (its own parameter group): Adam moves every
+    # element by ~lr per step whatever the gradient's size, which shifts router logits by up to lr * hidden per step
+    # and makes a bias solved on the last step stale (benchmarks/RESULTS.md, "Expert balance")
+    lr_scale: float = Field(default=1.0, gt=0)
 
 
 class MoESpec(StrictModel):
@@ -173,6 +191,16 @@ class MoESpec(StrictModel):
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds the experts in router.topk_groups ({r.topk_groups}) groups"
             )
+        if r.bias_update == "quantile":
+            if not r.selection_bias:
+                raise ValueError("router.bias_update 'quantile' moves the selection bias: set router.selection_bias "
+                                 "true, or use bias_update 'sign' with bias_update_rate 0")
+            if r.num_groups > 1:
+                raise ValueError(f"router.bias_update 'quantile' does not model group-limited routing (num_groups "
+                                 f"{r.num_groups}); use bias_update 'sign' or num_groups 1")
+            if self.top_k >= self.num_experts:
+                raise ValueError(f"router.bias_update 'quantile' needs top_k ({self.top_k}) < num_experts "
+                                 f"({self.num_experts})")
         if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
             raise ValueError("num_shared_experts and shared_intermediate_size must both be 0 or both > 0")
         if self.shared_expert_gate and self.num_shared_experts == 0:

@@ -146,9 +146,15 @@ class Plan(StrictModel):
     fp8_activation_input: bool = False
     # busiest EP rank's routed rows / the mean, per micro-batch: the dropless all-to-all and expert GEMMs wait for it.
     # 1.1: DeepSeek-V3's auxiliary-loss-free balancing (report Fig. 9, near-uniform loads); 1.0: forced balance (a
-    # benchmark setting, Megatron moe_router_force_load_balancing). A forecast of the data's routing, not read by the
-    # trainer; a capacity factor (ModelSpec moe.capacity_factor, token dropping) caps it
+    # benchmark setting, Megatron moe_router_force_load_balancing). A forecast of the data's routing without
+    # hot-expert replication (which lowers it, planner/eplb.py); the trainer's load telemetry warns when the measured
+    # ratio (metrics.jsonl train/load/worst_rank_max_mean) exceeds it. A capacity factor (ModelSpec
+    # moe.capacity_factor, token dropping) caps it
     moe_load_imbalance: float = Field(default=1.1, ge=1.0)
+    # hot-expert replication (moestack/parallel/replicate.py): replica slots per EP rank and MoE layer, filled with
+    # copies of the hottest experts, re-planned from the measured load every ep_replan_every steps; 0 = off
+    ep_replicas: int = Field(default=0, ge=0)
+    ep_replan_every: int = Field(default=50, gt=0)
     host_profile: HostProfileName = "eager"
     kernels: KernelSpec = KernelSpec()  # kernel choices; a TrainSpec's explicit ones win (config/kernel_spec.py)
     predicted: PlanPrediction | None = None
@@ -192,6 +198,9 @@ class Plan(StrictModel):
             )
         if self.seq_len % (2 * self.cp if self.cp > 1 else 1):
             raise ValueError(f"seq_len ({self.seq_len}) must be divisible by 2*cp ({2 * self.cp}) for balanced CP")
+        if self.ep_replicas and (self.ep == 1 or self.etp > 1 or self.ep_token_dedup):
+            raise ValueError(f"ep_replicas {self.ep_replicas} needs ep > 1 with etp 1 and ep_token_dedup off "
+                             f"(got ep {self.ep}, etp {self.etp}, ep_token_dedup {self.ep_token_dedup})")
         if self.seq_len % (self.tp * self.cp):
             raise ValueError(f"seq_len ({self.seq_len}) must be divisible by tp*cp ({self.tp * self.cp})")
         return self

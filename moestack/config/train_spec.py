@@ -76,6 +76,10 @@ class LoggingSpec(StrictModel):
     every: int = Field(default=10, gt=0)
     tensorboard: bool = True
     progress: bool = True  # rich progress bar (off for tests / non-tty)
+    # expert-load telemetry (moestack/train/expert_load.py): one warning when a MoE layer has more than this
+    # fraction of its experts idle for collapse_window logging steps in a row
+    collapse_idle_fraction: float = Field(default=0.25, gt=0, lt=1)
+    collapse_window: int = Field(default=10, gt=0)
 
 
 class DSATrainSpec(StrictModel):

@@ -26,7 +26,7 @@ dense / moe). When both parts of a block get the same mode (full or selective) t
 so the pre-norms are covered too (full: only the block input is kept). Wrapping replaces the module's `forward`
 on the instance: parameter names, state dicts and module hooks are unchanged.
 
-Forward state under recompute: MoE routers count routed tokens in forward (`Router.tokens_per_expert`) and
+Forward state under recompute: MoE routers count routed tokens in forward (`Router.forward_counters`) and
 modules record `last_*` values for logging; the recompute context restores both after the rerun, so counts are
 exact (not doubled) and logged values are those of the original forward. Aux losses (attach_aux_loss) hold no
 saved tensors: their gradients flow through the original graph, exactly as without recompute.
@@ -140,14 +140,15 @@ class _RestoreForwardState:
 
     def __init__(self, root: nn.Module):
         self.root = root
-        self.counts: list[tuple[nn.Module, torch.Tensor]] = []
+        self.counts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.attrs: list[tuple[nn.Module, str, object]] = []
 
     def __enter__(self) -> _RestoreForwardState:
         for module in self.root.modules():
-            counter = getattr(module, "tokens_per_expert", None)
-            if isinstance(counter, torch.Tensor):
-                self.counts.append((module, counter.clone()))
+            for name in getattr(module, "forward_counters", ("tokens_per_expert",)):
+                counter = getattr(module, name, None)
+                if isinstance(counter, torch.Tensor):
+                    self.counts.append((counter, counter.clone()))
             for name, value in vars(module).items():
                 if name.startswith("last_"):
                     self.attrs.append((module, name, value))
@@ -155,8 +156,8 @@ class _RestoreForwardState:
 
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
-            for module, saved in self.counts:
-                module.tokens_per_expert.copy_(saved)
+            for counter, saved in self.counts:
+                counter.copy_(saved)
         for module, name, value in self.attrs:
             setattr(module, name, value)
 

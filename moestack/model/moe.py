@@ -7,8 +7,10 @@
     out = up_proj(y) + shared(x)          # shared experts fused into one GLU MLP on the full hidden
 With spec.latent_size None it is a plain MoE: no down/up proj, no latent norm, experts on the full hidden.
 
-Balancing: the aux-loss-free selection bias (updated by the trainer once per optimizer step through
-`Router.update_selection_bias`) and the sequence-wise aux loss (attached to the output with attach_aux_loss).
+Balancing: the aux-loss-free selection bias, moved by the trainer once per optimizer step through
+`Router.update_selection_bias` ("sign": DeepSeek-V3's fixed step; "quantile": Kimi K3's quantile balancing), and
+losses attached to the output with attach_aux_loss: the sequence-wise loss, the global-batch loss and the router
+z-loss (moestack.model.balance).
 
 Legend: B batch, T tokens (per sequence in x_BTD; B*T flattened elsewhere), D hidden, L expert width (latent, or
 D for a plain MoE), I expert intermediate, E experts, K top-k, N = B*T*K routed rows.
@@ -22,20 +24,28 @@ from torch import nn
 
 from moestack.config.model_spec import MoESpec, RouterSpec
 from moestack.model.aux_loss import attach_aux_loss
+from moestack.model.balance import global_balance_loss, global_load_counts, router_z_loss
 from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
 from moestack.model.weights import compute_weight
 from moestack.ops import moe as moe_ops
-from moestack.ops.moe import routing
+from moestack.ops.moe import quantile, routing
 
 
 class Router(nn.Module):
     """Scores E experts per token in fp32 and picks top-k (moestack.ops.moe.route has the exact rule).
 
     State: `weight` [E, D] (parameter); `selection_bias` [E] fp32 (persistent buffer, model state; None when
-    spec.selection_bias is off); `tokens_per_expert` [E] int64 (non-persistent) counting the routed slots of
-    every training-mode forward since the last `update_selection_bias`.
+    spec.selection_bias is off). Per optimizer step, reset by `update_selection_bias` (non-persistent, counted in
+    training-mode forwards only): `tokens_per_expert` [E] int64, the routed slots; `quantile_hist` [E, B] int32,
+    the required-bias histogram of quantile balancing (None unless spec.bias_update is "quantile");
+    `global_load` [E] int64, the global-batch loss's slot counts of the step's finished micro-batches (summed over
+    the balance group; `finish_microbatch` folds in the last forward's).
+    After each training forward: `last_z_loss` (detached, None when spec.z_loss_coef is 0).
     """
+
+    # the forward-accumulated buffers a recompute must restore (moestack.memory.recompute)
+    forward_counters = ("tokens_per_expert", "quantile_hist")
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, spec: RouterSpec):
         super().__init__()
@@ -44,45 +54,88 @@ class Router(nn.Module):
         bias = torch.zeros(num_experts, dtype=torch.float32) if spec.selection_bias else None
         self.register_buffer("selection_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        hist = torch.zeros(num_experts, spec.quantile_bins, dtype=torch.int32) \
+            if spec.bias_update == "quantile" and spec.selection_bias else None
+        self.register_buffer("quantile_hist", hist, persistent=False)
+        self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
+        self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
+        self.balance_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.balance_group)
+        self.last_z_loss: torch.Tensor | None = None
+        self._global_load_last: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast)."""
+        """x_TD [T, D] -> topk_idx_TK int64, topk_w_TK and scores_TE in at least fp32 (never autocast).
+        With spec.z_loss_coef > 0 the z-loss rides on topk_w_TK (attach_aux_loss)."""
         logits_TE = routing.router_logits(x_TD, self.weight)  # fp32; split-bf16 GEMMs for bf16 x on CUDA
         s = self.spec
+        bias_E = self.selection_bias
+        if self.training and self.quantile_hist is not None and s.quantile_scope == "batch":
+            with torch.no_grad():
+                probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+                bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
+                                             self.balance_group)
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
-            logits_TE, self.selection_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
+            logits_TE, bias_E, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
             s.scaling_factor, backend=self.backend,
         )
         if self.training:
-            # Recompute under activation checkpointing counts a forward twice; the sign-based update is invariant
-            # to that uniform factor. Eval forwards are not counted.
+            # Eval forwards are not counted; a recompute restores these (moestack.memory.recompute).
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts_E)
+                if self.quantile_hist is not None:
+                    quantile.accumulate_histogram_(self.quantile_hist, scores_TE, self.selection_bias, self.top_k)
+        self.last_z_loss = None
+        if s.z_loss_coef > 0 and torch.is_grad_enabled():
+            z = router_z_loss(logits_TE, s.z_loss_coef, self.seq_shard_group)
+            self.last_z_loss = z.detach()
+            topk_w_TK = attach_aux_loss(topk_w_TK, z)
         return topk_idx_TK, topk_w_TK, scores_TE
+
+    def finish_microbatch(self) -> None:
+        """Fold the last forward's global-batch counts into the step's (the trainer calls this after each
+        micro-batch's backward, so a recompute of that forward sees the same counts as the forward)."""
+        if self._global_load_last is not None:
+            self.global_load.add_(self._global_load_last)
+            self._global_load_last = None
 
     @torch.no_grad()
     def update_selection_bias(self, counts: torch.Tensor | None = None) -> torch.Tensor:
-        """bias += gamma * sign(mean_load - load) (gamma = spec.bias_update_rate), then reset the accumulator.
+        """Move the selection bias once per optimizer step, then reset the step's accumulators.
 
+        "sign": bias += gamma * sign(mean_load - load) (gamma = spec.bias_update_rate). "quantile": bias = the
+        histogram's solution (moestack.ops.moe.quantile.solve_histogram; an empty histogram keeps the bias).
         counts [E]: tokens per expert over the optimizer step; default: this router's accumulator. In distributed
-        runs the caller all-reduces the accumulator over the data-parallel ranks first and passes the sum.
-        Returns the counts used.
+        runs the caller sums the accumulators (tokens_per_expert, quantile_hist) over the ranks first.
+        Returns the counts used (a tensor on the router's device).
         """
         if counts is None:
             counts = self.tokens_per_expert.clone()
-        if self.selection_bias is not None and self.spec.bias_update_rate > 0:
-            load = counts.to(torch.float32)
-            self.selection_bias.add_(torch.sign(load.mean() - load), alpha=self.spec.bias_update_rate)
-        self.tokens_per_expert.zero_()
+        if self.selection_bias is not None:
+            if self.quantile_hist is not None:
+                self.selection_bias.copy_(quantile.solve_histogram(self.quantile_hist, self.selection_bias,
+                                                                   self.top_k))
+            elif self.spec.bias_update_rate > 0:
+                load = counts.to(torch.float32)
+                self.selection_bias.add_(torch.sign(load.mean() - load), alpha=self.spec.bias_update_rate)
+        self.reset_step_state()
         return counts
+
+    @torch.no_grad()
+    def reset_step_state(self) -> None:
+        """Zero the per-step accumulators (also after a skipped step)."""
+        self.tokens_per_expert.zero_()
+        if self.quantile_hist is not None:
+            self.quantile_hist.zero_()
+        self.global_load.zero_()
+        self._global_load_last = None
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
         if self.selection_bias is not None:
             self.selection_bias.zero_()
-        self.tokens_per_expert.zero_()
+        self.reset_step_state()
 
 
 class Experts(nn.Module):
@@ -185,8 +238,9 @@ class MoE(nn.Module):
     """Stable LatentMoE (spec.latent_size set) or plain MoE layer, with optional fused shared experts.
 
     After each forward: `last_expert_counts` [E] int64 (routed slots per expert, detached), `last_dropped` (int64
-    device scalar: slots dropped by spec.capacity_factor, 0 when dropless) and `last_aux_loss` (the detached
-    sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0), for logging.
+    device scalar: slots dropped by spec.capacity_factor, 0 when dropless), `last_aux_loss` (the detached
+    sequence-wise aux loss, or None when router.seq_aux_loss_coef is 0) and `last_global_aux_loss` (the global-batch
+    loss, or None when router.global_aux_loss_coef is 0), for logging.
 
     Token path: moestack.ops.moe.routing (backend "triton" on CUDA, "reference" elsewhere; `routing_backend`
     overrides). `row_align` pads each expert's row block to a multiple (for grouped GEMMs that want it).
@@ -221,11 +275,31 @@ class MoE(nn.Module):
             else None
         )
         self.last_aux_loss: torch.Tensor | None = None
+        self.last_global_aux_loss: torch.Tensor | None = None
         self.last_expert_counts: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None
         self.row_align = 1
         # set by moestack.parallel (TP / SP / CP): the ranks one sequence's tokens are split over
         self.seq_shard_group: dist.ProcessGroup | None = None
+        # set by moestack.parallel.parallelize: the ranks of this pipeline stage holding other tokens (global loss,
+        # batch-scope quantile balancing)
+        self.balance_group: dist.ProcessGroup | None = None
+
+    @property
+    def balance_group(self) -> dist.ProcessGroup | None:
+        return self.router.balance_group
+
+    @balance_group.setter
+    def balance_group(self, group: dist.ProcessGroup | None) -> None:
+        self.router.balance_group = group
+
+    @property
+    def seq_shard_group(self) -> dist.ProcessGroup | None:
+        return self.router.seq_shard_group
+
+    @seq_shard_group.setter
+    def seq_shard_group(self, group: dist.ProcessGroup | None) -> None:
+        self.router.seq_shard_group = group
 
     @property
     def routing_backend(self) -> str | None:
@@ -261,14 +335,22 @@ class MoE(nn.Module):
 
         self.last_expert_counts = d.counts_E.detach()
         self.last_dropped = d.dropped
-        coef = self.spec.router.seq_aux_loss_coef
-        if coef > 0:
-            aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), coef, self.seq_shard_group)
+        r = self.spec.router
+        aux = None
+        self.last_aux_loss = self.last_global_aux_loss = None
+        if r.seq_aux_loss_coef > 0:
+            aux = sequence_aux_loss(scores_TE.view(B, T, E), topk_idx_TK.view(B, T, K), r.seq_aux_loss_coef,
+                                    self.seq_shard_group)
             self.last_aux_loss = aux.detach()
-            out_BTD = attach_aux_loss(out_BTD, aux)
-        else:
-            self.last_aux_loss = None
-        return out_BTD
+        if r.global_aux_loss_coef > 0 and torch.is_grad_enabled():
+            load_E = global_load_counts(d.counts_E, self.balance_group)
+            if self.training:
+                self.router._global_load_last = load_E
+            gbl = global_balance_loss(scores_TE, self.router.global_load + load_E, r.global_aux_loss_coef,
+                                      self.seq_shard_group)
+            self.last_global_aux_loss = gbl.detach()
+            aux = gbl if aux is None else aux + gbl
+        return attach_aux_loss(out_BTD, aux)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:

@@ -448,6 +448,8 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.Proc
             raise NotImplementedError(f"context parallelism has no rule for {type(block.attn).__name__}")
         if isinstance(block.ffn, MoE):
             block.ffn.seq_shard_group = seq_shard_group or cp.group
+            if block.ffn.balance_group is None:  # batch-scope balancing: at least the sequence's ranks
+                block.ffn.balance_group = seq_shard_group or cp.group
     if model.embed is None or model.lm_head is None:
         raise NotImplementedError("context parallelism of a pipeline stage is not implemented")
     _hook_root(model, cp)

@@ -23,6 +23,7 @@ from torch import nn
 
 from moestack.config.base import ConfigError
 from moestack.config.plan import Plan
+from moestack.model.moe import MoE
 from moestack.parallel.compile import CompiledBlocks
 from moestack.parallel.context import apply_cp
 from moestack.parallel.dedup import apply_token_dedup
@@ -55,6 +56,9 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
     None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32 (in the parameters' dtype when
     param_dtype is None: fp64 models reduce in fp64); master weights stay fp32.
     """
+    for module in model.modules():  # the global-batch balance loss counts load over every rank of the stage
+        if isinstance(module, MoE):
+            module.balance_group = meshes.stage_group
     if plan.precision == "fp8":
         from moestack.ops.fp8.convert import convert_precision
 
@@ -72,6 +76,10 @@ def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch
         apply_expert_parallel(model, meshes.ep, dispatcher, ep_etp)
         if kind == "hierarchical_dedup":
             apply_token_dedup(model)
+        if plan.ep_replicas:
+            from moestack.parallel.replicate import apply_replication
+
+            apply_replication(model, meshes.ep.get_group(), plan.ep_replicas)
     if plan.shared_expert_overlap:  # before TP: TP's unit swap must wrap it (the launch reads the shared weights)
         apply_shared_expert_overlap(model)
     if plan.tp > 1:

@@ -384,6 +384,8 @@ def _apply_ffn(ffn: nn.Module, mesh: DeviceMesh, sp: bool, dist_: _Distributor) 
         if ffn.shared is not None:  # rows of x_TD [N, D]: all tokens of the TP group, sharded columns
             _hook_sharded_io(ffn.shared, mesh, sp=True, dim=0)
         ffn.seq_shard_group = mesh.get_group()  # the model reduces sequence statistics (aux loss) over it
+        if ffn.balance_group is None:  # batch-scope balancing over at least the ranks the tokens are split over
+            ffn.balance_group = mesh.get_group()  # (parallelize sets the stage's group, a superset, first)
         return [(ffn.router, router_unit), (ffn, unit)]
     raise NotImplementedError(f"tensor parallelism has no plan for the ffn {type(ffn).__name__}")
 

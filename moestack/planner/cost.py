@@ -466,8 +466,8 @@ def model_work(spec: ModelSpec, seq_len: int) -> ModelWork:
 # 2. Terms
 # ------------------------------------------------------------------------------------------------------------
 
-# Dropless routing: the busiest EP rank sets the pace (Plan.moe_load_imbalance, moe_time_imbalance); buffers are
-# sized for a 1.5x burst.
+# Dropless routing: the busiest EP rank sets the pace (Plan.moe_load_imbalance, lowered by hot-expert replication:
+# moe_time_imbalance); buffers are sized for a 1.5x burst.
 MOE_MEMORY_HEADROOM = 1.5
 # Fraction of an "overlapped" collective that still shows (imperfect overlap: launch gaps, SM contention).
 OVERLAP_RESIDUAL = 0.15
@@ -573,9 +573,14 @@ def bf16_weight_copy(plan: Plan, cluster: ClusterSpec, dense: float, expert: flo
 
 
 def moe_time_imbalance(plan: Plan, spec: ModelSpec) -> float:
-    """Busiest EP rank's routed rows over the mean (Plan.moe_load_imbalance), capped by the capacity factor when
+    """Busiest EP rank's routed rows over the mean (Plan.moe_load_imbalance), with plan.ep_replicas slots per EP
+    rank what hot-expert replication leaves of it (moestack/planner/eplb.py), capped by the capacity factor when
     tokens beyond it are dropped (ModelSpec moe.capacity_factor: no expert takes more than factor x mean)."""
     imbalance = plan.moe_load_imbalance
+    if plan.ep_replicas and plan.ep > 1 and spec.moe is not None:
+        from moestack.planner.eplb import replicated_imbalance
+
+        imbalance = replicated_imbalance(imbalance, spec.moe.num_experts, plan.ep, plan.ep_replicas)
     cap = spec.moe.capacity_factor if spec.moe is not None else None
     return min(imbalance, cap) if cap is not None else imbalance
 
@@ -888,7 +893,7 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
     peak = cluster.device.peak_flops("bf16")
     out = PartCost()
     # routed rows on this device: its SP shard's copies gathered over etp, spread over E/ep local experts
-    imbalance = moe_time_imbalance(plan, ctx.spec)
+    imbalance = moe_time_imbalance(plan, ctx.spec) if part.kind == "moe" else 1.0
     expert_rows = Tsp * part.top_k * etp * imbalance if part.kind == "moe" else 0.0
     rows_per_expert = expert_rows * ep / part.num_experts if part.kind == "moe" else 0.0
 
@@ -976,6 +981,10 @@ def part_cost(part: PartWork, ctx: Ctx) -> PartCost:
         comb = a2a_time(cluster, nbytes * BF16, ep, etp, plan.dispatcher == "hierarchical", part.top_k, groups,
                         ctx.cal.comm)
         a2a_one = disp + comb
+        if plan.ep_replicas and ep > 1:  # replica weights fetched from their owners (bf16), gradients sent back
+            expert_params = sum(g.params for g in part.gemms if g.expert)
+            a2a_one += a2a_time(cluster, plan.ep_replicas * expert_params * BF16, ep, 1, False, 1, None,
+                                ctx.cal.comm)
         if etp > 1:
             a2a_one += 2 * ring_time(cluster, expert_rows * part.dispatch_width * BF16, etp, 1, "ag", ctx.cal.comm)
 
@@ -1366,7 +1375,7 @@ class CostModel:
                r.kda, r.attention, r.moe, r.mlp, plan.dispatcher, plan.tp_comm_overlap,
                plan.cp_kda if plan.cp > 1 else None,
                plan.tp_grad_reduce, plan.sequence_parallel, plan.moe_load_imbalance, plan.host_profile,
-               plan.fp8_activation_input, plan.ep_dispatch_dtype,
+               plan.fp8_activation_input, plan.ep_dispatch_dtype, plan.ep_replicas,
                plan.num_microbatches if plan.precision not in ("bf16", "fp8") else 0)  # recipe_cast_bytes amortises
         costs = self._kind_cache.get(key)
         if costs is None:

@@ -17,14 +17,31 @@ def _no_decay(param: nn.Parameter) -> bool:
     return param.ndim < 2 or bool(getattr(param, "_no_weight_decay", False))
 
 
+def _router_lr_scales(model: nn.Module) -> dict[int, float]:
+    """id(router weight) -> RouterSpec.lr_scale, for the routers whose scale is not 1."""
+    from moestack.model.moe import Router
+
+    return {id(m.weight): m.spec.lr_scale for m in model.modules()
+            if isinstance(m, Router) and m.spec.lr_scale != 1.0}
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """[decay group (2-D+ weights, embeddings included), no-decay group]; frozen params are left out."""
+    """[decay group (2-D+ weights, embeddings included), no-decay group], plus one decayed group per router
+    learning-rate scale other than 1 (RouterSpec.lr_scale, as the group's "lr_scale"); frozen params are left out."""
     decay, no_decay = [], []
+    scaled: dict[float, list[nn.Parameter]] = {}
+    scales = _router_lr_scales(model)
     for param in model.parameters():  # parameters() de-duplicates tied weights
-        if param.requires_grad:
+        if not param.requires_grad:
+            continue
+        if id(param) in scales:
+            scaled.setdefault(scales[id(param)], []).append(param)
+        else:
             (no_decay if _no_decay(param) else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+            *({"params": ps, "weight_decay": weight_decay, "lr_scale": s, "name": f"router_lr_x{s:g}"}
+              for s, ps in scaled.items())]
 
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.AdamW:

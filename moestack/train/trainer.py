@@ -39,7 +39,7 @@ from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.compile import resolve_compile
-from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, global_grad_norm
+from moestack.parallel.comm import all_reduce_mean, global_grad_norm
 from moestack.parallel.fsdp import set_gradient_sync, set_reshard_after_backward
 from moestack.parallel.init import materialize
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
@@ -54,6 +54,7 @@ from moestack.train.checkpoint import (
     step_dirs_any,
 )
 from moestack.train.data import build_data, eval_batches
+from moestack.train.expert_load import ExpertLoadMonitor, finish_microbatch, reduce_router_state
 from moestack.train.fits import check_single_device_fits
 from moestack.train.guard import RunGuard
 from moestack.train.metrics import MetricsLogger, format_expert_load, plot_loss_curve
@@ -118,6 +119,7 @@ class StepStats:
     tokens_per_s: float
     mfu: float | None
     aux: dict[str, float] = field(default_factory=dict)
+    load: str = ""  # expert-load column of the progress bar (the last logging step's worst layer)
 
 
 class _NullMetrics:
@@ -280,6 +282,8 @@ class Trainer:
         if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
             assert self.dist is not None, "a dry run needs a plan"
             self.model = self._build_parallel_model(materialise=False)
+            self.replanner = None
+            self.load_monitor = self._build_load_monitor()  # reads the plan's load forecast, as a run does
             return
         self.tokenizer = build_tokenizer(spec.data)
         if self.tokenizer.vocab_size > model_spec.vocab_size:
@@ -330,10 +334,30 @@ class Trainer:
         self.peak_flops = device_peak_flops(self.device)
         self.num_devices = plan.devices if plan is not None else 1
         self.metrics = _NullMetrics()  # rank 0 opens metrics.jsonl when the run starts (fit), at its first step
+        self.replanner = self._build_replanner()
+        self.load_monitor = self._build_load_monitor()
         self._phase_peaks: PhasePeaks | None = None  # active during spec.phase_peaks_step only
         self._peak_floor = 0  # bytes: the run's peak up to the phase-peaks step (whose resets hide it from torch)
 
     # ----------------------------------------------------------------------------------------------- setup
+    def _build_replanner(self):
+        """Hot-expert replication's re-planning (plan.ep_replicas > 0), else None."""
+        if self.plan is None or not self.plan.ep_replicas:
+            return None
+        from moestack.parallel.replicate import Replanner, replicated_layers
+
+        return Replanner(replicated_layers(self.model), self.plan.ep_replan_every)
+
+    def _build_load_monitor(self) -> ExpertLoadMonitor | None:
+        moes = self.model.moe_layers()
+        if not moes:
+            return None
+        lg, ep = self.spec.logging, self.plan.ep if self.plan is not None else 1
+        rank_load = self.replanner.rank_load if self.replanner is not None else None
+        return ExpertLoadMonitor(list(moes), self.model_spec.moe.num_experts, lg.collapse_idle_fraction,
+                                 lg.collapse_window, ep=ep, rank_load=rank_load, warn=self.log,
+                                 forecast=self.plan.moe_load_imbalance if self.plan is not None else None)
+
     def _init_weights(self, model: Transformer, sharded: bool = False, partial: bool = False) -> None:
         """spec.init_from: the model weights from a checkpoint or HF directory (moestack/train/init_from.py)."""
         if self.spec.init_from is None:
@@ -586,6 +610,7 @@ class Trainer:
                 peaks.in_forward = False
                 peaks.mark(f"loss + head backward{mb}")
             (loss / accum).backward()
+            finish_microbatch(self.model.moe_layers())
             total += loss.detach().double() / accum  # the float64 sums the host did before, on the device
         if self.dist is not None:  # each rank's loss is the mean over its own tokens: average over dp ranks
             dist.all_reduce(total, group=self.dist.meshes.dp_group)  # SUM: gloo has no AVG
@@ -604,7 +629,7 @@ class Trainer:
     def _update_router_biases(self) -> dict[str, torch.Tensor]:
         moes = self.model.moe_layers()
         if self.dist is not None and moes:  # every rank must move the biases the same way: global counts
-            all_reduce_sum_([m.router.tokens_per_expert for m in moes.values()], self.dist.meshes.stage_group)
+            reduce_router_state(moes, self.dist.meshes.stage_group)
         return {name: moe.router.update_selection_bias() for name, moe in moes.items()}
 
     def train_step(self) -> StepStats | None:
@@ -630,11 +655,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if not (stepped if stepped is not None else stats.pop("finite") > 0):
             for moe in self.model.moe_layers().values():
-                moe.router.tokens_per_expert.zero_()
+                moe.router.reset_step_state()
             return None
         stats.pop("finite", None)
         self.scheduler.step()
         counts = self._update_router_biases()
+        if self.replanner is not None:
+            self.replanner.after_step(counts)
         dt = time.perf_counter() - t0
         tokens_per_s = self.tokens_per_step / dt
         mfu = tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices) if self.peak_flops else None
@@ -677,9 +704,13 @@ class Trainer:
     def _aux(self) -> dict[str, torch.Tensor]:
         """The last micro-batch's aux losses (mean over layers), as device scalars for read_stats."""
         out = {}
-        moe_aux = [m.last_aux_loss for m in self.model.moe_layers().values() if m.last_aux_loss is not None]
-        if moe_aux:
-            out["moe_aux_loss"] = torch.stack([a.float() for a in moe_aux]).mean()
+        moes = self.model.moe_layers().values()
+        for key, values in (("moe_aux_loss", [m.last_aux_loss for m in moes]),
+                            ("moe_global_aux_loss", [m.last_global_aux_loss for m in moes]),
+                            ("router_z_loss", [m.router.last_z_loss for m in moes])):
+            values = [v for v in values if v is not None]
+            if values:
+                out[key] = torch.stack([v.float() for v in values]).mean()
         idx_loss = [
             a.last_indexer_loss for a in self.model.dsa_layers().values() if a.last_indexer_loss is not None
         ]
@@ -753,8 +784,10 @@ class Trainer:
         self._write_kernels()  # again: with the `moestack tune` cache entries the run followed
         plot = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png") if self.is_main else None
         load = format_expert_load(getattr(self, "_last_counts", {}))
+        heatmap = self.load_monitor.heatmap(self.out_dir / "expert_load.png") \
+            if self.is_main and self.load_monitor is not None else None
         return {"losses": history, "checkpoint": last_ckpt, "plot": plot, "metrics": self.out_dir / "metrics.jsonl",
-                "expert_load": load}
+                "expert_load": load, "load_heatmap": heatmap}
 
     def _write_kernels(self) -> None:
         """out_dir/kernels.json: the resolved kernel choices (and tune-cache hits so far), rank 0 only."""
@@ -808,7 +841,11 @@ class Trainer:
             if self.device.type == "cuda":  # the floor keeps the peak that the phase-peaks step's resets hide
                 record["peak_mem_gib"] = max(self._peak_floor, torch.cuda.max_memory_allocated(self.device)) / GIB
             if self.step % spec.logging.every == 0 or self.step == spec.steps:
+                if self.load_monitor is not None:
+                    record.update(self.load_monitor.observe(self.step, self._last_counts))
                 self.metrics.log(self.step, record)
+            if self.load_monitor is not None:
+                stats.load = self.load_monitor.column
             if progress is not None and self.is_main:
                 progress(self.step, stats)
             due_eval = (spec.eval_every and self.step % spec.eval_every == 0) or self.step == spec.steps

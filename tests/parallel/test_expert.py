@@ -1,6 +1,8 @@
 """Expert parallelism: the regrouping arithmetic against loops, and the EP MoE layer on 4 gloo ranks against the
 single-process layer on the same global batch (fp64): outputs, input grads, every parameter grad, for flat EP4,
-EP2 (x edp 2), hierarchical EP (2 domains of 2), extreme routing skew (ranks receiving nothing), and recompute."""
+EP2 (x edp 2), hierarchical EP (2 domains of 2), extreme routing skew (ranks receiving nothing), recompute, and
+hot-expert replication (replica slots planned from the measured load: the owners' gradients hold every copy's, state
+dicts are unchanged)."""
 
 from __future__ import annotations
 
@@ -110,6 +112,11 @@ CASES = {
     "overlap_ep4": dict(ep=4, dispatcher="flat", overlap=True),  # shared experts via moestack.parallel.overlap
     "etp2_ep2": dict(ep=2, etp=2, dispatcher="flat"),  # expert tensor parallelism folded with EP (edp 1)
     "etp2_ep2_skew": dict(ep=2, etp=2, dispatcher="flat", skew=True),
+    # hot-expert replication (moestack.parallel.replicate), planned from the global batch's measured load
+    "replicate_ep4": dict(ep=4, dispatcher="flat", replicas=1),
+    "replicate_skew_ep4": dict(ep=4, dispatcher="flat", skew=True, replicas=2),
+    "replicate_hier_skew": dict(ep=4, dispatcher="hierarchical", domain=2, skew=True, replicas=2),
+    "recompute_replicate_ep2_edp2": dict(ep=2, dispatcher="flat", skew=True, replicas=1, recompute=True),
 }
 
 
@@ -174,10 +181,25 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
         from moestack.parallel.overlap import apply_shared_expert_overlap
 
         apply_shared_expert_overlap(torch.nn.ModuleDict({"moe": moe}))
+    keys_before = sorted(moe.state_dict())
+    if case.get("replicas"):
+        from moestack.parallel.replicate import apply_replication, set_replica_plan
 
-    seen = []  # weak references to the rows each local expert call received
-    local_forward = moe.experts.local_forward
-    moe.experts.local_forward = lambda x, offs: (seen.append(weakref.ref(x)), local_forward(x, offs))[1]
+        assert apply_replication(torch.nn.ModuleDict({"moe": moe}), meshes.ep.get_group(), case["replicas"])
+        with torch.no_grad():
+            idx, _, _ = copy.deepcopy(ref_moe).router(x_global.reshape(-1, D))
+        load = torch.bincount(idx.reshape(-1), minlength=E)
+        plan = set_replica_plan(moe.experts, load)
+        assert sum(map(len, plan.slot_expert)) > 0
+
+    seen, rows_seen = [], []  # weak references to the rows each local expert call received, and their number
+    if case.get("replicas"):
+        local_forward = moe.experts._physical_local_forward
+        moe.experts._physical_local_forward = lambda x, offs: (
+            seen.append(weakref.ref(x)), rows_seen.append(x.shape[0]), local_forward(x, offs))[2]
+    else:
+        local_forward = moe.experts.local_forward
+        moe.experts.local_forward = lambda x, offs: (seen.append(weakref.ref(x)), local_forward(x, offs))[1]
     x = x_global[rows].clone().requires_grad_(True)
     errs = {}
     if case.get("recompute"):
@@ -189,6 +211,16 @@ def _ep_case(rank: int, world: int, case: dict, base, x_global: torch.Tensor, w_
     (out * w_out[rows]).sum().backward()
     if case.get("recompute"):
         errs["recomputed"] = float(len(seen) == 2)  # the forward, then its recompute in backward
+    if case.get("replicas"):  # checkpoints keep their layout; the hot rank got fewer rows than without replicas
+        errs["state_dict_changed"] = float(sorted(moe.state_dict()) != keys_before)
+        mine = torch.tensor([float(rows_seen[0])], dtype=torch.float64)
+        peak, total = mine.clone(), mine.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=meshes.ep.get_group())
+        dist.all_reduce(total, group=meshes.ep.get_group())
+        P = case["ep"]
+        no_rep = float(load.view(P, -1).sum(-1).max() / load.sum() * P)
+        with_rep = float(peak / (total / P))
+        errs["replicas_not_balancing"] = float(not (with_rep < no_rep or no_rep < 1.05))
     errs |= {"out": _rel(out, out_ref[rows]), "dx": _rel(x.grad, dx_ref[rows])}
     if case.get("dedup"):  # the dedup path ran and sent fewer copies than rows across domains
         copies, rows_x = moe.experts.ep_dispatcher.last_cross

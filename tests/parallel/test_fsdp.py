@@ -98,8 +98,8 @@ def _train(model, batches, rows, clip_fn, reduce_counts, loss_mean) -> dict:
         out["norm"].append(float(clip_fn([p for p in model.parameters()], CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        reduce_counts({str(i): m for i, m in enumerate(moes)})  # the step's router state, summed as the trainer does
         counts = [m.router.tokens_per_expert.clone() for m in moes]
-        reduce_counts(counts)
         for m, c in zip(moes, counts):
             m.router.update_selection_bias(c)
         out["counts"].append(torch.stack(counts))
@@ -149,7 +149,8 @@ def _run_layout(rank: int, world: int, layout: dict, spec, batches, ref: dict, d
     from torch.distributed.tensor import DTensor
 
     from moestack.config.plan import make_plan
-    from moestack.parallel import all_reduce_mean, all_reduce_sum_, build_meshes, clip_grad_norm_, parallelize
+    from moestack.parallel import all_reduce_mean, build_meshes, clip_grad_norm_, parallelize
+    from moestack.train.expert_load import reduce_router_state
 
     dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
     mb = ROWS // dp
@@ -162,7 +163,7 @@ def _run_layout(rank: int, world: int, layout: dict, spec, batches, ref: dict, d
     if plan.zero_stage > 0:  # ZeRO really shards: this rank holds a fraction of the embedding
         assert model.embed.weight.to_local().numel() < model.embed.weight.numel()
     rows = slice(meshes.dp_rank * mb, (meshes.dp_rank + 1) * mb)
-    got = _train(model, batches, rows, clip_grad_norm_, lambda c: all_reduce_sum_(c, meshes.stage_group),
+    got = _train(model, batches, rows, clip_grad_norm_, lambda moes: reduce_router_state(moes, meshes.stage_group),
                  lambda x: all_reduce_mean(x, meshes.dp_group))
     errs = {"loss": max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"])),
             "norm": max(abs(a - b) / abs(b) for a, b in zip(got["norm"], ref["norm"])),

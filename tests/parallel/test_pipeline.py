@@ -326,6 +326,7 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
     from moestack.parallel.comm import global_grad_norm
     from moestack.parallel.pipeline import PipelineStepRunner
     from moestack.parallel.tensor import apply_tp
+    from moestack.train.expert_load import reduce_router_state
 
     data = load_model_spec("tiny").model_dump()
     data["moe"]["router"]["seq_aux_loss_coef"] = 0.0  # token-sharded MoE: see test_tensor.py
@@ -358,11 +359,10 @@ def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool
             out["norm"] = float(global_grad_norm(list(params.values()), mesh["pp"].get_group()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        for part in parts:
-            for moe in part.moe_layers().values():  # token-sharded MoE: counts add up over the TP group
-                counts = moe.router.tokens_per_expert.clone()
-                dist.all_reduce(counts, group=mesh["tp"].get_group())
-                moe.router.update_selection_bias(counts)
+        for part in parts:  # token-sharded MoE: the router state adds up over the TP group (as the trainer's)
+            reduce_router_state(part.moe_layers(), mesh["tp"].get_group())
+            for moe in part.moe_layers().values():
+                moe.router.update_selection_bias()
     if rank == 0:  # the tied test's two schedules share one reference run
         out.update(_reference(spec.model_dump_json(), steps))
     return out

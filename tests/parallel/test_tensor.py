@@ -119,11 +119,13 @@ def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa:
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        # the MoE is token-sharded under TP: the load counts of one optimizer step add up over the TP group
+        # the MoE is token-sharded under TP: the step's router state (load counts, quantile histogram) adds up over
+        # the TP group, as in Trainer._update_router_biases
+        from moestack.train.expert_load import reduce_router_state
+
+        reduce_router_state(model.moe_layers(), None)
         for moe in model.moe_layers().values():
-            counts = moe.router.tokens_per_expert.clone()
-            dist.all_reduce(counts)
-            moe.router.update_selection_bias(counts)
+            moe.router.update_selection_bias()
         for moe in ref.moe_layers().values():
             moe.router.update_selection_bias()
     return out

@@ -68,13 +68,12 @@ def _count_all_reduces():
 
 
 def _update_biases(model, group) -> None:
-    """The token-sharded MoE's load counts add up over the TP group (as in test_tensor.py)."""
-    import torch.distributed as dist
+    """The token-sharded MoE's router state adds up over the TP group (as in test_tensor.py)."""
+    from moestack.train.expert_load import reduce_router_state
 
+    reduce_router_state(model.moe_layers(), group)
     for moe in model.moe_layers().values():
-        counts = moe.router.tokens_per_expert.clone()
-        dist.all_reduce(counts, group=group)
-        moe.router.update_selection_bias(counts)
+        moe.router.update_selection_bias()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -67,6 +67,11 @@ def ep2_run(tmp_path_factory):
     """The single-process reference run and the 2-rank torchrun EP2 run of the same global batches."""
     tmp = tmp_path_factory.mktemp("train_distributed")
     model_spec = small_model_spec()
+    # batch-scope quantile balancing (the default) solves a bias per micro-batch, and the PP layout splits a step into
+    # twice the reference's micro-batches: the layouts compare at step scope, whose bias depends on the step's tokens
+    # only (batch scope across layouts at equal micro-batches: test_balance_dist.py, test_tensor.py)
+    router = model_spec.moe.router.model_copy(update={"quantile_scope": "step"})
+    model_spec = model_spec.model_copy(update={"moe": model_spec.moe.model_copy(update={"router": router})})
     model_path = tmp / "model.yaml"
     dump_yaml(model_spec, model_path)
 

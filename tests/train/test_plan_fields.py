@@ -5,8 +5,7 @@ The plan is a Plan subclass that records which module reads each field. For a fe
 recompute and offload policies, Muon, the FP8 recipe), the fields that moestack.planner reads in
 `CostModel.evaluate` / `memory_lower_bound` must be a subset of those the runtime reads while building and
 stepping the plan (`moestack train --dry-run`: trainer, parallel, memory, model; not the dry run's own report and
-not moestack.config.support, whose refusing is not honouring). Exceptions: a forecast of the workload the plan
-was priced for (FORECASTS: the expected expert load imbalance), and a field whose only runnable value is its
+not moestack.config.support, whose refusing is not honouring). Exception: a field whose only runnable value is its
 default (DEFAULT_ONLY), checked the other way round: support.py refuses it at every other value.
 """
 
@@ -27,7 +26,6 @@ SKIP_FRAMES = ("moestack.config.plan", "pydantic", "tests.", "test_plan_fields")
 RUNTIME = ("moestack.train", "moestack.parallel", "moestack.memory", "moestack.model", "moestack.ops")
 NOT_RUNTIME = ("moestack.train.dry_run",)
 DEFAULT_ONLY = {"ep_dispatch_dtype"}  # priced for published runs, refused by the runtime unless the default
-FORECASTS = {"moe_load_imbalance"}  # a forecast of the data's routing (Plan docs), not a choice the runtime makes
 
 
 class TrackedPlan(Plan):
@@ -83,7 +81,7 @@ def test_cost_model_reads_only_what_the_runtime_reads(name):
     consumed = _reads(RUNTIME, NOT_RUNTIME)
     assert priced, "the tracking saw no cost-model reads"
     forced = {"schedule", "vpp"} if plan.pp == 1 else set()  # the Plan validator fixes them (1f1b, 1) at pp 1
-    missing = priced - consumed - DEFAULT_ONLY - FORECASTS - forced
+    missing = priced - consumed - DEFAULT_ONLY - forced
     assert not missing, f"{name}: the cost model prices {sorted(missing)}, which the runtime never reads"
 
 

@@ -300,3 +300,26 @@ def moe_loop_reference(
         out = act(gate, up) @ w_down_EDI[e].T
         y_TD = y_TD.index_add(0, tok, out * topk_w_TK[tok, slot].unsqueeze(-1).to(out.dtype))
     return y_TD
+
+
+def quantile_balancing_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Quantile balancing (Kimi K3, Sec. 2.3.3 and App. D), exact: the next selection bias [E] from one batch.
+
+    Token t picks expert j when s_tj + b_j beats the token's cutoff a_t, the (k+1)-th largest s_t + b: j would
+    be chosen with any bias above r_tj = a_t - s_tj. The balanced bias of expert j admits exactly q = T*k/E
+    tokens (rounded, 1 <= q < T), i.e. lies between the q-th and (q+1)-th smallest r_tj; this returns the
+    midpoint, shifted so the biases have mean 0 (a common shift changes no choice). One coordinate step of the
+    dual of the balanced-assignment problem: the cutoffs are those of the current bias. Ties in the choice
+    follow the router's rule (lower id first); the result does not depend on it. Math in at least fp32.
+    Args: scores_TE [T, E] router scores (sigmoid or softmax), bias_E [E] current selection bias.
+    """
+    T, E = scores_TE.shape
+    assert 0 < top_k < E and T >= 2
+    dtype = _at_least_fp32(scores_TE.dtype)
+    s_TE = scores_TE.detach().to(dtype)
+    choice_TE = s_TE + bias_E.to(dtype)
+    cutoff_T = torch.sort(choice_TE, dim=-1, descending=True).values[:, top_k]
+    r_sorted_TE = torch.sort(cutoff_T[:, None] - s_TE, dim=0).values
+    q = min(max(round(T * top_k / E), 1), T - 1)
+    b_E = 0.5 * (r_sorted_TE[q - 1] + r_sorted_TE[q])
+    return b_E - b_E.mean()

@@ -1,0 +1,111 @@
+"""Quantile balancing (Kimi K3) from a histogram: accumulated on the device per micro-batch, summed over ranks,
+solved once per optimizer step. reference.quantile_balancing_bias is the exact (sort-based) spec.
+
+Per token t and expert j the required bias is r_tj = a_t - s_tj, with a_t the (k+1)-th largest s_t + b (the
+token's cutoff): expert j gets token t for any bias above r_tj. The balanced bias of j is the k/E quantile of
+r_.j over the step's tokens (every token, every micro-batch, every data-parallel rank). Scores lie in (0, 1), so
+r lies in (min b - 1, max b + 1): B uniform bins over that range (the report's App. D: 1000) hold the counts,
+int32 [E, B] per layer, and the quantile is read with linear interpolation inside its bin. Histograms add
+exactly, so micro-batches and ranks reduce with one integer sum, and the result is independent of how the
+step's tokens were split. The range comes from the bias itself, which is the same on every rank and fixed
+during the step.
+
+Two scopes (RouterSpec.quantile_scope):
+    "step"   (Kimi K3) the histogram of the whole optimizer step sets the bias the NEXT step routes with;
+    "batch"  each micro-batch solves its own bias before routing (`batch_bias`): `iterations` coordinate steps
+             from the current bias, each a histogram of this micro-batch over the balance group (one all-reduce of
+             per-expert min / max, one of the counts), with per-expert ranges [min_t r_tj, max_t r_tj] so B bins
+             resolve the batch however narrow its scores are. No lag behind the router, at the price of a bias that
+             depends on the micro-batch's other tokens (no gradient flows through it; the step-scope bias, solved
+             as above, is what evaluation and inference use).
+
+Legend: T tokens, E experts, K top-k, B bins.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def histogram_range(bias_E: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low edge, bin width) per expert, fp32 [E] device tensors, for the current bias: [min b - 1, max b + 1] in B
+    bins (the same range for every expert)."""
+    b = bias_E.detach().float()
+    lo = b.min() - 1.0
+    width = (b.max() + 1.0 - lo) / num_bins
+    return lo.expand_as(b), width.expand_as(b)
+
+
+def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """r_TE = a_t - s_tj (fp32), a_t the (k+1)-th largest s_t + b: the bias above which token t picks expert j."""
+    s_TE = scores_TE.detach().float()
+    cutoff_T = (s_TE + bias_E.detach().float()).topk(top_k + 1, dim=-1, sorted=True).values[:, top_k]
+    return cutoff_T[:, None] - s_TE
+
+
+@torch.no_grad()
+def accumulate_histogram_(hist_EB: torch.Tensor, scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                          lo_E: torch.Tensor | None = None, width_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Add this batch's required-bias counts to hist_EB (int32 [E, B], in place; no host sync). Returns it.
+    lo_E / width_E: per-expert bin range; default `histogram_range(bias_E, B)`."""
+    E, B = hist_EB.shape
+    if lo_E is None:
+        lo_E, width_E = histogram_range(bias_E, B)
+    r_TE = required_bias(scores_TE, bias_E, top_k)
+    bin_TE = ((r_TE - lo_E) / width_E).floor_().clamp_(0, B - 1).long()
+    flat_TE = bin_TE + torch.arange(E, device=bin_TE.device) * B
+    hist_EB.view(-1).scatter_add_(0, flat_TE.view(-1), torch.ones(flat_TE.numel(), dtype=hist_EB.dtype,
+                                                                  device=hist_EB.device))
+    return hist_EB
+
+
+@torch.no_grad()
+def solve_histogram(hist_EB: torch.Tensor, bias_E: torch.Tensor, top_k: int, lo_E: torch.Tensor | None = None,
+                    width_E: torch.Tensor | None = None) -> torch.Tensor:
+    """The next bias [E] (fp32, mean 0) from a step's summed histogram; `bias_E` (the bias the histogram was
+    taken under) where the histogram is empty. lo_E / width_E: the bins' range (default histogram_range). No host
+    sync."""
+    E, B = hist_EB.shape
+    h_EB = hist_EB.long()
+    cum_EB = h_EB.cumsum(-1)
+    n_E = cum_EB[:, -1]
+    target_E = n_E.double() * (top_k / E)
+    # first bin whose cumulative count reaches the target, and the fraction of it below the target
+    bin_E = (cum_EB.double() < target_E[:, None]).sum(-1).clamp_(max=B - 1)
+    in_bin_E = h_EB.gather(1, bin_E[:, None]).squeeze(1)
+    before_E = cum_EB.gather(1, bin_E[:, None]).squeeze(1) - in_bin_E
+    frac_E = ((target_E - before_E.double()) / in_bin_E.clamp_min(1).double()).clamp_(0.0, 1.0)
+    if lo_E is None:
+        lo_E, width_E = histogram_range(bias_E, B)
+    b_E = (lo_E.double() + (bin_E.double() + frac_E) * width_E.double())
+    b_E = (b_E - b_E.mean()).float()
+    return torch.where(n_E > 0, b_E, bias_E.detach().float())
+
+
+@torch.no_grad()
+def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The bias [E] (fp32, mean 0) that balances this micro-batch over `group` ("batch" scope, module docstring):
+    `iterations` coordinate steps from bias_E, each with per-expert bin ranges. Every rank of the group gets the
+    same result; no host sync."""
+    E = scores_TE.shape[1]
+    reduce = group is not None and dist.get_world_size(group) > 1
+    b = bias_E.detach().float()
+    for _ in range(iterations):
+        r_TE = required_bias(scores_TE, b, top_k)
+        lo_E, neg_hi_E = r_TE.amin(0), -r_TE.amax(0)
+        if reduce:
+            ends = torch.stack([lo_E, neg_hi_E])
+            dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=group)
+            lo_E, neg_hi_E = ends[0], ends[1]
+        width_E = ((-neg_hi_E - lo_E) * (1 + 1e-6) / num_bins).clamp_min(1e-12)  # the max lands in the last bin
+        hist = torch.zeros(E, num_bins, dtype=torch.int32, device=scores_TE.device)
+        accumulate_histogram_(hist, scores_TE, b, top_k, lo_E, width_E)
+        if reduce:
+            dist.all_reduce(hist, group=group)
+        b = solve_histogram(hist, b, top_k, lo_E, width_E)
+    return b
+
+
+__all__ = ["accumulate_histogram_", "batch_bias", "histogram_range", "required_bias", "solve_histogram"]

@@ -51,12 +51,13 @@ def _spec(family: str) -> ModelSpec:
         base.update(full_attention_layers=[1, 2, 3, 4], kda=None, linear_attention="kda")
         base["mla"].update(use_rope=True, output_gate=False)
         base["moe"].update(latent_size=None, num_shared_experts=1, shared_intermediate_size=64,
-                           router={**base["moe"]["router"], "num_groups": 4, "topk_groups": 2})
+                           router={**base["moe"]["router"], "num_groups": 4, "topk_groups": 2,
+                                   "bias_update": "sign"})  # DeepSeek-V3's grouped routing balances by sign
         return ModelSpec(**base)
     gqa = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "qk_norm": family == "qwen3_moe"}
     base.update(attention="gqa", gqa=gqa, mla=None, kda=None, full_attention_layers=[1, 2, 3], num_layers=3,
                 dense_layers=[], dense_mlp=None, activation="swiglu", tie_word_embeddings=family == "qwen3_moe")
-    router = {**base["moe"]["router"], "score": "softmax", "selection_bias": False}
+    router = {**base["moe"]["router"], "score": "softmax", "selection_bias": False, "bias_update": "sign"}
     base["moe"].update(num_experts=8 if family == "qwen3_moe" else 4, top_k=2, latent_size=None,
                        num_shared_experts=0, shared_intermediate_size=0, router=router)
     return ModelSpec(**base)

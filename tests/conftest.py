@@ -14,6 +14,22 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fresh-ranks", action="store_true",
+                     help="multi-process tests start fresh rank processes for every job (no rank pool)")
+
+
+def pytest_configure(config):
+    if config.getoption("--fresh-ranks"):
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent / "parallel"))
+        import _dist  # the module the parallel tests import (same sys.modules entry)
+
+        _dist.FRESH_RANKS[0] = True
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

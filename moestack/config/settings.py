@@ -19,7 +19,6 @@ recorded with its source in the run's kernels.json. A bad value is a one-line Co
     MOESTACK_CACHE                 cache directory of downloaded / tokenised data (default ~/.cache/moestack)
     MOESTACK_EP_DOMAIN_SIZE        EP ranks per fast domain of the hierarchical dispatcher (default: the plan's
                                    cluster's innermost tier, else LOCAL_WORLD_SIZE)
-    MOESTACK_TEST_FRESH_RANKS      tests only: 1 starts fresh rank processes per multi-process test job
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ KERNEL_ENV: dict[str, tuple[str, dict[str, object] | None]] = {
 TUNE_CACHE_ENV = "MOESTACK_TUNE_CACHE"
 DATA_CACHE_ENV = "MOESTACK_CACHE"
 EP_DOMAIN_ENV = "MOESTACK_EP_DOMAIN_SIZE"
-FRESH_RANKS_ENV = "MOESTACK_TEST_FRESH_RANKS"
 
 
 def kernel_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[object, str]]:
@@ -104,8 +102,3 @@ def ep_domain_size() -> int | None:
     if not raw.isdigit() or int(raw) < 1:
         raise ConfigError(f"${EP_DOMAIN_ENV}={raw!r}: use a positive integer (EP ranks per fast domain)")
     return int(raw)
-
-
-def fresh_test_ranks() -> bool:
-    """$MOESTACK_TEST_FRESH_RANKS=1: the test harness (tests/parallel/_dist.py) starts fresh rank processes."""
-    return os.environ.get(FRESH_RANKS_ENV) == "1"

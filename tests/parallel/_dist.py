@@ -20,7 +20,7 @@ rebound name such as `reference.FP8 = torch.float32`, a changed list, a dict ent
 registry's backends (moestack/ops/backends.py) replaced, removed or reordered; entries a job adds to a dict or set
 stay: lazy backend registrations and caches). What was put back is printed to the rank's
 log and kept in RESTORED (tests/parallel/test_dist_state.py checks all of it).
-MOESTACK_TEST_FRESH_RANKS=1 starts fresh processes for every job instead.
+`pytest --fresh-ranks` starts fresh processes for every job instead (FRESH_RANKS, set by tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 
 _THIS = Path(__file__).resolve()
 _REPO = _THIS.parents[2]
+FRESH_RANKS = [False]  # pytest --fresh-ranks (tests/conftest.py)
 IDLE_S = 15.0  # a pool idle longer than this is replaced; its ranks exit on their own after IDLE_S + 5 s
 
 
@@ -128,11 +129,9 @@ def run_ranks(file: str, fn_name: str, world_size: int, timeout: float = 120.0, 
     RuntimeError with its traceback; a hang past `timeout` seconds raises TimeoutError. Either way the ranks are
     killed (no rank is left waiting in a collective).
     """
-    from moestack.config.settings import fresh_test_ranks
-
     job = {"file": str(Path(file).resolve()), "fn": fn_name, "kwargs": kwargs, "env": dict(os.environ)}
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.usable() or fresh_test_ranks():
+    if pool is None or not pool.usable() or FRESH_RANKS[0]:
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = _Pool(world_size)

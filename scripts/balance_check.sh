@@ -15,12 +15,7 @@
 # + ~1 min start: ~5 min in all (BASELINE=1 adds ~2.5 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${NO_WHL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/device_env.sh  # carried wheels, PYTHONPATH
 DEST=${OUT:-runs}
 STEPS=${STEPS:-200}
 K3_STEPS=${K3_STEPS:-20}

@@ -14,12 +14,7 @@
 # including compilation, ~4 min for both at the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${NO_WHL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/device_env.sh  # carried wheels, PYTHONPATH
 DEST=${OUT:-runs}
 STEPS=${STEPS:-150}
 SEQ=${SEQ:-2048}

@@ -15,12 +15,7 @@
 # Without a GPU the tests collect and skip: a dry run of the partition and the table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${NO_WHL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/device_env.sh  # carried wheels, PYTHONPATH
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 LOGDIR=${OUT:-runs/gpu_check}

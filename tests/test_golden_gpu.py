@@ -14,7 +14,11 @@ moves the training loss was measured on CPU with fp32 (u32 = 2^-24) against fp64
 (tests/parallel/_dist.small_model_spec, the same layer kinds, through the Trainer, 30 steps at lr 1e-3, warm-up 5,
 clip 1.0, x86 / torch 2.13): the per-step loss differed by at most 3.8 u32 (steps 1-30; 0.9 u32 at step 1, no
 growth over the 30 steps). Scaled, a bf16 run's loss lies within 3.8 u16 of exact, two of them within 7.6 u16;
-LOSS_RTOL = 3e-2 = 7.7 u16 per step.
+LOSS_RTOL = 3e-2 = 7.7 u16 per step. That holds while the trajectory is stable: at lr 1e-3 this model's loss
+spiked after the warm-up (H200, 2026-12-02: step 7 at 6.1-6.4 after 3.9-4.2), and two runs of the same fast
+kernels, which add in a nondeterministic order (atomics), were 7.9% apart there, the reference 6-16% from either
+or from a run with one op on its reference path. So the run trains at lr 3e-4, and the fast kernels' own
+run-to-run spread (a second fast run) is measured too: each step's bound is max(LOSS_RTOL, 2 x that spread).
 
 The gradient norms after the first backward (same weights, same batch) are compared per parameter. The same proxy
 put most parameters' gradient norms within a few u32 of fp64, but some far more: 138 u32 for the indexer's
@@ -24,7 +28,8 @@ d_p = |norm(ref bf16) - norm(ref fp32)| / norm(ref fp32), and the fast run's nor
 max(GRAD_RTOL, 3 d_p) of the fp32 one, GRAD_RTOL = 5% (a few percent, as the rounding of a norm of thousands of
 elements allows). d_p is one draw of the rounding error: it is pooled (the largest) over the layers of one role
 (`layers.*.attn.A_log`), whose sums cancel alike (H200, 2026-12-02: a KDA A_log drew d_p < 1.7% in layer 0 and
-13.7% in layer 1 of the same run, and the fast run's layer-0 norm was 5.6% off). A parameter whose noise alone exceeds the floor is listed in the failure message with its d_p.
+13.7% in layer 1 of the same run, and the fast run's layer-0 norm was 5.6% off). A parameter whose noise alone
+exceeds the floor is listed in the failure message with its d_p.
 
 GPU only: on CPU the fused layer ops do not run (they are CUDA-only) and the interpreter would take minutes.
 """
@@ -80,7 +85,7 @@ def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda", ke
 
     opts = {"seq_len": SEQ, "micro_batch_size": MBS, "steps": steps, "precision": precision, "device": device,
             "seed": 0, "logging.every": 1, "logging.tensorboard": False, "logging.progress": False, "eval_every": 0,
-            "data.eval_fraction": 0.0, "schedule.warmup_steps": 5, "optimizer.lr": 1e-3, "optimizer.grad_clip": 1.0,
+            "data.eval_fraction": 0.0, "schedule.warmup_steps": 5, "optimizer.lr": 3e-4, "optimizer.grad_clip": 1.0,
             "checkpoint.every": 0, "checkpoint.save_final": False, "out_dir": str(out_dir), **(kernels or {})}
     trainer = Trainer(load_train_spec(None, opts), golden_spec(), log=lambda *a: None)
     norms: dict[str, float] = {}
@@ -118,6 +123,7 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
     fast_sel = fast["kernels"]
     assert fast_sel["kda.backend"] == "triton" and fast_sel["dsa.backend"] == "triton" \
         and fast_sel["moe.routing"] == "triton" and fast_sel["kda.layer_ops"] == "triton", fast_sel
+    again = train(tmp_path / "fast_again", STEPS)  # the fast kernels' run-to-run spread (module docstring)
     ref = train(tmp_path / "ref", STEPS, kernels=REFERENCE_KERNELS)
     ref_sel = ref["kernels"]
     assert set(ref_sel.values()) <= {"reference", "torch"}, ref_sel
@@ -127,9 +133,12 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
     assert len(fast["losses"]) == len(ref["losses"]) == STEPS, (len(fast["losses"]), len(ref["losses"]))
     assert all(torch.isfinite(torch.tensor(fast["losses"]))), fast["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(fast["losses"], ref["losses"])]
-    worst = max(range(STEPS), key=lambda s: rel[s])
+    spread = [abs(a - b) / abs(b) for a, b in zip(fast["losses"], again["losses"])]
+    bounds = [max(LOSS_RTOL, 2 * d) for d in spread]
+    worst = max(range(STEPS), key=lambda s: rel[s] / bounds[s])
     print(f"GOLDEN_GPU_ERR loss: step 1 {fast['losses'][0]:.4f} vs {ref['losses'][0]:.4f}, step {STEPS} "
-          f"{fast['losses'][-1]:.4f} vs {ref['losses'][-1]:.4f}, max rel diff {rel[worst]:.2e} at step {worst + 1}")
+          f"{fast['losses'][-1]:.4f} vs {ref['losses'][-1]:.4f}, max rel diff {max(rel):.2e}; closest to its "
+          f"bound: step {worst + 1}, {rel[worst]:.2e} vs {bounds[worst]:.2e}; fast run-to-run max {max(spread):.2e}")
     print(f"GOLDEN_GPU_ERR losses fast {[round(x, 4) for x in fast['losses']]}")
     print(f"GOLDEN_GPU_ERR losses ref  {[round(x, 4) for x in ref['losses']]}")
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference run must learn (else the check is weak)"
@@ -153,4 +162,4 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
           f"{abs(fast['norms'][worst_grad] - exact['norms'][worst_grad]) / exact['norms'][worst_grad]:.2e}; "
           f"{len(noisy)} parameters with bf16 noise above {GRAD_RTOL}: {noisy}")
     assert not bad, f"gradient norms after step 1 (fast vs fp32 reference, (rel err, bound)): {bad}"
-    assert max(rel) < LOSS_RTOL, f"loss rel diff {rel[worst]:.2e} at step {worst + 1} (bound {LOSS_RTOL})"
+    assert rel[worst] < bounds[worst], f"loss rel diff {rel[worst]:.2e} at step {worst + 1} (bound {bounds[worst]:.2e})"

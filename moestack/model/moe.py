@@ -38,14 +38,17 @@ class Router(nn.Module):
     State: `weight` [E, D] (parameter); `selection_bias` [E] fp32 (persistent buffer, model state; None when
     spec.selection_bias is off). Per optimizer step, reset by `update_selection_bias` (non-persistent, counted in
     training-mode forwards only): `tokens_per_expert` [E] int64, the routed slots; `quantile_hist` [E, B] int32,
-    the required-bias histogram of quantile balancing (None unless spec.bias_update is "quantile");
+    the required-bias histogram of step-scope quantile balancing (None unless spec.bias_update is "quantile" with
+    quantile_scope "step"); `batch_bias_sum` [E + 1] fp32, batch scope's sum of the micro-batches' solved biases
+    and their count (the step's mean becomes the selection bias: evaluation routes with it and the next step's
+    solves start from it);
     `global_load` [E] int64, the global-batch loss's slot counts of the step's finished micro-batches (summed over
     the balance group; `finish_microbatch` folds in the last forward's).
     After each training forward: `last_z_loss` (detached, None when spec.z_loss_coef is 0).
     """
 
     # the forward-accumulated buffers a recompute must restore (moestack.memory.recompute)
-    forward_counters = ("tokens_per_expert", "quantile_hist")
+    forward_counters = ("tokens_per_expert", "quantile_hist", "batch_bias_sum")
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, spec: RouterSpec):
         super().__init__()
@@ -56,7 +59,10 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         hist = torch.zeros(num_experts, spec.quantile_bins, dtype=torch.int32) \
             if spec.bias_update == "quantile" and spec.selection_bias else None
-        self.register_buffer("quantile_hist", hist, persistent=False)
+        batch = spec.bias_update == "quantile" and spec.selection_bias and spec.quantile_scope == "batch"
+        self.register_buffer("quantile_hist", None if batch else hist, persistent=False)
+        # "batch" scope: the sum of the step's solved micro-batch biases [E] and their count in the last slot
+        self.register_buffer("batch_bias_sum", torch.zeros(num_experts + 1) if batch else None, persistent=False)
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
         self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
@@ -70,11 +76,13 @@ class Router(nn.Module):
         logits_TE = routing.router_logits(x_TD, self.weight)  # fp32; split-bf16 GEMMs for bf16 x on CUDA
         s = self.spec
         bias_E = self.selection_bias
-        if self.training and self.quantile_hist is not None and s.quantile_scope == "batch":
+        if self.training and self.batch_bias_sum is not None:
             with torch.no_grad():
                 probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
                 bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
                                              self.balance_group)
+                self.batch_bias_sum[:-1].add_(bias_E)
+                self.batch_bias_sum[-1].add_(1.0)
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
             logits_TE, bias_E, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
             s.scaling_factor, backend=self.backend,
@@ -103,8 +111,9 @@ class Router(nn.Module):
     def update_selection_bias(self, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Move the selection bias once per optimizer step, then reset the step's accumulators.
 
-        "sign": bias += gamma * sign(mean_load - load) (gamma = spec.bias_update_rate). "quantile": bias = the
-        histogram's solution (moestack.ops.moe.quantile.solve_histogram; an empty histogram keeps the bias).
+        "sign": bias += gamma * sign(mean_load - load) (gamma = spec.bias_update_rate). "quantile", step scope:
+        bias = the histogram's solution (moestack.ops.moe.quantile.solve_histogram; an empty histogram keeps the
+        bias); batch scope: the mean of the step's solved micro-batch biases (none: the bias stays).
         counts [E]: tokens per expert over the optimizer step; default: this router's accumulator. In distributed
         runs the caller sums the accumulators (tokens_per_expert, quantile_hist) over the ranks first.
         Returns the counts used (a tensor on the router's device).
@@ -112,7 +121,11 @@ class Router(nn.Module):
         if counts is None:
             counts = self.tokens_per_expert.clone()
         if self.selection_bias is not None:
-            if self.quantile_hist is not None:
+            if self.batch_bias_sum is not None:  # the step's mean solved bias: the next step starts from it
+                total, n = self.batch_bias_sum[:-1], self.batch_bias_sum[-1]
+                mean_E = total / n.clamp_min(1.0)
+                self.selection_bias.copy_(torch.where(n > 0, mean_E - mean_E.mean(), self.selection_bias))
+            elif self.quantile_hist is not None:
                 self.selection_bias.copy_(quantile.solve_histogram(self.quantile_hist, self.selection_bias,
                                                                    self.top_k))
             elif self.spec.bias_update_rate > 0:
@@ -127,6 +140,8 @@ class Router(nn.Module):
         self.tokens_per_expert.zero_()
         if self.quantile_hist is not None:
             self.quantile_hist.zero_()
+        if self.batch_bias_sum is not None:
+            self.batch_bias_sum.zero_()
         self.global_load.zero_()
         self._global_load_last = None
 

@@ -114,19 +114,26 @@ def test_router_is_fp32_under_bf16_autocast():
     assert torch.equal(idx, idx32)
 
 
-def test_recompute_does_not_count_the_histogram_twice():
+@pytest.mark.parametrize("scope", ["step", "batch"])
+def test_recompute_does_not_count_the_histogram_twice(scope):
+    """The forward accumulators (step scope: the histogram; batch scope: the solved biases' sum and count) hold
+    one forward's worth after a backward that recomputed it."""
     from moestack.memory.recompute import checkpoint_module
 
     x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64, requires_grad=True)
     counters = []
+    name = "quantile_hist" if scope == "step" else "batch_bias_sum"
     for recompute in (False, True):
-        m = _moe(RouterSpec(bias_update="quantile", quantile_bins=64))
+        m = _moe(RouterSpec(bias_update="quantile", quantile_bins=64, quantile_scope=scope))
         m.train()
         if recompute:
             checkpoint_module(m, "full")
         m(x).sum().backward()
-        counters.append((m.router.quantile_hist.clone(), m.router.tokens_per_expert.clone()))
-    assert int(counters[0][0].sum()) == 12 * E
+        counters.append((getattr(m.router, name).clone(), m.router.tokens_per_expert.clone()))
+    if scope == "step":
+        assert int(counters[0][0].sum()) == 12 * E
+    else:
+        assert float(counters[0][0][-1]) == 1.0 and float(counters[0][0][:-1].abs().sum()) > 0
     assert torch.equal(counters[0][0], counters[1][0]) and torch.equal(counters[0][1], counters[1][1])
 
 

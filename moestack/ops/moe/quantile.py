@@ -1,10 +1,10 @@
 """Quantile balancing (Kimi K3) from a histogram: accumulated on the device per micro-batch, summed over ranks,
 solved once per optimizer step. reference.quantile_balancing_bias is the exact (sort-based) spec.
 
-Per token t and expert j the required bias is r_tj = a_t - s_tj, with a_t the (k+1)-th largest s_t + b (the
-token's cutoff): expert j gets token t for any bias above r_tj. The balanced bias of j is the k/E quantile of
-r_.j over the step's tokens (every token, every micro-batch, every data-parallel rank). Scores lie in (0, 1), so
-r lies in (min b - 1, max b + 1): B uniform bins over that range (the report's App. D: 1000) hold the counts,
+Per token t and expert j the required bias is r_tj = a_tj - s_tj, with a_tj the k-th largest s_t + b among the
+other experts (the token's cutoff for j): expert j gets token t for any bias above r_tj. The balanced bias of j is
+the k/E quantile of r_.j over the step's tokens (every token, every micro-batch, every data-parallel rank). Scores
+lie in (0, 1), so r lies in (min b - 1, max b + 1): B uniform bins over that range (the report's App. D: 1000) hold the counts,
 int32 [E, B] per layer, and the quantile is read with linear interpolation inside its bin. Histograms add
 exactly, so micro-batches and ranks reduce with one integer sum, and the result is independent of how the
 step's tokens were split. The range comes from the bias itself, which is the same on every rank and fixed
@@ -18,8 +18,11 @@ Two scopes (RouterSpec.quantile_scope):
              bins, then the bin that holds the quantile in B finer ones, so the quantile resolves to range / B^2.
              One level is not enough for a router whose sigmoid scores sit near 0 or 1 (large logits): most of an
              expert's r_tj fall in one bin of its full range, and interpolating inside that bin moves whole
-             groups of alike tokens at once. No lag behind the router, at the price of a bias that depends on the micro-batch's other tokens (no gradient flows
-             through it; the step-scope bias, solved as above, is what evaluation and inference use).
+             groups of alike tokens at once. The step's mean solved bias becomes the router's bias
+             (model.moe.Router): evaluation and inference route with it, and the next step's solves start
+             from it, so the coordinate steps go on across steps while the router moves slowly. No lag behind the
+             router, at the price of a bias that depends on the micro-batch's other tokens (no gradient flows
+             through it).
 
 Legend: T tokens, E experts, K top-k, B bins.
 """
@@ -40,10 +43,14 @@ def histogram_range(bias_E: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, 
 
 
 def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """r_TE = a_t - s_tj (fp32), a_t the (k+1)-th largest s_t + b: the bias above which token t picks expert j."""
+    """r_TE = a_tj - s_tj (fp32): the bias above which token t picks expert j, the other biases held. a_tj is the
+    k-th largest s_t + b among the other experts: the (k+1)-th overall for an expert in the token's top k, the k-th
+    for one outside it."""
     s_TE = scores_TE.detach().float()
-    cutoff_T = (s_TE + bias_E.detach().float()).topk(top_k + 1, dim=-1, sorted=True).values[:, top_k]
-    return cutoff_T[:, None] - s_TE
+    choice_TE = s_TE + bias_E.detach().float()
+    top_TK = choice_TE.topk(top_k + 1, dim=-1, sorted=True).values
+    inside_TE = choice_TE >= top_TK[:, top_k - 1:top_k]
+    return torch.where(inside_TE, top_TK[:, top_k:], top_TK[:, top_k - 1:top_k]) - s_TE
 
 
 @torch.no_grad()

@@ -305,8 +305,9 @@ def moe_loop_reference(
 def quantile_balancing_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
     """Quantile balancing (Kimi K3, Sec. 2.3.3 and App. D), exact: the next selection bias [E] from one batch.
 
-    Token t picks expert j when s_tj + b_j beats the token's cutoff a_t, the (k+1)-th largest s_t + b: j would
-    be chosen with any bias above r_tj = a_t - s_tj. The balanced bias of expert j admits exactly q = T*k/E
+    Token t picks expert j when s_tj + b_j beats the token's cutoff a_tj, the k-th largest s_t + b among the other
+    experts (the (k+1)-th overall for an expert in the token's top k, the k-th for one outside): j would be chosen
+    with any bias above r_tj = a_tj - s_tj, the other biases held. The balanced bias of expert j admits exactly q = T*k/E
     tokens (rounded, 1 <= q < T), i.e. lies between the q-th and (q+1)-th smallest r_tj; this returns the
     midpoint, shifted so the biases have mean 0 (a common shift changes no choice). One coordinate step of the
     dual of the balanced-assignment problem: the cutoffs are those of the current bias. Ties in the choice
@@ -318,8 +319,10 @@ def quantile_balancing_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k
     dtype = _at_least_fp32(scores_TE.dtype)
     s_TE = scores_TE.detach().to(dtype)
     choice_TE = s_TE + bias_E.to(dtype)
-    cutoff_T = torch.sort(choice_TE, dim=-1, descending=True).values[:, top_k]
-    r_sorted_TE = torch.sort(cutoff_T[:, None] - s_TE, dim=0).values
+    sorted_TE = torch.sort(choice_TE, dim=-1, descending=True).values
+    inside_TE = choice_TE >= sorted_TE[:, top_k - 1:top_k]  # j in the token's top k: the next one is its cutoff
+    cutoff_TE = torch.where(inside_TE, sorted_TE[:, top_k:top_k + 1], sorted_TE[:, top_k - 1:top_k])
+    r_sorted_TE = torch.sort(cutoff_TE - s_TE, dim=0).values
     q = min(max(round(T * top_k / E), 1), T - 1)
     b_E = 0.5 * (r_sorted_TE[q - 1] + r_sorted_TE[q])
     return b_E - b_E.mean()

@@ -112,11 +112,13 @@ def adapt(
     """Scale a model down to a proxy of the same family that trains on one device; print both side by side."""
     from moestack.planner.adapt import adapt_model, parse_fit, spec_to_yaml
     from moestack.planner.profile import load_any_model_spec
+    from moestack.tune.builds import check_builds
 
     if precision not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"--precision: must be auto, bf16 or fp32, got '{precision}'")
     spec = load_any_model_spec(model)
     result = adapt_model(spec, parse_fit(fit), seq_len, batch, precision, act_factor, margin, top_k, name)
+    check_builds(result.spec, result.profile)
     console = Console()
     render_adapt(result, console)
     text = spec_to_yaml(result)

@@ -14,7 +14,7 @@ GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf
 
 Collectives (`comm`, optional): measured bus bandwidth and per-call latency of all-reduce / reduce-scatter /
 all-gather / all-to-all inside one scale-up domain (network tier 0), written by `moestack tune-comm`
-(planner/tune_comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
+(tune/comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
 planner/cost.py prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
 datasheet bandwidth x tier efficiency; without it the datasheet path is unchanged.
 """
@@ -48,7 +48,7 @@ class GemmPoint(StrictModel):
 
 class PartCalibration(StrictModel):
     """One layer part kind (kda, mla, gqa, mamba2, moe, dense) measured whole by `moestack tune`
-    (planner/measure_parts.py) at one device's shape, with the backends that ran."""
+    (tune/parts.py) at one device's shape, with the backends that ran."""
 
     tokens: int = Field(gt=0)  # tokens per micro-batch of the (larger) measurement
     # measured - analytic time = fixed + per_token * tokens, fitted on two token counts (each term >= 0)
@@ -74,7 +74,7 @@ class CollectiveCalibration(StrictModel):
 
 class CommCalibration(StrictModel):
     """Collective bandwidths measured inside one scale-up domain (network tier 0: e.g. the GPUs of one NVLink
-    node), with `world` ranks, by `moestack tune-comm` (planner/tune_comm.py).
+    node), with `world` ranks, by `moestack tune-comm` (tune/comm.py).
 
     Why measured beats datasheet: the datasheet bandwidth times an efficiency is a guess per machine. On the lent
     2 x H200 machine (session 6, NCCL over P2P/CUMEM) tune-comm measured 234 / 210 / 215 / 240 GB/s bus bandwidth
@@ -123,7 +123,7 @@ class HostCalibration(StrictModel):
     runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
 
       fp8_layer_s 0.0084 s extra per layer per micro-batch under the FP8 recipe (precision fp8). Measured, not
-                  fitted: planner/measure_host.py on the proxy (16 layers, one H200, session 14), bf16 then the
+                  fitted: tune/host.py on the proxy (16 layers, one H200, session 14), bf16 then the
                   recipe, twice: 11.5 / 20.2 and 14.5 / 22.6 ms per layer (+8.7 / +8.0 ms; at 2x tokens +10% /
                   +3%: host-bound). With it the planner puts the proxy's one-GPU fp8 step (2 x 2048 tokens) at
                   8,312 tokens/s against 7,690 measured (benchmarks/fp8_train_step.sh, the same session); without
@@ -131,7 +131,7 @@ class HostCalibration(StrictModel):
                   host-bound at 256 tokens, so it cannot give this number: its device time leaks in.)
 
     The defaults above are that 2 x H200 fit (fp8_layer_s: the measurement). `moestack tune --measure-host`
-    (opt-in) replaces layer_s with the local machine's measurement (planner/measure_host.py): the wall time of the
+    (opt-in) replaces layer_s with the local machine's measurement (tune/host.py): the wall time of the
     whole model's forward + backward of one 256-token micro-batch (host-bound: the device idles), divided by the
     layers cost.py charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
     optimizer step (priced on its own), FSDP2's hooks or DTensor dispatch, which the fitted default absorbed: on 2 x

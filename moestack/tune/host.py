@@ -110,14 +110,14 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
     max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
     (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
 
-    The experts are one EP rank's (planner/measure_parts.py `local_expert_spec`): the model an ep-way run holds.
+    The experts are one EP rank's (tune/parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what
     building or running raises (out of memory, an unsupported spec); `moestack tune` catches it, keeps the default.
     """
     from moestack.model.aux_loss import set_aux_loss_scale
     from moestack.model.transformer import build_model
     from moestack.planner.cost import model_work
-    from moestack.planner.measure_parts import local_expert_spec
+    from moestack.tune.parts import local_expert_spec
 
     device = torch.device(device)
     cuda = device.type == "cuda"

@@ -1,4 +1,4 @@
-"""Host-floor measurement (planner/measure_host.py) and its path into the calibration (`moestack tune`)."""
+"""Host-floor measurement (tune/host.py) and its path into the calibration (`moestack tune`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import make_plan
-from moestack.planner import measure_host as mh
+from moestack.tune import host as mh
 from moestack.planner.calibration import HostCalibration, load_calibration, save_calibration
 from moestack.planner.cost import CostModel
-from moestack.planner.measure_host import HostTiming, measure_host, sampled_spec
+from moestack.tune.host import HostTiming, measure_host, sampled_spec
 from moestack.planner.profile import profile_model
-from moestack.planner.tune import calibrate_host
+from moestack.tune.calibrate import calibrate_host
 
 
 def _with_mtp(name: str):

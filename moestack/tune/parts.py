@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moestack.config.model_spec import ModelSpec
-from moestack.planner.timer import median_seconds
+from moestack.tune.timer import median_seconds
 
 PART_OF_MIXER = {"kda": "kda", "mla": "mla", "gqa": "gqa", "mamba2": "mamba2"}
 

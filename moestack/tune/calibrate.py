@@ -11,7 +11,7 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   sparse attn     moestack.ops.dsa.sparse_mqa_attention (the selected backend), k = the indexer's top-k
   indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
   host floor      with --measure-host: the whole model's forward + backward of one 256-token micro-batch, wall
-                  clock, over its layers -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep
+                  clock, over its layers -> host.layer_s (tune/host.py; ep_moe_s and tp_layer_s keep
                   their defaults; opt-in until checked on a GPU); on an FP8 GPU the same pass on the FP8 recipe
                   -> host.fp8_layer_s (the difference per layer)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
@@ -40,7 +40,7 @@ HOST_BOUND_GROWTH = 0.10  # wall-time growth at 2x tokens above which the host m
 
 def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
     """Median seconds of fn() on the current CUDA device."""
-    from moestack.planner.timer import median_seconds
+    from moestack.tune.timer import median_seconds
 
     return median_seconds(fn, reps=reps, warmup=warmup)
 
@@ -200,12 +200,12 @@ def measure_hbm(bw_bytes_s: float) -> float:
 
 
 def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -> dict[str, PartCalibration]:
-    """Measure each layer part whole (planner/measure_parts.py) at two token counts and keep what the analytic
+    """Measure each layer part whole (tune/parts.py) at two token counts and keep what the analytic
     terms miss, as a fixed cost per pass plus a cost per token, and the saved bytes per token."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.memory.report import single_device_plan
     from moestack.planner.cost import Ctx, model_work, part_cost
-    from moestack.planner.measure_parts import local_expert_spec, measure_parts
+    from moestack.tune.parts import local_expert_spec, measure_parts
 
     if plan is None:
         plan = single_device_plan(spec.name, seq, mbs, cluster="h200-1gpu")
@@ -244,7 +244,7 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
 
 
 def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda") -> tuple[HostCalibration, str]:
-    """`base` with layer_s measured on this machine (planner/measure_host.py) and its provenance in `source`, and
+    """`base` with layer_s measured on this machine (tune/host.py) and its provenance in `source`, and
     one line for tune's output; where the GPU runs FP8, fp8_layer_s too (the FP8 recipe's pass minus the bf16
     one). On CPU, or when the measurement fails, `base` unchanged and a line that says so. ep_moe_s and tp_layer_s
     stay: they need several GPUs."""
@@ -252,7 +252,7 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
 
     import torch
 
-    from moestack.planner.measure_host import measure_host
+    from moestack.tune.host import measure_host
 
     keep = f"keeping the default layer_s {base.layer_s * 1e3:.1f} ms"
     if torch.device(device).type != "cuda":
@@ -366,7 +366,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
     peak_bf16 = device.peak_flops("bf16")
     base = load_calibration()
     # backend choice per hot op first, so every efficiency below is measured with the backend that will run
-    from moestack.planner.tune_ops import tune_ops
+    from moestack.tune.kernels import tune_ops
 
     choices = tune_ops(spec, tokens, tp, ep)
     for c in choices:

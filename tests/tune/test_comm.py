@@ -1,4 +1,4 @@
-"""`moestack tune-comm` (planner/tune_comm.py) on 2 gloo ranks, merging its result into a calibration, and the cost
+"""`moestack tune-comm` (tune/comm.py) on 2 gloo ranks, merging its result into a calibration, and the cost
 model's collective times with a measured `comm` calibration (tier-0 groups) against the hand formula."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from moestack.config.base import ConfigError
 from moestack.config.cluster import load_cluster_spec
 from moestack.planner import cost as C
 from moestack.planner.calibration import COLLECTIVE_KINDS, CommCalibration, load_calibration
-from moestack.planner.tune_comm import busbw_factor, fit_latency, merge_into, run_tune_comm
+from moestack.tune.comm import busbw_factor, fit_latency, merge_into, run_tune_comm
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "parallel"))

@@ -137,7 +137,7 @@ def _time_calls(fn, iters: int, warmup: int, device) -> float:
     import torch
     import torch.distributed as dist
 
-    from moestack.planner.timer import median_seconds
+    from moestack.tune.timer import median_seconds
 
     med = median_seconds(fn, reps=iters, warmup=warmup, device=device, before_each=dist.barrier)
     out = torch.tensor([med], dtype=torch.float64, device=device)
@@ -266,14 +266,3 @@ def parse_sizes(text: str | None) -> list[float] | None:
         return [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ConfigError(f"tune-comm: --sizes-mib: comma list of MiB expected, e.g. 1,16,128 (got {text!r})") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m moestack.planner.tune_comm ...` (the same flags as `moestack tune-comm`)."""
-    from moestack.cli import main as cli_main
-
-    return cli_main(["tune-comm", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,12 +21,12 @@ def _loaded_after(code: str) -> set[str]:
 def test_planner_layers_do_not_import_torch():
     mods = ("moestack.config.model_spec", "moestack.config.plan", "moestack.config.cluster", "moestack.config.hf",
             "moestack.planner.profile", "moestack.planner.cost", "moestack.planner.search",
-            "moestack.planner.report", "moestack.planner.plan_cli", "moestack.planner.host_profile")
+            "moestack.planner.report", "moestack.cli.plan", "moestack.planner.host_profile")
     assert _loaded_after("\n".join(f"import {m}" for m in mods)) == set()
 
 
 def test_plan_command_does_not_import_torch(tmp_path):
-    code = (f"from moestack.cli import main\nrc = main(['plan', 'tiny', '--cluster', 'h200-1gpu', '--out', "
+    code = (f"from moestack.cli.app import main\nrc = main(['plan', 'tiny', '--cluster', 'h200-1gpu', '--out', "
             f"{str(tmp_path / 'plan.yaml')!r}, '--json'])\nassert rc == 0, rc")
     assert _loaded_after(code) == set()
     assert (tmp_path / "plan.yaml").is_file()

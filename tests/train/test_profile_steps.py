@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config import load_train_spec
 from moestack.config.base import ConfigError
 

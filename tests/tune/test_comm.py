@@ -50,7 +50,7 @@ def test_tune_comm_on_two_gloo_ranks_writes_busbw_and_merges(tmp_path):
 
 
 def test_merge_cli_from_file_and_bad_file(tmp_path):
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     data = {"world": 2, "backend": "nccl", "device": "H200", "date": "d",
             "collectives": {k: {"busbw_gb_s": 20.0, "latency_us": 30.0, "points": []} for k in COLLECTIVE_KINDS}}
@@ -67,7 +67,7 @@ def test_merge_cli_from_file_and_bad_file(tmp_path):
 
 
 def test_without_torchrun_one_line_error(monkeypatch, capsys, tmp_path):
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -1,4 +1,4 @@
-"""`moestack plan` and `moestack tune` (registered by moestack/cli.py).
+"""`moestack plan` and `moestack tune` (registered by moestack/cli/app.py).
 
 plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
      [--plot DIR] [--out plan.yaml] [--precision bf16|fp8|fp8_tensorwise|mxfp8|nvfp4]

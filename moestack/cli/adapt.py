@@ -1,5 +1,5 @@
 """`moestack adapt` (scale a model down to a proxy that fits a device) and `moestack convert` (HF safetensors <->
-moestack checkpoints). Typer-annotated functions; moestack/cli.py registers them."""
+moestack checkpoints). Typer-annotated functions; moestack/cli/app.py registers them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import ModelSpec
-from moestack.planner.profile_cli import _bytes, _n
+from moestack.cli.profile import _bytes, _n
 
 # ---------------------------------------------------------------------------------------------- adapt
 

@@ -49,7 +49,7 @@ from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
-from moestack.memory.host_adamw import build_host_aware_optimizer
+from moestack.train.optimizers import build_host_aware_optimizer
 from moestack.memory.phase_peaks import PhasePeaks
 from moestack.memory.report import (
     GIB,

@@ -1929,7 +1929,7 @@ class CostModel:
                 spec.vocab_size * spec.hidden_size / plan.tp
             if plan.offload.optimizer:
                 # the device keeps a bf16 copy for compute (distributed plans: FSDP2 bf16 params); the one-device
-                # trainer keeps its fp32 parameters under autocast (moestack.train.optimizers.CPUOffloadAdamW leaves
+                # trainer keeps its fp32 parameters under autocast (moestack.memory.adamw.CPUOffloadAdamW leaves
                 # device parameters in their dtype), as autocast_weight_copies assumes
                 w_b = FP32 if plan.devices == 1 else BF16
                 mem["weights"] = d * w_b / w_shard_d + e_dev * w_b / w_shard_e

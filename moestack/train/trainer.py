@@ -480,7 +480,7 @@ class Trainer:
         if plan.offload.optimizer or plan.offload.experts:
             # host-resident state / parameters step with torch's fused CPU kernels (moestack.memory.host_adamw:
             # the generic paths took minutes per step at the proxy's size on the H200 host)
-            from moestack.memory.host_adamw import build_host_aware_optimizer
+            from moestack.train.optimizers import build_host_aware_optimizer
 
             return build_host_aware_optimizer(self.model, plan.optimizer, self.spec.optimizer,
                                               offload=plan.offload.optimizer, seed=self.spec.seed)

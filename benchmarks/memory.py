@@ -22,7 +22,7 @@ printed as they finish (markdown, lines starting with '|'), the whole table agai
 
 Columns: peak GiB (allocator peak), saved GiB and time added vs the reference row (the baseline when it trains,
 else `--reference`, e.g. "recompute full" in the long phase), planner GiB (the cost model's peak for the same plan,
-moestack/planner/cost.py, minus its "reserved" term: the allocator does not count the CUDA context / slack), its
+moestack/planner/cost/, minus its "reserved" term: the allocator does not count the CUDA context / slack), its
 error, and `fit x` = measured / planner: the factor the planner's memory total needs for this row (the per-category
 report under the table says which term). --json writes every number.
 """

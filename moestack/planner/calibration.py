@@ -15,7 +15,7 @@ GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf
 Collectives (`comm`, optional): measured bus bandwidth and per-call latency of all-reduce / reduce-scatter /
 all-gather / all-to-all inside one scale-up domain (network tier 0), written by `moestack tune-comm`
 (tune/comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
-planner/cost.py prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
+planner/cost/ prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
 datasheet bandwidth x tier efficiency; without it the datasheet path is unchanged.
 """
 
@@ -96,9 +96,9 @@ class CommCalibration(StrictModel):
 
 class HostCalibration(StrictModel):
     """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
-    backward together; planner/cost.py `host_times` splits them 1 : 2 like the kernels they launch). The device
+    backward together; planner/cost/step.py `host_times` splits them 1 : 2 like the kernels they launch). The device
     cannot run ahead of the host that launches its kernels, so a rank's forward (backward) of one micro-batch takes at
-    least its host share: cost.py prices max(device, host) per rank and micro-batch pass. On one H200 the proxy at
+    least its host share: the cost model prices max(device, host) per rank and micro-batch pass. On one H200 the proxy at
     4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
     every 2-GPU layout, the host sets the step.
 
@@ -133,7 +133,7 @@ class HostCalibration(StrictModel):
     The defaults above are that 2 x H200 fit (fp8_layer_s: the measurement). `moestack tune --measure-host`
     (opt-in) replaces layer_s with the local machine's measurement (tune/host.py): the wall time of the
     whole model's forward + backward of one 256-token micro-batch (host-bound: the device idles), divided by the
-    layers cost.py charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
+    layers the cost model charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
     optimizer step (priced on its own), FSDP2's hooks or DTensor dispatch, which the fitted default absorbed: on 2 x
     H200 (session 7) it measured 13.6 ms, and with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their
     measured step times (the fit: +6 / -20 / -25%). On a GPU with FP8 it measures fp8_layer_s too (the recipe's
@@ -143,9 +143,9 @@ class HostCalibration(StrictModel):
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
     # extra per layer under the FP8 recipe: each FP8 GEMM adds quantiser launches, a weight-cache lookup and its own
-    # autograd Function (cost.py adds it to every layer of an fp8 plan)
+    # autograd Function (the cost model adds it to every layer of an fp8 plan)
     fp8_layer_s: float = Field(default=0.0084, ge=0)
-    # device idle per dropless MoE layer per forward under EP, added to the pass (cost.py sync_times): the host sync
+    # device idle per dropless MoE layer per forward under EP, added to the pass (cost/step.py sync_times): the host sync
     # for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted ep_moe_s)
     moe_sync_s: float = Field(default=0.0, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)

@@ -6,7 +6,7 @@ Per parameter, bytes of optimizer state (fp32 master weights are the parameters 
     muon         4   (momentum fp32) on matrices; AdamW's 8 on embeddings, head, norms, vectors    Muon
     + offload    0 on the device: fp32 master, m, v in pinned host memory; the update runs on the CPU
                                                                   CPUOffloadAdamW
-These are the numbers moestack/planner/cost.py `optimizer_bytes_per_param` assumes.
+These are the numbers moestack/planner/cost/memory.py `optimizer_bytes_per_param` assumes.
 
 AdamWBF16, CPUOffloadAdamW and the rounding noise's resume state are in moestack/memory/adamw.py (below train/:
 memory/host_adamw.py steps them faster); this module adds Muon and builds an optimizer by name.

@@ -14,7 +14,7 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
                   clock, over its layers -> host.layer_s (tune/host.py; ep_moe_s and tp_layer_s keep
                   their defaults; opt-in until checked on a GPU); on an FP8 GPU the same pass on the FP8 recipe
                   -> host.fp8_layer_s (the difference per layer)
-Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
+Efficiencies are counted with the cost model's own FLOP formulas (planner/cost/), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
 Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
@@ -138,7 +138,7 @@ def measure_kda(heads: int, dim: int, chunk: int, tokens: int, peak: float) -> t
     beta = torch.sigmoid(rand(1, tokens, heads)).bfloat16().requires_grad_()
     do = rand(1, tokens, heads, dim).bfloat16()
     backend = kda.resolve_backend(None, q)
-    flops = heads * (6 * dim * dim + 3 * chunk * dim + chunk * chunk) * tokens  # planner/cost.py kda_work
+    flops = heads * (6 * dim * dim + 3 * chunk * dim + chunk * chunk) * tokens  # planner/cost/work.py kda_work
     t_f = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0], warmup=2, reps=5)
     t_fb = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0].backward(do), warmup=2, reps=5)
     t_b = max(t_fb - t_f, 1e-9)
@@ -162,7 +162,7 @@ def measure_sparse_attention(heads: int, d_qk: int, d_v: int, top_k: int, tokens
     do = torch.randn(1, tokens, heads, d_v, device="cuda", generator=g).bfloat16()
     backend = dsa.select_backend("sparse_mqa_attention", q)
     pairs = float(sum(min(i + 1, top_k) for i in range(tokens)))
-    flops = 2.0 * pairs * heads * (d_qk + d_v)  # planner/cost.py mla_work
+    flops = 2.0 * pairs * heads * (d_qk + d_v)  # planner/cost/work.py mla_work
     scale = d_qk ** -0.5
 
     def fwd():
@@ -204,7 +204,9 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
     terms miss, as a fixed cost per pass plus a cost per token, and the saved bytes per token."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.memory.report import single_device_plan
-    from moestack.planner.cost import Ctx, model_work, part_cost
+    from moestack.planner.cost.context import Ctx
+    from moestack.planner.cost.parts import part_cost
+    from moestack.planner.cost.work import model_work
     from moestack.tune.parts import local_expert_spec, measure_parts
 
     if plan is None:
@@ -348,7 +350,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                           "run it there (the planner uses the default calibration until then)")
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import load_plan
-    from moestack.planner.cost import model_work
+    from moestack.planner.cost.work import model_work
     from moestack.planner.profile import load_any_model_spec
 
     spec = load_any_model_spec(model)

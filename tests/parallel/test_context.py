@@ -149,7 +149,7 @@ def test_planner_models_cp_and_etp():
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import make_plan
     from moestack.planner.calibration import load_calibration
-    from moestack.planner.cost import CostModel
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import load_any_model_spec, profile_model
 
     spec, seq = load_any_model_spec("proxy"), 16384

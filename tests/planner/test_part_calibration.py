@@ -8,9 +8,9 @@ from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import make_plan
 from moestack.planner.calibration import HostCalibration, PartCalibration, load_calibration
-from moestack.planner.cost import CostModel
-from moestack.tune.parts import local_expert_spec
+from moestack.planner.cost.step import CostModel
 from moestack.planner.profile import profile_model
+from moestack.tune.parts import local_expert_spec
 
 
 def _evaluate(cal, devices=1, recompute="none", mbs=1, seq=2048):

@@ -11,8 +11,8 @@ import pytest
 
 from moestack.config.base import ConfigError
 from moestack.config.cluster import load_cluster_spec
-from moestack.planner import cost as C
 from moestack.planner.calibration import COLLECTIVE_KINDS, CommCalibration, load_calibration
+from moestack.planner.cost.comm import a2a_time, ring_time
 from moestack.tune.comm import busbw_factor, fit_latency, merge_into, run_tune_comm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,24 +96,24 @@ def test_collective_times_with_measured_comm():
     S, bw, lat = 100e6, 20e9, 50e-6
     for kind, factor in (("rs", 1.0), ("ag", 1.0), ("ar", 2.0)):
         for size in (2, 8):
-            got = C.ring_time(cl, S, size, 1, kind, COMM)
+            got = ring_time(cl, S, size, 1, kind, COMM)
             assert got == pytest.approx(factor * (size - 1) / size * S / bw + lat)
             # without comm: the datasheet path, unchanged
-            assert C.ring_time(cl, S, size, 1, kind) == pytest.approx(
+            assert ring_time(cl, S, size, 1, kind) == pytest.approx(
                 factor * (size - 1) / size * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency)
                 + (size - 1) * factor * nv.latency_us * 1e-6)
-            assert C.ring_time(cl, S, size, 1, kind, None) == C.ring_time(cl, S, size, 1, kind)
+            assert ring_time(cl, S, size, 1, kind, None) == ring_time(cl, S, size, 1, kind)
         # a group crossing nodes (tier 1) keeps the datasheet bandwidth
-        assert C.ring_time(cl, S, 2, 8, kind, COMM) == C.ring_time(cl, S, 2, 8, kind)
+        assert ring_time(cl, S, 2, 8, kind, COMM) == ring_time(cl, S, 2, 8, kind)
     for size in (2, 8):
-        assert C.a2a_time(cl, S, size, 1, False, 8, comm=COMM) == pytest.approx((size - 1) / size * S / bw + lat)
-        assert C.a2a_time(cl, S, size, 1, False, 8) == pytest.approx(
+        assert a2a_time(cl, S, size, 1, False, 8, comm=COMM) == pytest.approx((size - 1) / size * S / bw + lat)
+        assert a2a_time(cl, S, size, 1, False, 8) == pytest.approx(
             (size - 1) / size * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency) + 2 * nv.latency_us * 1e-6)
-    assert C.a2a_time(cl, S, 16, 1, True, 8, comm=COMM) == C.a2a_time(cl, S, 16, 1, True, 8)
+    assert a2a_time(cl, S, 16, 1, True, 8, comm=COMM) == a2a_time(cl, S, 16, 1, True, 8)
     # a kind the measurement lacks keeps the datasheet
     only_a2a = CommCalibration(world=2, collectives={"a2a": {"busbw_gb_s": 20.0}})
-    assert C.ring_time(cl, S, 2, 1, "rs", only_a2a) == C.ring_time(cl, S, 2, 1, "rs")
-    assert C.ring_time(cl, 0, 2, 1, "rs", COMM) == 0.0 and C.a2a_time(cl, S, 1, 1, False, 8, comm=COMM) == 0.0
+    assert ring_time(cl, S, 2, 1, "rs", only_a2a) == ring_time(cl, S, 2, 1, "rs")
+    assert ring_time(cl, 0, 2, 1, "rs", COMM) == 0.0 and a2a_time(cl, S, 1, 1, False, 8, comm=COMM) == 0.0
 
 
 def test_plan_step_time_follows_measured_comm(tmp_path):

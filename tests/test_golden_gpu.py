@@ -24,7 +24,8 @@ d_p = |norm(ref bf16) - norm(ref fp32)| / norm(ref fp32), and the fast run's nor
 max(GRAD_RTOL, 3 d_p) of the fp32 one, GRAD_RTOL = 5% (a few percent, as the rounding of a norm of thousands of
 elements allows). d_p is one draw of the rounding error: it is pooled (the largest) over the layers of one role
 (`layers.*.attn.A_log`), whose sums cancel alike (H200, 2026-12-02: a KDA A_log drew d_p < 1.7% in layer 0 and
-13.7% in layer 1 of the same run, and the fast run's layer-0 norm was 5.6% off). A parameter whose noise alone exceeds the floor is listed in the failure message with its d_p.
+13.7% in layer 1 of the same run, and the fast run's layer-0 norm was 5.6% off). A parameter whose noise alone exceeds
+the floor is listed in the failure message with its d_p.
 
 GPU only: on CPU the fused layer ops do not run (they are CUDA-only) and the interpreter would take minutes.
 """
@@ -88,7 +89,8 @@ def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda", ke
 
     def recording(params):
         if not norms:
-            norms.update({n: float(p.grad.double().norm()) for n, p in trainer.model.named_parameters()
+            # trainer: the enclosing function's variable, read while fit() runs (ruff reads the `del` below as unbound)
+            norms.update({n: float(p.grad.double().norm()) for n, p in trainer.model.named_parameters()  # noqa: F821
                           if p.grad is not None})
         return grad_norm(params)
 

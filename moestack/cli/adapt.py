@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moestack.cli.profile import _bytes, _n
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import ModelSpec
-from moestack.cli.profile import _bytes, _n
 
 # ---------------------------------------------------------------------------------------------- adapt
 

@@ -201,9 +201,9 @@ class AdamWBF16(RoundingStateMixin, torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 state["step"] += 1
                 pl = local_tensor(p)
-                adamw_bf16_update(pl, local_tensor(p.grad), local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]),
-                                   state["step"], group["lr"], b1, b2, group["eps"], group["weight_decay"],
-                                   self._gen(pl.device))
+                adamw_bf16_update(pl, local_tensor(p.grad), local_tensor(state["exp_avg"]),
+                                  local_tensor(state["exp_avg_sq"]), state["step"], group["lr"], b1, b2, group["eps"],
+                                  group["weight_decay"], self._gen(pl.device))
         return loss
 
 
@@ -291,7 +291,8 @@ class CPUOffloadAdamW(RoundingStateMixin, torch.optim.Optimizer):
                 event.synchronize()  # this gradient has arrived; later ones are still copying
             state = self._init_state(p)
             master = self._master(p)
-            self._update(master, host_grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]), state, group)
+            self._update(master, host_grad, local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]), state,
+                         group)
             if "master" in state:
                 self._to_device(p, master)
         if self._h2d is not None:

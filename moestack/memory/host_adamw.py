@@ -17,8 +17,9 @@ took minutes per step. Here:
   which unbiasedness does not need. The table is drawn once from the optimizer's seed.
 
 `HostOffloadAdamW` is CPUOffloadAdamW (same state layout, checkpoints, side-stream gradient copies) with these
-kernels; `build_host_aware_optimizer` (moestack/train/optimizers.py) picks it for Plan.offload.optimizer, and torch's AdamW with `fused=True`
-(CPU and CUDA both supported) when some parameters live on the host (expert offload) without optimizer offload.
+kernels; `build_host_aware_optimizer` (moestack/train/optimizers.py) picks it for Plan.offload.optimizer, and torch's
+AdamW with `fused=True` (CPU and CUDA both supported) when some parameters live on the host (expert offload) without
+optimizer offload.
 
 Resume. With bf16 states the rounding noise is part of the trajectory, so `HostOffloadAdamW.state_dict()` carries
 the noise source's state (`RoundingNoise.state()`: the table's seed and the offset RNG's state, one per rank) under

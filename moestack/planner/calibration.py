@@ -98,8 +98,8 @@ class HostCalibration(StrictModel):
     """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
     backward together; planner/cost/step.py `host_times` splits them 1 : 2 like the kernels they launch). The device
     cannot run ahead of the host that launches its kernels, so a rank's forward (backward) of one micro-batch takes at
-    least its host share: the cost model prices max(device, host) per rank and micro-batch pass. On one H200 the proxy at
-    4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
+    least its host share: the cost model prices max(device, host) per rank and micro-batch pass. On one H200 the proxy
+    at 4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
     every 2-GPU layout, the host sets the step.
 
     The constants belong to moestack's code (op count per layer, Python autograd Functions, hooks), not to the GPU,
@@ -145,8 +145,9 @@ class HostCalibration(StrictModel):
     # extra per layer under the FP8 recipe: each FP8 GEMM adds quantiser launches, a weight-cache lookup and its own
     # autograd Function (the cost model adds it to every layer of an fp8 plan)
     fp8_layer_s: float = Field(default=0.0084, ge=0)
-    # device idle per dropless MoE layer per forward under EP, added to the pass (cost/step.py sync_times): the host sync
-    # for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted ep_moe_s)
+    # device idle per dropless MoE layer per forward under EP, added to the pass (cost/step.py sync_times): the host
+    # sync for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted
+    # ep_moe_s)
     moe_sync_s: float = Field(default=0.0, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 

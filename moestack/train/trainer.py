@@ -38,8 +38,8 @@ from moestack.model.aux_loss import aux_loss_scale
 from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
-from moestack.parallel.compile import resolve_compile
 from moestack.parallel.comm import all_reduce_mean, global_grad_norm
+from moestack.parallel.compile import resolve_compile
 from moestack.parallel.fsdp import set_gradient_sync, set_reshard_after_backward
 from moestack.parallel.init import materialize
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce

@@ -16,8 +16,8 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
                   -> host.fp8_layer_s (the difference per layer)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost/), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
-calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
-Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
+calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model
+uses for shapes within 25%. Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
 """
 
 from __future__ import annotations
@@ -414,7 +414,8 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
         kf, kb, kda_backend = measure_kda(max(1, spec.kda.value_heads // tp), spec.kda.head_dim,
                                           spec.kda.chunk_size, tokens, peak_bf16)
         update.update(kda_fwd_eff=kf, kda_bwd_eff=kb)
-        measured.append(f"KDA ({kda_backend}) fwd {kf * peak_bf16 / 1e12:.1f} / bwd {kb * peak_bf16 / 1e12:.1f} TFLOP/s")
+        measured.append(f"KDA ({kda_backend}) fwd {kf * peak_bf16 / 1e12:.1f} / bwd {kb * peak_bf16 / 1e12:.1f} "
+                        "TFLOP/s")
     mla = spec.mla
     if mla is not None and mla.indexer is not None:
         d_qk = mla.kv_lora_rank + mla.qk_rope_head_dim

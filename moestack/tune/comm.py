@@ -19,7 +19,8 @@ rs / ag (n-1)/n * total bytes / t, a2a (n-1)/n * bytes / t; a least-squares line
 `--merge-into CAL.json` then sets CAL.json's `comm` field (calibration.CommCalibration; CAL.json is rewritten
 atomically; when it does not exist the default calibration is the base), which the cost model uses for every
 collective whose group stays inside tier 0 (planner/cost/comm.py `_measured`). Why: the datasheet bandwidth times an
-efficiency is a guess per machine (the lent 2 x H200 VM, session 6: 210-240 GB/s bus bandwidth over P2P/CUMEM). NVLink multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
+efficiency is a guess per machine (the lent 2 x H200 VM, session 6: 210-240 GB/s bus bandwidth over P2P/CUMEM). NVLink
+multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import datetime
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 from moestack.config.base import ConfigError

@@ -46,12 +46,12 @@ class HostTiming:
     reps: int  # timed runs behind `wall_s`
     layers_built: int  # blocks in the model that ran (fewer than the spec's when the spec does not fit)
     layers_trained: int  # blocks the trainer runs for the spec (spec.num_layers)
-    layers_priced: int  # layers the cost model charges layer_s for: decoder layers + MTP blocks (model_work(spec).layers)
+    layers_priced: int  # layers the cost model charges layer_s for: decoder + MTP blocks (model_work(spec).layers)
 
     @property
     def layers(self) -> float:
-        """The divisor: `layers_priced` scaled from the built model to the whole one. the cost model multiplies layer_s by
-        `layers_priced`, the trainer runs `layers_trained` blocks, of which `layers_built` ran here."""
+        """The divisor: `layers_priced` scaled from the built model to the whole one. The cost model multiplies layer_s
+        by `layers_priced`, the trainer runs `layers_trained` blocks, of which `layers_built` ran here."""
         return self.layers_priced * self.layers_built / self.layers_trained
 
     @property
@@ -108,7 +108,8 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
                  precision: str = "bf16") -> HostTiming:
     """Median wall seconds of one micro-batch forward + backward of `spec`'s model at 1 x seq_len tokens (capped at
     max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
-    (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
+    (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16
+    autocast.
 
     The experts are one EP rank's (tune/parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from moestack.memory.adamw import AdamWBF16, CPUOffloadAdamW
 from moestack.memory.host_adamw import HostOffloadAdamW
 from moestack.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moestack.train.optim import param_groups
-from moestack.memory.adamw import AdamWBF16, CPUOffloadAdamW
 
 KEY = "rounding_rng"  # moestack.memory.adamw.ROUNDING_RNG_KEY
 

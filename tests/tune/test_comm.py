@@ -17,7 +17,7 @@ from moestack.tune.comm import busbw_factor, fit_latency, merge_into, run_tune_c
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "parallel"))
-from _dist import run_ranks
+from _dist import run_ranks  # noqa: E402 (importable only after the sys.path insert above)
 
 
 def _tune_worker(rank: int, world_size: int, out: str) -> dict | None:

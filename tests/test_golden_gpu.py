@@ -132,6 +132,8 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
     worst = max(range(STEPS), key=lambda s: rel[s])
     print(f"GOLDEN_GPU_ERR loss: step 1 {fast['losses'][0]:.4f} vs {ref['losses'][0]:.4f}, step {STEPS} "
           f"{fast['losses'][-1]:.4f} vs {ref['losses'][-1]:.4f}, max rel diff {rel[worst]:.2e} at step {worst + 1}")
+    print(f"GOLDEN_GPU_ERR losses fast {[round(x, 4) for x in fast['losses']]}")
+    print(f"GOLDEN_GPU_ERR losses ref  {[round(x, 4) for x in ref['losses']]}")
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference run must learn (else the check is weak)"
 
     assert fast["norms"].keys() == ref["norms"].keys() == exact["norms"].keys()

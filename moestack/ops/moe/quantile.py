@@ -13,11 +13,13 @@ during the step.
 Two scopes (RouterSpec.quantile_scope):
     "step"   (Kimi K3) the histogram of the whole optimizer step sets the bias the NEXT step routes with;
     "batch"  each micro-batch solves its own bias before routing (`batch_bias`): `iterations` coordinate steps
-             from the current bias, each a histogram of this micro-batch over the balance group (one all-reduce of
-             per-expert min / max, one of the counts), with per-expert ranges [min_t r_tj, max_t r_tj] so B bins
-             resolve the batch however narrow its scores are. No lag behind the router, at the price of a bias that
-             depends on the micro-batch's other tokens (no gradient flows through it; the step-scope bias, solved
-             as above, is what evaluation and inference use).
+             from the current bias, each two histograms of this micro-batch over the balance group (one all-reduce
+             of per-expert min / max, two of the counts): each expert's full range [min_t r_tj, max_t r_tj] in B
+             bins, then the bin that holds the quantile in B finer ones, so the quantile resolves to range / B^2.
+             One level is not enough for a router whose sigmoid scores sit near 0 or 1 (large logits): most of an
+             expert's r_tj fall in one bin of its full range, and interpolating inside that bin moves whole
+             groups of alike tokens at once. No lag behind the router, at the price of a bias that depends on the micro-batch's other tokens (no gradient flows
+             through it; the step-scope bias, solved as above, is what evaluation and inference use).
 
 Legend: T tokens, E experts, K top-k, B bins.
 """
@@ -83,14 +85,29 @@ def solve_histogram(hist_EB: torch.Tensor, bias_E: torch.Tensor, top_k: int, lo_
     return torch.where(n_E > 0, b_E, bias_E.detach().float())
 
 
+def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor, num_bins: int,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """int32 [E, B] counts of r_TE in B bins from lo_E of width_E per expert (outside: the edge bins), summed
+    over `group`."""
+    E = r_TE.shape[1]
+    bin_TE = ((r_TE - lo_E) / width_E).floor_().clamp_(0, num_bins - 1).long()
+    flat_TE = bin_TE + torch.arange(E, device=r_TE.device) * num_bins
+    hist_EB = torch.zeros(E * num_bins, dtype=torch.int32, device=r_TE.device)
+    hist_EB.scatter_add_(0, flat_TE.view(-1), torch.ones(flat_TE.numel(), dtype=torch.int32, device=r_TE.device))
+    hist_EB = hist_EB.view(E, num_bins)
+    if group is not None:
+        dist.all_reduce(hist_EB, group=group)
+    return hist_EB
+
+
 @torch.no_grad()
 def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The bias [E] (fp32, mean 0) that balances this micro-batch over `group` ("batch" scope, module docstring):
-    `iterations` coordinate steps from bias_E, each with per-expert bin ranges. Every rank of the group gets the
-    same result; no host sync."""
-    E = scores_TE.shape[1]
+    `iterations` coordinate steps from bias_E, each reading the quantile in two passes (each expert's full range,
+    then the bin that holds it). Every rank of the group gets the same result; no host sync."""
     reduce = group is not None and dist.get_world_size(group) > 1
+    group = group if reduce else None
     b = bias_E.detach().float()
     for _ in range(iterations):
         r_TE = required_bias(scores_TE, b, top_k)
@@ -100,11 +117,16 @@ def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bi
             dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=group)
             lo_E, neg_hi_E = ends[0], ends[1]
         width_E = ((-neg_hi_E - lo_E) * (1 + 1e-6) / num_bins).clamp_min(1e-12)  # the max lands in the last bin
-        hist = torch.zeros(E, num_bins, dtype=torch.int32, device=scores_TE.device)
-        accumulate_histogram_(hist, scores_TE, b, top_k, lo_E, width_E)
-        if reduce:
-            dist.all_reduce(hist, group=group)
-        b = solve_histogram(hist, b, top_k, lo_E, width_E)
+        coarse_EB = _bin_counts(r_TE, lo_E, width_E, num_bins, group)
+        # the bin that holds the target count, then that bin alone in B finer bins (the tokens below it land in
+        # the first fine bin, so the cumulative counts stay exact)
+        n_E = coarse_EB.sum(-1, dtype=torch.int64)
+        target_E = n_E.double() * (top_k / scores_TE.shape[1])
+        at_E = (coarse_EB.long().cumsum(-1).double() < target_E[:, None]).sum(-1).clamp_(max=num_bins - 1)
+        lo_E = lo_E + at_E.float() * width_E
+        width_E = (width_E / num_bins).clamp_min(1e-12)
+        fine_EB = _bin_counts(r_TE, lo_E, width_E, num_bins, group)
+        b = solve_histogram(fine_EB, b, top_k, lo_E, width_E)
     return b
 
 

@@ -18,8 +18,9 @@ Two scopes (RouterSpec.quantile_scope):
              bins, then the bin that holds the quantile in B finer ones, so the quantile resolves to range / B^2.
              One level is not enough for a router whose sigmoid scores sit near 0 or 1 (large logits): most of an
              expert's r_tj fall in one bin of its full range, and interpolating inside that bin moves whole
-             groups of alike tokens at once. No lag behind the router, at the price of a bias that depends on the micro-batch's other tokens (no gradient flows
-             through it; the step-scope bias, solved as above, is what evaluation and inference use).
+             groups of alike tokens at once. No lag behind the router, at the price of a bias that depends on the
+             micro-batch's other tokens (no gradient flows through it; the step-scope bias, solved as above, is what
+             evaluation and inference use).
 
 Legend: T tokens, E experts, K top-k, B bins.
 """

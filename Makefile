@@ -1,4 +1,5 @@
-# Two quick-start commands (README): `make demo` and `make test`. Both create/reuse .venv and install first.
+# Quick-start commands (README): `make demo`, `make test` and `make lint` (ruff, pyproject [tool.ruff]). All three
+# create/reuse .venv and install first.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # torch>=2.11 requirement does not pull a multi-GB CUDA build; with a GPU, pip resolves torch normally.
 TORCH_PIN ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0")
 
-.PHONY: install demo test gpu-check clean
+.PHONY: install demo lint test gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +20,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/moestack train
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check moestack tests
 
 test: $(STAMP)
 	$(PY) -m pytest

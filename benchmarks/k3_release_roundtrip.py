@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "train"))
 from _k3_small import small_k3_config  # noqa: E402
 
-from moestack.cli import main  # noqa: E402
+from moestack.cli.app import main  # noqa: E402
 from moestack.config.hf import hf_config_to_spec  # noqa: E402
 from moestack.train.convert import CheckpointSource, hf_to_state_dict  # noqa: E402
 

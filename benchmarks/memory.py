@@ -22,7 +22,7 @@ printed as they finish (markdown, lines starting with '|'), the whole table agai
 
 Columns: peak GiB (allocator peak), saved GiB and time added vs the reference row (the baseline when it trains,
 else `--reference`, e.g. "recompute full" in the long phase), planner GiB (the cost model's peak for the same plan,
-moestack/planner/cost.py, minus its "reserved" term: the allocator does not count the CUDA context / slack), its
+moestack/planner/cost/, minus its "reserved" term: the allocator does not count the CUDA context / slack), its
 error, and `fit x` = measured / planner: the factor the planner's memory total needs for this row (the per-category
 report under the table says which term). --json writes every number.
 """
@@ -49,7 +49,7 @@ from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import Plan
 from moestack.config.train_spec import OptimizerSpec
 from moestack.memory.apply import apply_memory_policies
-from moestack.memory.host_adamw import build_host_aware_optimizer
+from moestack.train.optimizers import build_host_aware_optimizer
 from moestack.memory.phase_peaks import PhasePeaks
 from moestack.memory.report import (
     GIB,

@@ -7,7 +7,7 @@
 For each (micro-batch, sequence length, recompute) point: build the model as the trainer does (benchmarks/memory.py
 `run`: bf16 autocast, fp32 weights, AdamW, clipping, router bias update), time `--steps` steps after `--warmup`
 (median), read the allocator peak (torch.cuda.max_memory_allocated; compared with the planner's total minus its
-"reserved" term, the CUDA context and allocator slack the allocator does not count), and evaluate the same Plan with the cost model (moestack/planner/cost.py) under
+"reserved" term, the CUDA context and allocator slack the allocator does not count), and evaluate the same Plan with the cost model (moestack/planner/cost/) under
 the given calibration (run `moestack tune MODEL --out cal.json` first so the KDA / sparse-attention / GEMM
 efficiencies are the ones of the backends this process runs). Prints one markdown row per point and the errors;
 issue #4 asks for |time error| <= 10% and |memory error| <= 5%.
@@ -25,7 +25,7 @@ import torch
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import load_model_spec
 from moestack.planner.calibration import load_calibration
-from moestack.planner.cost import CostModel
+from moestack.planner.cost.step import CostModel
 from moestack.planner.profile import profile_model
 
 GIB = 2**30

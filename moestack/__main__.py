@@ -1,5 +1,5 @@
 import sys
 
-from moestack.cli import main
+from moestack.cli.app import main
 
 sys.exit(main())

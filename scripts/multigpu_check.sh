@@ -73,7 +73,7 @@ elif [ "$DEVICE" = cuda ]; then  # the planner's efficiencies and part factors m
 fi
 # collective bus bandwidth / latency measured on these NPROC ranks (NCCL on cuda, gloo at small sizes on cpu), merged
 # as `comm` into a calibration in $DEST (a copy of CALIBRATION when given; the default calibration when none): the
-# planner prices tier-0 collectives with it instead of the datasheet NVLink bandwidth (planner/tune_comm.py)
+# planner prices tier-0 collectives with it instead of the datasheet NVLink bandwidth (tune/comm.py)
 COMM_ARGS=(--sizes-mib 1,16,128 --iters 20)
 [ "$DEVICE" = cuda ] || COMM_ARGS=(--sizes-mib 0.0625,0.25,1 --iters 5)
 rm -f "$DEST/tune_comm.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config.plan import make_plan, save_plan
 from moestack.train.checkpoint import save_checkpoint
 

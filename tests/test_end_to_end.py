@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config import load_model_spec, load_train_spec
 from moestack.train.trainer import Trainer, TrainingStopped
 

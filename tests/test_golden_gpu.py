@@ -93,7 +93,8 @@ def train(out_dir, steps: int, precision: str = "auto", device: str = "cuda", ke
 
     def recording(params):
         if not norms:
-            norms.update({n: float(p.grad.double().norm()) for n, p in trainer.model.named_parameters()
+            # trainer: the enclosing function's variable, read while fit() runs (ruff reads the `del` below as unbound)
+            norms.update({n: float(p.grad.double().norm()) for n, p in trainer.model.named_parameters()  # noqa: F821
                           if p.grad is not None})
         return grad_norm(params)
 

@@ -118,7 +118,8 @@ class Plan(StrictModel):
     # what the EP dispatch sends: "fp8" = rows quantised before the all-to-all (DeepEP, published DeepSeek-V3 runs);
     # the planner prices it, moestack's dispatcher sends bf16 only (moestack/config/support.py refuses fp8)
     ep_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
-    ep_token_dedup: bool = False  # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
+    # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
+    ep_token_dedup: bool = False
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     # TP collectives overlapped with the neighbouring GEMMs (Megatron's userbuffers); moestack runs them on the compute
     # stream, so only published runs' plans set it (the trainer refuses it: runtime_unsupported)

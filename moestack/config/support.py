@@ -35,8 +35,9 @@ def unsupported(plan: Plan) -> str | None:
         return ("plan.offload.optimizer: muon with optimizer offload is not supported (Newton-Schulz on the CPU is "
                 "too slow); use adamw / adamw_bf16 with offload, or muon without it")
     if plan.ep_comm_overlap and plan.schedule not in EP_OVERLAP_SCHEDULES:
-        return (f"plan.ep_comm_overlap: the expert all-to-all is overlapped only under {', '.join(EP_OVERLAP_SCHEDULES)}"
-                f" (schedule is {plan.schedule}); set it false or use schedule dualpipev")
+        return ("plan.ep_comm_overlap: the expert all-to-all is overlapped only under "
+                f"{', '.join(EP_OVERLAP_SCHEDULES)} (schedule is {plan.schedule}); set it false or use schedule "
+                "dualpipev")
     if plan.ep_comm_overlap and plan.ep * plan.etp == 1:
         return "plan.ep_comm_overlap: there is no expert all-to-all to overlap (ep 1, etp 1); set it false"
     if plan.ep_send_order != "backend" and plan.dispatcher != "flat":

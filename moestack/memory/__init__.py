@@ -6,7 +6,8 @@
     precision.py   FP8 (e4m3, per-row scales) storage of the expert GEMMs' saved inputs
     apply.py       apply_memory_policies(model, plan): the Plan's choices, called by parallelize()
     report.py      the memory report (`moestack train --memory-report`) next to the planner's prediction
-The optimizers that save memory (Muon, bf16-state AdamW, CPU-offloaded AdamW) are in moestack/train/optimizers.py.
+    adamw.py       AdamW with bf16 states (stochastic rounding) and CPU-offloaded AdamW; host_adamw.py: their fast
+                   host kernels. Muon and building an optimizer by name: moestack/train/optimizers.py.
 """
 
 from __future__ import annotations

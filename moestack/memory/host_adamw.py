@@ -1,10 +1,10 @@
 """Fast AdamW on host (CPU) tensors: what the optimizer offload and host-resident experts step with.
 
-Why: the CPU paths of moestack.train.optimizers step one tensor at a time with torch's single-tensor AdamW (~10
-elementwise passes over 4-byte arrays) or, for bf16 states, with `_adamw_bf16_update`, whose stochastic rounding
+Why: the CPU paths of moestack.memory.adamw step one tensor at a time with torch's single-tensor AdamW (~10
+elementwise passes over 4-byte arrays) or, for bf16 states, with `adamw_bf16_update`, whose stochastic rounding
 draws its noise with `torch.randint` (serial on the CPU). Measured on the 2-core development machine
 (ns per parameter per step, 1 / 2 threads): single-tensor AdamW 11.2 / 7.5, torch's fused CPU AdamW 1.5 / 0.9,
-`_adamw_bf16_update` 76 / 62 (of which randint 9.8 / 9.5 twice, not threaded) -- 3.8B host parameters of the proxy
+`adamw_bf16_update` 76 / 62 (of which randint 9.8 / 9.5 twice, not threaded) -- 3.8B host parameters of the proxy
 took minutes per step. Here:
 
 - fp32 states: `torch._fused_adamw_` (one multi-threaded pass; the same math as torch.optim.AdamW, not bitwise
@@ -17,13 +17,14 @@ took minutes per step. Here:
   which unbiasedness does not need. The table is drawn once from the optimizer's seed.
 
 `HostOffloadAdamW` is CPUOffloadAdamW (same state layout, checkpoints, side-stream gradient copies) with these
-kernels; `build_host_aware_optimizer` picks it for Plan.offload.optimizer, and torch's AdamW with `fused=True`
-(CPU and CUDA both supported) when some parameters live on the host (expert offload) without optimizer offload.
+kernels; `build_host_aware_optimizer` (moestack/train/optimizers.py) picks it for Plan.offload.optimizer, and torch's
+AdamW with `fused=True` (CPU and CUDA both supported) when some parameters live on the host (expert offload) without
+optimizer offload.
 
 Resume. With bf16 states the rounding noise is part of the trajectory, so `HostOffloadAdamW.state_dict()` carries
 the noise source's state (`RoundingNoise.state()`: the table's seed and the offset RNG's state, one per rank) under
 `param_groups[i]["rounding_rng"]` (i: the first group with parameters), as AdamWBF16 and CPUOffloadAdamW carry
-their generators' (moestack.train.optimizers.RoundingStateMixin, shared). It lives in a param group because
+their generators' (moestack.memory.adamw.RoundingStateMixin, shared). It lives in a param group because
 torch.distributed.checkpoint's get_state_dict / set_state_dict (moestack.train.checkpoint) keep only "state" and
 "param_groups" of an optimizer's state dict. Loading a state dict without it (saved before) keeps the old
 behaviour: the noise restarts from the seed, with one warning.
@@ -34,12 +35,9 @@ from __future__ import annotations
 import random
 
 import torch
-from torch import nn
 from torch.autograd.graph import increment_version
 
-from moestack.config.train_spec import OptimizerSpec
-from moestack.train.optim import param_groups
-from moestack.train.optimizers import CPUOffloadAdamW, _adamw_bf16_update, _local, build_optimizer_from_name
+from moestack.memory.adamw import CPUOffloadAdamW, adamw_bf16_update
 
 CHUNK = 1 << 19  # elements per bf16-state chunk: fp32 master + grad + m, v scratch + noise ~ 10 MB
 NOISE = 1 << 22  # entries of the rounding-noise table (16 MiB)
@@ -118,7 +116,7 @@ def adamw_bf16_states_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: tor
                        scratch: _Scratch | None = None, chunk: int = CHUNK) -> None:
     """AdamW on fp32 master `p` (CPU) with bf16 m, v (stochastic rounding), chunk by chunk (module docstring)."""
     if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
-        _adamw_bf16_update(p, g, m, v, int(step), lr, b1, b2, eps, wd,
+        adamw_bf16_update(p, g, m, v, int(step), lr, b1, b2, eps, wd,
                            torch.Generator().manual_seed(noise.rng.randrange(1 << 62)))
         return
     pf, gf, mf, vf = p.view(-1), g.view(-1).to(p.dtype), m.view(-1), v.view(-1)
@@ -136,7 +134,7 @@ def adamw_bf16_states_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: tor
 
 
 class HostOffloadAdamW(CPUOffloadAdamW):
-    """CPUOffloadAdamW (moestack.train.optimizers: masters and states in host memory, gradients copied on a side
+    """CPUOffloadAdamW (moestack.memory.adamw: masters and states in host memory, gradients copied on a side
     stream, weights copied back while the CPU moves on) stepping with the fast host kernels of this module. Only
     what is copied is pinned (the masters; the gradient staging): m and v never leave the host, so they are plain
     memory (pinning is slow, and torch's pinned allocator rounds every tensor up to a power of two)."""
@@ -165,23 +163,3 @@ class HostOffloadAdamW(CPUOffloadAdamW):
             adamw_bf16_states_(master, host_grad, m, v, state["step"], *hp, self._noise, self._scratch)
         else:
             fused_adamw_(master, host_grad.to(master.dtype), m, v, state["step"], *hp)
-
-
-def build_host_aware_optimizer(model: nn.Module, name: str, spec: OptimizerSpec, offload: bool = False,
-                               seed: int = 0) -> torch.optim.Optimizer:
-    """build_optimizer_from_name, with the host steps fast: offload -> HostOffloadAdamW ("adamw": fp32 states,
-    "adamw_bf16": bf16 states); "adamw" without offload but with parameters in host memory (expert offload) ->
-    torch AdamW with fused=True (its CPU kernel for the host parameters, the CUDA one for the rest; the default
-    would fall back to the single-tensor loop for every parameter). Anything else: build_optimizer_from_name."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if offload and name in ("adamw", "adamw_bf16"):
-        hp = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
-        state_dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
-        return HostOffloadAdamW(param_groups(model, spec.weight_decay), state_dtype=state_dtype, seed=seed, **hp)
-    on_host = any(_local(p).device.type == "cpu" for p in params)
-    mixed = on_host and any(_local(p).device.type != "cpu" for p in params)
-    if (name == "adamw" and not offload and mixed
-            and all(_local(p).device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)):
-        return FusedAdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                          weight_decay=spec.weight_decay)
-    return build_optimizer_from_name(model, name, spec, offload=offload, seed=seed)

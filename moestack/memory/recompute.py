@@ -15,7 +15,7 @@ Modes (moestack.config.plan.RecomputePolicy, one per part: kda / attention (mla,
              Recomputed: norms, activation functions (SiTU-GLU / SwiGLU outputs of experts, shared experts and the
              dense MLP), sigmoid / SiLU gates, dtype casts (incl. autocast's bf16 weight copies), KDA short conv +
              SiLU + L2 norm, gathers (the dispatched expert input is re-gathered from the kept down-projection
-             output), and, as the planner assumes (moestack/planner/cost.py `mla_work`), the MLA up-projections:
+             output), and, as the planner assumes (moestack/planner/cost/work.py `mla_work`), the MLA up-projections:
              every op inside the submodules named in RECOMPUTE_SUBMODULES (GatedMLA.q_b_proj, GatedMLA.kv_b_proj).
              Ops are seen at the dispatcher level, so a custom autograd.Function that launches its own kernels
              (the KDA Triton op) is invisible to the policy and is rerun as a whole: register such an op as a

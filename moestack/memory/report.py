@@ -17,7 +17,7 @@ max_memory_reserved / mem_get_info); activations by layer type are the allocator
 forward. On CPU there is no allocator to ask ("allocator stats need CUDA"): activations are the bytes of the
 tensors autograd saves in one forward (distinct storages, weights and their autocast copies apart; nothing inside
 recomputed or offloaded regions is visible), and peak / buffers / reserved are not measured. In both cases the
-planner's prediction for the same plan (moestack/planner/cost.py CostModel) is printed alongside.
+planner's prediction for the same plan (moestack/planner/cost/step.py CostModel) is printed alongside.
 """
 
 from __future__ import annotations
@@ -233,11 +233,11 @@ def _measure_saved(model, optimizer, inputs, targets, autocast) -> MemoryReport:
 
 
 def cost_model(spec, plan: Plan, cal=None):
-    """The planner's CostModel (moestack/planner/cost.py) for `plan`'s cluster and sequence length under
+    """The planner's CostModel (moestack/planner/cost/step.py) for `plan`'s cluster and sequence length under
     calibration `cal` (default: built-in)."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.planner.calibration import load_calibration
-    from moestack.planner.cost import CostModel
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import profile_model
 
     cluster = load_cluster_spec(plan.cluster).with_devices(plan.devices)

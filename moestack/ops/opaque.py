@@ -2,11 +2,11 @@
 
 Every hot op's entry without a custom op yet (`chunk_kda` and KDA's short conv, the DSA attention and indexer ops, the
 MoE router / dispatch / gather / combine, the grouped GEMM, the FP8 GEMMs) is decorated with `@opaque`; the fused GLU
-and KDA's gated norm are torch.library custom ops instead (moestack/ops/custom_ops.py), nodes inside the graph. Outside compile the
-decorator is one extra Python call. Once `activate()` has run (apply_compile does it), a compiled block that reaches
-an opaque op stops its graph there, runs the op eagerly (its dispatcher, its autograd.Function, its Triton kernels,
-exactly as without compile) and resumes in the next graph; what the compiler fuses is the PyTorch code between the
-ops (projections, norms, gates, residuals, the routing weights).
+and KDA's gated norm are torch.library custom ops instead (moestack/ops/custom_ops.py), nodes inside the graph. Outside
+compile the decorator is one extra Python call. Once `activate()` has run (apply_compile does it), a compiled block that
+reaches an opaque op stops its graph there, runs the op eagerly (its dispatcher, its autograd.Function, its Triton
+kernels, exactly as without compile) and resumes in the next graph; what the compiler fuses is the PyTorch code between
+the ops (projections, norms, gates, residuals, the routing weights).
 
 Why not let dynamo trace the ops: their dispatchers read the tune cache per call and their
 Triton launches come with host logic dynamo cannot follow (it would break the graph inside them anyway), and the

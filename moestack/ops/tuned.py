@@ -6,9 +6,9 @@ A dispatcher on "auto" (moestack/ops/backends.py) looks its op and shape up and 
 takes the call; otherwise it falls back to its fixed preference order. Every hit is remembered for the run record
 (`hits()`, written to the run's kernels.json).
 
-File: $MOESTACK_TUNE_CACHE (moestack/config/settings.py), else ~/.cache/moestack/tuned-ops.json. Entries are keyed by device (GPU name, torch
-and Triton versions: a driver or compiler change can reorder backends), then op, then a shape key built from the
-dimensions that decide the kernel choice (sequence lengths bucketed to powers of two).
+File: $MOESTACK_TUNE_CACHE (moestack/config/settings.py), else ~/.cache/moestack/tuned-ops.json. Entries are keyed by
+device (GPU name, torch and Triton versions: a driver or compiler change can reorder backends), then op, then a shape
+key built from the dimensions that decide the kernel choice (sequence lengths bucketed to powers of two).
 """
 
 from __future__ import annotations

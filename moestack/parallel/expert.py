@@ -32,10 +32,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch._subclasses.fake_tensor import is_fake
 
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import RouterSpec

@@ -49,8 +49,8 @@ def _needs_memory_policies(plan: Plan) -> bool:
 
 def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, param_dtype: torch.dtype | None = None,
                 compiled: CompiledBlocks | None = None) -> nn.Module:
-    """Apply precision -> EP -> TP -> memory policies -> compile -> FSDP to `model` in place (as `plan` and `meshes` say);
-    returns it. compiled: the run's compile choice (resolve_compile with sharded=True), None = eager.
+    """Apply precision -> EP -> TP -> memory policies -> compile -> FSDP to `model` in place (as `plan` and `meshes`
+    say); returns it. compiled: the run's compile choice (resolve_compile with sharded=True), None = eager.
 
     param_dtype: the dtype FSDP gathers parameters in for compute (torch.bfloat16 for bf16 training on GPUs;
     None keeps fp32, the CPU / exact-comparison setting). Gradients reduce in fp32 (in the parameters' dtype when

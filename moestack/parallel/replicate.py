@@ -233,4 +233,5 @@ class Replanner:
         return plan.rank_load(counts_E)
 
 
-__all__ = ["ReplicaPlan", "Replanner", "ReplicatedExperts", "apply_replication", "replicated_layers", "set_replica_plan"]
+__all__ = ["ReplicaPlan", "Replanner", "ReplicatedExperts", "apply_replication", "replicated_layers",
+           "set_replica_plan"]

@@ -14,8 +14,8 @@ GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf
 
 Collectives (`comm`, optional): measured bus bandwidth and per-call latency of all-reduce / reduce-scatter /
 all-gather / all-to-all inside one scale-up domain (network tier 0), written by `moestack tune-comm`
-(planner/tune_comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
-planner/cost.py prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
+(tune/comm.py, under torchrun) and merged into a calibration file with `--merge-into CAL.json`. When present,
+planner/cost/ prices every collective whose group stays inside tier 0 with these numbers instead of the cluster's
 datasheet bandwidth x tier efficiency; without it the datasheet path is unchanged.
 """
 
@@ -48,7 +48,7 @@ class GemmPoint(StrictModel):
 
 class PartCalibration(StrictModel):
     """One layer part kind (kda, mla, gqa, mamba2, moe, dense) measured whole by `moestack tune`
-    (planner/measure_parts.py) at one device's shape, with the backends that ran."""
+    (tune/parts.py) at one device's shape, with the backends that ran."""
 
     tokens: int = Field(gt=0)  # tokens per micro-batch of the (larger) measurement
     # measured - analytic time = fixed + per_token * tokens, fitted on two token counts (each term >= 0)
@@ -74,7 +74,7 @@ class CollectiveCalibration(StrictModel):
 
 class CommCalibration(StrictModel):
     """Collective bandwidths measured inside one scale-up domain (network tier 0: e.g. the GPUs of one NVLink
-    node), with `world` ranks, by `moestack tune-comm` (planner/tune_comm.py).
+    node), with `world` ranks, by `moestack tune-comm` (tune/comm.py).
 
     Why measured beats datasheet: the datasheet bandwidth times an efficiency is a guess per machine. On the lent
     2 x H200 machine (session 6, NCCL over P2P/CUMEM) tune-comm measured 234 / 210 / 215 / 240 GB/s bus bandwidth
@@ -96,10 +96,10 @@ class CommCalibration(StrictModel):
 
 class HostCalibration(StrictModel):
     """Host (Python + launch) seconds of moestack's eager training step, per layer per micro-batch (forward +
-    backward together; planner/cost.py `host_times` splits them 1 : 2 like the kernels they launch). The device
+    backward together; planner/cost/step.py `host_times` splits them 1 : 2 like the kernels they launch). The device
     cannot run ahead of the host that launches its kernels, so a rank's forward (backward) of one micro-batch takes at
-    least its host share: cost.py prices max(device, host) per rank and micro-batch pass. On one H200 the proxy at
-    4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
+    least its host share: the cost model prices max(device, host) per rank and micro-batch pass. On one H200 the proxy
+    at 4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
     every 2-GPU layout, the host sets the step.
 
     The constants belong to moestack's code (op count per layer, Python autograd Functions, hooks), not to the GPU,
@@ -123,7 +123,7 @@ class HostCalibration(StrictModel):
     runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
 
       fp8_layer_s 0.0084 s extra per layer per micro-batch under the FP8 recipe (precision fp8). Measured, not
-                  fitted: planner/measure_host.py on the proxy (16 layers, one H200, session 14), bf16 then the
+                  fitted: tune/host.py on the proxy (16 layers, one H200, session 14), bf16 then the
                   recipe, twice: 11.5 / 20.2 and 14.5 / 22.6 ms per layer (+8.7 / +8.0 ms; at 2x tokens +10% /
                   +3%: host-bound). With it the planner puts the proxy's one-GPU fp8 step (2 x 2048 tokens) at
                   8,312 tokens/s against 7,690 measured (benchmarks/fp8_train_step.sh, the same session); without
@@ -131,9 +131,9 @@ class HostCalibration(StrictModel):
                   host-bound at 256 tokens, so it cannot give this number: its device time leaks in.)
 
     The defaults above are that 2 x H200 fit (fp8_layer_s: the measurement). `moestack tune --measure-host`
-    (opt-in) replaces layer_s with the local machine's measurement (planner/measure_host.py): the wall time of the
+    (opt-in) replaces layer_s with the local machine's measurement (tune/host.py): the wall time of the
     whole model's forward + backward of one 256-token micro-batch (host-bound: the device idles), divided by the
-    layers cost.py charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
+    layers the cost model charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
     optimizer step (priced on its own), FSDP2's hooks or DTensor dispatch, which the fitted default absorbed: on 2 x
     H200 (session 7) it measured 13.6 ms, and with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their
     measured step times (the fit: +6 / -20 / -25%). On a GPU with FP8 it measures fp8_layer_s too (the recipe's
@@ -143,10 +143,11 @@ class HostCalibration(StrictModel):
     ep_moe_s: float = Field(default=0.0067, ge=0)
     tp_layer_s: float = Field(default=0.0088, ge=0)
     # extra per layer under the FP8 recipe: each FP8 GEMM adds quantiser launches, a weight-cache lookup and its own
-    # autograd Function (cost.py adds it to every layer of an fp8 plan)
+    # autograd Function (the cost model adds it to every layer of an fp8 plan)
     fp8_layer_s: float = Field(default=0.0084, ge=0)
-    # device idle per dropless MoE layer per forward under EP, added to the pass (cost.py sync_times): the host sync
-    # for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted ep_moe_s)
+    # device idle per dropless MoE layer per forward under EP, added to the pass (cost/step.py sync_times): the host
+    # sync for the token counts drains the device's queue. 0 for moestack's trainer (its sync is inside the fitted
+    # ep_moe_s)
     moe_sync_s: float = Field(default=0.0, ge=0)
     source: str = ""  # where layer_s comes from ("" = the 2 x H200 fit above; tune --measure-host writes device, date)
 

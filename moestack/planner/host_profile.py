@@ -1,9 +1,9 @@
 """Host (CPU) time per framework: whose Python and kernel launches a plan's step waits for (Plan.host_profile,
 `moestack plan --host-profile NAME`).
 
-The device cannot run ahead of the host that launches its kernels, so cost.py prices each rank's forward (backward)
-pass of a micro-batch at max(device, host) (CostModel.host_times). How long the host takes per layer belongs to the
-training code, not to the GPU:
+The device cannot run ahead of the host that launches its kernels, so the cost model (planner/cost/) prices each rank's
+forward (backward) pass of a micro-batch at max(device, host) (CostModel.host_times). How long the host takes per layer
+belongs to the training code, not to the GPU:
 
   eager            moestack's eager trainer (the default): Calibration.host, fitted on 2 x H200 runs of the proxy
                    or measured by `moestack tune --measure-host` (calibration.HostCalibration says how).

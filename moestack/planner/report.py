@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moestack.config.cluster import GIB
-from moestack.planner.cost import PlanCost
+from moestack.planner.cost.step import PlanCost
 from moestack.planner.search import SearchResult
 
 TIME_ORDER = ("gemm", "attention", "kda", "elementwise", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
@@ -137,7 +137,7 @@ def simulate_pipeline(c: PlanCost, m: int) -> list[tuple[int, float, float, str,
     """(rank, start, end, "F"|"B", micro-batch) boxes of a list-scheduled pipeline: F(i, k) after F(i, k-1),
     B(i, k) after F(i, k) and B(i, k+1); each rank prefers a ready backward (1F1B), and runs forwards in
     micro-batch order while it holds fewer than the schedule's in-flight limit (gpipe: no limit)."""
-    from moestack.planner.cost import inflight_microbatches
+    from moestack.planner.cost.pipeline import inflight_microbatches
 
     p, v = c.plan.pp, c.plan.vpp
     ranks = c.layout.chunk_rank

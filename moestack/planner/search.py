@@ -30,7 +30,9 @@ from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import HostProfileName, OffloadPolicy, Plan, Precision, RecomputePolicy
 from moestack.config.support import EP_OVERLAP_SCHEDULES, unsupported
 from moestack.planner.calibration import Calibration, load_calibration
-from moestack.planner.cost import GEMM_RECIPES, CostModel, PlanCost, group_members_per_domain
+from moestack.planner.cost.comm import group_members_per_domain
+from moestack.planner.cost.compute import GEMM_RECIPES
+from moestack.planner.cost.step import CostModel, PlanCost
 from moestack.planner.profile import load_any_model_spec, profile_model
 
 # default tokens per step: 16M (Llama 3 405B / DeepSeek-V3 pre-training scale), at most 64 sequences per device

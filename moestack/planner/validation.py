@@ -21,7 +21,7 @@ from moestack.config.cluster import GIB, ClusterSpec, load_cluster_spec
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import HostProfileName
 from moestack.planner.calibration import Calibration, load_calibration
-from moestack.planner.cost import PlanCost
+from moestack.planner.cost.step import PlanCost
 from moestack.planner.profile import load_any_model_spec
 from moestack.planner.search import Planner, Problem, parse_fix
 

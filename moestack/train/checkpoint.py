@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from moestack.train.optimizers import NO_ROUNDING_STATE, ROUNDING_RNG_KEY
+from moestack.memory.adamw import NO_ROUNDING_STATE, ROUNDING_RNG_KEY
 from moestack.train.safe_load import (
     CheckpointError,
     SafeFileSystemReader,
@@ -489,7 +489,7 @@ def _check_matches(path: Path, state: dict[str, Any], partial: bool = False) -> 
 
 def _drop_absent_rounding_rng(path: Path, state: dict[str, Any]) -> bool:
     """A checkpoint saved before the optimizers kept their stochastic-rounding noise state (param_groups[i]
-    [ROUNDING_RNG_KEY], moestack.train.optimizers.RoundingStateMixin) lacks those entries, and dcp.load is strict:
+    [ROUNDING_RNG_KEY], moestack.memory.adamw.RoundingStateMixin) lacks those entries, and dcp.load is strict:
     drop them from the load template where the checkpoint has none, so the optimizer keeps its fresh noise. Only
     this entry: any other missing key still fails the load. Returns whether something was dropped."""
     groups = state.get("optim", {}).get("param_groups", [])

@@ -14,7 +14,7 @@ the same meshes, pipeline split, `parallelize`, meta-device build), then the dry
      schedule's REDUCE_GRAD, deferred TP sums, clipping, router-bias counts, the optimizer), recording every
      collective at the dispatcher level (kind, process group, bytes), scaled to the step's m micro-batches; under
      pp > 1 the schedule's own send / receive list for this rank adds the pipeline p2p,
-  4. reports all of it next to the planner's prediction for this rank's pipeline stage (moestack/planner/cost.py).
+  4. reports all of it next to the planner's prediction for this rank's pipeline stage (moestack/planner/cost/).
 Assumptions: routing is balanced (no token values: every EP rank receives as many rows as it sends); KDA runs a
 shape-only stand-in (moestack/ops/kda: no values, and it issues no collectives); the FP8 recipe
 is not applied (its kernels need an FP8 GPU; the layout is the bf16 one); a GPU cluster's plan is built with bf16

@@ -112,15 +112,16 @@ class StepProfiler:
         (self.out_dir / f"profile_rank{self.rank}.txt").write_text("\n".join(parts) + "\n")
 
     def _collective_table(self) -> str:
-        """One row per (collective, input shapes): calls, elements of the first input per call, device / CPU ms per call.
-        The sizes let a bandwidth be read off each call size (the planner's tier-0 prices, tune_comm.py)."""
+        """One row per (collective, input shapes): calls, elements of the first input per call, device / CPU ms per
+        call. The sizes let a bandwidth be read off each call size (the planner's tier-0 prices, tune/comm.py)."""
         try:
             groups = self.prof.key_averages(group_by_input_shape=True)
         except Exception as err:  # noqa: BLE001 - optional section
             return f"(not available: {type(err).__name__})"
         rows = ["| op | input shapes | calls | first input, M elements per call | "
                 "device ms/call | cpu ms/call |", "|---|---|---|---|---|---|"]
-        words = ("nccl", "c10d", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "allreduce", "send", "recv")
+        words = ("nccl", "c10d", "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "allreduce", "send",
+                 "recv")
         for ev in sorted(groups, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)):
             if not any(w in ev.key.lower() for w in words) or not ev.count:
                 continue

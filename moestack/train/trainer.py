@@ -38,8 +38,8 @@ from moestack.model.aux_loss import aux_loss_scale
 from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
-from moestack.parallel.compile import resolve_compile
 from moestack.parallel.comm import all_reduce_mean, global_grad_norm
+from moestack.parallel.compile import resolve_compile
 from moestack.parallel.fsdp import set_gradient_sync, set_reshard_after_backward
 from moestack.parallel.init import materialize
 from moestack.parallel.tensor import finish_tp_grad_reduce, guard_tp_grad_reduce
@@ -480,7 +480,7 @@ class Trainer:
         if plan.offload.optimizer or plan.offload.experts:
             # host-resident state / parameters step with torch's fused CPU kernels (moestack.memory.host_adamw:
             # the generic paths took minutes per step at the proxy's size on the H200 host)
-            from moestack.memory.host_adamw import build_host_aware_optimizer
+            from moestack.train.optimizers import build_host_aware_optimizer
 
             return build_host_aware_optimizer(self.model, plan.optimizer, self.spec.optimizer,
                                               offload=plan.offload.optimizer, seed=self.spec.seed)

@@ -126,7 +126,8 @@ def test_trainer_bitwise(small_spec, tmp_path):
         trainer = Trainer(spec, small_spec, log=lambda *a, **k: None)
         assert (trainer.compute_weights is not None) == cache
         stats = [trainer.train_step() for _ in range(2)]
-        out[cache] = ([(s.loss, s.grad_norm) for s in stats], {n: p.detach() for n, p in trainer.model.named_parameters()})
+        out[cache] = ([(s.loss, s.grad_norm) for s in stats],
+                      {n: p.detach() for n, p in trainer.model.named_parameters()})
     assert out[False][0] == out[True][0]
     for name, p in out[False][1].items():
         assert torch.equal(p, out[True][1][name]), name

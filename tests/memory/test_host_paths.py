@@ -9,18 +9,18 @@ import copy
 import torch
 
 from moestack.config.train_spec import OptimizerSpec
+from moestack.memory.adamw import AdamWBF16, CPUOffloadAdamW
 from moestack.memory.host_adamw import (
     HostOffloadAdamW,
     RoundingNoise,
     _round_into,
     adamw_bf16_states_,
-    build_host_aware_optimizer,
 )
 from moestack.memory.offload import apply_expert_offload
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.transformer import build_model
 from moestack.train.optim import build_optimizer
-from moestack.train.optimizers import AdamWBF16, CPUOffloadAdamW, Muon
+from moestack.train.optimizers import Muon, build_host_aware_optimizer
 
 
 def _params(seed=0):

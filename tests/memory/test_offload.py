@@ -11,13 +11,17 @@ import torch
 
 from moestack.config.kernel_spec import KernelSpec
 from moestack.config.model_spec import MoESpec, RouterSpec
-from moestack.config.plan import make_plan
+from moestack.config.plan import RecomputePolicy, make_plan
 from moestack.memory.apply import apply_memory_policies
 from moestack.memory.offload import ActivationOffloader, apply_activation_offload, apply_expert_offload
-from moestack.memory.precision import FP8_MAX, FP8_REL_ERR, dequantize_rows_fp8, enable_fp8_expert_inputs, \
-    quantize_rows_fp8
+from moestack.memory.precision import (
+    FP8_MAX,
+    FP8_REL_ERR,
+    dequantize_rows_fp8,
+    enable_fp8_expert_inputs,
+    quantize_rows_fp8,
+)
 from moestack.memory.recompute import apply_recompute
-from moestack.config.plan import RecomputePolicy
 from moestack.model.aux_loss import set_aux_loss_scale
 from moestack.model.kernels import apply_kernels
 from moestack.model.moe import MoE

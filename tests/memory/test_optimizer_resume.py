@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from moestack.memory.adamw import AdamWBF16, CPUOffloadAdamW
 from moestack.memory.host_adamw import HostOffloadAdamW
 from moestack.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moestack.train.optim import param_groups
-from moestack.train.optimizers import AdamWBF16, CPUOffloadAdamW
 
-KEY = "rounding_rng"  # moestack.train.optimizers.ROUNDING_RNG_KEY
+KEY = "rounding_rng"  # moestack.memory.adamw.ROUNDING_RNG_KEY
 
 
 def _model() -> nn.Module:

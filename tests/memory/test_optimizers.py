@@ -12,19 +12,17 @@ from torch import nn
 
 from moestack.config.base import ConfigError
 from moestack.config.train_spec import OptimizerSpec
+from moestack.memory.adamw import AdamWBF16, CPUOffloadAdamW, stochastic_round_bf16
 from moestack.model.moe import Experts
 from moestack.model.norm import RMSNorm
 from moestack.train.optim import build_optimizer, param_groups
 from moestack.train.optimizers import (
     MUON_RMS,
-    AdamWBF16,
-    CPUOffloadAdamW,
     Muon,
     build_optimizer_from_name,
     muon_param_names,
     newton_schulz,
     state_bytes,
-    stochastic_round_bf16,
 )
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config.plan import RecomputePolicy
 from moestack.memory.phase_peaks import GIB, MemoryReader, PhasePeaks
 from moestack.memory.recompute import apply_recompute

@@ -1,4 +1,4 @@
-"""The planner's memory terms for each memory technique (moestack/planner/cost.py), on the proxy on one H200 at a
+"""The planner's memory terms for each memory technique (moestack/planner/cost/), on the proxy on one H200 at a
 long sequence: each technique moves the term it should, by the amount the implementation in moestack.memory /
 moestack.train.optimizers implies. Measured factors come from benchmarks/memory.py on the GPU ("fit x")."""
 
@@ -11,8 +11,8 @@ import pytest
 from moestack.config.cluster import GIB
 from moestack.config.model_spec import load_model_spec
 from moestack.memory.report import predicted_memory
+from moestack.planner.adapt import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS
 from moestack.planner.calibration import load_calibration
-from moestack.planner.cost import LOSS_BYTES_PER_LOGIT, LOSS_CHUNK_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ = 16384
@@ -79,7 +79,7 @@ def test_expert_offload_moves_expert_state_and_copies_off_the_device(predicted):
     # no autocast bf16 copies of the experts are kept (the seam casts inside its Function): 2 B per expert param
     assert base["activations"] - off["activations"] == pytest.approx(2 * expert, rel=1e-3)
     # per-layer device buffers for the fetched experts: a few GiB at most, and a transient of a MoE layer's
-    # backward (one device: the max with the loss phase, not a sum: cost.py `_one_end_of_backward`)
+    # backward (one device: the max with the loss phase, not a sum: cost/step.py `_one_end_of_backward`)
     assert 0 <= off["buffers"] - base["buffers"] < 4 * GIB
 
 
@@ -151,7 +151,7 @@ def test_act_factors_scale_their_technique_only(bench):
 def test_memory_lower_bound_stays_below_the_evaluated_peak(bench):
     """The search prunes on memory_lower_bound: it must not exceed what evaluate says, for every technique."""
     from moestack.config.cluster import load_cluster_spec
-    from moestack.planner.cost import CostModel
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import profile_model
 
     for seq in (4096, SEQ):

@@ -46,9 +46,9 @@ def test_planner_peak_within_5_percent_of_h200(bench, mbs, seq, technique, measu
 # the same calibration): (technique, experts, measured peak GiB). "all combined" = full recompute, activation + expert
 # + optimizer offload, adamw_bf16, fp8 saved expert inputs. From 128 to 384 experts the all-combined peak moved
 # +0.18 GiB only: expert offload's working set (fetched bf16 weights, prefetch, fp32 dW staging) is a transient of a
-# MoE layer's backward, not alive at the loss phase (cost.py `_one_end_of_backward`; added to the loss buffers it gave
-# +18.5% at 384). benchmarks/memory.py --phase-peaks (H200, 2026-11-30, PHASE_PEAKS below) placed the 128-expert peak
-# in the first (dense) layer's backward, at the end of backward: the planner prices it with the measured backward
+# MoE layer's backward, not alive at the loss phase (cost/step.py `_one_end_of_backward`; added to the loss buffers it
+# gave +18.5% at 384). benchmarks/memory.py --phase-peaks (H200, 2026-11-30, PHASE_PEAKS below) placed the 128-expert
+# peak in the first (dense) layer's backward, at the end of backward: the planner prices it with the measured backward
 # working sets (calibration bwd_ws_factors) and without the embedding's gradient, produced after that layer.
 MEASURED_2026_11_29 = [
     ("recompute full", 128, 63.0),
@@ -81,11 +81,11 @@ PHASE_PEAKS = [
 def test_backward_working_sets_match_the_phase_peaks(bench, technique, loss_phase, transient, layer0_end_rise):
     """The planner's per-kind backward working set (no-recompute activations x bwd_ws_factors, + expert offload's
     working set for MoE kinds) against the measured transients: the factors come from the 'recompute full' row
-    (within 1%); 'all combined' (fp8 storage, offload) checks them within 10% (it measured 3-6% more). The embedding's fp32 gradient is
-    what the end of the first layer's backward phase gained."""
+    (within 1%); 'all combined' (fp8 storage, offload) checks them within 10% (it measured 3-6% more). The embedding's
+    fp32 gradient is what the end of the first layer's backward phase gained."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import RecomputePolicy
-    from moestack.planner.cost import CostModel
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import profile_model
 
     cal = load_calibration(ROOT / "benchmarks" / "calibration-proxy-h200.json")

@@ -154,7 +154,7 @@ def test_cli_train_memory_report(tmp_path):
     """`moestack train --memory-report` prints the report after training."""
     from typer.testing import CliRunner
 
-    from moestack.cli import app
+    from moestack.cli.app import app
 
     r = CliRunner().invoke(app, ["train", "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--quiet",
                                  "--out", str(tmp_path / "run"), "--set", "eval_every=0",

@@ -66,7 +66,8 @@ def _assert_same_topk(got, q, k, w, top_k, cu):
     want = ref.indexer_topk(S, top_k)
     assert got.dtype == torch.int32 and got.shape == want.shape
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
+    def sc(i):
+        return S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
     torch.testing.assert_close(sc(got), sc(want), rtol=1e-5, atol=1e-5)
     assert torch.all(torch.isfinite(S.gather(-1, got.long().clamp_min(0))[got >= 0]))  # visible keys only
 

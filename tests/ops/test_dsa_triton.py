@@ -155,7 +155,8 @@ def _assert_same_topk(got, q, k, w, top_k, cu):
     S = ref.indexer_scores(q.double(), k.double(), w.double(), cu)
     want = ref.indexer_topk(S, top_k)
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    sc = lambda i: S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
+    def sc(i):
+        return S.gather(-1, i.long().clamp_min(0)).masked_fill(i < 0, 0).sort(-1).values
     torch.testing.assert_close(sc(got), sc(want), rtol=1e-5, atol=1e-5)
     assert torch.all(got.long() <= torch.arange(got.shape[1])[None, :, None])  # causal
 
@@ -325,7 +326,7 @@ def test_gated_dsa_layer_gpu_triton_vs_reference(monkeypatch):
 
 
 def test_deterministic_algorithms_pick_deterministic_paths(monkeypatch):
-    """torch.use_deterministic_algorithms(True): the two-pass sorted dKV scatter and no atomic indexer-score backward."""
+    """torch.use_deterministic_algorithms(True): the two-pass sorted dKV scatter, no atomic indexer-score backward."""
     from moestack.ops import dsa
     from moestack.ops.dsa import triton_op
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import moestack.ops.kda as kda_ops
+from moestack.ops.backends import Backend
 from moestack.ops.kda import (
     chunk_kda,
     kda_chunked_reference,
@@ -19,7 +20,6 @@ from moestack.ops.kda import (
     kda_recurrent_reference,
     resolve_backend,
 )
-from moestack.ops.backends import Backend
 
 H, K, V = 3, 8, 12  # K != V on purpose
 

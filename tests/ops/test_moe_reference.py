@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from moestack.ops.backends import Backend
 from moestack.ops import moe as moe_ops
+from moestack.ops.backends import Backend
 from moestack.ops.moe import reference as ref
 
 

@@ -1,8 +1,8 @@
 """Router balancing across data-parallel ranks (gloo, fp64) against one process on the whole batch: the global-batch
 loss counts the load of every rank (its gradient, averaged over the ranks as data parallelism does, is the
 single-process one), and the quantile-balancing histogram summed over the ranks (the trainer's
-reduce_router_state) is the single-process histogram, so every rank solves the same bias; the "batch" scope's per-micro-batch bias solved
-over the ranks is the single-process one of the whole batch."""
+reduce_router_state) is the single-process histogram, so every rank solves the same bias; the "batch" scope's
+per-micro-batch bias solved over the ranks is the single-process one of the whole batch."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Each rank builds the seeded model, applies `apply_cp` and feeds it the full [B, T] batch (it keeps its contiguous
 T / cp shard). The single-process run of the same model on the whole sequence is made once per (spec, seed, DSA
 mode), by one rank, and every rank is compared with it (see `run_cp`). Compared: the loss (exact mean over the
-whole sequence), logits, and every parameter gradient after summing the CP shares (`sync_cp_grads`). Covered: short-conv halo, KDA state relay over 1 and 3
-hops, Gated DSA in sparse mode (gathered latent + indexer keys, KL share), dense MLA with rope at global
-positions, MoE aux loss over the CP group.
+whole sequence), logits, and every parameter gradient after summing the CP shares (`sync_cp_grads`). Covered: short-conv
+halo, KDA state relay over 1 and 3 hops, Gated DSA in sparse mode (gathered latent + indexer keys, KL share), dense MLA
+with rope at global positions, MoE aux loss over the CP group.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_planner_models_cp_and_etp():
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import make_plan
     from moestack.planner.calibration import load_calibration
-    from moestack.planner.cost import CostModel
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import load_any_model_spec, profile_model
 
     spec, seq = load_any_model_spec("proxy"), 16384

@@ -96,7 +96,8 @@ def test_planner_charges_scan_and_relay_separately():
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import make_plan
     from moestack.planner.calibration import load_calibration
-    from moestack.planner.cost import CostModel, kda_scan_widen_factor
+    from moestack.planner.cost.compute import kda_scan_widen_factor
+    from moestack.planner.cost.step import CostModel
     from moestack.planner.profile import load_any_model_spec, profile_model
 
     assert 1.5 < kda_scan_widen_factor(128, 64) < 2.0

@@ -1,15 +1,16 @@
-"""The FP8 weight cache (moestack/ops/fp8/weight_cache.py) under FSDP2 ZeRO-3 on 2 gloo ranks: the same training run with the
-cache on (both modes) and off gives bitwise the same losses, gradients and parameters; cache mode step
-(kernels.fp8.weight_cache) quantises once per weight and optimizer step, the default drops the weights FSDP frees and so holds less at its
-peak. (Without the cache's optimizer-step hook the "step" run would serve the first step's fp8 weights in the
-second and differ from the run without the cache: session 12's control; the hook itself is unit-tested in
+"""The FP8 weight cache (moestack/ops/fp8/weight_cache.py) under FSDP2 ZeRO-3 on 2 gloo ranks: the same training run
+with the cache on (both modes) and off gives bitwise the same losses, gradients and parameters; cache mode step
+(kernels.fp8.weight_cache) quantises once per weight and optimizer step, the default drops the weights FSDP frees and so
+holds less at its peak. (Without the cache's optimizer-step hook the "step" run would serve the first step's fp8 weights
+in the second and differ from the run without the cache: session 12's control; the hook itself is unit-tested in
 tests/ops/test_fp8.py.)
 
 FSDP2 gathers the unsharded expert weights into new storage for every forward and (ZeRO-3) backward, without moving
 their version counter, and the fused optimizer update does not move it either: the cache keys on the unsharded
 parameter object and is emptied at every optimizer step. Two MoE layers (their gathers may reuse each other's
 storage), 2 optimizer steps of 2 micro-batches each (gradient accumulation). The experts run the FP8 GEMM strategy
-(grouped_gemm.Fp8GroupedGemm; on CPU its Triton kernels in the interpreter). Before session 12 the key held the data pointer, which changes with every gather: 1-2 hits of 16.
+(grouped_gemm.Fp8GroupedGemm; on CPU its Triton kernels in the interpreter). Before session 12 the key held the data
+pointer, which changes with every gather: 1-2 hits of 16.
 """
 
 from __future__ import annotations

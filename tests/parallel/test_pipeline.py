@@ -317,7 +317,6 @@ def test_pp2_fp32_smoke(pp2_results):
 
 def _pp_tp_worker(rank: int, world_size: int, schedule: str, vpp: int, tie: bool = False, steps: int = STEPS
                    ) -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 

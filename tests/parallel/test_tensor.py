@@ -72,7 +72,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _tp_worker(rank: int, world_size: int, spec: ModelSpec, sp: bool, dense_dsa: bool = False,
                recompute: dict | None = None, ep: bool = False, dtype: torch.dtype = torch.float64) -> dict:
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from moestack.model.transformer import build_model

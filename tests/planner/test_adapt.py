@@ -9,7 +9,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from moestack.adapt_cli import adapt
+from moestack.cli.adapt import adapt
 from moestack.config import ConfigError
 from moestack.config.model_spec import ModelSpec, load_model_spec
 from moestack.model.transformer import build_model

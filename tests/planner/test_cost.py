@@ -15,8 +15,15 @@ import pytest
 
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.plan import OffloadPolicy, RecomputePolicy, make_plan, runtime_unsupported
-from moestack.planner import cost as C
 from moestack.planner.calibration import load_calibration
+from moestack.planner.cost.comm import a2a_time, group_tier, p2p_time, ring_time, tp_grad_sum_bytes, tp_grad_sum_time
+from moestack.planner.cost.compute import dsa_head_block_factor
+from moestack.planner.cost.context import Ctx, PartCost
+from moestack.planner.cost.memory import _saved_bytes
+from moestack.planner.cost.parts import part_cost
+from moestack.planner.cost.pipeline import balanced_chunks, inflight_microbatches, pipeline_time
+from moestack.planner.cost.step import CostModel
+from moestack.planner.cost.work import BF16, _causal_pairs, attn_res_elem_bytes, model_work
 from moestack.planner.profile import load_any_model_spec, profile_model
 from moestack.planner.report import simulate_pipeline
 
@@ -33,7 +40,7 @@ def test_work_matches_profile(name):
     spec = load_any_model_spec(name)
     seq = 1000  # awkward length: attention terms depend on it
     prof = profile_model(spec, seq)
-    work = C.model_work(spec, seq)
+    work = model_work(spec, seq)
     decoder = [lw for lw in work.layers if not lw.is_mtp]
     assert len(decoder) == len(prof.layers)
     for lp, lw in zip(prof.layers, decoder):
@@ -48,7 +55,7 @@ def test_work_matches_profile(name):
 
 def test_kimi_k3_expert_share():
     """MODEL.md: routed experts are ~98% of K3's parameters; one expert is 33.03M."""
-    work = C.model_work(load_any_model_spec("kimi-k3"), 4096)
+    work = model_work(load_any_model_spec("kimi-k3"), 4096)
     moe = next(p for lw in work.layers for p in lw.parts if p.kind == "moe")
     assert moe.expert_params / moe.num_experts == pytest.approx(33.03e6, rel=1e-3)
     assert work.expert_params / work.total_params == pytest.approx(0.98, abs=0.01)
@@ -57,7 +64,7 @@ def test_kimi_k3_expert_share():
 @pytest.mark.parametrize("s,w", [(1, None), (7, None), (1000, None), (1000, 64), (64, 1000), (513, 512)])
 def test_causal_pairs_brute_force(s, w):
     brute = sum(min(t, w) if w else t for t in range(1, s + 1)) / s
-    assert C._causal_pairs(s, w) == pytest.approx(brute, rel=1e-12)
+    assert _causal_pairs(s, w) == pytest.approx(brute, rel=1e-12)
 
 
 def test_ring_and_a2a_against_hand_formulas():
@@ -65,20 +72,20 @@ def test_ring_and_a2a_against_hand_formulas():
     nv, ib = cl.tiers
     S = 512e6
     # 8 ranks inside a node: RS moves 7/8 of the buffer over NVLink, AR twice that
-    t_rs = C.ring_time(cl, S, 8, 1, "rs")
+    t_rs = ring_time(cl, S, 8, 1, "rs")
     assert t_rs == pytest.approx(7 / 8 * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency) + 7 * nv.latency_us * 1e-6)
-    t_ar = C.ring_time(cl, S, 8, 1, "ar")
+    t_ar = ring_time(cl, S, 8, 1, "ar")
     assert t_ar == pytest.approx(2 * 7 / 8 * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency) + 14 * nv.latency_us * 1e-6)
     # stride 8: one rank per node -> IB
-    assert C.group_tier(cl, 8, 8) == 1 and C.group_tier(cl, 8, 1) == 0 and C.group_tier(cl, 4, 2) == 0
-    assert C.ring_time(cl, S, 8, 8, "rs") > t_rs * (nv.bandwidth_gb_s / ib.bandwidth_gb_s) * 0.9
-    assert C.ring_time(cl, S, 1, 1, "ar") == 0.0
+    assert group_tier(cl, 8, 8) == 1 and group_tier(cl, 8, 1) == 0 and group_tier(cl, 4, 2) == 0
+    assert ring_time(cl, S, 8, 8, "rs") > t_rs * (nv.bandwidth_gb_s / ib.bandwidth_gb_s) * 0.9
+    assert ring_time(cl, S, 1, 1, "ar") == 0.0
     # flat a2a over 64 ranks = 8 nodes: 56/64 of the bytes leave the node over IB
-    flat = C.a2a_time(cl, S, 64, 1, False, 8)
+    flat = a2a_time(cl, S, 64, 1, False, 8)
     expect = max(S * 56 / 64 / (ib.bandwidth_gb_s * 1e9 * ib.efficiency),
                  S * 7 / 64 / (nv.bandwidth_gb_s * 1e9 * nv.efficiency)) + 2 * ib.latency_us * 1e-6
     assert flat == pytest.approx(expect)
-    hier = C.a2a_time(cl, S, 64, 1, True, 8)
+    hier = a2a_time(cl, S, 64, 1, True, 8)
     assert hier < flat
     # hierarchical dedup: distinct remote nodes among 8 uniform picks over 8 nodes
     G, k = 8, 8
@@ -88,7 +95,7 @@ def test_ring_and_a2a_against_hand_formulas():
                                      S * (1 - 1 / 64) / (nv.bandwidth_gb_s * 1e9 * nv.efficiency))
                                  + 2 * ib.latency_us * 1e-6)
     # group-limited routing (<= 4 nodes) caps the crossings further
-    assert C.a2a_time(cl, S, 64, 1, True, 8, max_domains=4) < hier
+    assert a2a_time(cl, S, 64, 1, True, 8, max_domains=4) < hier
 
 
 def test_expected_distinct_domains_monte_carlo():
@@ -119,7 +126,7 @@ def test_balanced_chunks_is_optimal(seed):
     n = rng.randint(1, L)
     costs = [rng.uniform(0.2, 3.0) for _ in range(L)]
     first, last = rng.uniform(0, 2), rng.uniform(0, 4)
-    chunks = C.balanced_chunks(costs, n, first, last)
+    chunks = balanced_chunks(costs, n, first, last)
     assert [i for ch in chunks for i in ch] == list(range(L)) and all(chunks) and len(chunks) == n
     loads = [sum(costs[i] for i in ch) for ch in chunks]
     loads[0] += first
@@ -129,21 +136,21 @@ def test_balanced_chunks_is_optimal(seed):
 
 def test_pipeline_formulas():
     F, B = 1.0, 2.0
-    assert C.pipeline_time("1f1b", 4, 1, 8, F, B, 1.0) == pytest.approx((8 + 3) * 3.0)
-    assert C.pipeline_time("interleaved_1f1b", 4, 2, 8, F, B, 1.0) == pytest.approx((8 + 3 / 2) * 3.0)
+    assert pipeline_time("1f1b", 4, 1, 8, F, B, 1.0) == pytest.approx((8 + 3) * 3.0)
+    assert pipeline_time("interleaved_1f1b", 4, 2, 8, F, B, 1.0) == pytest.approx((8 + 3 / 2) * 3.0)
     # zero-bubble V with F = B_input = W: no bubble
-    assert C.pipeline_time("zbv", 4, 2, 8, 1.0, 2.0, 1.0) == pytest.approx(8 * 3.0)
-    assert C.pipeline_time("1f1b", 1, 1, 5, F, B, 1.0) == pytest.approx(15.0)
-    assert C.inflight_microbatches("1f1b", 8, 1, 32) == 8
-    assert C.inflight_microbatches("interleaved_1f1b", 8, 4, 64) == pytest.approx((32 + 7) / 4)
-    assert C.inflight_microbatches("gpipe", 8, 1, 32) == 32
+    assert pipeline_time("zbv", 4, 2, 8, 1.0, 2.0, 1.0) == pytest.approx(8 * 3.0)
+    assert pipeline_time("1f1b", 1, 1, 5, F, B, 1.0) == pytest.approx(15.0)
+    assert inflight_microbatches("1f1b", 8, 1, 32) == 8
+    assert inflight_microbatches("interleaved_1f1b", 8, 4, 64) == pytest.approx((32 + 7) / 4)
+    assert inflight_microbatches("gpipe", 8, 1, 32) == 32
 
 
 def _model(name="proxy", cluster="h200-cluster", devices=8, seq=4096):
     spec = load_any_model_spec(name)
     cl = load_cluster_spec(cluster).with_devices(devices)
     prof = profile_model(spec, seq)
-    return C.CostModel(spec, cl, load_calibration(), seq, prof.train_flops_per_token)
+    return CostModel(spec, cl, load_calibration(), seq, prof.train_flops_per_token)
 
 
 def _plan(**kw):
@@ -163,7 +170,7 @@ def test_pipeline_formula_matches_simulation(schedule, v):
     span = max(e for _, _, e, _, _ in boxes)
     slow = max(range(4), key=lambda r: sum(c.rank_fwd_bwd[r][:2]))
     f, b, w = c.rank_fwd_bwd[slow]
-    formula = C.pipeline_time(schedule, 4, v, m, f, b, w)
+    formula = pipeline_time(schedule, 4, v, m, f, b, w)
     assert span == pytest.approx(formula, rel=0.12)
 
 
@@ -250,19 +257,19 @@ def test_calibration_reproduces_measured_points():
 
 def _part(cm, plan, kind):
     kc, kinds, _ = cm.kind_costs(plan)
-    ctx = C.Ctx(plan, cm.spec, cm.cluster, cm.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
+    ctx = Ctx(plan, cm.spec, cm.cluster, cm.cal, plan.micro_batch_size * plan.seq_len / plan.cp)
     part = next(p for lw in kinds for p in lw.parts if p.kind == kind)
-    return part, C.part_cost(part, ctx)
+    return part, part_cost(part, ctx)
 
 
 def test_tp_dsa_sparse_attention_pays_per_64_head_block():
     """The DSA kernels run up to 64 heads of a token in one program: 20 heads / tp2 cost what 20 heads cost, 96 / tp2
     (48) what 96 (two blocks) cost halved; a calibration measured at 10 heads prices 20 heads at the same time."""
-    assert C.dsa_head_block_factor(20, 2, None) == 1.0
-    assert C.dsa_head_block_factor(20, 1, None) == 1.0
-    assert C.dsa_head_block_factor(96, 2, None) == pytest.approx(0.5)
-    assert C.dsa_head_block_factor(128, 4, None) == pytest.approx(0.5)
-    assert C.dsa_head_block_factor(20, 1, 10) == pytest.approx(0.5)  # flops of 20 heads at 10 heads' efficiency
+    assert dsa_head_block_factor(20, 2, None) == 1.0
+    assert dsa_head_block_factor(20, 1, None) == 1.0
+    assert dsa_head_block_factor(96, 2, None) == pytest.approx(0.5)
+    assert dsa_head_block_factor(128, 4, None) == pytest.approx(0.5)
+    assert dsa_head_block_factor(20, 1, 10) == pytest.approx(0.5)  # flops of 20 heads at 10 heads' efficiency
     # the proxy (20 MLA heads): the whole attention term (sparse attention + replicated indexer) is the same at tp2
     cm = _model(devices=2)
     one = _part(cm, _plan(devices=1, global_batch_size=4, micro_batch_size=2), "mla")[1]
@@ -273,7 +280,7 @@ def test_tp_dsa_sparse_attention_pays_per_64_head_block():
 
 def test_tp_dsa_indexer_activations_replicated():
     """The indexer runs on the whole sequence on every TP rank: its saved bytes are not divided by tp."""
-    work = C.model_work(load_any_model_spec("proxy"), 4096)
+    work = model_work(load_any_model_spec("proxy"), 4096)
     mla = next(p for lw in work.layers for p in lw.parts if p.kind == "mla")
     idx = load_any_model_spec("proxy").mla.indexer
     assert mla.act_replicated >= idx.top_k * 4 + idx.num_heads * idx.head_dim * 2
@@ -290,7 +297,7 @@ def test_tp_measured_activations_keep_the_replicated_share():
     part, cost = _part(cm, plan, "mla")
     rep = part.act_replicated
     assert 0 < rep < 100_000
-    assert C._saved_bytes(part, "none", C.Ctx(plan, cm.spec, cm.cluster, cm.cal, 4096)) == pytest.approx(
+    assert _saved_bytes(part, "none", Ctx(plan, cm.spec, cm.cluster, cm.cal, 4096)) == pytest.approx(
         4096 * ((100_000 - rep) / 2 + rep))
 
 
@@ -320,14 +327,14 @@ def test_tp_gradient_sums_every_micro_batch():
     _, c2 = _part(cm, p_ep2, "moe")
     g = {x.name: x for x in part.gemms}
     want = part.expert_params * 2 + g["moe.router"].params * 4 + (g["moe.down"].params + g["moe.up"].params) * 2
-    assert C.tp_grad_sum_bytes(part, p_ep1) == want
-    assert C.tp_grad_sum_bytes(part, p_ep2) == want - part.expert_params * 2
-    ar = C.ring_time(cm.cluster, want, 2, 1, "ar")
-    ar_ep2 = C.ring_time(cm.cluster, want - part.expert_params * 2, 2, 1, "ar")
+    assert tp_grad_sum_bytes(part, p_ep1) == want
+    assert tp_grad_sum_bytes(part, p_ep2) == want - part.expert_params * 2
+    ar = ring_time(cm.cluster, want, 2, 1, "ar")
+    ar_ep2 = ring_time(cm.cluster, want - part.expert_params * 2, 2, 1, "ar")
     assert c1.parts["tp_comm"] - c2.parts["tp_comm"] == pytest.approx(ar - ar_ep2)
-    assert C.tp_grad_sum_bytes(part, _plan(devices=1, global_batch_size=4)) == 0.0
+    assert tp_grad_sum_bytes(part, _plan(devices=1, global_batch_size=4)) == 0.0
     head = cm.head_cost(p_ep1)
-    assert head.parts["tp_comm"] == pytest.approx(C.ring_time(cm.cluster, cm.work.head.params * 2, 2, 1, "ar"))
+    assert head.parts["tp_comm"] == pytest.approx(ring_time(cm.cluster, cm.work.head.params * 2, 2, 1, "ar"))
     # no second, once-per-step expert reduction over the TP ranks (dp = 1)
     assert cm.evaluate(p_ep1).time.get("dp_comm", 0.0) == 0.0
 
@@ -340,14 +347,14 @@ def test_deferred_tp_gradient_sums_once_per_step():
     deferred = eager.model_copy(update={"tp_grad_reduce": "deferred"})
     part, c_e = _part(cm, eager, "moe")
     _, c_d = _part(cm, deferred, "moe")
-    assert c_e.parts["tp_comm"] - c_d.parts["tp_comm"] == pytest.approx(C.tp_grad_sum_time(part, C.Ctx(
+    assert c_e.parts["tp_comm"] - c_d.parts["tp_comm"] == pytest.approx(tp_grad_sum_time(part, Ctx(
         eager, cm.spec, cm.cluster, cm.cal, 2 * 2048)))  # fmt: skip
     assert cm.head_cost(deferred).parts["tp_comm"] == 0.0 < cm.head_cost(eager).parts["tp_comm"]
     t_e, t_d = cm.evaluate(eager), cm.evaluate(deferred)
     assert "tp_grad_sum" not in t_e.time and t_d.time["tp_grad_sum"] > 0
-    nbytes = sum(C.tp_grad_sum_bytes(p, eager) for layer in cm.work.layers for p in layer.parts)
+    nbytes = sum(tp_grad_sum_bytes(p, eager) for layer in cm.work.layers for p in layer.parts)
     nbytes += cm.work.head.params * 2
-    assert t_d.time["tp_grad_sum"] == pytest.approx(C.ring_time(cm.cluster, nbytes * 2, 2, 1, "ar", cm.cal.comm),
+    assert t_d.time["tp_grad_sum"] == pytest.approx(ring_time(cm.cluster, nbytes * 2, 2, 1, "ar", cm.cal.comm),
                                                     rel=1e-6)  # fmt: skip
     more_mb = cm.evaluate(deferred.model_copy(update={"global_batch_size": 16}))
     assert more_mb.time["tp_grad_sum"] == pytest.approx(t_d.time["tp_grad_sum"])
@@ -387,7 +394,7 @@ def test_bwd_ws_factors_scale_the_end_of_backward_and_are_validated():
     for f in (1.0, 2.0):
         cal = base.model_copy(update={"bwd_ws_factors": {"kda/dense": f}})
         flops = profile_model(spec, 4096).train_flops_per_token
-        cm = C.CostModel(spec, load_cluster_spec("h200-1gpu"), cal, 4096, flops)
+        cm = CostModel(spec, load_cluster_spec("h200-1gpu"), cal, 4096, flops)
         mem[f] = cm.evaluate(plan).memory
     assert mem[2.0]["buffers"] == pytest.approx(2 * mem[1.0]["buffers"])  # the proxy's first layer: kda/dense
     assert mem[1.0]["gradients"] == pytest.approx(mem[1.0]["weights"] - spec.vocab_size * spec.hidden_size * 4)
@@ -396,8 +403,9 @@ def test_bwd_ws_factors_scale_the_end_of_backward_and_are_validated():
 
 
 def _proxy_cost(cal, devices, fix, precision="bf16"):
-    from moestack.planner.search import evaluate_fixed, load_problem, parse_fix
     import dataclasses
+
+    from moestack.planner.search import evaluate_fixed, load_problem, parse_fix
     prob = load_problem("proxy", "h200-cluster", devices, 2048, 8192 if devices > 1 or "mbs=2" not in fix else 4096,
                         precision=precision)
     prob = dataclasses.replace(prob, cal=cal)
@@ -433,7 +441,7 @@ def test_fsdp_grads_build_up():
     spec = load_any_model_spec("proxy")
     cal = load_calibration()
     cluster = load_cluster_spec("h200-cluster").with_devices(2)
-    cm = C.CostModel(spec, cluster, cal, 2048, profile_model(spec, 2048).train_flops_per_token)
+    cm = CostModel(spec, cluster, cal, 2048, profile_model(spec, 2048).train_flops_per_token)
     ep = make_plan(model="proxy", cluster="h200-cluster", devices=2, seq_len=2048, micro_batch_size=2,
                    global_batch_size=4, dp_shard=2, ep=2, zero_stage=1)
     cost = cm.evaluate(ep)
@@ -466,7 +474,7 @@ def _attn_res_models(block_size: int = 2, devices: int = 8, seq: int = 4096):
     spec = load_any_model_spec("proxy")
     ar = spec.model_copy(update={"attn_res_block_size": block_size})
     cl = load_cluster_spec("h200-cluster").with_devices(devices)
-    return [C.CostModel(s, cl, load_calibration(), seq, profile_model(s, seq).train_flops_per_token)
+    return [CostModel(s, cl, load_calibration(), seq, profile_model(s, seq).train_flops_per_token)
             for s in (spec, ar)]
 
 
@@ -480,8 +488,8 @@ def test_attention_residuals_priced_by_depth():
         mix, ffn = spec.attn_res_sources(lw.index - 1)
         (pm, pf), (bm, bf) = lw.parts, base.parts
         assert pm.other_params - bm.other_params == 2 * h == pf.other_params - bf.other_params
-        assert pm.elem_bytes - bm.elem_bytes == pytest.approx(C.attn_res_elem_bytes(h, mix))
-        assert pf.elem_bytes - bf.elem_bytes == pytest.approx(C.attn_res_elem_bytes(h, ffn))
+        assert pm.elem_bytes - bm.elem_bytes == pytest.approx(attn_res_elem_bytes(h, mix))
+        assert pf.elem_bytes - bf.elem_bytes == pytest.approx(attn_res_elem_bytes(h, ffn))
     assert spec.attn_res_sources(15) == (9, 9) and spec.attn_res_sources(14) == (8, 9)  # layer 14 closes block 7
     plan = _plan(dp_shard=8, zero_stage=1)
     a, b = ar.evaluate(plan), plain.evaluate(plan)
@@ -495,13 +503,13 @@ def test_attention_residuals_pipeline_boundaries():
     plan = _plan(pp=4, dp_shard=2, zero_stage=1, global_batch_size=16)
     a, b = ar.evaluate(plan), plain.evaluate(plan)
     chunks = a.layout.chunks
-    msg = plan.micro_batch_size * plan.seq_len * ar.spec.hidden_size * C.BF16
-    hop = lambda n: C.p2p_time(ar.cluster, msg * n, plan.devices // plan.pp)  # noqa: E731
+    msg = plan.micro_batch_size * plan.seq_len * ar.spec.hidden_size * BF16
+    hop = lambda n: p2p_time(ar.cluster, msg * n, plan.devices // plan.pp)  # noqa: E731
     blocks = [ar.spec.attn_res_blocks_before(c[0]) for c in chunks[1:]]
     assert len(set(blocks)) > 1  # later boundaries carry more blocks
     assert a.time["pp_p2p"] == pytest.approx(2 * sum(hop(n + 1) for n in blocks), rel=1e-12)
     assert b.time["pp_p2p"] == pytest.approx(2 * 3 * hop(1), rel=1e-12)
-    costs = [C.PartCost() for _ in range(plan.pp)]
+    costs = [PartCost() for _ in range(plan.pp)]
     ar._add_boundary_state(costs, chunks, a.layout.chunk_rank, msg)
     want = [(blocks[c - 1] if c else 0) + (blocks[c] + 1 if c < 3 else 0) for c in range(4)]
     assert [pc.act / msg for pc in costs] == want and [pc.act_kept / msg for pc in costs] == want

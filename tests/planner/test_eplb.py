@@ -9,8 +9,9 @@ import pytest
 from moestack.config.base import ConfigError
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.plan import make_plan
-from moestack.planner import cost as C
 from moestack.planner.calibration import load_calibration
+from moestack.planner.cost.compute import moe_time_imbalance
+from moestack.planner.cost.step import CostModel
 from moestack.planner.eplb import max_over_mean, plan_replicas, rank_loads, replicated_imbalance, zipf_load
 from moestack.planner.profile import load_any_model_spec, profile_model
 
@@ -54,7 +55,7 @@ def test_replicated_imbalance_model():
 def _model(devices=8, seq=4096):
     spec = load_any_model_spec("proxy")
     cl = load_cluster_spec("h200-cluster").with_devices(devices)
-    return C.CostModel(spec, cl, load_calibration(), seq, profile_model(spec, seq).train_flops_per_token)
+    return CostModel(spec, cl, load_calibration(), seq, profile_model(spec, seq).train_flops_per_token)
 
 
 def _plan(**kw):
@@ -71,7 +72,7 @@ def test_cost_model_prices_imbalance_and_replication():
     replicated = cm.evaluate(_plan(moe_load_imbalance=2.0, ep_replicas=2))
     assert even.step_time_s < base.step_time_s < skewed.step_time_s
     assert replicated.step_time_s < skewed.step_time_s
-    assert C.moe_time_imbalance(replicated.plan, cm.spec) < 1.3
+    assert moe_time_imbalance(replicated.plan, cm.spec) < 1.3
 
 
 def test_plan_validates_replication():

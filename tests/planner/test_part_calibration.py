@@ -8,9 +8,9 @@ from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import make_plan
 from moestack.planner.calibration import HostCalibration, PartCalibration, load_calibration
-from moestack.planner.cost import CostModel
-from moestack.planner.measure_parts import local_expert_spec
+from moestack.planner.cost.step import CostModel
 from moestack.planner.profile import profile_model
+from moestack.tune.parts import local_expert_spec
 
 
 def _evaluate(cal, devices=1, recompute="none", mbs=1, seq=2048):
@@ -70,7 +70,7 @@ def test_local_expert_spec_keeps_rows_per_expert():
 
 
 def test_measure_parts_runs_every_part_kind_on_cpu():
-    from moestack.planner.measure_parts import measure_parts
+    from moestack.tune.parts import measure_parts
 
     spec = load_model_spec("tiny")
     timings = measure_parts(spec, 1, 32, device="cpu", reps=1)
@@ -81,7 +81,7 @@ def test_measure_parts_runs_every_part_kind_on_cpu():
 
 
 def test_fixed_and_per_token_fit():
-    from moestack.planner.tune import _fixed_and_per_token
+    from moestack.tune.calibrate import _fixed_and_per_token
 
     fixed, per = _fixed_and_per_token([(100, 1.0), (50, 0.6)])
     assert fixed == pytest.approx(0.2) and per == pytest.approx(0.008)

@@ -14,8 +14,15 @@ from moestack.config.base import ConfigError
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import RecomputePolicy, make_plan, runtime_unsupported
-from moestack.planner import cost as C
 from moestack.planner.calibration import load_calibration
+from moestack.planner.cost.comm import cp_attention_times, tp_comm_times
+from moestack.planner.cost.compute import GEMM_RECIPES, gemm_recipe, gemm_time, moe_time_imbalance, recipe_cast_bytes
+from moestack.planner.cost.context import Ctx
+from moestack.planner.cost.memory import megatron_saved_delta
+from moestack.planner.cost.parts import part_cost
+from moestack.planner.cost.pipeline import uniform_chunks
+from moestack.planner.cost.step import CostModel
+from moestack.planner.cost.work import Gemm, model_work
 from moestack.planner.host_profile import HOST_PROFILES
 from moestack.planner.profile import load_any_model_spec, profile_model
 from moestack.planner.search import Planner, load_problem, parse_fix
@@ -25,7 +32,7 @@ GIB = 2**30
 
 def _model(spec, cluster="h200-cluster", devices=8, seq=4096):
     cl = load_cluster_spec(cluster).with_devices(devices)
-    return C.CostModel(spec, cl, load_calibration(), seq, profile_model(spec, seq).train_flops_per_token)
+    return CostModel(spec, cl, load_calibration(), seq, profile_model(spec, seq).train_flops_per_token)
 
 
 def _plan(name="proxy", cluster="h200-cluster", devices=8, **kw):
@@ -57,14 +64,14 @@ def test_sliding_window_attention_flops():
     H, E = 8, 64
     assert prof.layers[0].fwd_attn_flops_per_token == pytest.approx(4 * H * E * (w - w * w / (2 * s)))
     assert prof.layers[1].fwd_attn_flops_per_token == pytest.approx(4 * H * E * s / 2)
-    work = C.model_work(spec, s)
+    work = model_work(spec, s)
     brute = sum(min(t, w) for t in range(1, s + 1)) / s
     assert work.layers[0].parts[0].attn_flops == pytest.approx(4 * H * E * brute)
     assert work.layers[1].parts[0].attn_flops == pytest.approx(4 * H * E * (s + 1) / 2)
     # under context parallelism a window's keys come from the previous shard only: less traffic than the all-gather
     cm = _model(spec, devices=2, seq=s)
     plan = _plan(name="g", devices=2, cp=2, dp_shard=1, zero_stage=0, global_batch_size=2)
-    swa, full = (C.cp_attention_times(lw.parts[0], C.Ctx(plan, spec, cm.cluster, cm.cal, s / 2), 0.0, 0.0)
+    swa, full = (cp_attention_times(lw.parts[0], Ctx(plan, spec, cm.cluster, cm.cal, s / 2), 0.0, 0.0)
                  for lw in cm.work.layers[:2])
     assert 0 < swa[0] < full[0]
     with pytest.raises(ValueError, match="sliding_window"):
@@ -79,7 +86,7 @@ def test_gpt3_parameters_closed_form():
     h, L, V, S = 12288, 96, 51200, 2048
     expected = L * (12 * h * h + 13 * h) + (V + S) * h + 2 * h
     assert profile_model(spec, S).total_params == expected
-    assert C.model_work(spec, S).total_params + 2 * h == expected  # ModelWork leaves the final norm out
+    assert model_work(spec, S).total_params + 2 * h == expected  # ModelWork leaves the final norm out
     errors = " ".join(spec.build_support_errors())
     assert not spec.gated_mlp and all(w in errors for w in ("gelu", "layernorm", "learned position", "linear_bias"))
 
@@ -108,8 +115,8 @@ def test_tp_without_sequence_parallelism():
     T, h, tp, layers = 4096, 8192, 8, 80
     extra = layers * 2 * T * (2 * h * 2) * (1 - 1 / tp)  # 2 parts per layer, norm input + output, bf16
     assert nosp.forward_activations - sp.forward_activations == pytest.approx(extra, rel=1e-6)
-    assert C.tp_comm_times(_plan(**kw), 1.0, 0.0) == (2.0, 3.0)
-    assert C.tp_comm_times(_plan(sequence_parallel=False, **kw), 1.0, 0.0) == (2.0, 2.0)
+    assert tp_comm_times(_plan(**kw), 1.0, 0.0) == (2.0, 3.0)
+    assert tp_comm_times(_plan(sequence_parallel=False, **kw), 1.0, 0.0) == (2.0, 2.0)
     assert nosp.time["tp_comm"] < sp.time["tp_comm"]
     full = RecomputePolicy.uniform("full")
     f_sp = cm.evaluate(_plan(recompute=full, **kw))
@@ -126,17 +133,17 @@ def test_routing_imbalance_and_capacity_factor():
     default 1.1; a capacity factor caps the factor (dropped tokens)."""
     spec = load_any_model_spec("proxy")
     plan = _plan(ep=8, dp_shard=8, zero_stage=1)
-    assert plan.moe_load_imbalance == 1.1 and C.moe_time_imbalance(plan, spec) == 1.1
+    assert plan.moe_load_imbalance == 1.1 and moe_time_imbalance(plan, spec) == 1.1
     balanced = plan.model_copy(update={"moe_load_imbalance": 1.0})
     cm = _model(spec)
     moe = next(p for lw in cm.work.layers for p in lw.parts if p.kind == "moe")
-    ctx = C.Ctx(plan, spec, cm.cluster, cm.cal, 4096.0)
-    ctx1 = C.Ctx(balanced, spec, cm.cluster, cm.cal, 4096.0)
-    assert C.part_cost(moe, ctx1).parts["gemm"] < C.part_cost(moe, ctx).parts["gemm"]
+    ctx = Ctx(plan, spec, cm.cluster, cm.cal, 4096.0)
+    ctx1 = Ctx(balanced, spec, cm.cluster, cm.cal, 4096.0)
+    assert part_cost(moe, ctx1).parts["gemm"] < part_cost(moe, ctx).parts["gemm"]
     dropping = spec.model_copy(update={"moe": spec.moe.model_copy(update={"capacity_factor": 1.05})})
-    assert C.moe_time_imbalance(plan.model_copy(update={"moe_load_imbalance": 1.5}), dropping) == 1.05
-    assert C.moe_time_imbalance(balanced, dropping) == 1.0
-    a2a_1, a2a_11 = C.part_cost(moe, ctx1).a2a, C.part_cost(moe, ctx).a2a
+    assert moe_time_imbalance(plan.model_copy(update={"moe_load_imbalance": 1.5}), dropping) == 1.05
+    assert moe_time_imbalance(balanced, dropping) == 1.0
+    a2a_1, a2a_11 = part_cost(moe, ctx1).a2a, part_cost(moe, ctx).a2a
     assert a2a_11 / a2a_1 == pytest.approx(1.1, rel=0.02)  # bandwidth term; the per-call latency does not scale
 
 
@@ -148,18 +155,18 @@ def test_recipes_peaks_and_casts():
     without the recipe's units prices it in bf16; per-tensor scaling pays an amax read before each cast."""
     gb = load_cluster_spec("gb300-nvl72")
     cal = load_calibration()
-    g = C.Gemm("x", n=8192, k=8192)
-    t_mx = C.gemm_time(g, 8192, 8192, 1, 1, "mxfp8", gb, cal)
-    t_fp4 = C.gemm_time(g, 8192, 8192, 1, 1, "nvfp4", gb, cal)
-    t_bf16 = C.gemm_time(g, 8192, 8192, 1, 1, "bf16", gb, cal)
+    g = Gemm("x", n=8192, k=8192)
+    t_mx = gemm_time(g, 8192, 8192, 1, 1, "mxfp8", gb, cal)
+    t_fp4 = gemm_time(g, 8192, 8192, 1, 1, "nvfp4", gb, cal)
+    t_bf16 = gemm_time(g, 8192, 8192, 1, 1, "bf16", gb, cal)
     assert t_mx / t_fp4 == pytest.approx(15000 / 5000)
     assert t_bf16 / t_mx == pytest.approx(5000 / 2500 * cal.lowp_native_gemm_factor)
     h100 = load_cluster_spec("h100-cluster")
-    assert C.gemm_recipe("nvfp4", h100) is None
-    assert C.gemm_time(g, 8192, 8192, 1, 1, "nvfp4", h100, cal) == C.gemm_time(g, 8192, 8192, 1, 1, "bf16", h100, cal)
+    assert gemm_recipe("nvfp4", h100) is None
+    assert gemm_time(g, 8192, 8192, 1, 1, "nvfp4", h100, cal) == gemm_time(g, 8192, 8192, 1, 1, "bf16", h100, cal)
     rows = 1000.0
-    f_t, b_t = C.recipe_cast_bytes(g, rows, 1, 1, C.GEMM_RECIPES["fp8_tensorwise"], 4)
-    f_m, b_m = C.recipe_cast_bytes(g, rows, 1, 1, C.GEMM_RECIPES["mxfp8"], 4)
+    f_t, b_t = recipe_cast_bytes(g, rows, 1, 1, GEMM_RECIPES["fp8_tensorwise"], 4)
+    f_m, b_m = recipe_cast_bytes(g, rows, 1, 1, GEMM_RECIPES["mxfp8"], 4)
     assert b_t == pytest.approx(rows * 8192 * (4 + 2))  # amax read + read + two 1-byte layouts
     assert b_m == pytest.approx(rows * 8192 * (2 + 2 * (1 + 1 / 32)))
     with pytest.raises(ConfigError, match="fp4"):
@@ -198,10 +205,10 @@ def test_context_parallel_ranks_shard_zero():
 
 def test_uniform_pipeline_split():
     """Megatron's even split, and with account_for_embedding / loss the first and last chunk one layer short."""
-    assert [len(c) for c in C.uniform_chunks(80, 40, False)] == [2] * 40
-    assert [len(c) for c in C.uniform_chunks(126, 64, True)] == [1] + [2] * 62 + [1]
-    assert [len(c) for c in C.uniform_chunks(10, 4, False)] == [3, 3, 2, 2]
-    chunks = C.uniform_chunks(94, 32, True)
+    assert [len(c) for c in uniform_chunks(80, 40, False)] == [2] * 40
+    assert [len(c) for c in uniform_chunks(126, 64, True)] == [1] + [2] * 62 + [1]
+    assert [len(c) for c in uniform_chunks(10, 4, False)] == [3, 3, 2, 2]
+    chunks = uniform_chunks(94, 32, True)
     assert [i for c in chunks for i in c] == list(range(94)) and len(chunks[0]) == len(chunks[-1]) == 2
 
 
@@ -212,12 +219,12 @@ def test_megatron_saved_tensors():
     cm = _model(spec, "gb200-nvl72", 64)
     moe = next(p for lw in cm.work.layers for p in lw.parts if p.kind == "moe")
     bf16 = _plan(cluster="gb200-nvl72", devices=64, ep=64, dp_shard=64, zero_stage=1, host_profile="megatron")
-    assert C.megatron_saved_delta(moe, "none", bf16, cm.cluster) == pytest.approx(8 * 4 - 8 * 7168 * 2)
+    assert megatron_saved_delta(moe, "none", bf16, cm.cluster) == pytest.approx(8 * 4 - 8 * 7168 * 2)
     mx = bf16.model_copy(update={"precision": "mxfp8"})
     q = 1 + 1 / 32
     quantised = moe.expert_fp8_saved + moe.expert_act_selective + moe.fc2_in + moe.sp_sel
     want = 8 * 4 - 8 * 7168 * 2 - quantised * (1 - q / 2)
-    assert C.megatron_saved_delta(moe, "none", mx, cm.cluster) == pytest.approx(want)
+    assert megatron_saved_delta(moe, "none", mx, cm.cluster) == pytest.approx(want)
     eager = cm.evaluate(bf16.model_copy(update={"host_profile": "eager"}))
     assert cm.evaluate(bf16).forward_activations < eager.forward_activations
 

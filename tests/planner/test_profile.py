@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from moestack.cli.profile import profile
 from moestack.config import ConfigError, ModelSpec, load_model_spec
 from moestack.config.base import dump_yaml
 from moestack.model.transformer import build_model
 from moestack.planner.profile import _causal_keys, load_any_model, load_any_model_spec, profile_model
-from moestack.planner.profile_cli import profile
 
 HF = Path(__file__).parent.parent / "data" / "hf_configs"
 

@@ -119,7 +119,7 @@ def test_kimi_k3_cloudmatrix_restricted_search_fits_with_a_memory_technique():
 
 
 def test_cli_plan_json_and_fix(tmp_path):
-    from moestack.cli import app
+    from moestack.cli.app import app
 
     runner = CliRunner()
     out = tmp_path / "plan.yaml"
@@ -144,7 +144,7 @@ def test_cli_plan_json_and_fix(tmp_path):
 def test_cli_tune_without_gpu(capsys):
     import torch
 
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

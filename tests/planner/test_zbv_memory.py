@@ -13,8 +13,8 @@ import pytest
 
 from moestack.config.cluster import GIB, load_cluster_spec
 from moestack.config.plan import make_plan
-from moestack.planner import cost as C
 from moestack.planner.calibration import load_calibration
+from moestack.planner.cost.step import CostModel
 from moestack.planner.profile import load_any_model_spec, profile_model
 from moestack.planner.report import breakdown
 
@@ -28,7 +28,7 @@ ONE_F_ONE_B_BEFORE = {"weights": 0.9508, "gradients": 0.9508, "buffers": 1.2321}
 def setup():
     spec = load_any_model_spec("proxy")
     prof = profile_model(spec, SEQ)
-    cm = C.CostModel(spec, load_cluster_spec("h200-cluster").with_devices(DEVICES), load_calibration(), SEQ,
+    cm = CostModel(spec, load_cluster_spec("h200-cluster").with_devices(DEVICES), load_calibration(), SEQ,
                      prof.train_flops_per_token)
     return spec, prof, cm
 

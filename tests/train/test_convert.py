@@ -483,7 +483,7 @@ def test_cli_round_trip(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from moestack.adapt_cli import convert
+    from moestack.cli.adapt import convert
     from moestack.config.base import ConfigError, dump_yaml
 
     app = typer.Typer()

@@ -145,7 +145,7 @@ def test_vision_skipped_in_one_line(release, tmp_path, capsys):
     line = describe_skipped(skipped, build_name_map(spec))
     assert line.startswith("skipped 5 HF tensor(s): ") and "vision_tower.* (3)" in line and "mm_projector.* (2)" \
         in line and "\n" not in line
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     assert main(["convert", str(root), str(tmp_path / "ckpt2")]) == 0
     out = capsys.readouterr().out

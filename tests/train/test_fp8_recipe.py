@@ -1,6 +1,6 @@
-"""precision fp8 (moestack/ops/fp8/convert.py): which layers the recipe puts in FP8, how a plan turns it on, the one-line
-errors where it cannot run, and a short training run on it (CPU: the FP8 kernels in the Triton interpreter) that
-tracks the bf16 run. The FP8 numerics themselves are tests/ops/test_fp8*.py's."""
+"""precision fp8 (moestack/ops/fp8/convert.py): which layers the recipe puts in FP8, how a plan turns it on, the
+one-line errors where it cannot run, and a short training run on it (CPU: the FP8 kernels in the Triton interpreter)
+that tracks the bf16 run. The FP8 numerics themselves are tests/ops/test_fp8*.py's."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def test_init_from_hf_mismatch_is_named(tmp_path):
 
 
 def test_cli_init_from(source, tmp_path, capsys):
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     model = tmp_path / "model.yaml"
     from moestack.config.base import dump_yaml

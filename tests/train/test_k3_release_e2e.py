@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _k3_small import small_k3_config  # noqa: E402
 
-from moestack.cli import main  # noqa: E402
+from moestack.cli.app import main  # noqa: E402
 from moestack.config.hf import hf_config_to_spec  # noqa: E402
 from moestack.train.convert import read_hf_layout  # noqa: E402
 

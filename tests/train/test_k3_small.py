@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config.hf import load_hf_config
 
 CONFIG = Path(__file__).parents[1] / "data" / "hf_configs" / "kimi-k3-small.config.json"

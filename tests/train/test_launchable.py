@@ -1,9 +1,9 @@
 """Every plan the search prints launches: a sample of `moestack plan tiny --devices 4` trains on 4 gloo ranks.
 
 The sample is the top plan and the best plans of the other kinds (schedule, tp / pp / ep > 1, ZeRO stage, EP
-overlap) in the ranked list, those combining most features first, SAMPLE plans in all; each runs two optimizer steps of the real trainer (its meshes, parallelize, pipeline schedule,
-optimizer) and must produce finite losses. Plans the runtime refuses never reach the list
-(moestack/config/support.py), which this checks from the other side.
+overlap) in the ranked list, those combining most features first, SAMPLE plans in all; each runs two optimizer steps of
+the real trainer (its meshes, parallelize, pipeline schedule, optimizer) and must produce finite losses. Plans the
+runtime refuses never reach the list (moestack/config/support.py), which this checks from the other side.
 """
 
 from __future__ import annotations

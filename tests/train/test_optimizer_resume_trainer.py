@@ -1,6 +1,6 @@
 """The trainer resumes bitwise with the optimizers whose stochastic rounding draws noise (bf16 m, v): a run stopped
 after its step-2 checkpoint and resumed gives the uninterrupted run's losses exactly (CPU, one-rank plan on gloo),
-with the rounding noise's state carried by the checkpoint (moestack.train.optimizers.RoundingStateMixin)."""
+with the rounding noise's state carried by the checkpoint (moestack.memory.adamw.RoundingStateMixin)."""
 
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config import load_train_spec
 from moestack.config.base import ConfigError
 
 ARGS = ["train", "--steps", "4", "-q", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
-        "--set", "logging.tensorboard=false", "--set", "logging.every=1", "--set", "eval_every=0", "--set", "checkpoint.every=0",
-        "--set", "checkpoint.save_final=false"]
+        "--set", "logging.tensorboard=false", "--set", "logging.every=1", "--set", "eval_every=0",
+        "--set", "checkpoint.every=0", "--set", "checkpoint.save_final=false"]
 
 
 def test_profile_steps_writes_tables_and_trace(tmp_path, capsys):

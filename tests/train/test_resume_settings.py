@@ -137,7 +137,7 @@ def test_nonfinite_stop_then_resume_with_lower_lr(tmp_path, monkeypatch):
 
 
 def test_cli_resume_with_lr(first, tmp_path, capsys):
-    from moestack.cli import main
+    from moestack.cli.app import main
     from moestack.config.base import dump_yaml
 
     run = _copy(first, tmp_path / "cli")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config import load_model_spec, load_train_spec
 from moestack.config.base import ConfigError
 from moestack.train.checkpoint import WRITER_LOCK, CheckpointError, find_resumable, save_checkpoint

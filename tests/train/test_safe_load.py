@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from moestack.cli import main
+from moestack.cli.app import main
 from moestack.config.base import ConfigError
 from moestack.train import checkpoint as ck
 from moestack.train.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint

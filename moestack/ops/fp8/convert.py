@@ -4,7 +4,7 @@ parallelize() calls it first (plan.precision fp8), the trainer's single-device b
 fp8). What runs in e4m3 with DeepSeek-V3's fine-grained scales (1x128 activation tiles, 128x128 weight blocks, fp32
 accumulation; forward, dX and dW):
     routed experts   their GEMM strategy (`Experts.gemm`) becomes grouped_gemm.Fp8GroupedGemm
-    Linear layers    every projection the planner's cost model prices in FP8 (moestack/planner/cost.py, Gemm.fp8):
+    Linear layers    every projection the planner's cost model prices in FP8 (moestack/planner/cost/work.py, Gemm.fp8):
                      KDA q / k / v / f / g / o, MLA q_a / q_b / q / kv_a / kv_b / g / o, GQA q / k / v / g / o,
                      dense and shared-expert GLU MLPs, LatentMoE down / up (linear.Fp8Linear)
 What stays bf16 (as in DeepSeek-V3 and the cost model): embedding, LM head, MoE router, DSA lightning indexer, KDA's

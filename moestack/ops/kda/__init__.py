@@ -19,13 +19,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moestack.ops import tuned
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
-from moestack.ops.opaque import opaque
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
     kda_gate_k3,
     kda_gate_kimi_linear,
     kda_recurrent_reference,
 )
+from moestack.ops.opaque import opaque
 
 __all__ = [
     "REGISTRY",

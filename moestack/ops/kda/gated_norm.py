@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moestack.ops.kda.triton_fwd import _configs
 from moestack.ops import custom_ops
+from moestack.ops.kda.triton_fwd import _configs
 from moestack.ops.launch import pruner
 
 _prune = {"early_config_prune": pruner("tile")}  # [BR, BV] fp32 tiles: shared memory only for the row sums

@@ -24,7 +24,6 @@ from moestack.ops.kda.triton_fwd import (
     GATE_K3,
     GATE_KIMI,
     GATE_NONE,
-    INTERPRET,
     kda_fwd_intra,
     kda_fwd_recurrence,
 )

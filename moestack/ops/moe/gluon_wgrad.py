@@ -4,8 +4,8 @@
 
 At <= a few hundred rows per expert dW is a write stream: each output tile is written once after a reduction of
 depth = the expert's rows (K3 EP16, 64 rows per expert: 3.7 GB written per layer for 0.24 TFLOP). The Triton kernels
-in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (benchmarks/grouped_gemm.py --small parts): Triton waits for each tile's MMA, then stores it from
-registers while the tensor cores idle. Here the overlap is explicit:
+in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (benchmarks/grouped_gemm.py --small parts): Triton waits for each
+tile's MMA, then stores it from registers while the tensor cores idle. Here the overlap is explicit:
 
 - One program per (a-tile of BA = 16 x warps columns, expert); the default configs run 4 warps and fit two programs
   per SM. The expert's P[rows, a-tile] is copied to shared memory once (cp.async, rows past the expert

@@ -4,10 +4,10 @@ solved once per optimizer step. reference.quantile_balancing_bias is the exact (
 Per token t and expert j the required bias is r_tj = a_tj - s_tj, with a_tj the k-th largest s_t + b among the
 other experts (the token's cutoff for j): expert j gets token t for any bias above r_tj. The balanced bias of j is
 the k/E quantile of r_.j over the step's tokens (every token, every micro-batch, every data-parallel rank). Scores
-lie in (0, 1), so r lies in (min b - 1, max b + 1): B uniform bins over that range (the report's App. D: 1000) hold the counts,
-int32 [E, B] per layer, and the quantile is read with linear interpolation inside its bin. Histograms add
-exactly, so micro-batches and ranks reduce with one integer sum, and the result is independent of how the
-step's tokens were split. The range comes from the bias itself, which is the same on every rank and fixed
+lie in (0, 1), so r lies in (min b - 1, max b + 1): B uniform bins over that range (the report's App. D: 1000) hold
+the counts, int32 [E, B] per layer, and the quantile is read with linear interpolation inside its bin. Histograms
+add exactly, so micro-batches and ranks reduce with one integer sum, and the result is independent of how the step's
+tokens were split. The range comes from the bias itself, which is the same on every rank and fixed
 during the step.
 
 Two scopes (RouterSpec.quantile_scope):

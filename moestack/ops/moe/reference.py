@@ -307,8 +307,8 @@ def quantile_balancing_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k
 
     Token t picks expert j when s_tj + b_j beats the token's cutoff a_tj, the k-th largest s_t + b among the other
     experts (the (k+1)-th overall for an expert in the token's top k, the k-th for one outside): j would be chosen
-    with any bias above r_tj = a_tj - s_tj, the other biases held. The balanced bias of expert j admits exactly q = T*k/E
-    tokens (rounded, 1 <= q < T), i.e. lies between the q-th and (q+1)-th smallest r_tj; this returns the
+    with any bias above r_tj = a_tj - s_tj, the other biases held. The balanced bias of expert j admits exactly
+    q = T*k/E tokens (rounded, 1 <= q < T), i.e. lies between the q-th and (q+1)-th smallest r_tj; this returns the
     midpoint, shifted so the biases have mean 0 (a common shift changes no choice). One coordinate step of the
     dual of the balanced-assignment problem: the cutoffs are those of the current bias. Ties in the choice
     follow the router's rule (lower id first); the result does not depend on it. Math in at least fp32.

@@ -205,7 +205,8 @@ def _combine(x_RD: torch.Tensor, row_of_slot_N: torch.Tensor, w_TK: torch.Tensor
              dtype: torch.dtype) -> torch.Tensor:
     D = x_RD.shape[1]
     y_TD = torch.empty((T, D), dtype=dtype, device=x_RD.device)
-    grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(D, meta["BD"]))
+    def grid(meta):
+        return (triton.cdiv(T, meta["BT"]), triton.cdiv(D, meta["BD"]))
     combine_fwd_kernel[grid](x_RD, row_of_slot_N, w_TK if w_TK is not None else x_RD, y_TD, T, D, K=K,
                              HAS_W=w_TK is not None)
     return y_TD
@@ -218,7 +219,8 @@ class _GatherTriton(torch.autograd.Function):
         T, D = h_TD.shape
         R = slot_of_row_R.numel()
         x_RD = torch.empty((R, D), dtype=h_TD.dtype, device=h_TD.device)
-        grid = lambda meta: (triton.cdiv(R, meta["BR"]), triton.cdiv(D, meta["BD"]))
+        def grid(meta):
+            return (triton.cdiv(R, meta["BR"]), triton.cdiv(D, meta["BD"]))
         gather_fwd_kernel[grid](h_TD, slot_of_row_R, x_RD, R, D, K)
         ctx.save_for_backward(row_of_slot_N)
         ctx.T, ctx.K = T, K
@@ -247,7 +249,8 @@ class _CombineTriton(torch.autograd.Function):
         R, D = x_RD.shape
         dx_RD = torch.empty_like(x_RD)
         dw_TK = torch.empty((T, K), dtype=torch.float32, device=x_RD.device)
-        grid = lambda meta: (triton.cdiv(T, meta["BT"]),)
+        def grid(meta):
+            return (triton.cdiv(T, meta["BT"]),)
         combine_bwd_kernel[grid](grad_TD, x_RD, w_TK, row_of_slot_N, dx_RD, dw_TK, T, D, K=K,
                                  KP=triton.next_power_of_2(K))
         if not ctx.exact:  # padding rows and dropped capacity rows are fed by no slot: zero their gradient

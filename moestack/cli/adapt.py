@@ -1,5 +1,5 @@
 """`moestack adapt` (scale a model down to a proxy that fits a device) and `moestack convert` (HF safetensors <->
-moestack checkpoints). Typer-annotated functions; moestack/cli.py registers them."""
+moestack checkpoints). Typer-annotated functions; moestack/cli/app.py registers them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moestack.cli.profile import _bytes, _n
 from moestack.config.base import ConfigError
 from moestack.config.model_spec import ModelSpec
-from moestack.planner.profile_cli import _bytes, _n
 
 # ---------------------------------------------------------------------------------------------- adapt
 
@@ -112,11 +112,13 @@ def adapt(
     """Scale a model down to a proxy of the same family that trains on one device; print both side by side."""
     from moestack.planner.adapt import adapt_model, parse_fit, spec_to_yaml
     from moestack.planner.profile import load_any_model_spec
+    from moestack.tune.builds import check_builds
 
     if precision not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"--precision: must be auto, bf16 or fp32, got '{precision}'")
     spec = load_any_model_spec(model)
     result = adapt_model(spec, parse_fit(fit), seq_len, batch, precision, act_factor, margin, top_k, name)
+    check_builds(result.spec, result.profile)
     console = Console()
     render_adapt(result, console)
     text = spec_to_yaml(result)

@@ -18,8 +18,9 @@ rs / ag (n-1)/n * total bytes / t, a2a (n-1)/n * bytes / t; a least-squares line
 
 `--merge-into CAL.json` then sets CAL.json's `comm` field (calibration.CommCalibration; CAL.json is rewritten
 atomically; when it does not exist the default calibration is the base), which the cost model uses for every
-collective whose group stays inside tier 0 (planner/cost.py `_measured`). Why: the datasheet bandwidth times an
-efficiency is a guess per machine (the lent 2 x H200 VM, session 6: 210-240 GB/s bus bandwidth over P2P/CUMEM). NVLink multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
+collective whose group stays inside tier 0 (planner/cost/comm.py `_measured`). Why: the datasheet bandwidth times an
+efficiency is a guess per machine (the lent 2 x H200 VM, session 6: 210-240 GB/s bus bandwidth over P2P/CUMEM). NVLink
+multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import datetime
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 from moestack.config.base import ConfigError
@@ -137,7 +137,7 @@ def _time_calls(fn, iters: int, warmup: int, device) -> float:
     import torch
     import torch.distributed as dist
 
-    from moestack.planner.timer import median_seconds
+    from moestack.tune.timer import median_seconds
 
     med = median_seconds(fn, reps=iters, warmup=warmup, device=device, before_each=dist.barrier)
     out = torch.tensor([med], dtype=torch.float64, device=device)
@@ -266,14 +266,3 @@ def parse_sizes(text: str | None) -> list[float] | None:
         return [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ConfigError(f"tune-comm: --sizes-mib: comma list of MiB expected, e.g. 1,16,128 (got {text!r})") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m moestack.planner.tune_comm ...` (the same flags as `moestack tune-comm`)."""
-    from moestack.cli import main as cli_main
-
-    return cli_main(["tune-comm", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`moestack tune-comm` (planner/tune_comm.py) on 2 gloo ranks, merging its result into a calibration, and the cost
+"""`moestack tune-comm` (tune/comm.py) on 2 gloo ranks, merging its result into a calibration, and the cost
 model's collective times with a measured `comm` calibration (tier-0 groups) against the hand formula."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 
 from moestack.config.base import ConfigError
 from moestack.config.cluster import load_cluster_spec
-from moestack.planner import cost as C
 from moestack.planner.calibration import COLLECTIVE_KINDS, CommCalibration, load_calibration
-from moestack.planner.tune_comm import busbw_factor, fit_latency, merge_into, run_tune_comm
+from moestack.planner.cost.comm import a2a_time, ring_time
+from moestack.tune.comm import busbw_factor, fit_latency, merge_into, run_tune_comm
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "parallel"))
-from _dist import run_ranks
+from _dist import run_ranks  # noqa: E402 (importable only after the sys.path insert above)
 
 
 def _tune_worker(rank: int, world_size: int, out: str) -> dict | None:
@@ -50,7 +50,7 @@ def test_tune_comm_on_two_gloo_ranks_writes_busbw_and_merges(tmp_path):
 
 
 def test_merge_cli_from_file_and_bad_file(tmp_path):
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     data = {"world": 2, "backend": "nccl", "device": "H200", "date": "d",
             "collectives": {k: {"busbw_gb_s": 20.0, "latency_us": 30.0, "points": []} for k in COLLECTIVE_KINDS}}
@@ -67,7 +67,7 @@ def test_merge_cli_from_file_and_bad_file(tmp_path):
 
 
 def test_without_torchrun_one_line_error(monkeypatch, capsys, tmp_path):
-    from moestack.cli import main
+    from moestack.cli.app import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -96,24 +96,24 @@ def test_collective_times_with_measured_comm():
     S, bw, lat = 100e6, 20e9, 50e-6
     for kind, factor in (("rs", 1.0), ("ag", 1.0), ("ar", 2.0)):
         for size in (2, 8):
-            got = C.ring_time(cl, S, size, 1, kind, COMM)
+            got = ring_time(cl, S, size, 1, kind, COMM)
             assert got == pytest.approx(factor * (size - 1) / size * S / bw + lat)
             # without comm: the datasheet path, unchanged
-            assert C.ring_time(cl, S, size, 1, kind) == pytest.approx(
+            assert ring_time(cl, S, size, 1, kind) == pytest.approx(
                 factor * (size - 1) / size * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency)
                 + (size - 1) * factor * nv.latency_us * 1e-6)
-            assert C.ring_time(cl, S, size, 1, kind, None) == C.ring_time(cl, S, size, 1, kind)
+            assert ring_time(cl, S, size, 1, kind, None) == ring_time(cl, S, size, 1, kind)
         # a group crossing nodes (tier 1) keeps the datasheet bandwidth
-        assert C.ring_time(cl, S, 2, 8, kind, COMM) == C.ring_time(cl, S, 2, 8, kind)
+        assert ring_time(cl, S, 2, 8, kind, COMM) == ring_time(cl, S, 2, 8, kind)
     for size in (2, 8):
-        assert C.a2a_time(cl, S, size, 1, False, 8, comm=COMM) == pytest.approx((size - 1) / size * S / bw + lat)
-        assert C.a2a_time(cl, S, size, 1, False, 8) == pytest.approx(
+        assert a2a_time(cl, S, size, 1, False, 8, comm=COMM) == pytest.approx((size - 1) / size * S / bw + lat)
+        assert a2a_time(cl, S, size, 1, False, 8) == pytest.approx(
             (size - 1) / size * S / (nv.bandwidth_gb_s * 1e9 * nv.efficiency) + 2 * nv.latency_us * 1e-6)
-    assert C.a2a_time(cl, S, 16, 1, True, 8, comm=COMM) == C.a2a_time(cl, S, 16, 1, True, 8)
+    assert a2a_time(cl, S, 16, 1, True, 8, comm=COMM) == a2a_time(cl, S, 16, 1, True, 8)
     # a kind the measurement lacks keeps the datasheet
     only_a2a = CommCalibration(world=2, collectives={"a2a": {"busbw_gb_s": 20.0}})
-    assert C.ring_time(cl, S, 2, 1, "rs", only_a2a) == C.ring_time(cl, S, 2, 1, "rs")
-    assert C.ring_time(cl, 0, 2, 1, "rs", COMM) == 0.0 and C.a2a_time(cl, S, 1, 1, False, 8, comm=COMM) == 0.0
+    assert ring_time(cl, S, 2, 1, "rs", only_a2a) == ring_time(cl, S, 2, 1, "rs")
+    assert ring_time(cl, 0, 2, 1, "rs", COMM) == 0.0 and a2a_time(cl, S, 1, 1, False, 8, comm=COMM) == 0.0
 
 
 def test_plan_step_time_follows_measured_comm(tmp_path):

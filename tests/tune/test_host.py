@@ -1,4 +1,4 @@
-"""Host-floor measurement (planner/measure_host.py) and its path into the calibration (`moestack tune`)."""
+"""Host-floor measurement (tune/host.py) and its path into the calibration (`moestack tune`)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ import torch
 from moestack.config.cluster import load_cluster_spec
 from moestack.config.model_spec import load_model_spec
 from moestack.config.plan import make_plan
-from moestack.planner import measure_host as mh
 from moestack.planner.calibration import HostCalibration, load_calibration, save_calibration
-from moestack.planner.cost import CostModel
-from moestack.planner.measure_host import HostTiming, measure_host, sampled_spec
+from moestack.planner.cost.step import CostModel
 from moestack.planner.profile import profile_model
-from moestack.planner.tune import calibrate_host
+from moestack.tune import host as mh
+from moestack.tune.calibrate import calibrate_host
+from moestack.tune.host import HostTiming, measure_host, sampled_spec
 
 
 def _with_mtp(name: str):
-    # one MTP block: cost.py charges layer_s for it, the trainer does not run it (priced != trained layers)
+    # one MTP block: the cost model charges layer_s for it, the trainer does not run it (priced != trained layers)
     return load_model_spec(name).model_copy(update={"mtp_layers": 1})
 
 
 def _host_seconds_per_micro_batch(spec, cal, seq=2048) -> float:
-    """What cost.py's host floor charges one micro-batch's forward + backward on one device (pp = tp = ep = 1)."""
+    """What the cost model's host floor charges one micro-batch's forward + backward on one device (pp=tp=ep=1)."""
     plan = make_plan(model=spec.name, cluster="h200-1gpu", devices=1, seq_len=seq, micro_batch_size=1,
                      global_batch_size=1)
     cm = CostModel(spec, load_cluster_spec("h200-1gpu").with_devices(1), cal, seq,
@@ -46,8 +46,8 @@ def test_measure_host_runs_the_whole_model_on_cpu():
 
 @pytest.mark.parametrize("built", [16, 5])
 def test_measured_layer_s_reproduces_the_measured_pass_in_the_cost_model(built):
-    # the quantity divided must be what cost.py multiplies by: with layer_s from a measurement, the planner's host
-    # time of one micro-batch is the measured wall time (scaled to the whole model when only `built` blocks ran)
+    # the quantity divided must be what the cost model multiplies by: with layer_s from a measurement, the planner's
+    # host time of one micro-batch is the measured wall time (scaled to the whole model when only `built` blocks ran)
     spec = _with_mtp("proxy")
     wall = 0.2
     t = HostTiming(wall_s=wall, wall_2x_s=wall, tail_s=0.0, tokens=256, reps=7, layers_built=built,

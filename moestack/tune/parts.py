@@ -1,7 +1,7 @@
 """Measure each layer part (mixer / FFN kind) of a model on the local GPU: forward and backward seconds and the
 bytes autograd keeps, at the plan's per-device shape, with the backends this process runs.
 
-`moestack tune` turns these into `Calibration.parts`: the time the analytic terms of planner/cost.py do not
+`moestack tune` turns these into `Calibration.parts`: the time the analytic terms of planner/cost/ do not
 explain (launch-bound small ops, fp32 elementwise work of reference kernels, ...) per token, and the measured saved
 bytes per token. The cost model adds the first to every pass and uses the second instead of its analytic activation
 bytes, so its predictions follow the code that actually runs (benchmarks/planner_measured.py checks them against
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moestack.config.model_spec import ModelSpec
-from moestack.planner.timer import median_seconds
+from moestack.tune.timer import median_seconds
 
 PART_OF_MIXER = {"kda": "kda", "mla": "mla", "gqa": "gqa", "mamba2": "mamba2"}
 

@@ -1,4 +1,4 @@
-"""`moestack plan` and `moestack tune` (registered by moestack/cli.py).
+"""`moestack plan` and `moestack tune` (registered by moestack/cli/app.py).
 
 plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
      [--plot DIR] [--out plan.yaml] [--precision bf16|fp8|fp8_tensorwise|mxfp8|nvfp4]
@@ -126,7 +126,7 @@ def tune(
     ] = False,
 ) -> None:
     """Measure GEMM / grouped GEMM / attention efficiencies at the model's shapes and write a calibration file."""
-    from moestack.planner.tune import run_tune
+    from moestack.tune.calibrate import run_tune
 
     run_tune(model, plan_path, out, seq_len, measure_host=measure_host)
 
@@ -151,6 +151,6 @@ def tune_comm(
     """Measure all-reduce / reduce-scatter / all-gather / all-to-all bus bandwidth and latency on the ranks of a
     torchrun job (NCCL on GPU, gloo on CPU); the planner prices tier-0 collectives with them once merged into the
     calibration (`--merge-into`)."""
-    from moestack.planner.tune_comm import parse_sizes, run_tune_comm
+    from moestack.tune.comm import parse_sizes, run_tune_comm
 
     run_tune_comm(out, parse_sizes(sizes_mib), iters, warmup, dtype, merge_into, from_file)

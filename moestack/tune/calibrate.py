@@ -11,13 +11,13 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   sparse attn     moestack.ops.dsa.sparse_mqa_attention (the selected backend), k = the indexer's top-k
   indexer top-k   moestack.ops.dsa.indexer_topk_from_inputs -> topk_elems_per_s (after the scoring FLOPs)
   host floor      with --measure-host: the whole model's forward + backward of one 256-token micro-batch, wall
-                  clock, over its layers -> host.layer_s (planner/measure_host.py; ep_moe_s and tp_layer_s keep
+                  clock, over its layers -> host.layer_s (tune/host.py; ep_moe_s and tp_layer_s keep
                   their defaults; opt-in until checked on a GPU); on an FP8 GPU the same pass on the FP8 recipe
                   -> host.fp8_layer_s (the difference per layer)
-Efficiencies are counted with the cost model's own FLOP formulas (planner/cost.py), so a slow backend shows up as a
+Efficiencies are counted with the cost model's own FLOP formulas (planner/cost/), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
-calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model uses for shapes within 25%.
-Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
+calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model
+uses for shapes within 25%. Without a CUDA GPU it is an error (one line, exit 2): there is nothing to measure.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ HOST_BOUND_GROWTH = 0.10  # wall-time growth at 2x tokens above which the host m
 
 def _bench(fn, warmup: int = 5, reps: int = 20) -> float:
     """Median seconds of fn() on the current CUDA device."""
-    from moestack.planner.timer import median_seconds
+    from moestack.tune.timer import median_seconds
 
     return median_seconds(fn, reps=reps, warmup=warmup)
 
@@ -138,7 +138,7 @@ def measure_kda(heads: int, dim: int, chunk: int, tokens: int, peak: float) -> t
     beta = torch.sigmoid(rand(1, tokens, heads)).bfloat16().requires_grad_()
     do = rand(1, tokens, heads, dim).bfloat16()
     backend = kda.resolve_backend(None, q)
-    flops = heads * (6 * dim * dim + 3 * chunk * dim + chunk * chunk) * tokens  # planner/cost.py kda_work
+    flops = heads * (6 * dim * dim + 3 * chunk * dim + chunk * chunk) * tokens  # planner/cost/work.py kda_work
     t_f = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0], warmup=2, reps=5)
     t_fb = _bench(lambda: kda.chunk_kda(q, k, v, gate, beta)[0].backward(do), warmup=2, reps=5)
     t_b = max(t_fb - t_f, 1e-9)
@@ -162,7 +162,7 @@ def measure_sparse_attention(heads: int, d_qk: int, d_v: int, top_k: int, tokens
     do = torch.randn(1, tokens, heads, d_v, device="cuda", generator=g).bfloat16()
     backend = dsa.select_backend("sparse_mqa_attention", q)
     pairs = float(sum(min(i + 1, top_k) for i in range(tokens)))
-    flops = 2.0 * pairs * heads * (d_qk + d_v)  # planner/cost.py mla_work
+    flops = 2.0 * pairs * heads * (d_qk + d_v)  # planner/cost/work.py mla_work
     scale = d_qk ** -0.5
 
     def fwd():
@@ -200,12 +200,14 @@ def measure_hbm(bw_bytes_s: float) -> float:
 
 
 def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -> dict[str, PartCalibration]:
-    """Measure each layer part whole (planner/measure_parts.py) at two token counts and keep what the analytic
+    """Measure each layer part whole (tune/parts.py) at two token counts and keep what the analytic
     terms miss, as a fixed cost per pass plus a cost per token, and the saved bytes per token."""
     from moestack.config.cluster import load_cluster_spec
     from moestack.memory.report import single_device_plan
-    from moestack.planner.cost import Ctx, model_work, part_cost
-    from moestack.planner.measure_parts import local_expert_spec, measure_parts
+    from moestack.planner.cost.context import Ctx
+    from moestack.planner.cost.parts import part_cost
+    from moestack.planner.cost.work import model_work
+    from moestack.tune.parts import local_expert_spec, measure_parts
 
     if plan is None:
         plan = single_device_plan(spec.name, seq, mbs, cluster="h200-1gpu")
@@ -244,7 +246,7 @@ def calibrate_parts(spec, cal: Calibration, plan, mbs: int, seq: int, ep: int) -
 
 
 def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda") -> tuple[HostCalibration, str]:
-    """`base` with layer_s measured on this machine (planner/measure_host.py) and its provenance in `source`, and
+    """`base` with layer_s measured on this machine (tune/host.py) and its provenance in `source`, and
     one line for tune's output; where the GPU runs FP8, fp8_layer_s too (the FP8 recipe's pass minus the bf16
     one). On CPU, or when the measurement fails, `base` unchanged and a line that says so. ep_moe_s and tp_layer_s
     stay: they need several GPUs."""
@@ -252,7 +254,7 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
 
     import torch
 
-    from moestack.planner.measure_host import measure_host
+    from moestack.tune.host import measure_host
 
     keep = f"keeping the default layer_s {base.layer_s * 1e3:.1f} ms"
     if torch.device(device).type != "cuda":
@@ -348,7 +350,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                           "run it there (the planner uses the default calibration until then)")
     from moestack.config.cluster import load_cluster_spec
     from moestack.config.plan import load_plan
-    from moestack.planner.cost import model_work
+    from moestack.planner.cost.work import model_work
     from moestack.planner.profile import load_any_model_spec
 
     spec = load_any_model_spec(model)
@@ -366,7 +368,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
     peak_bf16 = device.peak_flops("bf16")
     base = load_calibration()
     # backend choice per hot op first, so every efficiency below is measured with the backend that will run
-    from moestack.planner.tune_ops import tune_ops
+    from moestack.tune.kernels import tune_ops
 
     choices = tune_ops(spec, tokens, tp, ep)
     for c in choices:
@@ -412,7 +414,8 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
         kf, kb, kda_backend = measure_kda(max(1, spec.kda.value_heads // tp), spec.kda.head_dim,
                                           spec.kda.chunk_size, tokens, peak_bf16)
         update.update(kda_fwd_eff=kf, kda_bwd_eff=kb)
-        measured.append(f"KDA ({kda_backend}) fwd {kf * peak_bf16 / 1e12:.1f} / bwd {kb * peak_bf16 / 1e12:.1f} TFLOP/s")
+        measured.append(f"KDA ({kda_backend}) fwd {kf * peak_bf16 / 1e12:.1f} / bwd {kb * peak_bf16 / 1e12:.1f} "
+                        "TFLOP/s")
     mla = spec.mla
     if mla is not None and mla.indexer is not None:
         d_qk = mla.kv_lora_rank + mla.qk_rope_head_dim

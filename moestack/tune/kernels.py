@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moestack.ops import tuned
-from moestack.planner.timer import median_seconds
+from moestack.tune.timer import median_seconds
 
 REL_TOL = 3e-2
 

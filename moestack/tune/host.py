@@ -1,12 +1,12 @@
 """Measure the host (Python + launch) time of moestack's eager training step on this machine: the floor under the
-device time that planner/cost.py prices as `Calibration.host.layer_s` per layer per micro-batch.
+device time that planner/cost/ prices as `Calibration.host.layer_s` per layer per micro-batch.
 
 What runs is what the single-device trainer runs for one micro-batch (moestack/train/trainer.py `_forward_backward`
 with one accumulation step): the whole model (embedding, blocks, norm, chunked loss over the head) in fp32 weights
 under bf16 autocast on CUDA (fp32 without autocast on CPU, as `precision: auto` does), `model(inputs, targets)`,
 `loss.backward()`, `loss.item()`, gradients set to None between micro-batches as `zero_grad(set_to_none=True)`
 leaves them. Not the optimizer step, the clip or the router-bias update: they run once per step, not per
-micro-batch, and cost.py prices the optimizer on its own.
+micro-batch, and the cost model prices the optimizer on its own.
 
 Why the device work is negligible: at 1 x 256 tokens every kernel is a few microseconds on a datacenter GPU while
 the host spends ~20 ms per layer on Python, autograd and launches (the 2 x H200 fit), so the device idles waiting
@@ -36,7 +36,7 @@ MEMORY_FRACTION = 0.6  # of the free device memory the measured model may take
 
 @dataclass
 class HostTiming:
-    """One host measurement. `layer_s` is what cost.py's `host_times` multiplies by the layers of a rank to get
+    """One host measurement. `layer_s` is what cost/step.py's `host_times` multiplies by the layers of a rank to get
     the host seconds of one micro-batch's forward + backward (tp = ep = 1, no recompute)."""
 
     wall_s: float  # median wall seconds of one micro-batch forward + backward at `tokens`
@@ -46,12 +46,12 @@ class HostTiming:
     reps: int  # timed runs behind `wall_s`
     layers_built: int  # blocks in the model that ran (fewer than the spec's when the spec does not fit)
     layers_trained: int  # blocks the trainer runs for the spec (spec.num_layers)
-    layers_priced: int  # layers cost.py charges layer_s for: decoder layers + MTP blocks (model_work(spec).layers)
+    layers_priced: int  # layers the cost model charges layer_s for: decoder + MTP blocks (model_work(spec).layers)
 
     @property
     def layers(self) -> float:
-        """The divisor: `layers_priced` scaled from the built model to the whole one. cost.py multiplies layer_s by
-        `layers_priced`, the trainer runs `layers_trained` blocks, of which `layers_built` ran here."""
+        """The divisor: `layers_priced` scaled from the built model to the whole one. The cost model multiplies layer_s
+        by `layers_priced`, the trainer runs `layers_trained` blocks, of which `layers_built` ran here."""
         return self.layers_priced * self.layers_built / self.layers_trained
 
     @property
@@ -108,16 +108,17 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
                  precision: str = "bf16") -> HostTiming:
     """Median wall seconds of one micro-batch forward + backward of `spec`'s model at 1 x seq_len tokens (capped at
     max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
-    (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16 autocast.
+    (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16
+    autocast.
 
-    The experts are one EP rank's (planner/measure_parts.py `local_expert_spec`): the model an ep-way run holds.
+    The experts are one EP rank's (tune/parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what
     building or running raises (out of memory, an unsupported spec); `moestack tune` catches it, keeps the default.
     """
     from moestack.model.aux_loss import set_aux_loss_scale
     from moestack.model.transformer import build_model
-    from moestack.planner.cost import model_work
-    from moestack.planner.measure_parts import local_expert_spec
+    from moestack.planner.cost.work import model_work
+    from moestack.tune.parts import local_expert_spec
 
     device = torch.device(device)
     cuda = device.type == "cuda"

@@ -206,16 +206,15 @@ def _fmt(s) -> str:
 
 
 def _register_commands() -> None:
-    """Commands owned by their packages; each module exposes a typer-annotated function."""
-    from moestack import adapt_cli
-    from moestack.planner import plan_cli, profile_cli
+    """The other commands, one module each under moestack/cli/; each exposes typer-annotated functions."""
+    from moestack.cli import adapt, plan, profile
 
-    app.command("profile")(profile_cli.profile)
-    app.command("adapt")(adapt_cli.adapt)
-    app.command("convert")(adapt_cli.convert)
-    app.command("plan")(plan_cli.plan)
-    app.command("tune")(plan_cli.tune)
-    app.command("tune-comm")(plan_cli.tune_comm)
+    app.command("profile")(profile.profile)
+    app.command("adapt")(adapt.adapt)
+    app.command("convert")(adapt.convert)
+    app.command("plan")(plan.plan)
+    app.command("tune")(plan.tune)
+    app.command("tune-comm")(plan.tune_comm)
 
 
 _register_commands()

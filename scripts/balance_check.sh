@@ -8,7 +8,11 @@
 # loss comparison: a second proxy run, so set STEPS=100 or run it as its own call.
 #
 # Usage on the device machine:  bash scripts/balance_check.sh [extra moestack train flags]
-#   STEPS=200 K3_STEPS=20 SEQ=4096 FROM=50 K3_FROM=10 LOG_EVERY=5 OUT=runs   (defaults)
+#   STEPS=200 K3_STEPS=20 SEQ=4096 FROM=50 K3_FROM=10 LOG_EVERY=5 OUT=runs K3_LR=2.2e-4   (defaults)
+# The slice trains at K3_LR, not the TrainSpec default 3e-3 (tuned on the proxy's width 1536): at width 7168 AdamW
+# at 3e-3 diverges within the warm-up (loss 27 at step 5 on the H200; a CPU copy at K3 width with 4 heads went
+# 12.3 -> 37.8 by step 6), its sigmoid scores saturate and no bias can balance tied scores. 2.2e-4 is the peak
+# rate DeepSeek-V3 published for the same width (benchmarks/RESULTS.md, "Expert balance").
 #   ONLY=proxy | ONLY=k3          one of the two runs;  BASELINE=1 ONLY=baseline: only the old-routing proxy
 #   CPU dry run: MODEL=tiny K3_MODEL=tiny SEQ=64 STEPS=12 K3_STEPS=4 FROM=4 K3_FROM=2 DEVICE=cpu bash ...
 # Runtime (estimate, H200): proxy ~0.45 s per step -> ~1.5 min + ~1 min start/compile; the slice ~20 steps of ~2-3 s
@@ -25,6 +29,7 @@ K3_FROM=${K3_FROM:-10}
 LOG_EVERY=${LOG_EVERY:-5}
 MODEL=${MODEL:-proxy}
 K3_MODEL=${K3_MODEL:-benchmarks/configs/k3-ep16-slice.yaml}
+K3_LR=${K3_LR:-2.2e-4}
 ONLY=${ONLY:-all}
 PY=${PYTHON:-python3}
 COMMON=(--seq-len "$SEQ" -b 1 --set logging.every="$LOG_EVERY" --set eval_every=0 --set checkpoint.every=0
@@ -59,7 +64,7 @@ fi
 if [ "$ONLY" = all ] || [ "$ONLY" = k3 ]; then
   rm -rf "$RUN_K"
   t2=$SECONDS
-  "$PY" -m moestack train --model "$K3_MODEL" --steps "$K3_STEPS" "${COMMON[@]}" --out "$RUN_K" "$@"
+  "$PY" -m moestack train --model "$K3_MODEL" --steps "$K3_STEPS" --lr "$K3_LR" "${COMMON[@]}" --out "$RUN_K" "$@"
   echo "[k3 slice: $((SECONDS - t2)) s]"
 fi
 echo "== expert load =="

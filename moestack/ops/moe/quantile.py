@@ -92,19 +92,16 @@ def solve_histogram(hist_EB: torch.Tensor, bias_E: torch.Tensor, top_k: int, lo_
     return torch.where(n_E > 0, b_E, bias_E.detach().float())
 
 
-def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor, num_bins: int,
-                group: dist.ProcessGroup | None) -> torch.Tensor:
-    """int32 [E, B] counts of r_TE in B bins from lo_E of width_E per expert (outside: the edge bins), summed
-    over `group`."""
+def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, inv_width_E: torch.Tensor, offsets_E: torch.Tensor,
+                ones_N: torch.Tensor, num_bins: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """int64 [E, B] cumulative counts of r_TE in B bins from lo_E (1 / bin width: inv_width_E) per expert (outside:
+    the edge bins), summed over `group`. offsets_E = arange(E) * B, ones_N int32 [T * E] (made once per solve)."""
     E = r_TE.shape[1]
-    bin_TE = ((r_TE - lo_E) / width_E).floor_().clamp_(0, num_bins - 1).long()
-    flat_TE = bin_TE + torch.arange(E, device=r_TE.device) * num_bins
-    hist_EB = torch.zeros(E * num_bins, dtype=torch.int32, device=r_TE.device)
-    hist_EB.scatter_add_(0, flat_TE.view(-1), torch.ones(flat_TE.numel(), dtype=torch.int32, device=r_TE.device))
-    hist_EB = hist_EB.view(E, num_bins)
+    flat_TE = ((r_TE - lo_E) * inv_width_E).floor_().clamp_(0, num_bins - 1).to(torch.int64).add_(offsets_E)
+    hist = torch.zeros(E * num_bins, dtype=torch.int32, device=r_TE.device).scatter_add_(0, flat_TE.view(-1), ones_N)
     if group is not None:
-        dist.all_reduce(hist_EB, group=group)
-    return hist_EB
+        dist.all_reduce(hist, group=group)
+    return hist.view(E, num_bins).cumsum(-1)
 
 
 @torch.no_grad()
@@ -112,28 +109,41 @@ def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bi
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The bias [E] (fp32, mean 0) that balances this micro-batch over `group` ("batch" scope, module docstring):
     `iterations` coordinate steps from bias_E, each reading the quantile in two passes (each expert's full range,
-    then the bin that holds it). Every rank of the group gets the same result; no host sync."""
+    then the bin that holds it). Every rank of the group gets the same result; no host sync. The loop is written
+    for few launches (it runs per MoE layer and micro-batch): what does not change between steps is made once."""
     reduce = group is not None and dist.get_world_size(group) > 1
     group = group if reduce else None
+    s_TE = scores_TE.detach().float()
+    T, E = s_TE.shape
     b = bias_E.detach().float()
+    offsets_E = torch.arange(E, device=s_TE.device) * num_bins
+    ones_N = torch.ones(T * E, dtype=torch.int32, device=s_TE.device)
+    n = torch.tensor([float(T)], dtype=torch.float64, device=s_TE.device)
+    if reduce:  # tokens over the group: every expert's histogram counts each of them once
+        dist.all_reduce(n, group=group)
+    target = n * (top_k / E)  # [1] fp64: the q-th required bias per expert
+    rows_E = torch.arange(E, device=s_TE.device)
     for _ in range(iterations):
-        r_TE = required_bias(scores_TE, b, top_k)
-        lo_E, neg_hi_E = r_TE.amin(0), -r_TE.amax(0)
+        r_TE = required_bias(s_TE, b, top_k)
+        ends_2E = torch.stack([r_TE.amin(0), r_TE.amax(0).neg_()])
         if reduce:
-            ends = torch.stack([lo_E, neg_hi_E])
-            dist.all_reduce(ends, op=dist.ReduceOp.MIN, group=group)
-            lo_E, neg_hi_E = ends[0], ends[1]
-        width_E = ((-neg_hi_E - lo_E) * (1 + 1e-6) / num_bins).clamp_min(1e-12)  # the max lands in the last bin
-        coarse_EB = _bin_counts(r_TE, lo_E, width_E, num_bins, group)
+            dist.all_reduce(ends_2E, op=dist.ReduceOp.MIN, group=group)
+        lo_E = ends_2E[0]
+        width_E = (ends_2E[1].neg() - lo_E).mul_((1 + 1e-6) / num_bins).clamp_min_(1e-12)  # the max: last bin
+        coarse_EB = _bin_counts(r_TE, lo_E, width_E.reciprocal(), offsets_E, ones_N, num_bins, group)
         # the bin that holds the target count, then that bin alone in B finer bins (the tokens below it land in
         # the first fine bin, so the cumulative counts stay exact)
-        n_E = coarse_EB.sum(-1, dtype=torch.int64)
-        target_E = n_E.double() * (top_k / scores_TE.shape[1])
-        at_E = (coarse_EB.long().cumsum(-1).double() < target_E[:, None]).sum(-1).clamp_(max=num_bins - 1)
-        lo_E = lo_E + at_E.float() * width_E
-        width_E = (width_E / num_bins).clamp_min(1e-12)
-        fine_EB = _bin_counts(r_TE, lo_E, width_E, num_bins, group)
-        b = solve_histogram(fine_EB, b, top_k, lo_E, width_E)
+        at_E = (coarse_EB < target).sum(-1).clamp_(max=num_bins - 1)
+        lo_E = lo_E + at_E * width_E
+        width_E = (width_E / num_bins).clamp_min_(1e-12)
+        cum_EB = _bin_counts(r_TE, lo_E, width_E.reciprocal(), offsets_E, ones_N, num_bins, group)
+        # the quantile: the first fine bin whose cumulative count reaches the target, interpolated inside it
+        bin_E = (cum_EB < target).sum(-1).clamp_(max=num_bins - 1)
+        upto_E = cum_EB[rows_E, bin_E]
+        before_E = torch.where(bin_E > 0, cum_EB[rows_E, (bin_E - 1).clamp_(min=0)], 0)
+        frac_E = ((target - before_E) / (upto_E - before_E).clamp_(min=1)).clamp_(0.0, 1.0)
+        b = lo_E + (bin_E + frac_E.float()) * width_E
+        b = b - b.mean()
     return b
 
 

@@ -279,7 +279,7 @@ def run(name: str, spec, plan: Plan, device: torch.device, steps: int, warmup: i
     return out
 
 
-KERNELS = KernelSpec()  # --kda-backend's choice (main)
+KERNELS = KernelSpec()  # --kda-backend / --no-autotune (main)
 SNAPSHOT_MAX_ENTRIES = 5_000_000  # allocator trace ring buffer (alloc / free events) of a --snapshot row
 SNAPSHOT_BLOCKS = 30  # largest live blocks written
 SNAPSHOT_FRAMES = 8  # stack frames per block (innermost first, torch / Python internals left out)
@@ -428,6 +428,8 @@ def _child_argv(args, row: dict, out_path: str) -> list[str]:
         argv.append("--no-report")
     if getattr(args, "kda_backend", None):
         argv += ["--kda-backend", args.kda_backend]
+    if getattr(args, "no_autotune", False):
+        argv.append("--no-autotune")
     if args.calibration:
         argv += ["--calibration", args.calibration]
     if getattr(args, "snapshot", None):
@@ -644,6 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-report", action="store_true", help="skip the memory report pass")
     ap.add_argument("--kda-backend", default=None, help="kernels.kda.backend (e.g. reference, triton; a child row "
                     "gets it too)")
+    ap.add_argument("--no-autotune", action="store_true",
+                    help="kernels.autotune false: one launch config per Triton kernel (a child row gets it too)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--snapshot", nargs="?", const=".", default=None, metavar="DIR",
                     help="CUDA: record the allocator history of each row (torch.cuda.memory._record_memory_history) "
@@ -662,9 +666,9 @@ def main() -> None:
     if args.reference is None:
         args.reference = "first" if args.phase == "largest" else "recompute full"
     t_start = time.monotonic()
-    if args.kda_backend:
-        global KERNELS
-        KERNELS = KernelSpec(kda={"backend": args.kda_backend})
+    global KERNELS
+    KERNELS = KernelSpec(**({"kda": {"backend": args.kda_backend}} if args.kda_backend else {}),
+                         autotune=not args.no_autotune)
     device = torch.device(args.device)
     args.cluster = args.cluster or ("h200-1gpu" if device.type == "cuda" else "cpu")
     from moestack.planner.calibration import load_calibration

@@ -40,11 +40,12 @@ pack() {  # the one output file; runs on every exit (a cut run still leaves what
 }
 trap pack EXIT
 trap 'exit 143' TERM INT
-# one config per Triton kernel where moestack has a switch; autotune results cached on disk across the row processes
-export MOESTACK_KDA_AUTOTUNE=0 MOESTACK_DSA_AUTOTUNE=0 TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+# one config per Triton kernel (memory.py --no-autotune: kernels.autotune false); Triton's autotune results cached on
+# disk across the row processes
+export TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 NT=$(( $(nproc) / 2 - 1 )); [ "$NT" -lt 4 ] && NT=4
 export OMP_NUM_THREADS=${TORCH_THREADS:-$NT}
-COMMON=(--model "$MODEL" --device "$DEVICE" --warmup "${WARMUP:-1}" --no-report)
+COMMON=(--model "$MODEL" --device "$DEVICE" --warmup "${WARMUP:-1}" --no-report --no-autotune)
 # the planner's calibration for the proxy: `moestack tune proxy` on an H200 (2026-11-29): measured saved bytes per part
 [ "$MODEL" = proxy ] && COMMON+=(--calibration benchmarks/calibration-proxy-h200.json)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }

@@ -16,9 +16,9 @@ SEQ=${SEQ:-4096}
 BS=${BS:-2}
 MODE=${MODE:-dense}
 RUN=$DEST/proxy_${MODE}_s${SEQ}_b${BS}
-export MOESTACK_KDA_BACKEND=${MOESTACK_KDA_BACKEND:-reference}
+KDA=${KDA:-reference}  # kernels.kda.backend
 python3 -m moestack train --model proxy --seq-len "$SEQ" -b "$BS" --steps "$STEPS" --dsa-mode "$MODE" \
-  --out "$RUN" --set logging.every=10 --set eval_every=0 --set checkpoint.every=0 --set logging.progress=true \
+  --set kernels.kda.backend="$KDA" --out "$RUN" --set logging.every=10 --set eval_every=0 --set checkpoint.every=0 --set logging.progress=true \
   --set schedule.warmup_steps=20 --set optimizer.lr=1e-3 "$@"
 python3 - "$RUN/metrics.jsonl" <<'PY'
 import json, statistics, sys

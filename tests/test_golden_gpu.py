@@ -115,11 +115,7 @@ def _role(name: str) -> str:
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.timeout(540)
-def test_golden_run_fast_kernels_match_reference_ops(tmp_path, monkeypatch):
-    from moestack.config.settings import KERNEL_ENV
-
-    for var in KERNEL_ENV:  # the defaults and the named references, whatever the caller's environment overrides
-        monkeypatch.delenv(var, raising=False)
+def test_golden_run_fast_kernels_match_reference_ops(tmp_path):
     fast = train(tmp_path / "fast", STEPS)
     fast_sel = fast["kernels"]
     assert fast_sel["kda.backend"] == "triton" and fast_sel["dsa.backend"] == "triton" \

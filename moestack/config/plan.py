@@ -120,6 +120,9 @@ class Plan(StrictModel):
     ep_dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     # hierarchical dispatcher: each token crosses to a remote domain once (parallel/dedup.py)
     ep_token_dedup: bool = False
+    # hierarchical dispatcher: EP ranks per fast domain; None = the cluster's innermost network tier, else the ranks
+    # per node (LOCAL_WORLD_SIZE); must divide ep
+    ep_domain_size: int | None = Field(default=None, gt=0)
     shared_expert_overlap: bool = False  # shared experts on a side CUDA stream, overlapped with EP dispatch/combine
     # TP collectives overlapped with the neighbouring GEMMs (Megatron's userbuffers); moestack runs them on the compute
     # stream, so only published runs' plans set it (the trainer refuses it: runtime_unsupported)
@@ -171,6 +174,8 @@ class Plan(StrictModel):
         inner = self.devices // self.pp
         if inner % (self.ep * self.etp):
             raise ValueError(f"ep*etp ({self.ep}*{self.etp}) must divide devices/pp ({inner})")
+        if self.ep_domain_size is not None and self.ep % self.ep_domain_size:
+            raise ValueError(f"ep_domain_size ({self.ep_domain_size}) must divide ep ({self.ep})")
         if self.zero_stage == 0 and self.dp_shard > 1:
             raise ValueError(f"zero_stage 0 with dp_shard {self.dp_shard}: plain replicas go in dp_replicate")
         if self.zero_stage > 0 and self.dp_shard == 1 and self.dp > 1:

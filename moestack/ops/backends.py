@@ -6,9 +6,9 @@ device at all (`unavailable`), whether it takes one call's inputs (`verify`), an
 them (`picks`: the Triton kernels also run on CPU tensors under TRITON_INTERPRET=1, but only when named).
 
 "auto" resolves per call from the inputs alone (device, dtype, shape) and the `moestack tune` cache: no environment
-variable is read here. `resolve_kernels(spec, device)` runs once when the model is built: it applies the documented
-environment overrides (moestack/config/settings.py), checks every named backend can run on the device (ConfigError
-otherwise) and records what each op will run, for `<out_dir>/kernels.json`.
+variable is read here. `resolve_kernels(spec, device)` runs once when the model is built: it checks every named
+backend can run on the device (ConfigError otherwise) and records what each op will run, for
+`<out_dir>/kernels.json`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 
 from moestack.config.base import ConfigError
 from moestack.config.kernel_spec import AUTO, KernelSpec, kernel_fields
-from moestack.config.settings import apply_kernel_overrides
 from moestack.ops import tuned
 
 
@@ -132,7 +131,7 @@ class Choice:
 
     requested: str
     runs: str
-    source: str = "spec"  # "spec", "default", or the environment variable that set it
+    source: str = "spec"  # "spec" (set in the TrainSpec / Plan) or "default"
 
 
 @dataclass
@@ -166,17 +165,16 @@ def _registries() -> dict[str, Registry]:
 
 
 def resolve_kernels(spec: KernelSpec | None, device: torch.device | str) -> ResolvedKernels:
-    """Apply the environment overrides, check every named backend can run on `device`, record the choices."""
+    """Check every named backend can run on `device` and record the choices."""
     from moestack.ops.launch import set_autotune
 
     device = torch.device(device)
     spec = spec if spec is not None else KernelSpec()
-    spec, sources = apply_kernel_overrides(spec)
     default = kernel_fields(KernelSpec())
     out = ResolvedKernels(spec, str(device))
     registries = _registries()
     for name, value in kernel_fields(spec).items():
-        source = sources.get(name, "spec" if value != default[name] else "default")
+        source = "spec" if value != default[name] else "default"
         if name in registries:
             reg = registries[name]
             runs = reg.auto_for_device(device) if value == AUTO else reg.check(str(value), device, name)

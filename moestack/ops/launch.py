@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moestack.config.settings import autotune_default
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as the kernel modules were built
-_AUTOTUNE = [autotune_default()]
+_AUTOTUNE = [True]  # KernelSpec.autotune, set when a model's kernels are resolved
 
 
 def interpret() -> bool:

@@ -30,7 +30,6 @@ from moestack.config.base import ConfigError, dump_yaml
 from moestack.config.kernel_spec import merge as merge_kernels
 from moestack.config.model_spec import ModelSpec
 from moestack.config.plan import Plan, runtime_unsupported
-from moestack.config.settings import ep_domain_size
 from moestack.config.train_spec import TrainSpec
 from moestack.memory.compute_weights import ComputeWeights
 from moestack.memory.phase_peaks import GIB, PhasePeaks
@@ -189,11 +188,11 @@ def _free_port() -> int:
 
 
 def _ep_domain_size(plan: Plan) -> int | None:
-    """EP ranks per fast domain for the hierarchical dispatcher: $MOESTACK_EP_DOMAIN_SIZE, else the innermost
-    network tier of the plan's cluster, else the ranks per node (LOCAL_WORLD_SIZE); capped at ep."""
+    """EP ranks per fast domain for the hierarchical dispatcher: plan.ep_domain_size, else the innermost network
+    tier of the plan's cluster, else the ranks per node (LOCAL_WORLD_SIZE); capped at ep."""
     if plan.dispatcher != "hierarchical":
         return None
-    size = ep_domain_size()
+    size = plan.ep_domain_size
     if size is None:
         try:
             from moestack.config.cluster import load_cluster_spec
@@ -206,7 +205,7 @@ def _ep_domain_size(plan: Plan) -> int | None:
     size = min(size, plan.ep)
     if plan.ep % size:
         raise ConfigError(f"plan.dispatcher: hierarchical EP needs the domain size ({size}) to divide ep ({plan.ep}); "
-                          "set MOESTACK_EP_DOMAIN_SIZE")
+                          "set plan.ep_domain_size to a divisor of ep")
     return size
 
 

@@ -1,5 +1,5 @@
-"""KernelSpec: typed kernel choices in TrainSpec and Plan, the environment override layer (config/settings.py), the
-build-time resolution (ops/backends.py), the modules receiving the choices (model/kernels.py) and kernels.json."""
+"""KernelSpec: typed kernel choices in TrainSpec and Plan, the build-time resolution (ops/backends.py), the modules
+receiving the choices (model/kernels.py) and kernels.json; no environment variable changes a kernel choice."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from moestack.config import load_model_spec, load_train_spec
 from moestack.config.base import ConfigError
 from moestack.config.kernel_spec import KernelSpec, kernel_fields, merge, with_fields
 from moestack.config.plan import make_plan
-from moestack.config.settings import KERNEL_ENV, apply_kernel_overrides, ep_domain_size
 from moestack.model.kernels import apply_kernels
 from moestack.model.transformer import build_model
 from moestack.ops.backends import resolve_kernels
@@ -43,34 +42,17 @@ def test_train_spec_and_plan_carry_kernels(tmp_path):
     assert (merged.kda.backend, merged.moe.gemm, merged.dsa.backend) == ("reference", "reference", "auto")
 
 
-def test_environment_overrides_map_onto_fields():
-    env = {"MOESTACK_KDA_BACKEND": "reference", "MOESTACK_KDA_FUSED_LAYER_OPS": "0", "MOESTACK_FP8_CACHE": "step",
-           "MOESTACK_DSA_AUTOTUNE": "0", "MOESTACK_KDA_AUTOTUNE": "1", "MOESTACK_MOE_BACKEND": ""}
-    spec, sources = apply_kernel_overrides(KernelSpec(), env)
-    assert (spec.kda.backend, spec.kda.layer_ops, spec.fp8.weight_cache, spec.autotune) == \
-        ("reference", "torch", "step", False)
-    assert spec.moe.gemm == "auto"  # empty values are unset
-    assert sources["kda.backend"] == "MOESTACK_KDA_BACKEND=reference" and sources["autotune"].startswith("MOESTACK_DSA")
-    with pytest.raises(ConfigError, match=r"\$MOESTACK_FP8_CACHE='2': use one of 1, step, 0"):
-        apply_kernel_overrides(KernelSpec(), {"MOESTACK_FP8_CACHE": "2"})
-    with pytest.raises(ConfigError, match="MOESTACK_DSA_BACKEND=fast: kernels: dsa.backend"):
-        apply_kernel_overrides(KernelSpec(), {"MOESTACK_DSA_BACKEND": "fast"})
-    assert all(var.startswith("MOESTACK_") for var in KERNEL_ENV)
+def test_plan_ep_domain_size_must_divide_ep():
+    from moestack.train.trainer import _ep_domain_size
 
-
-def test_ep_domain_size_override(monkeypatch):
-    monkeypatch.delenv("MOESTACK_EP_DOMAIN_SIZE", raising=False)
-    assert ep_domain_size() is None
-    monkeypatch.setenv("MOESTACK_EP_DOMAIN_SIZE", "4")
-    assert ep_domain_size() == 4
-    monkeypatch.setenv("MOESTACK_EP_DOMAIN_SIZE", "four")
-    with pytest.raises(ConfigError, match="MOESTACK_EP_DOMAIN_SIZE='four'"):
-        ep_domain_size()
+    layout = dict(model="tiny", cluster="cpu", devices=4, seq_len=16, global_batch_size=4, dp_shard=4, zero_stage=2,
+                  ep=4, dispatcher="hierarchical")
+    assert _ep_domain_size(make_plan(**layout, ep_domain_size=2)) == 2
+    with pytest.raises(ConfigError, match=r"ep_domain_size \(3\) must divide ep \(4\)"):
+        make_plan(**layout, ep_domain_size=3)
 
 
 def test_resolution_on_cpu(monkeypatch):
-    for var in KERNEL_ENV:
-        monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     r = resolve_kernels(KernelSpec(), "cpu")
     assert {k: r.choices[k].runs for k in ("kda.backend", "kda.layer_ops", "dsa.backend", "moe.routing",
@@ -82,9 +64,9 @@ def test_resolution_on_cpu(monkeypatch):
         resolve_kernels(with_fields(KernelSpec(), {"kda.backend": "triton"}), "cpu")
     with pytest.raises(ConfigError, match="kernels.moe.crossover: .*nope.json: file not found"):
         resolve_kernels(with_fields(KernelSpec(), {"moe.crossover": "nope.json"}), "cpu")
-    monkeypatch.setenv("MOESTACK_MOE_BACKEND", "reference")
+    monkeypatch.setenv("MOESTACK_MOE_BACKEND", "reference")  # the variable of earlier versions changes nothing now
     r = resolve_kernels(KernelSpec(), "cpu")
-    assert (r.choices["moe.gemm"].runs, r.choices["moe.gemm"].source) == ("reference", "MOESTACK_MOE_BACKEND=reference")
+    assert (r.choices["moe.gemm"].runs, r.choices["moe.gemm"].source) == ("torch", "default")
 
 
 def test_modules_receive_the_choices():
@@ -102,10 +84,9 @@ def test_modules_receive_the_choices():
     assert torch.isfinite(model(tokens, tokens)).all()
 
 
-def test_trainer_writes_kernels_json(tmp_path, monkeypatch):
+def test_trainer_writes_kernels_json(tmp_path):
     from moestack.train.trainer import Trainer
 
-    monkeypatch.setenv("MOESTACK_DSA_BACKEND", "reference")
     spec = load_train_spec(None, {"out_dir": str(tmp_path), "steps": 1, "micro_batch_size": 2, "seq_len": 16,
                                   "device": "cpu", "eval_every": 0, "logging.tensorboard": False,
                                   "logging.progress": False, "checkpoint.save_final": False,
@@ -114,5 +95,5 @@ def test_trainer_writes_kernels_json(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "kernels.json").read_text())
     assert record["device"] == "cpu"
     assert record["kernels"]["kda.backend"] == {"requested": "reference", "runs": "reference", "source": "spec"}
-    assert record["kernels"]["dsa.backend"]["source"] == "MOESTACK_DSA_BACKEND=reference"
+    assert record["kernels"]["dsa.backend"] == {"requested": "auto", "runs": "reference", "source": "default"}
     assert isinstance(record["tuned_hits"], dict)

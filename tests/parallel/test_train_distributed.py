@@ -135,19 +135,15 @@ def test_resume_at_ep4_and_pp2_on_four_ranks(ep2_run):
     rank) x EP2 x ZeRO-3, both from the EP2 checkpoint."""
     assert ep2_run["proc"].returncode == 0, ep2_run["proc"].stderr[-3000:]
     tmp, saved = ep2_run["tmp"], ep2_run["saved"]
-    layouts = {"ep4_hier": dict(dp_shard=4, zero_stage=2, ep=4, dispatcher="hierarchical"),
+    layouts = {"ep4_hier": dict(dp_shard=4, zero_stage=2, ep=4, dispatcher="hierarchical", ep_domain_size=2),
                "pp2_ep2": dict(pp=2, vpp=2, schedule="interleaved_1f1b", dp_shard=2, zero_stage=3, ep=2)}
     runs = {}
     for name, layout in layouts.items():
         shutil.copytree(saved, tmp / name / "checkpoints" / saved.name)
         save_plan(_plan(4, ep2_run["model_path"], **layout), tmp / f"plan_{name}.yaml")
         runs[name] = (str(tmp / name), str(tmp / f"plan_{name}.yaml"))
-    os.environ["MOESTACK_EP_DOMAIN_SIZE"] = "2"  # applied on the ranks for this job
-    try:
-        results = run_ranks(__file__, "_resume_worker", world_size=4, timeout=300, runs=runs,
-                            model_path=str(ep2_run["model_path"]))
-    finally:
-        del os.environ["MOESTACK_EP_DOMAIN_SIZE"]
+    results = run_ranks(__file__, "_resume_worker", world_size=4, timeout=300, runs=runs,
+                        model_path=str(ep2_run["model_path"]))
     ref, ref_bias = ep2_run["ref"][SAVED_AT:], ep2_run["ref_bias"]
     for name in layouts:
         seen = set()

@@ -57,10 +57,10 @@ class Router(nn.Module):
         bias = torch.zeros(num_experts, dtype=torch.float32) if spec.selection_bias else None
         self.register_buffer("selection_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        hist = torch.zeros(num_experts, spec.quantile_bins, dtype=torch.int32) \
-            if spec.bias_update == "quantile" and spec.selection_bias else None
-        batch = spec.bias_update == "quantile" and spec.selection_bias and spec.quantile_scope == "batch"
-        self.register_buffer("quantile_hist", None if batch else hist, persistent=False)
+        by_quantile = spec.bias_update == "quantile" and spec.selection_bias
+        batch = by_quantile and spec.quantile_scope == "batch"
+        hist = torch.zeros(num_experts, spec.quantile_bins, dtype=torch.int32) if by_quantile and not batch else None
+        self.register_buffer("quantile_hist", hist, persistent=False)
         # "batch" scope: the sum of the step's solved micro-batch biases [E] and their count in the last slot
         self.register_buffer("batch_bias_sum", torch.zeros(num_experts + 1) if batch else None, persistent=False)
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)

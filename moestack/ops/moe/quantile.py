@@ -58,14 +58,22 @@ def accumulate_histogram_(hist_EB: torch.Tensor, scores_TE: torch.Tensor, bias_E
                           lo_E: torch.Tensor | None = None, width_E: torch.Tensor | None = None) -> torch.Tensor:
     """Add this batch's required-bias counts to hist_EB (int32 [E, B], in place; no host sync). Returns it.
     lo_E / width_E: per-expert bin range; default `histogram_range(bias_E, B)`."""
-    E, B = hist_EB.shape
     if lo_E is None:
-        lo_E, width_E = histogram_range(bias_E, B)
-    r_TE = required_bias(scores_TE, bias_E, top_k)
-    bin_TE = ((r_TE - lo_E) / width_E).floor_().clamp_(0, B - 1).long()
-    flat_TE = bin_TE + torch.arange(E, device=bin_TE.device) * B
-    hist_EB.view(-1).scatter_add_(0, flat_TE.view(-1), torch.ones(flat_TE.numel(), dtype=hist_EB.dtype,
-                                                                  device=hist_EB.device))
+        lo_E, width_E = histogram_range(bias_E, hist_EB.shape[1])
+    return _add_counts_(hist_EB, required_bias(scores_TE, bias_E, top_k), lo_E, width_E)
+
+
+def _add_counts_(hist_EB: torch.Tensor, r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor,
+                 offsets_E: torch.Tensor | None = None, ones_N: torch.Tensor | None = None) -> torch.Tensor:
+    """hist_EB (int32 [E, B]) += the counts of r_TE in B bins from lo_E of width_E per expert (outside: the edge
+    bins), in place. offsets_E = arange(E) * B and ones_N [T * E] of hist's dtype may be passed in (made once)."""
+    E, B = hist_EB.shape
+    if offsets_E is None:
+        offsets_E = torch.arange(E, device=r_TE.device) * B
+    if ones_N is None:
+        ones_N = torch.ones(r_TE.numel(), dtype=hist_EB.dtype, device=r_TE.device)
+    flat_TE = ((r_TE - lo_E) / width_E).floor_().clamp_(0, B - 1).to(torch.int64).add_(offsets_E)
+    hist_EB.view(-1).scatter_add_(0, flat_TE.view(-1), ones_N)
     return hist_EB
 
 
@@ -92,16 +100,14 @@ def solve_histogram(hist_EB: torch.Tensor, bias_E: torch.Tensor, top_k: int, lo_
     return torch.where(n_E > 0, b_E, bias_E.detach().float())
 
 
-def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, inv_width_E: torch.Tensor, offsets_E: torch.Tensor,
+def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor, offsets_E: torch.Tensor,
                 ones_N: torch.Tensor, num_bins: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """int64 [E, B] cumulative counts of r_TE in B bins from lo_E (1 / bin width: inv_width_E) per expert (outside:
-    the edge bins), summed over `group`. offsets_E = arange(E) * B, ones_N int32 [T * E] (made once per solve)."""
-    E = r_TE.shape[1]
-    flat_TE = ((r_TE - lo_E) * inv_width_E).floor_().clamp_(0, num_bins - 1).to(torch.int64).add_(offsets_E)
-    hist = torch.zeros(E * num_bins, dtype=torch.int32, device=r_TE.device).scatter_add_(0, flat_TE.view(-1), ones_N)
+    """int64 [E, B] cumulative counts of r_TE in B bins (`_add_counts_`), summed over `group`."""
+    hist_EB = torch.zeros(r_TE.shape[1], num_bins, dtype=torch.int32, device=r_TE.device)
+    _add_counts_(hist_EB, r_TE, lo_E, width_E, offsets_E, ones_N)
     if group is not None:
-        dist.all_reduce(hist, group=group)
-    return hist.view(E, num_bins).cumsum(-1)
+        dist.all_reduce(hist_EB, group=group)
+    return hist_EB.cumsum(-1)
 
 
 @torch.no_grad()
@@ -130,13 +136,13 @@ def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bi
             dist.all_reduce(ends_2E, op=dist.ReduceOp.MIN, group=group)
         lo_E = ends_2E[0]
         width_E = (ends_2E[1].neg() - lo_E).mul_((1 + 1e-6) / num_bins).clamp_min_(1e-12)  # the max: last bin
-        coarse_EB = _bin_counts(r_TE, lo_E, width_E.reciprocal(), offsets_E, ones_N, num_bins, group)
+        coarse_EB = _bin_counts(r_TE, lo_E, width_E, offsets_E, ones_N, num_bins, group)
         # the bin that holds the target count, then that bin alone in B finer bins (the tokens below it land in
         # the first fine bin, so the cumulative counts stay exact)
         at_E = (coarse_EB < target).sum(-1).clamp_(max=num_bins - 1)
         lo_E = lo_E + at_E * width_E
         width_E = (width_E / num_bins).clamp_min_(1e-12)
-        cum_EB = _bin_counts(r_TE, lo_E, width_E.reciprocal(), offsets_E, ones_N, num_bins, group)
+        cum_EB = _bin_counts(r_TE, lo_E, width_E, offsets_E, ones_N, num_bins, group)
         # the quantile: the first fine bin whose cumulative count reaches the target, interpolated inside it
         bin_E = (cum_EB < target).sum(-1).clamp_(max=num_bins - 1)
         upto_E = cum_EB[rows_E, bin_E]

@@ -13,6 +13,8 @@ shapes, the cuBLAS path included where the probe accepts it.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,16 +30,8 @@ from moestack.ops.fp8 import scaled_mm as fsm  # noqa: E402
 from moestack.ops.fp8 import weight_cache as wc  # noqa: E402
 from moestack.ops.moe.reference import grouped_mm_loop  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def offs_from_counts(counts: list[int], device=DEV) -> torch.Tensor:
-    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+sys.path.insert(0, str(Path(__file__).parent))
+from _grouped import DEV, offs_from_counts, rel_err  # noqa: E402
 
 
 def make_case(counts, D, F, dtype, seed=0, tail=0, device=DEV):

@@ -11,6 +11,8 @@ element shows as garbage / NaN in the comparison).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,16 +26,8 @@ from moestack.ops.moe import gemm_select
 from moestack.ops.moe import triton_grouped_gemm as tgg
 from moestack.ops.moe.reference import grouped_mm_loop
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def offs_from_counts(counts: list[int], device=DEV) -> torch.Tensor:
-    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+sys.path.insert(0, str(Path(__file__).parent))
+from _grouped import DEV, offs_from_counts, rel_err  # noqa: E402
 
 
 def make_case(counts, D, F, dtype, seed=0, tail=0, w_transposed=True, device=DEV):

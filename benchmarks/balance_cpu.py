@@ -26,7 +26,7 @@ from torch import nn
 
 from moestack.config.model_spec import MoESpec, load_model_spec
 from moestack.config.train_spec import load_train_spec
-from moestack.model.moe import MoE
+from moestack.model.moe import MoE, set_jitter_seeds
 from moestack.model.norm import RMSNorm
 from moestack.train.data import builtin_corpus_files
 from moestack.train.optim import build_optimizer, build_scheduler
@@ -34,6 +34,11 @@ from moestack.train.optim import build_optimizer, build_scheduler
 # the routing of before issue #27: DeepSeek-V3's sign update at 1e-3 and the sequence-wise loss
 SIGN = {"bias_update": "sign", "bias_update_rate": 1e-3}
 SETTINGS = {"sign (before #27)": SIGN, "quantile, step scope": {"bias_update": "quantile", "quantile_scope": "step"},
+            "quantile, step scope, jitter 0.01": {"bias_update": "quantile", "quantile_scope": "step",
+                                                  "selection_jitter": 0.01},
+            "quantile, batch scope, no jitter": {"selection_jitter": 0.0},
+            "quantile, batch scope, jitter 0.01": {"selection_jitter": 0.01},
+            "quantile, batch scope, jitter 0.03": {"selection_jitter": 0.03},
             "preset default": {}}
 
 
@@ -84,7 +89,8 @@ def train(router: dict, steps: int, experts: int = 64, top_k: int = 8, layers: i
     sched = build_scheduler(opt, spec.schedule, steps, spec.optimizer.lr)
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(steps):
+    for step in range(steps):
+        set_jitter_seeds({f"moes.{i}": moe.router for i, moe in enumerate(net.moes)}, step)
         starts = rng.integers(0, len(data) - seq - 1, batch)
         w = torch.from_numpy(np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64))
         loss = nn.functional.cross_entropy(net(w[:, :-1]).flatten(0, 1), w[:, 1:].flatten())
@@ -114,6 +120,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the settings whose name has one")
     a = ap.parse_args()
     preset = moe_spec({}, a.experts, a.top_k).router
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -123,6 +130,8 @@ def main() -> None:
           "idle experts, worst layer, last / 2nd half | loss, last 10 steps | s |")
     print("|---|---|---|---|---|---|")
     for name, router in SETTINGS.items():
+        if a.only and not any(part in name for part in a.only.split(",")):
+            continue
         t0 = time.perf_counter()
         s = summary(train(router, a.steps, a.experts, a.top_k, a.layers, a.batch, a.seq))
         layers = " / ".join(f"{v:.2f}" for v in s["layers_last"])

@@ -46,6 +46,11 @@ def main() -> None:
     ap.add_argument("--exact-steps", type=int, default=8)
     ap.add_argument("--save", default=None, help="write one layer's batch to this .pt file")
     ap.add_argument("--save-layer", default=None, help="MoE layer name (default: the first)")
+    ap.add_argument("--capture-from", type=int, default=None,
+                    help="from this step on keep, per layer, the batch the run balanced worst; --save-worst N writes "
+                         "the N worst (layer, step) batches to --save-dir")
+    ap.add_argument("--save-worst", type=int, default=4)
+    ap.add_argument("--save-dir", default=".")
     args = ap.parse_args()
 
     spec = load_any_model_spec(args.model)
@@ -57,22 +62,34 @@ def main() -> None:
         trainer = Trainer(train, spec, log=lambda *a, **k: None)
         moes = trainer.model.moe_layers()
         captured: dict[str, torch.Tensor] = {}
-        capture = {"on": False}
+        capture = {"on": False, "step": 0}
+
+        last_in: dict[str, dict] = {}  # with --capture-from: this step's router inputs
+        worst: dict[str, dict] = {}
 
         def hook(name):
             def pre(module, inputs):
                 if capture["on"]:
                     captured[name] = inputs[0].detach().clone()
+                if args.capture_from is not None and capture["step"] >= args.capture_from:
+                    last_in[name] = {"x": inputs[0].detach().to(torch.bfloat16).clone(),
+                                     "selection_bias": module.selection_bias.detach().clone(),
+                                     "jitter_seed": int(module.jitter_seed), "step": capture["step"] + 1}
             return pre
 
         for name, moe in moes.items():
             moe.router.register_forward_pre_hook(hook(name))
         t0, losses = time.time(), []
         for step in range(args.steps):
-            capture["on"] = step == args.steps - 1
+            capture["on"], capture["step"] = step == args.steps - 1, step
             stats = trainer.train_step()
             if stats is not None:
                 losses.append(round(stats.loss, 3))
+            for name, snap in last_in.items():
+                mm = _max_mean(moes[name].last_expert_counts)
+                if name not in worst or mm > worst[name]["max_mean"]:
+                    worst[name] = {**snap, "max_mean": mm, "weight": moes[name].router.weight.detach().float().clone()}
+            last_in.clear()
         print(f"{args.model}: {args.steps} steps in {time.time() - t0:.0f} s, loss {losses[0]} -> {losses[-1]}")
         print("| layer | run max/mean | idle | solver | exact | abs logit p50 / p99 / max | s > 1-1e-4 | bias range |")
         print("|---|---|---|---|---|---|---|---|")
@@ -107,6 +124,18 @@ def main() -> None:
                         "selection_bias": router.selection_bias.cpu(), "top_k": router.top_k, "layer": name,
                         "model": args.model, "steps": args.steps}, args.save)
             print(f"saved layer {name} to {args.save}")
+        if worst:
+            print("| layer | worst run max/mean | at step |")
+            print("|---|---|---|")
+            for name, w in worst.items():
+                print(f"| {name} | {w['max_mean']:.2f} | {w['step']} |")
+            for name, w in sorted(worst.items(), key=lambda kv: -kv[1]["max_mean"])[:args.save_worst]:
+                router = moes[name].router
+                path = Path(args.save_dir) / f"batch_{name}_step{w['step']}.pt"
+                torch.save({**{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in w.items()},
+                            "top_k": router.top_k, "spec": router.spec.model_dump(), "layer": name,
+                            "model": args.model}, path)
+                print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,11 @@ class RouterSpec(StrictModel):
     # 4: on a router with saturated scores the coordinate steps reach max/mean 1.11 after 2, 1.02 after 4
     # (tests/ops/test_moe_quantile.py::test_batch_bias_resolves_saturated_scores_like_the_exact_steps)
     quantile_iterations: int = Field(default=4, ge=1)
+    # eps of the selection jitter: eps * U[0, 1) per (token, expert), a hash of the slot and the step, added to the
+    # scores that choose experts in training forwards (never to the routing weights). A per-expert bias cannot split
+    # tokens with (near) equal scores, e.g. the many alike tokens of byte-level text; the jitter makes them distinct.
+    # 0 = off (moestack/ops/moe/reference.py::selection_jitter; benchmarks/RESULTS.md, "Expert balance")
+    selection_jitter: float = Field(default=0.0, ge=0, le=1)
     # Qwen3's global-batch balance loss: coef * E * sum_i f_i P_i with f_i the load fraction of the whole step's
     # batch (all micro-batches so far, all data-parallel ranks), P_i the mean normalised score of this micro-batch
     global_aux_loss_coef: float = Field(default=0.0, ge=0)

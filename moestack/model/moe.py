@@ -18,6 +18,8 @@ D for a plain MoE), I expert intermediate, E experts, K top-k, N = B*T*K routed 
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,7 +31,7 @@ from moestack.model.mlp import ACTIVATIONS, GLUMLP, glu_activation
 from moestack.model.norm import RMSNorm
 from moestack.model.weights import compute_weight
 from moestack.ops import moe as moe_ops
-from moestack.ops.moe import quantile, routing
+from moestack.ops.moe import quantile, reference, routing
 
 
 class Router(nn.Module):
@@ -45,6 +47,8 @@ class Router(nn.Module):
     `global_load` [E] int64, the global-batch loss's slot counts of the step's finished micro-batches (summed over
     the balance group; `finish_microbatch` folds in the last forward's).
     After each training forward: `last_z_loss` (detached, None when spec.z_loss_coef is 0).
+    `jitter_seed` int64 [] (non-persistent): the selection jitter's seed, set by the trainer once per optimizer
+    step (`set_jitter_seeds`), so a recompute and a resumed run draw the same jitter.
     """
 
     # the forward-accumulated buffers a recompute must restore (moestack.memory.recompute)
@@ -64,6 +68,7 @@ class Router(nn.Module):
         # "batch" scope: the sum of the step's solved micro-batch biases [E] and their count in the last slot
         self.register_buffer("batch_bias_sum", torch.zeros(num_experts + 1) if batch else None, persistent=False)
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("jitter_seed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
         self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
         self.balance_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.balance_group)
@@ -76,15 +81,22 @@ class Router(nn.Module):
         logits_TE = routing.router_logits(x_TD, self.weight)  # fp32; split-bf16 GEMMs for bf16 x on CUDA
         s = self.spec
         bias_E = self.selection_bias
+        # the choosing scores are scores + jitter_TE (training only): the solvers balance those, the route adds it
+        jitter_TE = None
+        if self.training and s.selection_jitter > 0 and bias_E is not None:
+            jitter_TE = reference.selection_jitter(*logits_TE.shape, self.jitter_seed, s.selection_jitter)
         if self.training and self.batch_bias_sum is not None:
             with torch.no_grad():
                 probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+                if jitter_TE is not None:
+                    probs_TE = probs_TE + jitter_TE
                 bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
                                              self.balance_group)
                 self.batch_bias_sum[:-1].add_(bias_E)
                 self.batch_bias_sum[-1].add_(1.0)
+        route_bias = bias_E if jitter_TE is None else jitter_TE + bias_E
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(
-            logits_TE, bias_E, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
+            logits_TE, route_bias, self.top_k, s.score, s.num_groups, s.topk_groups, s.renormalize,
             s.scaling_factor, backend=self.backend,
         )
         if self.training:
@@ -92,7 +104,8 @@ class Router(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts_E)
                 if self.quantile_hist is not None:
-                    quantile.accumulate_histogram_(self.quantile_hist, scores_TE, self.selection_bias, self.top_k)
+                    choosing_TE = scores_TE if jitter_TE is None else scores_TE.detach() + jitter_TE
+                    quantile.accumulate_histogram_(self.quantile_hist, choosing_TE, self.selection_bias, self.top_k)
         self.last_z_loss = None
         if s.z_loss_coef > 0 and torch.is_grad_enabled():
             z = router_z_loss(logits_TE, s.z_loss_coef, self.seq_shard_group)
@@ -150,7 +163,17 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=std)
         if self.selection_bias is not None:
             self.selection_bias.zero_()
+        self.jitter_seed.zero_()
         self.reset_step_state()
+
+
+@torch.no_grad()
+def set_jitter_seeds(routers: dict[str, Router], step: int) -> None:
+    """Seed each router's selection jitter for an optimizer step: a function of its module name and the step only,
+    so the draw is the same after a resume and under any pipeline split of the layers."""
+    for name, router in routers.items():
+        if router.spec.selection_jitter > 0:
+            router.jitter_seed.fill_((zlib.crc32(name.encode()) + step * 0x9E3779B1) & 0x7FFFFFFF)
 
 
 class Experts(nn.Module):

@@ -35,6 +35,7 @@ from moestack.memory.compute_weights import ComputeWeights
 from moestack.memory.phase_peaks import GIB, PhasePeaks
 from moestack.model.aux_loss import aux_loss_scale
 from moestack.model.kernels import apply_kernels
+from moestack.model.moe import set_jitter_seeds
 from moestack.model.transformer import Transformer, build_model
 from moestack.parallel import Meshes, build_meshes, parallelize
 from moestack.parallel.comm import all_reduce_mean, global_grad_norm
@@ -640,6 +641,7 @@ class Trainer:
         self.model.train()
         if self.compute_weights is not None:
             self.compute_weights.refresh_if_stale()  # bf16 copies, once per optimizer step
+        set_jitter_seeds({name: moe.router for name, moe in self.model.moe_layers().items()}, self.step)
         loss = self._forward_backward()
         if self._phase_peaks is not None:
             self._phase_peaks.in_forward = False

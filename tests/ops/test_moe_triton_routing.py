@@ -57,13 +57,19 @@ ROUTE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("per_token_bias", [False, True], ids=["bias_E", "bias_TE"])
 @pytest.mark.parametrize("case", ROUTE_CASES)
-def test_router_matches_reference(case):
+def test_router_matches_reference(case, per_token_bias):
+    """bias_TE: the per-expert bias plus a selection jitter, one value per (token, expert)."""
     score, E, K, G, TG, renorm, use_bias, scaling = case
+    if per_token_bias and not use_bias:
+        pytest.skip("no bias in this case")
     g = torch.Generator().manual_seed(E * 100 + K)
     T = 11
     x = torch.randn(T, E, generator=g, dtype=torch.float64)
     bias = torch.randn(E, generator=g) * 0.2 if use_bias else None
+    if per_token_bias:
+        bias = bias + ref.selection_jitter(T, E, E + K, 0.3)
     gw, gs = torch.randn(T, K, generator=g, dtype=torch.float64), torch.randn(T, E, generator=g, dtype=torch.float64)
 
     xt = x.float().to(DEV).requires_grad_()
@@ -333,10 +339,13 @@ def test_layer_triton_bitwise_deterministic():
 
 
 @pytest.mark.gpu
-def test_gpu_router_k3_shape():
+@pytest.mark.parametrize("per_token_bias", [False, True], ids=["bias_E", "bias_TE"])
+def test_gpu_router_k3_shape(per_token_bias):
     T, E, K = 8192, 896, 16
     x = torch.randn(T, E, device="cuda") * 2
     bias = torch.randn(E, device="cuda") * 0.05
+    if per_token_bias:  # with the selection jitter
+        bias = bias + ref.selection_jitter(T, E, torch.tensor(7, device="cuda"), 0.03)
     x.requires_grad_()
     idx, w, _, counts = routing.route(x, bias, K, backend="triton")
     xr = x.detach().clone().requires_grad_()

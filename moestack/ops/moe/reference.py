@@ -38,6 +38,32 @@ def _topk_lowest_index_on_ties(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanche hash of uint32 values held in int64 (xor-shift-multiply rounds). The multipliers are below
+    2^31, so every product of a 32-bit value stays inside int64 and is exact on every device."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def selection_jitter(num_tokens: int, num_experts: int, seed: torch.Tensor | int, amplitude: float,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """eps * U[0, 1) per (token, expert), fp32 [T, E]: a noise added to the scores that choose experts, never to
+    the routing weights (RouterSpec.selection_jitter). A hash of (t * E + e, seed), not RNG state, so a
+    recompute or a resumed run draws the same values, CPU and CUDA agree bit for bit, and compiled graphs trace
+    it. Why: a per-expert bias cannot split tokens whose scores are (near) equal; the jitter makes them distinct
+    by up to eps, so the quantile bias can split them (benchmarks/RESULTS.md, "Expert balance").
+    seed: an int64 scalar (tensor or int; the trainer sets one per router and optimizer step)."""
+    device = seed.device if isinstance(seed, torch.Tensor) and device is None else device
+    key_TE = torch.arange(num_tokens * num_experts, dtype=torch.int64, device=device).view(num_tokens, num_experts)
+    seed_mix = _mix32(torch.as_tensor(seed, dtype=torch.int64, device=device) & _MASK32)
+    bits_TE = _mix32(_mix32(key_TE & _MASK32) ^ seed_mix)
+    return (bits_TE >> 8).to(torch.float32).mul_(amplitude * 2.0**-24)
+
+
 def route(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor | None,
@@ -52,7 +78,8 @@ def route(
 
     Args:
         logits_TE: router logits [T, E]; math runs in at least fp32.
-        bias_E: selection bias [E] (aux-loss-free balancing) added for the choice only, or None.
+        bias_E: selection bias added for the choice only, or None: [E] (aux-loss-free balancing), or [T, E]
+            (that bias plus a per-token selection_jitter).
         top_k: experts per token.
         score: "sigmoid" (s = sigmoid(logits)) or "softmax" (s = softmax over experts).
         num_groups, topk_groups: group-limited routing. Experts split into num_groups contiguous groups; a

@@ -1,10 +1,11 @@
 """Fused Triton router: fp32 logits -> scores -> (+ bias) -> group-limited top-k -> weights, plus expert counts.
 
 One program owns BT tokens and all E experts (E padded to BE, a power of two). Forward per token: scores
-(sigmoid, or softmax over E), choice = scores + bias, group scores (sum of the top-2 choices per group, the max
-for one-expert groups), the top `topk_groups` groups stay eligible, then K rounds of "largest choice, lowest
-index among equals" (reference.route's tie rule), weights = unbiased scores at the chosen ids, renormalised and
-scaled. Slot counts per expert come out of the same pass (integer atomics: exact in any order).
+(sigmoid, or softmax over E), choice = scores + bias (per expert [E], or per token and expert [T, E]), group
+scores (sum of the top-2 choices per group, the max for one-expert groups), the top `topk_groups` groups stay
+eligible, then K rounds of "largest choice, lowest index among equals" (reference.route's tie rule), weights =
+unbiased scores at the chosen ids, renormalised and scaled. Slot counts per expert come out of the same pass
+(integer atomics: exact in any order).
 
 Backward (grads to logits only; the choice has none, the bias none): G = dL/ds from the scores output plus, at
 the chosen ids, the weights' path
@@ -36,8 +37,8 @@ def _block_tokens(BE: int) -> int:
 def router_fwd_kernel(
     logits_ptr, bias_ptr, scores_ptr, idx_ptr, w_ptr, counts_ptr, T, E, S, scaling,
     K: tl.constexpr, KP: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, BG: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOP2: tl.constexpr,
-    BT: tl.constexpr, BE: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_2D: tl.constexpr, RENORM: tl.constexpr,
+    TOP2: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
 ):
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)
     o_e = tl.arange(0, BE)
@@ -59,7 +60,10 @@ def router_fwd_kernel(
 
     b_c = b_s
     if HAS_BIAS:
-        b_c = b_c + tl.load(bias_ptr + o_e, mask=m_e, other=0.0)[None, :]
+        if BIAS_2D:  # the bias plus a per-token selection jitter, [T, E]
+            b_c = b_c + tl.load(bias_ptr + p_te, mask=m_te, other=0.0)
+        else:
+            b_c = b_c + tl.load(bias_ptr + o_e, mask=m_e, other=0.0)[None, :]
     b_c = tl.where(m_e[None, :], b_c, float("-inf"))
     if G > 1:
         grp = o_e // S  # [BE]
@@ -165,7 +169,8 @@ class _RouteTriton(torch.autograd.Function):
         router_fwd_kernel[(triton.cdiv(T, BT),)](
             logits_TE, bias, scores_TE, idx_TK, w_TK, counts_E, T, E, S, float(scaling),
             K=top_k, KP=KP, G=num_groups, TOPK_G=topk_groups, BG=triton.next_power_of_2(num_groups),
-            SOFTMAX=score == "softmax", HAS_BIAS=bias_E is not None, RENORM=renormalize, TOP2=S >= 2,
+            SOFTMAX=score == "softmax", HAS_BIAS=bias_E is not None,
+            BIAS_2D=bias_E is not None and bias_E.dim() == 2, RENORM=renormalize, TOP2=S >= 2,
             BT=BT, BE=BE, num_warps=4,
         )
         ctx.save_for_backward(scores_TE, idx_TK, w_TK)
@@ -205,6 +210,8 @@ def route_triton(
         raise ValueError(f"logits_TE must be float32 for the Triton router, got {logits_TE.dtype}")
     if score not in ("sigmoid", "softmax"):
         raise ValueError(f"score must be 'sigmoid' or 'softmax', got {score!r}")
+    if bias_E is not None and bias_E.shape not in ((E,), tuple(logits_TE.shape)):
+        raise ValueError(f"bias_E must be [E] or [T, E] = {list(logits_TE.shape)}, got {list(bias_E.shape)}")
     if E % num_groups or not 1 <= topk_groups <= num_groups or top_k > topk_groups * (E // num_groups):
         raise ValueError(f"num_groups={num_groups}, topk_groups={topk_groups}, top_k={top_k} do not fit E={E}")
     return _RouteTriton.apply(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)

@@ -80,7 +80,7 @@ class Router(nn.Module):
             with torch.no_grad():
                 probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
                 bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
-                                             self.balance_group)
+                                             self.balance_group, self.backend)
                 self.batch_bias_sum[:-1].add_(bias_E)
                 self.batch_bias_sum[-1].add_(1.0)
         topk_idx_TK, topk_w_TK, scores_TE, counts_E = routing.route(

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moestack.ops.moe import routing
+
 
 def histogram_range(bias_E: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(low edge, bin width) per expert, fp32 [E] device tensors, for the current bias: [min b - 1, max b + 1] in B
@@ -110,13 +112,26 @@ def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor, o
     return hist_EB.cumsum(-1)
 
 
-@torch.no_grad()
 def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+               group: dist.ProcessGroup | None = None, backend: str | None = None) -> torch.Tensor:
     """The bias [E] (fp32, mean 0) that balances this micro-batch over `group` ("batch" scope, module docstring):
     `iterations` coordinate steps from bias_E, each reading the quantile in two passes (each expert's full range,
-    then the bin that holds it). Every rank of the group gets the same result; no host sync. The loop is written
-    for few launches (it runs per MoE layer and micro-batch): what does not change between steps is made once."""
+    then the bin that holds it). Every rank of the group gets the same result; no host sync.
+    backend: the routing backend (moestack.ops.moe.routing.resolve_backend; None = "triton" on CUDA): "triton"
+    runs triton_quantile.batch_bias_triton (2 launches per step, the same counts), "reference"
+    batch_bias_reference (the spec, ~50 aten ops per step)."""
+    if routing.resolve_backend(backend, scores_TE.device) == "triton":
+        from moestack.ops.moe.triton_quantile import batch_bias_triton
+
+        return batch_bias_triton(scores_TE, bias_E, top_k, num_bins, iterations, group)
+    return batch_bias_reference(scores_TE, bias_E, top_k, num_bins, iterations, group)
+
+
+@torch.no_grad()
+def batch_bias_reference(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int,
+                         iterations: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """batch_bias in torch (the spec of the Triton path). The loop is written for few launches: what does not
+    change between steps is made once."""
     reduce = group is not None and dist.get_world_size(group) > 1
     group = group if reduce else None
     s_TE = scores_TE.detach().float()
@@ -153,4 +168,5 @@ def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bi
     return b
 
 
-__all__ = ["accumulate_histogram_", "batch_bias", "histogram_range", "required_bias", "solve_histogram"]
+__all__ = ["accumulate_histogram_", "batch_bias", "batch_bias_reference", "histogram_range", "required_bias",
+           "solve_histogram"]

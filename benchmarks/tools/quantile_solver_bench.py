@@ -1,0 +1,100 @@
+"""Batch-scope quantile solver (moestack.ops.moe.quantile.batch_bias) on CUDA: torch reference vs Triton, per
+call: GPU time (CUDA events, median), host time (the call's return without a sync, median: what a host-bound step
+pays), and launches (kernels the profiler sees on the device, and aten ops dispatched).
+
+    python3 benchmarks/tools/quantile_solver_bench.py                 # proxy and K3 shapes, 4 steps, 1000 bins
+    python3 benchmarks/tools/quantile_solver_bench.py --shape 32768,896,16 --iters 100
+
+Inputs: sigmoid scores of skewed logits (per-expert offsets), bias N(0, 0.1). It also prints the largest
+|triton - reference| of the bias (the mean-centring's rounding; tests/ops/test_moe_quantile_triton.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moestack.ops.moe import quantile  # noqa: E402
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _device_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _time(fn, iters: int) -> tuple[float, float]:
+    """(GPU ms, host ms) medians over `iters` calls after a warm-up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(host)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", action="append", help="T,E,k (repeatable); default the proxy's and K3's")
+    p.add_argument("--bins", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=4, help="coordinate steps per call (quantile_iterations)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per backend")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else \
+        [(4096, 128, 16), (8192, 896, 16), (32768, 896, 16)]
+    print(f"# {torch.cuda.get_device_name()}, bins {args.bins}, {args.steps} steps per call; medians of "
+          f"{args.iters}")
+    print("| T | E | k | backend | GPU ms | host ms | device kernels | aten ops |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, E, k in shapes:
+        g = torch.Generator().manual_seed(T + E)
+        s = torch.sigmoid(torch.randn(T, E, generator=g) + torch.linspace(-2, 2, E)).cuda()
+        b = (torch.randn(E, generator=g) * 0.1).cuda()
+        out = {}
+        for backend in ("reference", "triton"):
+            def fn(backend=backend):
+                return quantile.batch_bias(s, b, k, args.bins, args.steps, backend=backend)
+
+            out[backend] = fn()
+            gpu_ms, host_ms = _time(fn, args.iters)
+            with _CountOps() as ops:
+                fn()
+            kernels = _device_kernels(fn)
+            print(f"| {T} | {E} | {k} | {backend} | {gpu_ms:.3f} | {host_ms:.3f} | {kernels} | {ops.n} |")
+        err = float((out["triton"] - out["reference"]).abs().max())
+        print(f"|   |   |   | max abs diff {err:.3g} | | | | |")
+
+
+if __name__ == "__main__":
+    main()

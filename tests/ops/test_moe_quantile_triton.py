@@ -1,0 +1,205 @@
+"""The Triton batch-scope quantile solver (moestack/ops/moe/triton_quantile.py) against the torch reference
+(quantile.batch_bias_reference): one coordinate step bit for bit (required biases, ends, both histograms, the fine
+range, the uncentred read), whole solves to the mean-centring's rounding, fused == staged == two ranks.
+
+CPU: kernels under TRITON_INTERPRET=1 at small shapes. GPU (`-m gpu`): the K3 (E=896, k=16, T=8192) and proxy
+(E=128, k=16, T=4096) shapes. Fresh seeded inputs; kernel buffers start NaN-poisoned (int ones -7).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+pytest.importorskip("triton")
+
+from moestack.config.model_spec import RouterSpec
+from moestack.model.moe import Router
+from moestack.ops.moe import quantile
+from moestack.ops.moe import triton_quantile as tq
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_outputs(monkeypatch):
+    """Every float tensor torch.empty* allocates starts as NaN (int ones as -7), so unwritten elements fail."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def _inputs(kind: str, T: int, E: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, E], bias [E]) fp32 on DEV.
+    skewed: sigmoid scores with per-expert offsets; saturated: clusters of tokens with logits near +-10 (scores
+    within 1e-4 of 0 or 1); tied: scores on a grid of 1/8 and a zero bias (many equal choices per token); jitter:
+    probabilities plus N(0, 0.05) (outside (0, 1)); far: skewed scores and a bias near 40."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.linspace(-2.0, 2.0, E)[torch.randperm(E, generator=g)]
+    b = torch.randn(E, generator=g) * 0.2
+    if kind == "saturated":
+        clusters = max(2, T // 16)
+        prefer = torch.randn(clusters, E, generator=g).sign() * 10.0
+        s = torch.sigmoid(prefer[torch.randint(0, clusters, (T,), generator=g)] + torch.randn(T, E, generator=g))
+    else:
+        s = torch.sigmoid(torch.randn(T, E, generator=g) + offsets)
+    if kind == "tied":
+        s, b = (s * 8).round() / 8, torch.zeros(E)
+    if kind == "jitter":
+        s = s + 0.05 * torch.randn(T, E, generator=g)
+    if kind == "far":
+        b = b + 40.0
+    return s.to(DEV), b.to(DEV)
+
+
+def _reference_trace(monkeypatch, s, b, k, num_bins, iterations):
+    """The reference's result and, per step, its two _bin_counts calls: [(lo_E, width_E, cum_EB), ...]."""
+    calls = []
+    bin_counts = quantile._bin_counts
+
+    def record(r_TE, lo_E, width_E, *args):
+        cum_EB = bin_counts(r_TE, lo_E, width_E, *args)
+        calls.append((lo_E.clone(), width_E.clone(), cum_EB.clone()))
+        return cum_EB
+
+    monkeypatch.setattr(quantile, "_bin_counts", record)
+    out = quantile.batch_bias_reference(s, b, k, num_bins, iterations)
+    monkeypatch.setattr(quantile, "_bin_counts", bin_counts)
+    return out, calls
+
+
+def _check_one_step(monkeypatch, s, b, k, num_bins):
+    """One coordinate step: every intermediate bit for bit, the centred result to the mean's rounding."""
+    ref, calls = _reference_trace(monkeypatch, s, b, k, num_bins, 1)
+    (lo_c, width_c, cum_c), (lo_f, width_f, cum_f) = calls
+    T, E = s.shape
+    ws = tq.Workspace(T, E, num_bins, s.device, staged=True)
+    tq.launch_required(s, b, k, False, ws)
+    r_TE = quantile.required_bias(s, b, k)
+    assert torch.equal(ws.r_ET.T, r_TE)
+    assert torch.equal(ws.ends_2E, torch.stack([r_TE.amin(0), r_TE.amax(0).neg()]))
+    tq.launch_solve(tq.STAGE_COARSE, ws, k, num_bins, None)
+    assert torch.equal(ws.coarse_EB.long().cumsum(-1), cum_c)
+    assert torch.equal(ws.ends_2E[0], lo_c)  # the reference's coarse range from the same ends
+    tq.launch_solve(tq.STAGE_FINE, ws, k, num_bins, None)
+    assert torch.equal(ws.range_2E[0], lo_f) and torch.equal(ws.range_2E[1], width_f)
+    assert torch.equal(ws.fine_EB.long().cumsum(-1), cum_f)
+    tq.launch_solve(tq.STAGE_READ, ws, k, num_bins, None)
+    assert torch.all(ws.ends_2E == float("inf"))  # reset for the next step
+    # the uncentred read b_E is the reference's (its formula on the same counts; exact ops): centring differs only
+    # in the fp32 sum's order, |d mean| <= E eps max|b| (the sum's worst case), plus one rounding of b - mean
+    got = tq.batch_bias_triton(s, b, k, num_bins, 1)
+    scale = float(ws.b_E.abs().max())
+    assert float((got - ref).abs().max()) <= (E + 2) * EPS32 * scale
+    assert abs(float(got.double().mean())) <= 2 * EPS32 * scale
+
+
+CASES = [
+    # T, E, k, bins, kind
+    (100, 8, 2, 16, "skewed"),
+    (257, 56, 6, 100, "saturated"),
+    (130, 100, 16, 1000, "skewed"),
+    (61, 17, 16, 8, "tied"),  # k + 1 = E: every expert in the top-(k+1)
+    (300, 12, 3, 1024, "jitter"),  # B a power of two: no padding bins
+    (97, 24, 4, 1500, "far"),
+    (1, 10, 3, 64, "skewed"),  # one token
+]
+
+
+@pytest.mark.parametrize("T,E,k,num_bins,kind", CASES)
+def test_one_step_counts_match_reference(monkeypatch, T, E, k, num_bins, kind):
+    s, b = _inputs(kind, T, E, seed=T + E + k)
+    _check_one_step(monkeypatch, s, b, k, num_bins)
+
+
+def _load(s: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.bincount((s + b).topk(k, -1).indices.flatten(), minlength=s.shape[1])
+
+
+def _check_solve(monkeypatch, s, b, k, num_bins, iterations):
+    """A whole solve: fused == staged bit for bit; against the reference within two fine bins of the last step (a
+    step after a centring that rounded differently may count a token at a bin edge in the neighbouring bin, and
+    the read stays in the fine bin that holds the target) plus the rounding above; the same balance."""
+    ref, calls = _reference_trace(monkeypatch, s, b, k, num_bins, iterations)
+    got = tq.batch_bias_triton(s, b, k, num_bins, iterations)
+    assert torch.equal(got, tq.batch_bias_triton(s, b, k, num_bins, iterations, staged=True))
+    fine = float(calls[-1][1].max())
+    scale = float(ref.abs().max()) + float(b.abs().max())
+    err = float((got - ref).abs().max())
+    assert err <= 2 * fine + (s.shape[1] + 2) * EPS32 * scale, (err, fine)
+    mean = s.shape[0] * k / s.shape[1]
+    got_load, ref_load = _load(s, got, k), _load(s, ref, k)
+    assert abs(float(got_load.max() - ref_load.max())) <= max(2.0, 0.02 * mean), (got_load, ref_load)
+    return err
+
+
+@pytest.mark.parametrize("T,E,k,num_bins,kind", [c for c in CASES if c[0] > 1])
+def test_solve_matches_reference(monkeypatch, T, E, k, num_bins, kind):
+    s, b = _inputs(kind, T, E, seed=2 * T + E)
+    _check_solve(monkeypatch, s, b, k, num_bins, 3)
+
+
+def test_dispatch_follows_the_routing_backend(monkeypatch):
+    s, b = _inputs("skewed", 64, 12, seed=1)
+    want = tq.batch_bias_triton(s, b, 2, 32, 2)
+    assert torch.equal(quantile.batch_bias(s, b, 2, 32, 2, backend="triton"), want)
+    auto = "triton" if DEV == "cuda" else "reference"  # auto: the Triton kernels on CUDA only
+    expect = want if auto == "triton" else quantile.batch_bias_reference(s, b, 2, 32, 2)
+    assert torch.equal(quantile.batch_bias(s, b, 2, 32, 2), expect)
+    with pytest.raises(ValueError, match="backend"):
+        quantile.batch_bias(s, b, 2, 32, 2, backend="cuda")
+    # the router passes its routing backend
+    seen = []
+
+    def fake(scores_TE, bias_E, *args):
+        seen.append(args[-1])
+        return torch.zeros_like(bias_E)
+
+    monkeypatch.setattr(quantile, "batch_bias", fake)
+    router = Router(8, 12, 2, RouterSpec(bias_update="quantile", quantile_scope="batch")).to(DEV)
+    router.init_weights(0.5)
+    router.backend = "reference"
+    router.train()
+    router(torch.randn(16, 8, device=DEV))
+    assert seen == ["reference"]
+
+
+def _two_rank_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    s_all, b = _inputs("skewed", 2 * 150, 20, seed=7)
+    got = tq.batch_bias_triton(s_all[rank * 150:(rank + 1) * 150], b, 3, 200, 3, dist.group.WORLD)
+    return {"got": got, "want": tq.batch_bias_triton(s_all, b, 3, 200, 3)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEV == "cuda", reason="gloo ranks on CPU tensors (the interpreter)")
+def test_two_ranks_match_one_process_bit_for_bit():
+    """The staged solve over two ranks (all-reduced ends, counts, token count) is the single process's fused solve
+    of the whole batch bit for bit: integer counts and min add exactly, and the centring sums the same values."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from _dist import run_ranks
+
+    for r in run_ranks(__file__, "_two_rank_worker", world_size=2, timeout=300):
+        assert torch.equal(r["got"], r["want"]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k", [(8192, 896, 16), (4096, 128, 16)])
+@pytest.mark.parametrize("kind", ["skewed", "saturated"])
+def test_gpu_shapes_match_reference(monkeypatch, T, E, k, kind):
+    s, b = _inputs(kind, T, E, seed=E + (kind == "saturated"))
+    _check_one_step(monkeypatch, s, b, k, 1000)
+    err = _check_solve(monkeypatch, s, b, k, 1000, 4)
+    print(f"T={T} E={E} k={k} {kind}: max |triton - reference| after 4 steps {err:.3g}")

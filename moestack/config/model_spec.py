@@ -157,6 +157,9 @@ class RouterSpec(StrictModel):
     # 4: on a router with saturated scores the coordinate steps reach max/mean 1.11 after 2, 1.02 after 4
     # (tests/ops/test_moe_quantile.py::test_batch_bias_resolves_saturated_scores_like_the_exact_steps)
     quantile_iterations: int = Field(default=4, ge=1)
+    # where batch scope's coordinate steps start: "bias" (the router's bias: the last step's solves), "zero", or
+    # "best" (both, the one with the lower routed max load; moestack/ops/moe/quantile.py::solve_batch_bias)
+    quantile_start: Literal["bias", "zero", "best"] = "best"
     # eps of the selection jitter: eps * U[0, 1) per (token, expert), a hash of the slot and the step, added to the
     # scores that choose experts in training forwards (never to the routing weights). A per-expert bias cannot split
     # tokens with (near) equal scores, e.g. the many alike tokens of byte-level text; the jitter makes them distinct.

@@ -90,8 +90,9 @@ class Router(nn.Module):
                 probs_TE = torch.sigmoid(logits_TE) if s.score == "sigmoid" else torch.softmax(logits_TE, dim=-1)
                 if jitter_TE is not None:
                     probs_TE = probs_TE + jitter_TE
-                bias_E = quantile.batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins, s.quantile_iterations,
-                                             self.balance_group, self.backend)
+                bias_E = quantile.solve_batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins,
+                                                   s.quantile_iterations, s.quantile_start, self.balance_group,
+                                                   self.backend)
                 self.batch_bias_sum[:-1].add_(bias_E)
                 self.batch_bias_sum[-1].add_(1.0)
         route_bias = bias_E if jitter_TE is None else jitter_TE + bias_E

@@ -93,8 +93,8 @@ def test_jitter_routes_training_forwards_only_and_is_recompute_safe():
     router.train()
     idx, _, scores = router(x)
     jitter = ref.selection_jitter(*scores.shape, router.jitter_seed, 0.03)
-    solved = quantile.batch_bias(scores + jitter, router.selection_bias, router.top_k, router.spec.quantile_bins,
-                                 router.spec.quantile_iterations)
+    solved = quantile.solve_batch_bias(scores + jitter, router.selection_bias, router.top_k,
+                                       router.spec.quantile_bins, router.spec.quantile_iterations)
     assert torch.equal(router.batch_bias_sum[:-1], solved)  # the solver balanced the jittered choosing scores
     assert torch.equal(idx, ref.route(logits, solved + jitter, router.top_k)[0])
     again, _, _ = router(x)  # a recompute of the same forward (the step's seed unchanged)

@@ -239,3 +239,22 @@ def test_batch_bias_resolves_saturated_scores_like_the_exact_steps():
     # measured (x86, torch 2.13): exact 1.02, two passes 1.01, one level 2.19
     assert coarse > 1.6, coarse
     assert got < 1.15 and abs(got - want) < 0.03, (got, want)
+
+
+def test_solve_batch_bias_keeps_the_better_start():
+    """"best" solves from the router's bias and from zero and keeps the one whose routing loads the busiest expert
+    least; "bias" / "zero" are the two plain solves."""
+    T, E, k = 1024, 32, 4
+    s = _scores(T, E, seed=8)
+    far = torch.linspace(3.0, -3.0, E)  # a warm start far from this batch's solution
+    warm = quantile.batch_bias(s, far, k, 1000, 1)
+    cold = quantile.batch_bias(s, torch.zeros(E), k, 1000, 1)
+    assert torch.equal(quantile.solve_batch_bias(s, far, k, 1000, 1, "bias"), warm)
+    assert torch.equal(quantile.solve_batch_bias(s, far, k, 1000, 1, "zero"), cold)
+    best = quantile.solve_batch_bias(s, far, k, 1000, 1, "best")
+    loads = {name: int(_route_counts(s, b, k).max()) for name, b in (("warm", warm), ("cold", cold))}
+    assert loads["warm"] != loads["cold"], loads  # the case must tell the starts apart
+    assert torch.equal(best, warm if loads["warm"] <= loads["cold"] else cold), loads
+    assert int(quantile.routed_max_load(s, best, k)) == min(loads.values())
+    with pytest.raises(ValueError, match="quantile_start"):
+        quantile.solve_batch_bias(s, far, k, 1000, 1, "warm")

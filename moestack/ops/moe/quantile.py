@@ -168,5 +168,41 @@ def batch_bias_reference(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: i
     return b
 
 
+def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The most slots any expert gets when the batch routes by top-k of scores + bias: [...] for bias_E [..., E]
+    (candidate biases stacked in front), summed over `group`. No host sync."""
+    s_TE = scores_TE.detach().float()
+    b_CE = bias_E.detach().float().reshape(-1, s_TE.shape[1])
+    counts_CE = torch.zeros_like(b_CE, dtype=torch.int64)
+    for c in range(b_CE.shape[0]):
+        idx = (s_TE + b_CE[c]).topk(top_k, dim=-1).indices.reshape(-1)
+        counts_CE[c].scatter_add_(0, idx, torch.ones_like(idx))
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts_CE, group=group)
+    return counts_CE.amax(-1).reshape(bias_E.shape[:-1])
+
+
+@torch.no_grad()
+def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
+                     start: str = "best", group: dist.ProcessGroup | None = None,
+                     backend: str | None = None) -> torch.Tensor:
+    """batch_bias from the start RouterSpec.quantile_start names: "bias" (warm: the router's bias, where the last
+    step's solves ended), "zero", or "best" (both; the one whose routed max load over the group is lower, the
+    warm one on a tie). Why both: where micro-batches differ (byte-level text: a window of indented code, then
+    prose) the last step's bias can be a worse start than none, and the coordinate steps from far converge slowly
+    (benchmarks/RESULTS.md, "Expert balance"); where they are alike, the warm start is the better one."""
+    if start not in ("bias", "zero", "best"):
+        raise ValueError(f"quantile_start must be 'bias', 'zero' or 'best', got {start!r}")
+    zero_E = torch.zeros_like(bias_E, dtype=torch.float32)
+    if start != "best":
+        return batch_bias(scores_TE, bias_E if start == "bias" else zero_E, top_k, num_bins, iterations, group,
+                          backend)
+    warm_E = batch_bias(scores_TE, bias_E, top_k, num_bins, iterations, group, backend)
+    cold_E = batch_bias(scores_TE, zero_E, top_k, num_bins, iterations, group, backend)
+    load_2 = routed_max_load(scores_TE, torch.stack([warm_E, cold_E]), top_k, group)
+    return torch.where(load_2[0] <= load_2[1], warm_E, cold_E)
+
+
 __all__ = ["accumulate_histogram_", "batch_bias", "batch_bias_reference", "histogram_range", "required_bias",
-           "solve_histogram"]
+           "routed_max_load", "solve_batch_bias", "solve_histogram"]

@@ -31,16 +31,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.fixture(autouse=True)
-def nan_poisoned_outputs(monkeypatch):
-    """Every float tensor torch.empty* allocates starts as NaN (int ones as -7), so unwritten elements fail."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+pytestmark = pytest.mark.usefixtures("nan_poisoned_outputs")  # tests/ops/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------------------------

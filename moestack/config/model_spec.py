@@ -174,6 +174,13 @@ class RouterSpec(StrictModel):
     # and makes a bias solved on the last step stale (benchmarks/RESULTS.md, "Expert balance")
     lr_scale: float = Field(default=1.0, gt=0)
 
+    @model_validator(mode="after")
+    def _check(self) -> RouterSpec:
+        if self.selection_jitter > 0 and not self.selection_bias:
+            raise ValueError("router.selection_jitter only helps the selection bias split alike tokens; set "
+                             "selection_bias: true or selection_jitter: 0")
+        return self
+
 
 class MoESpec(StrictModel):
     num_experts: int = Field(gt=0)

@@ -83,7 +83,7 @@ class Router(nn.Module):
         bias_E = self.selection_bias
         # the choosing scores are scores + jitter_TE (training only): the solvers balance those, the route adds it
         jitter_TE = None
-        if self.training and s.selection_jitter > 0 and bias_E is not None:
+        if self.training and s.selection_jitter > 0:  # validated: only with a selection bias
             jitter_TE = reference.selection_jitter(*logits_TE.shape, self.jitter_seed, s.selection_jitter)
         if self.training and self.batch_bias_sum is not None:
             with torch.no_grad():

@@ -118,3 +118,5 @@ def test_selection_jitter_spec_bounds():
     with pytest.raises(ValueError, match="selection_jitter"):
         RouterSpec(selection_jitter=-0.1)
     assert RouterSpec().selection_jitter == 0.0
+    with pytest.raises(ValueError, match="selection_bias: true"):
+        RouterSpec(selection_jitter=0.03, selection_bias=False)

@@ -16,7 +16,7 @@ the bf16 weight cache:
 
 What cannot run falls back one mode down, with one line saying why (also in <out_dir>/compile.json): no C++ compiler
 (inductor on CPU), no Triton (inductor on CUDA), graphs on CPU / under a plan / with the aot_eager backend / with
-gradient accumulation (a replay overwrote an output a later backward read; measured, not understood yet).
+gradient accumulation (a replay overwrites an output a later backward reads; benchmarks/RESULTS.md).
 compile.json also records what dynamo did (graphs, graph breaks and their reasons) after the first steps.
 
 Numerics: backend aot_eager (capture, no code generation) gives the eager losses bit for bit; inductor fuses and

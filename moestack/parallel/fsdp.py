@@ -91,10 +91,9 @@ def _shard(module: nn.Module, mesh: DeviceMesh, reshard: bool, mp_policy: MixedP
 
 
 def _set_divide_factor(module: nn.Module, mesh: DeviceMesh, factor: float) -> None:
-    """Divide the reduced gradients of FSDP `module` by `factor`. On a mesh of one rank (experts with edp 1) torch
-    2.13 divides by a custom factor twice unless the reduce dtype is fp32 / bf16 (its overflow-safe pre/post division
-    and its no-collective copy both apply it: fp64 expert gradients came out dp times too small), so there the
-    division runs in FSDP's post-reduce hook instead."""
+    """Divide the reduced gradients of FSDP `module` by `factor`. On a one-rank mesh (experts with edp 1) torch
+    2.13 applies a custom factor twice unless the reduce dtype is fp32 / bf16 (its pre/post division and its
+    no-collective copy both do), so there the division runs in FSDP's post-reduce hook instead."""
     if mesh.size() == 1:
         module.set_all_reduce_hook(lambda grad, factor=float(factor): grad.div_(factor))
     else:

@@ -26,13 +26,11 @@ so each stage's backward reaches its own; the runner sets their scale to loss_sc
 each micro-batch's aux loss is a mean over that micro-batch's sequences (the scale is a process-wide setting:
 the runner restores the caller's value when the step ends).
 
-Tied embeddings (model.tie_word_embeddings), Megatron's way: the first stage's embedding and the last stage's LM
-head are two copies of one weight. `build_stage_modules` gives the head its own copy (the per-part TP and FSDP
-conversions replace parameters, so sharing one object across parts would not survive them anyway); the runner
-makes the copies equal on its first step and, after every step's backward, sets both gradients to the sum of the
-two (locally when one rank holds both stages, V-shapes; else a send / receive between pipeline ranks 0 and pp-1,
-after the deferred TP sums of those parts). Both copies then take the same optimizer step. The head copy is
-marked (`TIED_COPY_ATTR`) so that `comm.global_grad_norm` counts the tied gradient once.
+Tied embeddings (model.tie_word_embeddings), Megatron's way: the last stage's LM head is its own copy of the first
+stage's embedding (`build_stage_modules`; per-part TP / FSDP would replace a shared parameter anyway). The runner
+makes the copies equal on its first step and after every backward sets both gradients to their sum (README.md,
+"Launch"), so both take the same optimizer step; the head copy is marked (`TIED_COPY_ATTR`) so that
+`comm.global_grad_norm` counts the tied gradient once.
 
 FSDP under the split-backward schedules (zbv, dualpipev): the stage module is made the FSDP root, so that torch's
 schedule runs the backwards without gradient reduction and reduces once per step, and ZeRO-3 does not reshard
@@ -239,21 +237,16 @@ def _fsdp_mesh(part: nn.Module):
 def stage_module(part: Transformer, split_backward: bool) -> nn.Module:
     """The module a PipelineStage runs for `part` (a stage Transformer, parallelised): `_StageForward(part)`.
 
-    split_backward (zbv, dualpipev: torch runs each micro-batch's backward as an input pass, then a weight pass)
-    with an FSDP-sharded part (the trainer always applies FSDP, on a data-parallel mesh of one rank too): the
-    wrapper is made the FSDP root (it holds no parameters of its own), because torch.distributed.pipelining drives
-    FSDP only when the stage's module IS an FSDPModule. Behind a plain wrapper FSDP resharded the part after the
-    input pass (its post-backward hook fires on the input gradients), and the weight pass (`stage_backward_weight`)
-    then looked up the AccumulateGrad nodes the input pass had recorded (those of the gathered parameters) among
-    `submod.parameters()`, by then the sharded ones: `KeyError: <AccumulateGrad ...>`. As the root, the stage runs
-    every backward without gradient reduction or resharding and reduces once per step (REDUCE_GRAD), and its UNSHARD
-    / RESHARD actions gather the parameters. ZeRO-3's reshard after forward is switched off for the part as well:
-    `stage_backward_input` takes `submod.parameters()` BEFORE its autograd call (whose pre-backward hooks would
-    regather), so a block resharded by its forward showed its sharded parameters, matched nothing in the graph, and
-    silently got no gradient at all (seen: the last stage's blocks, whose input pass follows their forward). So
-    under zbv / dualpipev a stage's parameters stay gathered, and its gradients unsharded (one reduce-scatter per
-    step instead of one per micro-batch), from its first forward to the end of the step: ZeRO-3 holds parameters
-    as ZeRO-2 does and ZeRO-2 gradients as ZeRO-1 does, during the step.
+    split_backward (zbv, dualpipev: each micro-batch's backward runs as an input pass, then a weight pass) with an
+    FSDP-sharded part (the trainer always applies FSDP, on a one-rank data-parallel mesh too): the wrapper is made
+    the FSDP root (it holds no parameters), because torch.distributed.pipelining drives FSDP only when the stage's
+    module IS an FSDPModule. Why: behind a plain wrapper FSDP reshards the part after the input pass, and the weight
+    pass cannot find the input pass's AccumulateGrad nodes among the sharded parameters (KeyError). As the root the
+    stage runs every backward without reduction or resharding, reduces once per step (REDUCE_GRAD) and gathers
+    through its UNSHARD / RESHARD actions. ZeRO-3's reshard after forward is off too: `stage_backward_input` reads
+    `submod.parameters()` before its autograd call regathers them, so a block resharded by its forward would
+    silently get no gradient. So under zbv / dualpipev a stage's parameters stay gathered and its gradients
+    unsharded (one reduce-scatter per step, not per micro-batch) from its first forward to the end of the step.
     Other schedules keep the plain wrapper: FSDP reduces (and reshards) after every micro-batch's full backward.
     """
     module = _StageForward(part)
@@ -391,7 +384,7 @@ class PipelineStepRunner:
     def loaded_tie_mismatch(self, optimizer: torch.optim.Optimizer | None) -> list[str]:
         """After a checkpoint load: what differs between this rank's tied copy and the other copy (weight, then the
         optimizer's state tensors by name); [] when equal, or untied, or this rank holds no copy. Equal copies are
-        marked synced, so the first step no longer copies the embedding into the head: that copy would mend an
+        marked synced, so the first step does not copy the embedding into the head: that copy would mend an
         unequal weight but not the head's optimizer state, a silent divergence (callers refuse a non-empty list).
         Collective between the copies' holders (pipeline ranks 0 and pp-1 of one data-parallel coordinate)."""
         if not self._tie:

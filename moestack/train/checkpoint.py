@@ -239,8 +239,7 @@ def step_dirs_any(root: Path) -> list[tuple[int, Path, bool]]:
 
 def _lock_file(path: Path, block: bool) -> int | None:
     """An fd holding an exclusive flock on file `path` (created if absent); None if another process holds it
-    (block=False). A filesystem without flock support (ENOLCK, EOPNOTSUPP) gets an unlocked fd: the same
-    behaviour as before locks existed, not a failure."""
+    (block=False). A filesystem without flock support (ENOLCK, EOPNOTSUPP) gets an unlocked fd, not a failure."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))

@@ -3,11 +3,11 @@
 with one line naming the field.
 
 A checkpoint carries its optimizer hyper-parameters in the optimizer state (param groups: lr, betas, eps,
-weight_decay) and its peak learning rate in the scheduler state (LambdaLR.base_lrs); loading them restored the old
-values whatever the user asked (a resumed run with --lr 1e-5 kept training at the checkpoint's 5.7e-4). The
-trainer records its settings in every checkpoint (`settings_record`, extra["train_settings"]); on resume
-`check_resume_settings` (before the load) refuses what cannot carry over, and `apply_resume_settings` (after)
-writes this run's values into the loaded param groups and scheduler and returns the lines to log.
+weight_decay) and its peak learning rate in the scheduler state (LambdaLR.base_lrs); loading them alone would
+restore the old values whatever the user asked. The trainer records its settings in every checkpoint
+(`settings_record`, extra["train_settings"]); on resume `check_resume_settings` (before the load) refuses what
+cannot carry over, and `apply_resume_settings` (after) writes this run's values into the loaded param groups and
+scheduler and returns the lines to log.
 
   applied     optimizer.lr (the scheduler's peak; the current lr follows the schedule at the resumed step),
               optimizer.betas, optimizer.eps, optimizer.weight_decay (decay groups; no-decay groups keep 0),

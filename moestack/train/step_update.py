@@ -1,11 +1,10 @@
 """The end of a training step without host syncs: clip, optimizer update and the non-finite skip as device work, and
 the step's numbers read back to the host once.
 
-The trainer's step used to read the host several times: the loss after every micro-batch (`.item()`), the grad norm
-before the clip (`float(norm)` under a plan) and again for the non-finite check, the aux losses. Each read waits
-for the device to drain, and the host, instead of queueing the next kernels, idles until it has. Now:
+Why: every host read (`.item()`, `float(norm)`) waits for the device to drain, and the host idles instead of
+queueing the next kernels. So:
 
-    loss      accumulated on the device (float64, the same sums as the Python floats before)
+    loss      accumulated on the device (float64, the same sums as Python floats)
     clip      the coefficient min(1, max_norm / (norm + 1e-6)) computed on the device
     skip      torch's fused Adam / AdamW take `found_inf` (the AMP grad-scaler hook): a non-finite loss or norm skips
               the update inside the kernel (parameters, moments and step counts untouched); other optimizers (Muon,
@@ -42,7 +41,7 @@ def _fold_clip_supported(optimizer: torch.optim.Optimizer) -> bool:
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """min(1, max_norm / (norm + 1e-6)) as a float64 device scalar (1 where norm is not finite: the step is skipped).
-    float64 as the host arithmetic it replaces (Python floats): the same coefficient bit for bit."""
+    float64 so that it equals the Python-float arithmetic bit for bit."""
     coef = (max_norm / (norm.double() + CLIP_EPS)).clamp(max=1.0)
     return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 

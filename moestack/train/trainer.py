@@ -479,7 +479,7 @@ class Trainer:
         plan = self.dist.plan
         if plan.offload.optimizer or plan.offload.experts:
             # host-resident state / parameters step with torch's fused CPU kernels (moestack.memory.host_adamw:
-            # the generic paths took minutes per step at the proxy's size on the H200 host)
+            # the generic CPU paths are far slower, moestack/memory/README.md)
             from moestack.train.optimizers import build_host_aware_optimizer
 
             return build_host_aware_optimizer(self.model, plan.optimizer, self.spec.optimizer,

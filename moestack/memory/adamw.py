@@ -20,7 +20,7 @@ CPUOffloadAdamW with bf16 states, moestack.memory.host_adamw.HostOffloadAdamW) c
 their state dict (`RoundingStateMixin`): under `param_groups[i]["rounding_rng"]` (i: the first group with
 parameters), one entry per rank. It lives in a param group because torch.distributed.checkpoint's get_state_dict /
 set_state_dict (moestack.train.checkpoint) keep only "state" and "param_groups" of an optimizer's state dict. A
-state dict without it (saved before it was kept) loads with one warning and the noise restarts from the seed.
+state dict without it loads with one warning and the noise restarts from the seed.
 """
 
 from __future__ import annotations

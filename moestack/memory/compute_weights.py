@@ -2,7 +2,7 @@
 weight_cache, one device).
 
 Under autocast every forward casts each fp32 weight it multiplies by to bf16 again: with gradient accumulation the
-same cast runs once per micro-batch (the K3 slice: ~28 ms of a 209 ms step, issue #30). Here each Linear weight and
+same cast runs once per micro-batch (README.md: its cost on the K3 slice). Here each Linear weight and
 each routed-expert weight is cast once, when the weights have changed (after an optimizer step, a load), and the
 forwards multiply by that copy (moestack.model.weights.compute_weight).
 

@@ -2,10 +2,8 @@
 
 Why: the CPU paths of moestack.memory.adamw step one tensor at a time with torch's single-tensor AdamW (~10
 elementwise passes over 4-byte arrays) or, for bf16 states, with `adamw_bf16_update`, whose stochastic rounding
-draws its noise with `torch.randint` (serial on the CPU). Measured on the 2-core development machine
-(ns per parameter per step, 1 / 2 threads): single-tensor AdamW 11.2 / 7.5, torch's fused CPU AdamW 1.5 / 0.9,
-`adamw_bf16_update` 76 / 62 (of which randint 9.8 / 9.5 twice, not threaded) -- 3.8B host parameters of the proxy
-took minutes per step. Here:
+draws its noise with `torch.randint` (serial on the CPU): several times slower than one fused pass (README.md has
+the numbers). Here:
 
 - fp32 states: `torch._fused_adamw_` (one multi-threaded pass; the same math as torch.optim.AdamW, not bitwise
   the single-tensor result: fused and single-tensor AdamW round differently in the last bit).
@@ -21,13 +19,9 @@ kernels; `build_host_aware_optimizer` (moestack/train/optimizers.py) picks it fo
 AdamW with `fused=True` (CPU and CUDA both supported) when some parameters live on the host (expert offload) without
 optimizer offload.
 
-Resume. With bf16 states the rounding noise is part of the trajectory, so `HostOffloadAdamW.state_dict()` carries
-the noise source's state (`RoundingNoise.state()`: the table's seed and the offset RNG's state, one per rank) under
-`param_groups[i]["rounding_rng"]` (i: the first group with parameters), as AdamWBF16 and CPUOffloadAdamW carry
-their generators' (moestack.memory.adamw.RoundingStateMixin, shared). It lives in a param group because
-torch.distributed.checkpoint's get_state_dict / set_state_dict (moestack.train.checkpoint) keep only "state" and
-"param_groups" of an optimizer's state dict. Loading a state dict without it (saved before) keeps the old
-behaviour: the noise restarts from the seed, with one warning.
+Resume. With bf16 states `HostOffloadAdamW.state_dict()` carries the noise source's state (`RoundingNoise.state()`:
+the table's seed and the offset RNG's state, one per rank) through RoundingStateMixin, as AdamWBF16 does (where and
+why: moestack.memory.adamw, module docstring).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ the latent down-projection and the permutation. Copies move `transfer_dtype` (bf
 host shadow of the fp32 weights is refreshed when the weights change: all stale shadows at once, after one device
 synchronisation, at the first fetch after an optimizer step). On a GPU, `init_weights` of an attached Experts
 module draws its normal values on the device, one block of experts at a time, and copies them to the host (torch's
-CPU normal_ is single-threaded: ~6 ns per element, 17 s for the proxy's 2.8B expert parameters).
+CPU normal_ is single-threaded; README.md).
 
 Legend: N rows (routed copies), D / F GEMM in / out width, E experts.
 """

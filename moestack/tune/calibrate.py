@@ -74,10 +74,10 @@ def measure_grouped(experts: int, tokens_per_expert: int, n: int, k: int, peak: 
 def measure_fp8_factor(peak_bf16: float, peak_fp8: float) -> float | None:
     """fp8_gemm_factor: the efficiency of the GEMMs `precision: fp8` runs (DeepSeek-V3's blockwise scales through
     moestack/ops/fp8/scaled_mm.py: forward / dX with 1x128 x 128x128 scales, dW with 1x128 x 1x128), weighted
-    2 : 1 as a training step runs them, over the bf16 GEMM's, both at 8192^3. A rowwise-scaled GEMM (no block
-    scales) ran at bf16's efficiency on the H200 (factor 1.0), which the recipe does not reach: with it the planner
-    priced a K3-width FP8 step 28% faster than measured (benchmarks/RESULTS.md, session 14). None where the
-    per-expert cuBLAS path does not run (the recipe's Triton kernels take over; the default factor stays)."""
+    2 : 1 as a training step runs them, over the bf16 GEMM's, both at 8192^3. Not a rowwise-scaled GEMM: that one
+    runs at bf16's efficiency, which the recipe does not reach (benchmarks/RESULTS.md, "The FP8 recipe in the
+    planner"). None where the per-expert cuBLAS path does not run (the recipe's Triton kernels take over; the
+    default factor stays)."""
     import torch
 
     from moestack.ops.fp8 import quant as fq
@@ -448,7 +448,7 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                         f"{pc.bwd_fixed_s * 1e3:.2f} ms), "
                         f"{pc.act_bytes_per_token / 1024:.1f} KiB saved per token")
     # opt-in (--measure-host): it leaves out the optimizer step and the FSDP / DTensor hooks that the fitted default
-    # includes (2 x H200: 13.6 ms measured vs the 20.8 fit, step times predicted 19-41% low; benchmarks/RESULTS.md)
+    # includes (benchmarks/RESULTS.md, "The measured host floor")
     host, host_line = (calibrate_host(spec, base.host, ep) if measure_host else
                        (base.host, f"host floor: default layer_s {base.host.layer_s * 1e3:.1f} ms (--measure-host "
                                    f"measures it on this machine)"))

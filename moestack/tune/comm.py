@@ -19,7 +19,7 @@ rs / ag (n-1)/n * total bytes / t, a2a (n-1)/n * bytes / t; a least-squares line
 `--merge-into CAL.json` then sets CAL.json's `comm` field (calibration.CommCalibration; CAL.json is rewritten
 atomically; when it does not exist the default calibration is the base), which the cost model uses for every
 collective whose group stays inside tier 0 (planner/cost/comm.py `_measured`). Why: the datasheet bandwidth times an
-efficiency is a guess per machine (the lent 2 x H200 VM, session 6: 210-240 GB/s bus bandwidth over P2P/CUMEM). NVLink
+efficiency is a guess per machine (benchmarks/RESULTS.md, "Multi-GPU": a VM's NVLink pair ran over P2P/CUMEM). NVLink
 multicast env vars (NCCL_NVLS_ENABLE etc.) are left as the caller set them.
 """
 

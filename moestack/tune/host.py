@@ -9,7 +9,7 @@ leaves them. Not the optimizer step, the clip or the router-bias update: they ru
 micro-batch, and the cost model prices the optimizer on its own.
 
 Why the device work is negligible: at 1 x 256 tokens every kernel is a few microseconds on a datacenter GPU while
-the host spends ~20 ms per layer on Python, autograd and launches (the 2 x H200 fit), so the device idles waiting
+the host spends ~20 ms per layer on Python, autograd and launches (the default fit), so the device idles waiting
 for launches and the wall time of the synchronised region is the host's. The check: the same pass at twice the
 tokens (batch 2). Host work does not depend on the token count, device work grows with it; a wall time that barely
 changes (`growth_2x` near 0) says the step is host-bound. A larger growth says device time leaks in, and the

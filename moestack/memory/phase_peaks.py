@@ -100,10 +100,8 @@ def _blocks(model: nn.Module | Iterable[nn.Module]) -> dict[str, nn.Module]:
 
 
 class PhasePeaks:
-    """Peak allocated device memory per phase of one step: forward, the loss and head backward (until the last
-    block's output gradient exists), each block's backward (from the gradient of its output to that of its input),
-    clip + optimizer (see the module docstring). Only for a diagnostic step: the resets hide the step's peak from
-    the allocator's statistics (`run_peak_bytes` keeps it).
+    """Peak allocated device memory per phase of one step (module docstring). Only for a diagnostic step: the
+    resets hide the step's peak from the allocator's statistics (`run_peak_bytes` keeps it).
 
     model: a module with `layers` (ModuleDict of blocks), or several (pipeline stage modules). device: whose
     allocator to read (CUDA; elsewhere every reading is 0) unless `reader` is given. microbatches: forwards per

@@ -47,8 +47,8 @@ from moestack.config.plan import RecomputePolicy
 
 # SAC numbers every op of a region and expects the recompute to issue the same ones. Profiler ranges do not: FSDP's
 # hooks open more of them in a forward that gathers parameters than in its recompute, where they are gathered
-# already (seen on the DeepSeek-V3 dualpipev plan's dry run: bf16 FSDP with the router's own fp32 group inside a
-# selective MoE). They produce nothing to cache, so SAC skips them, as it skips detach.
+# already (e.g. bf16 FSDP with the router's own fp32 group inside a selective MoE). They produce nothing to cache,
+# so SAC skips them, as it skips detach.
 SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
 

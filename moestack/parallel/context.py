@@ -88,7 +88,7 @@ class CPInfo:
 # ---------------------------------------------------------------------------------------------------------------
 # point-to-point relays (halo rows, KDA state): forward from rank r to r+1, gradients from r+1 back to r.
 # Only p2p traffic runs inside a KDA layer, so no rank ever waits in a collective for a peer that is itself waiting
-# for this rank's p2p message (a collective there deadlocked: autograd may run it before the relay's send). Every
+# for this rank's p2p message (a collective there can deadlock: autograd may run it before the relay's send). Every
 # relay has its own tag: peers then match messages even if autograd visits the relays in different orders.
 
 
@@ -420,13 +420,11 @@ def _hook_root(model: Transformer, cp: CPInfo) -> None:
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.ProcessGroup | None = None,
              kda_state: str = "relay") -> None:
     """Context-parallelise `model` (a whole Transformer, called as model(tokens[, targets]) with the FULL sequence
-    on every CP rank) over the 1-D `cp_mesh`, in place. seq_shard_group: the ranks one sequence is split over for
-    the MoE aux loss (default: the CP group; required under TP: the (cp, tp) group, which shares one sequence).
-    Apply after expert parallelism and tensor parallelism (with TP the CP shard of T/cp tokens is what TP then
-    splits: sequence-parallel shards of T/(cp*tp), heads over tp, states and latents exchanged over the CP group of
-    my TP index), and before FSDP. Replicated gradients are per-rank shares: sum them over CP (FSDP over the
-    (dp_shard, cp) ranks, or `sync_cp_grads`). kda_state: "relay" (p2p, ranks in turn) or "scan" (parallel
-    transition composition, collectives only); see the module docstring."""
+    on every CP rank) over the 1-D `cp_mesh`, in place; after expert and tensor parallelism, before FSDP.
+    seq_shard_group: the ranks one sequence is split over for the MoE aux loss (default: the CP group; required
+    under TP: the (cp, tp) group, which shares one sequence). kda_state: "relay" or "scan" (module docstring).
+    Replicated gradients are per-rank shares: sum them over CP (FSDP over the (dp_shard, cp) ranks, or
+    `sync_cp_grads`)."""
     if kda_state not in KDA_STATE_MODES:
         raise ValueError(f"kda_state: unknown mode {kda_state!r}; use one of {KDA_STATE_MODES}")
     assert cp_mesh.ndim == 1, f"apply_cp needs a 1-D CP mesh, got {cp_mesh.ndim}-D"

@@ -617,7 +617,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     old_rounding = _drop_absent_rounding_rng(path, state)
     # The saved param groups' name lists are one rank's (DCP keeps one copy of a non-tensor entry), and under PP
     # each rank names other parameters: set_state_dict maps each group by those names (and picks the names of a
-    # parameter held under two, a tied embedding's), so a PP rank missing from the saved lists lost its groups'
+    # parameter held under two, a tied embedding's), so a PP rank missing from the saved lists would lose its groups'
     # hyper-parameters (KeyError at the first step). DCP matches the groups by index; give each its own names back.
     own_names = [group.get("params") for group in state.get("optim", {}).get("param_groups", [])]
     try:

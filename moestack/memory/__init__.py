@@ -5,9 +5,11 @@
                    only the experts with tokens fetched per GEMM (the Experts.grouped_mm seam)
     precision.py   FP8 (e4m3, per-row scales) storage of the expert GEMMs' saved inputs
     apply.py       apply_memory_policies(model, plan): the Plan's choices, called by parallelize()
-    report.py      the memory report (`moestack train --memory-report`) next to the planner's prediction
+    report.py      the memory report (`moestack train --memory-report`) next to the planner's prediction;
+                   phase_peaks.py: the peak per phase of one step
     adamw.py       AdamW with bf16 states (stochastic rounding) and CPU-offloaded AdamW; host_adamw.py: their fast
                    host kernels. Muon and building an optimizer by name: moestack/train/optimizers.py.
+    compute_weights.py  bf16 weight copies cast once per optimizer step (TrainSpec.weight_cache)
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Parallelism applied to a built model from outside, driven by a Plan (model code stays single-device).
 
-mesh.py (DeviceMeshes with parallel folding), expert.py (expert-parallel dispatch), tensor.py (tensor / sequence
-parallelism), pipeline.py (pipeline stages and schedules), fsdp.py (ZeRO via FSDP2), comm.py (differentiable
-all-to-all, global grad norm, reductions), parallelize.py (the one entry point for a model or pipeline stage).
-README.md has the layout rules, launch commands and what is tested.
+`parallelize` (parallelize.py) is the one entry point for a model or pipeline stage; README.md has the file map,
+the layout rules, launch commands and what is tested.
 """
 
 from moestack.parallel.comm import all_reduce_mean, all_reduce_sum_, all_to_all, clip_grad_norm_, global_grad_norm

@@ -133,6 +133,35 @@ def test_params_match_the_built_model(model):
     assert (net.out_res is not None) == (spec.attn_res_block_size is not None)
 
 
+def test_gqa_biases_match_the_built_model():
+    """q / k / v biases with qk_norm and the output gate: the gate and o_proj take none."""
+    gqa = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "qkv_bias": True, "qk_norm": True, "output_gate": True}
+    spec = ModelSpec.model_validate(dict(name="g", vocab_size=64, hidden_size=32, num_layers=2, max_seq_len=64,
+                                         full_attention_layers=[1, 2], attention="gqa", gqa=gqa,
+                                         dense_mlp={"intermediate_size": 48}))
+    net = build_model(spec, "meta")
+    assert sum(t.numel() for t in net.parameters()) == profile_model(spec, 64).total_params
+
+
+def test_profile_only_biases():
+    """Specs the builder refuses: Mamba-2 proj_bias adds in_proj and out_proj biases; linear_bias adds none to KDA
+    or MLA (they take no biases), only to the MLP and expert layers."""
+    nano, _ = load_any_model(HF / "nemotron-3-nano-30b-a3b.config.json")
+    m = nano.mamba2
+    biased = nano.model_copy(update={"mamba2": m.model_copy(update={"proj_bias": True})})
+    a, b = profile_model(nano, 64).layers[0], profile_model(biased, 64).layers[0]
+    assert a.mixer == "mamba2" and b.params - a.params == 2 * m.inner_size + 2 * m.num_groups * m.state_size + (
+        m.num_heads + nano.hidden_size)
+    k3 = load_model_spec("tiny")
+    a, b = profile_model(k3, 64), profile_model(k3.model_copy(update={"linear_bias": True}), 64)
+    assert [lp.mixer for lp in a.layers] == ["kda", "kda", "kda", "mla"]
+    d, moe, inter = k3.hidden_size, k3.moe, k3.dense_mlp.intermediate_size
+    assert b.layers[0].params - a.layers[0].params == 2 * inter + d  # gate / up and down biases
+    expert = 2 * moe.expert_intermediate_size + moe.latent_size
+    shared = 2 * moe.shared_intermediate_size + d
+    assert b.layers[3].params - a.layers[3].params == moe.num_experts * expert + shared
+
+
 # ------------------------------------------------------------------------------------------ FLOPs vs Megatron
 
 

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field
 
 from moestack.config.model_spec import LayerKind, ModelSpec
 
-BF16 = 2
-
-
-FP32 = 4
+BF16, FP32, INT64 = 2, 4, 8
+ROUTER = "moe.router"  # the router GEMM: its FLOPs are reported apart from the model's (Megatron leaves them out)
 
 
 @dataclass(frozen=True)
@@ -44,12 +42,13 @@ class Gemm:
 class PartWork:
     """One sub-layer (a mixer or an FFN) for one token, forward."""
 
-    kind: str  # kda | mla | gqa | mamba2 | dense | moe
+    kind: str  # kda | mla | gqa | mamba2 | dense | moe (attn_res: the output mix, profile.py)
     gemms: list[Gemm] = field(default_factory=list)
     attn_flops: float = 0.0  # flash (dense causal) attention core, all heads
     sparse_attn_flops: float = 0.0  # DSA top-k attention core (MQA form over the shared latent)
     kda_flops: float = 0.0  # chunked KDA / SSD scan core, all heads
     indexer_flops: float = 0.0  # lightning-indexer scores
+    attn_res_flops: float = 0.0  # Attention-Residual mix: scores and weighted sum, 4 h n (priced by elem_bytes)
     topk_elems: float = 0.0  # scores scanned by top-k selection
     elem_bytes: float = 0.0  # elementwise HBM traffic (norms, activations, gates, permutes), split by tp (SP)
     act_keep: float = 0.0  # saved bytes that stay under "selective"
@@ -59,6 +58,9 @@ class PartWork:
     expert_act_selective: float = 0.0  # of which "selective" drops (expert activation outputs, `moe_act`)
     fp8_saved: float = 0.0  # saved GEMM inputs that the fp8 recipe stores in 1 byte instead of 2 (kept part)
     expert_fp8_saved: float = 0.0  # the same on the expert side
+    # every tensor autograd keeps without recompute, listed one by one with fused attention / scan kernels
+    # (ArchProfile.act_bytes_per_token); the act_* fields are the cost model's estimate split by recompute policy
+    autograd_saved_bytes: float = 0.0
     other_params: int = 0  # parameters outside the GEMMs (norms, conv, biases, A_log, ...)
     expert_bias: int = 0  # per routed expert: its biases (ModelSpec.linear_bias)
     conv_params: int = 0  # of which depthwise short-conv weights (2 FLOPs each per token; elementwise-priced)
@@ -92,8 +94,16 @@ class PartWork:
         # per-expert GEMMs are listed once with copies = top_k; the layer holds num_experts of them
         return (sum(g.params for g in self.gemms if g.expert) + self.expert_bias) * self.num_experts
 
+    @property
+    def activated_params(self) -> int:
+        """Parameters one token's forward touches: all but the routed experts it is not sent to."""
+        return self.dense_params + self.top_k * (sum(g.params for g in self.gemms if g.expert) + self.expert_bias)
+
     def fwd_gemm_flops(self) -> float:
         return sum(2.0 * g.n * g.k * g.copies for g in self.gemms)
+
+    def fwd_router_flops(self) -> float:
+        return sum((2.0 * g.n * g.k for g in self.gemms if g.name == ROUTER), 0.0)
 
     @property
     def act_none(self) -> float:
@@ -196,10 +206,15 @@ def kda_work(spec: ModelSpec, s: int) -> PartWork:
     # elementwise: norm, conv+SiLU (r/w qkv), l2norm (r/w q,k), gate (fp32 r/w), out norm * sigmoid gate, residual
     elem = 2 * h * BF16 + 2 * qkv * BF16 + 4 * H * d * BF16 + 2 * Hv * d * FP32 + 6 * Hv * d * BF16 + 3 * h * BF16
     conv = qkv * k.conv_kernel_size
+    decay = Hv * d if k.decay == "channel" else Hv
     # attn norm, convs, A_log [Hv], dt_bias [Hv*K or Hv], o_norm [K]
-    other = h + conv + Hv + (Hv * d if k.decay == "channel" else Hv) + d
+    other = h + conv + Hv + decay + d
+    # autograd keeps: input; proj outs (conv in), conv outs (SiLU in), SiLU outs; L2-normed q, k; low-rank
+    # decay / gate hiddens; decay input; beta; o, o_norm out, gate pre-activation, gated o; fp32 log-decay and beta
+    saved = (h + 3 * qkv + 2 * H * d + (k.gate_rank or 0) + decay + (k.output_gate_rank or 0) + Hv
+             + 4 * Hv * d) * BF16 + (decay + Hv) * FP32
     return PartWork("kda", gemms, kda_flops=core, elem_bytes=elem, act_keep=keep, act_selective=sel,
-                    other_params=other, conv_params=conv)
+                    other_params=other, conv_params=conv, autograd_saved_bytes=saved)
 
 
 def mamba2_work(spec: ModelSpec, s: int) -> PartWork:
@@ -213,11 +228,14 @@ def mamba2_work(spec: ModelSpec, s: int) -> PartWork:
     keep = norm_keep + in_n * BF16 + di * BF16
     sel = norm_sel + (di + 2 * G * N) * BF16 + di * BF16
     elem = 2 * h * BF16 + 2 * in_n * BF16 + 4 * di * BF16 + 3 * h * BF16
-    conv = (di + 2 * G * N) * m.conv_kernel_size
-    # norm, conv (+ bias), dt_bias, A_log, D [nh], gated norm [Di]
-    other = h + conv + ((di + 2 * G * N) if m.conv_bias else 0) + 3 * H + di
+    conv_dim = di + 2 * G * N
+    conv = conv_dim * m.conv_kernel_size
+    # norm, conv (+ bias), dt_bias, A_log, D [nh], gated norm [Di], in_proj and out_proj biases (proj_bias)
+    other = h + conv + (conv_dim if m.conv_bias else 0) + 3 * H + di + ((in_n + h) if m.proj_bias else 0)
+    # autograd keeps: input, in_proj out, conv out, SiLU out, y, norm out; fp32 dt
+    saved = (h + in_n + 2 * conv_dim + 2 * di) * BF16 + H * FP32
     return PartWork("mamba2", gemms, kda_flops=7.0 * di * N, elem_bytes=elem, act_keep=keep, act_selective=sel,
-                    other_params=other, conv_params=conv)
+                    other_params=other, conv_params=conv, autograd_saved_bytes=saved)
 
 
 def mla_work(spec: ModelSpec, s: int) -> PartWork:
@@ -268,7 +286,24 @@ def mla_work(spec: ModelSpec, s: int) -> PartWork:
         part.act_replicated += idx.top_k * FP32 + (idx.num_heads * idx.head_dim + idx.head_dim + idx.num_heads) * BF16
     part.elem_bytes = 2 * h * BF16 + 2 * (q_lat + r) * BF16 + 4 * H * dv * BF16 + 3 * h * BF16
     part.other_params = h + q_lat + r + (2 * idx.head_dim if idx is not None else 0)
+    part.autograd_saved_bytes = _mla_saved_bytes(spec)
     return part
+
+
+def _mla_saved_bytes(spec: ModelSpec) -> float:
+    """What autograd keeps for one MLA token: input, q_a out and its norm's out, kv_a out and its norm's out,
+    gate pre-activation and gated output, the attention output O and its fp32 log-sum-exp; dense: the kernel's q,
+    k, v; sparse (DSA, MQA form): absorbed query [H, C+R], latent output [H, C], the top-k indices, the indexer's q,
+    k (before and after its LayerNorm) and head weights."""
+    a, h = spec.mla, spec.hidden_size
+    H, R, C, dv = a.num_heads, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
+    saved = (h + 2 * (a.q_lora_rank or 0) + (C + R) + C + H * dv + (2 * H * dv if a.output_gate else 0)) * BF16
+    saved += H * FP32
+    idx = a.indexer
+    if idx is None:
+        return saved + (2 * H * a.qk_head_dim + H * dv) * BF16
+    indexer = idx.num_heads * idx.head_dim + 2 * idx.head_dim + idx.num_heads
+    return saved + (H * (C + R) + H * C + indexer) * BF16 + idx.top_k * FP32
 
 
 def gqa_work(spec: ModelSpec, s: int, window: int | None = None) -> PartWork:
@@ -283,9 +318,14 @@ def gqa_work(spec: ModelSpec, s: int, window: int | None = None) -> PartWork:
     keep = norm_keep + (H + 2 * Hkv) * d * BF16 + H * d * BF16 + H * FP32
     sel = norm_sel + (H * d * BF16 if g.output_gate else 0)
     elem = 2 * h * BF16 + (4 * (H + Hkv) * d * BF16 if g.use_rope else 0) + 3 * h * BF16
-    other = h + (2 * d if g.qk_norm else 0) + (qkv_n if g.qkv_bias else 0)
+    # attn norm, q_norm and k_norm [E], q / k / v biases (the fused output gate has none)
+    other = h + (2 * d if g.qk_norm else 0) + ((H + 2 * Hkv) * d if g.qkv_bias else 0)
+    # autograd keeps: input, q, k, v, O, the qk norms' inputs, the gate pre-activation and gated O; fp32 LSE
+    saved = (h + (H + 2 * Hkv) * d + H * d + ((H + Hkv) * d if g.qk_norm else 0)
+             + (2 * H * d if g.output_gate else 0)) * BF16 + H * FP32
     return PartWork("gqa", gemms, attn_flops=4.0 * _causal_pairs(s, window) * H * d, elem_bytes=elem, act_keep=keep,
-                    act_selective=sel, other_params=other, o_in=H * d * BF16, window=window)
+                    act_selective=sel, other_params=other, o_in=H * d * BF16, window=window,
+                    autograd_saved_bytes=saved)
 
 
 def dense_mlp_work(spec: ModelSpec) -> PartWork:
@@ -296,7 +336,8 @@ def dense_mlp_work(spec: ModelSpec) -> PartWork:
     norm_keep, norm_sel = _norm_bytes(h)
     return PartWork("dense", _glu_gemms("mlp", h, inter, gated), elem_bytes=elem + 5 * h * BF16,
                     act_keep=keep + norm_keep, act_selective=sel + norm_sel, other_params=h,
-                    fp8_saved=(h + inter) * BF16, fc2_in=sel, fc1_out=keep)
+                    fp8_saved=(h + inter) * BF16, fc2_in=sel, fc1_out=keep,
+                    autograd_saved_bytes=(h + (3 if gated else 2) * inter) * BF16)  # input, gate / up, act out
 
 
 def moe_work(spec: ModelSpec) -> PartWork:
@@ -345,7 +386,21 @@ def moe_work(spec: ModelSpec) -> PartWork:
                        + (4 * lat * BF16 if moe.latent_norm and moe.latent_size else 0) + selem + 3 * h * BF16)
     # ffn norm + latent norm (the router's selection bias is a buffer, not a parameter)
     part.other_params = h + (lat if moe.latent_norm and moe.latent_size else 0)
+    part.autograd_saved_bytes = _moe_saved_bytes(spec)
     return part
+
+
+def _moe_saved_bytes(spec: ModelSpec) -> float:
+    """What autograd keeps for one MoE token: the input (router, down_proj and shared experts read it), fp32
+    router scores and top-k weights, int64 top-k ids; LatentMoE: latent h, combined y and the latent norm's out;
+    per routed slot: expert input, output, gate / up and activation outputs; the shared experts' gate / up and
+    activation outputs and their gate's output."""
+    moe, h = spec.moe, spec.hidden_size
+    k, mult = moe.top_k, 3 if spec.gated_mlp else 2
+    lat = moe.latent_size or h
+    saved = h * BF16 + (moe.num_experts + k) * FP32 + k * INT64 + (3 * lat if moe.latent_size else 0) * BF16
+    saved += k * (2 * lat + mult * moe.expert_intermediate_size) * BF16
+    return saved + (mult * moe.shared_intermediate_size + (1 if moe.shared_expert_gate else 0)) * BF16
 
 
 def attn_res_elem_bytes(h: int, n_sources: int) -> float:
@@ -361,12 +416,14 @@ def add_attn_res(part: PartWork, h: int, n_sources: int) -> PartWork:
     (fp32), both recomputed under selective recompute of the block (the sources are partial sums kept anyway). It
     runs in the sequence-parallel region (token-local, like the pre-norm): whole on every rank under plain TP."""
     part.other_params += 2 * h
+    part.attn_res_flops += 4.0 * h * n_sources
     nbytes = attn_res_elem_bytes(h, n_sources)
     part.elem_bytes += nbytes
     part.sp_elem += nbytes
     saved = h * BF16 + 2 * n_sources * FP32
     part.act_selective += saved
     part.sp_sel += saved
+    part.autograd_saved_bytes += saved
     return part
 
 
@@ -381,19 +438,24 @@ def mixer_work(spec: ModelSpec, mixer: str, s: int, window: int | None = None) -
     return builders[mixer](spec, s)
 
 
+# GEMMs with a bias under ModelSpec.linear_bias (GPT-2/3): GQA's output projection and the MLP layers; KDA and
+# MLA take no biases, Mamba-2's follow mamba2.proj_bias and GQA's q / k / v gqa.qkv_bias
+LINEAR_BIASES = ("gqa.o", "mlp.up", "mlp.down", "shared.up", "shared.down")
+
+
 def block_extras(spec: ModelSpec, part: PartWork) -> PartWork:
     """What every sub-layer adds around its own work: its pre-norm and residual (the sequence-parallel region:
-    PartWork.sp_*), a LayerNorm's bias (spec.norm) and, with spec.linear_bias, the biases of the output / down
-    projections and the MLP up projections, the routed experts' with the experts (parameters only: Megatron's FLOPs
-    leave biases out)."""
+    PartWork.sp_*), a LayerNorm's bias (spec.norm) and, with spec.linear_bias, the GPT-2/3 biases (LINEAR_BIASES),
+    the routed experts' with the experts (parameters only: Megatron's FLOPs leave biases out)."""
     h = spec.hidden_size
     part.sp_keep, part.sp_sel = _norm_bytes(h)
     part.sp_elem = 5 * h * BF16  # norm read + write, residual add (read two, write one)
-    if spec.norm == "layernorm":
+    layernorm = spec.norm == "layernorm"
+    if layernorm:
         part.other_params += h
+    part.autograd_saved_bytes += h * BF16 + (2 if layernorm else 1) * FP32  # norm input; rstd (and mean)
     if spec.linear_bias:
-        part.other_params += sum(g.n for g in part.gemms if not g.expert and g.split == "row")
-        part.other_params += sum(g.n for g in part.gemms if not g.expert and g.name in ("mlp.up", "shared.up"))
+        part.other_params += sum(g.n for g in part.gemms if g.name in LINEAR_BIASES)
         part.expert_bias = sum(g.n for g in part.gemms if g.expert)
     return part
 

@@ -53,7 +53,8 @@ from moestack.config.base import dump_yaml
 from moestack.planner.profile import load_any_model_spec
 spec = load_any_model_spec(sys.argv[1])
 router = spec.moe.router.model_copy(update={"bias_update": "sign", "bias_update_rate": 1e-3, "z_loss_coef": 0.0,
-                                            "global_aux_loss_coef": 0.0, "seq_aux_loss_coef": 1e-4})
+                                            "global_aux_loss_coef": 0.0, "seq_aux_loss_coef": 1e-4,
+                                            "selection_jitter": 0.0})
 dump_yaml(spec.model_copy(update={"name": spec.name + "-sign",
                                   "moe": spec.moe.model_copy(update={"router": router})}), sys.argv[2])
 EOF

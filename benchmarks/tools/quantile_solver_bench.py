@@ -7,6 +7,7 @@ time per kernel (one profiled call).
 
     python3 benchmarks/tools/quantile_solver_bench.py                 # proxy and K3 shapes, 4 steps, 1000 bins
     python3 benchmarks/tools/quantile_solver_bench.py --shape 32768,896,16 --iters 100
+    python3 benchmarks/tools/quantile_solver_bench.py --select-block 4096   # the fused solve's chunk, for a trial
 
 Inputs: sigmoid scores of skewed logits (per-expert offsets), bias N(0, 0.1). It also prints the largest
 |triton - reference| of the bias (the mean-centring's rounding; tests/ops/test_moe_quantile_triton.py) and
@@ -79,12 +80,15 @@ def main() -> None:
     p.add_argument("--bins", type=int, default=1000)
     p.add_argument("--steps", type=int, default=4, help="coordinate steps per call (quantile_iterations)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per backend")
+    p.add_argument("--select-block", type=int, help="triton_quantile.BLOCK_T_SELECT for this run (a power of 2)")
     args = p.parse_args()
+    if args.select_block:
+        triton_quantile.BLOCK_T_SELECT = args.select_block
     assert torch.cuda.is_available(), "needs a CUDA device"
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else \
         [(4096, 128, 16), (8192, 896, 16), (32768, 896, 16)]
     print(f"# {torch.cuda.get_device_name()}, bins {args.bins}, {args.steps} steps per call; medians of "
-          f"{args.iters}")
+          f"{args.iters}; fused solve chunk {triton_quantile.BLOCK_T_SELECT} tokens")
     print("| T | E | k | backend | GPU ms | host ms | device kernels | aten ops |")
     print("|---|---|---|---|---|---|---|---|")
     for T, E, k in shapes:

@@ -1,6 +1,7 @@
 """The Triton batch-scope quantile solver (moestack/ops/moe/triton_quantile.py) against the torch reference
 (quantile.batch_bias_reference): one coordinate step bit for bit (required biases, ends, both histograms, the fine
-range, the uncentred read), whole solves to the mean-centring's rounding, fused == staged == two ranks.
+range, the uncentred read), whole solves to the mean-centring's rounding, fused == staged == two ranks (the fused
+solve's radix select against the staged solve's B-bin histograms, one step bit for bit).
 
 CPU: kernels under TRITON_INTERPRET=1 at small shapes. GPU (`-m gpu`): the K3 (E=896, k=16, T=8192) and proxy
 (E=128, k=16, T=4096) shapes. Fresh seeded inputs; kernel buffers start NaN-poisoned (int ones -7).
@@ -114,6 +115,41 @@ def test_one_step_counts_match_reference(monkeypatch, T, E, k, num_bins, kind):
     _check_one_step(monkeypatch, s, b, k, num_bins)
 
 
+SELECT_CASES = [
+    # T, E, k, bins, kind, BLOCK_T_SELECT; n_scale: the group's token count over T (None: this T), below every
+    # expert's first count (the target in the first non-empty bin) or above its total (none reaches it: the last bin)
+    (37, 896, 16, 1000, "skewed", 4096, None),  # K3's experts
+    *[(T, E, k, bins, kind, block, n_scale) for n_scale in (None, 1e-3, 1e3) for T, E, k, bins, kind, block in [
+        (300, 12, 3, 1024, "saturated", 64),  # several chunks, T not a multiple of them
+        (257, 56, 6, 1500, "tied", 128),  # 64 high digits; ties: many tokens in one bin
+        (130, 100, 16, 100, "far", 32),  # 4 high digits, in 32-token chunks
+        (61, 17, 16, 8, "tied", 16),  # B < 32: one digit
+    ]],
+]
+
+
+def _check_select(T, E, k, num_bins, kind, n_scale):
+    """The fused solve's radix select reads the same bins and counts as the staged solve's B-bin histograms: one
+    step's uncentred b_E bit for bit."""
+    s, b = _inputs(kind, T, E, seed=3 * T + E)
+    n = None if n_scale is None else torch.full((1,), T * n_scale, dtype=torch.float64, device=DEV)
+    ws = tq.Workspace(T, E, num_bins, s.device, staged=True)
+    tq.launch_required(s, b, k, False, ws)
+    tq.launch_solve(tq.STAGE_FUSED, ws, k, num_bins, n)
+    fused_E = ws.b_E.clone()
+    assert torch.all(ws.ends_2E == float("inf"))  # reset for the next step
+    tq.launch_required(s, b, k, False, ws)
+    for stage in (tq.STAGE_COARSE, tq.STAGE_FINE, tq.STAGE_READ):
+        tq.launch_solve(stage, ws, k, num_bins, n)
+    assert torch.equal(fused_E, ws.b_E)
+
+
+@pytest.mark.parametrize("T,E,k,num_bins,kind,block,n_scale", SELECT_CASES)
+def test_fused_select_matches_staged_counts(monkeypatch, T, E, k, num_bins, kind, block, n_scale):
+    monkeypatch.setattr(tq, "BLOCK_T_SELECT", block)
+    _check_select(T, E, k, num_bins, kind, n_scale)
+
+
 def _load(s: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return torch.bincount((s + b).topk(k, -1).indices.flatten(), minlength=s.shape[1])
 
@@ -184,6 +220,13 @@ def test_two_ranks_match_one_process_bit_for_bit():
 
     for r in run_ranks(__file__, "_two_rank_worker", world_size=2, timeout=300):
         assert torch.equal(r["got"], r["want"]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_scale", [None, 1e-3, 1e3])
+@pytest.mark.parametrize("T,E,kind", [(8192 + 37, 896, "saturated"), (32768, 896, "skewed"), (4096, 128, "tied")])
+def test_gpu_fused_select_matches_staged_counts(T, E, kind, n_scale):
+    _check_select(T, E, 16, 1000, kind, n_scale)
 
 
 @pytest.mark.gpu

@@ -8,11 +8,19 @@ Per coordinate step:
                not matter), r_tj = (K+1-th value if choice_tj >= the K-th, else the K-th) - s_tj, written
                expert-major r_ET; the per-expert min r and min -r go to ends_2E by fp32 atomic min (exact in any
                order). Steps after the first centre the previous step's bias first (b - mean b).
-    solve      one program per expert: the coarse histogram of r_e. in B bins of [min, max], the bin holding the
-               target count, the fine histogram of that bin in B bins, the quantile read with interpolation.
-               Each program owns its expert's row, so histograms are register counts (tl.histogram), no atomics.
+    solve      one program per expert: the bin of r_e. in B bins of [min, max] where the cumulative count reaches
+               the target, the same in B bins of that bin, the quantile read with interpolation. Each program
+               owns its expert's row, so counts are register histograms (tl.histogram), no atomics.
 With a balance group of > 1 ranks the solve runs as three launches (coarse counts, fine counts, read) with the
 counts and the ends all-reduced between them exactly where the reference reduces them; one rank runs it fused.
+
+The fused solve never forms the B-bin histograms: it finds each level's bin as a two-digit radix select, bin =
+hi * NL + lo with NL = 32, one pass counting the high digit (B / 32 bins), one counting the low digit of the
+tokens under the high digit that reaches the target. Why: tl.histogram costs each element a ballot per index bit
+plus a popcount per bin its lane owns (bins / 32) and each chunk bins / 32 shared-memory atomics per thread, so
+1024 bins cost over 10x what 32 do; four cheap passes over a row (L2-resident at T = 8192) beat two dear ones. The
+bin, the count up to it and the count in it are integers equal to those of the full histogram, so the result is
+the staged solve's bit for bit (tests/ops/test_moe_quantile_triton.py).
 
 Bitwise agreement with the reference: r, the bin index ((r - lo) / width, floor, clamp), the ranges and the
 interpolation use the reference's fp32 / fp64 operations in its order (IEEE division, FMA contraction off), so
@@ -34,7 +42,11 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 STAGE_FUSED, STAGE_COARSE, STAGE_FINE, STAGE_READ = 0, 1, 2, 3
-BLOCK_T_SOLVE = 1024  # tokens per chunk of a solve program's passes over its expert's row
+BLOCK_T_SOLVE = 1024  # tokens per chunk of a staged solve program's B-bin passes over its expert's row
+# tokens per chunk of the fused solve's digit passes: 8 per thread, ~48 registers (sm_90), so ~5 programs per SM
+# hide the row's loads; 4096 issues ~20% fewer instructions per token but fits 2 programs (~103 registers)
+BLOCK_T_SELECT = 2048
+DIGIT_BINS = 32  # the low digit of the radix select: one bin per lane, tl.histogram's cheapest size
 
 
 def _block_tokens(BE: int) -> int:
@@ -79,17 +91,21 @@ def quantile_fwd_kernel_required(
 
 
 @triton.jit
+def _bin_index(b_r, lo, width, B):
+    """int32 bins of r in B bins from lo of `width`, the edges clamped: quantile._add_counts_'s bin index."""
+    b_x = tl.floor(tl.math.div_rn(b_r - lo, width))
+    return tl.minimum(tl.maximum(b_x, 0.0), (B - 1).to(tl.float32)).to(tl.int32)
+
+
+@triton.jit
 def _row_counts(r_ptr, T, lo, width, B, BB: tl.constexpr, BLOCK_T: tl.constexpr):
-    """int32 [BB]: counts of one expert's r (r_ptr: its row of T) in B bins from lo of `width`, the edges clamped:
-    quantile._add_counts_'s bin index."""
+    """int32 [BB]: counts of one expert's r (r_ptr: its row of T) in B bins (_bin_index)."""
     o_t = tl.arange(0, BLOCK_T)
     b_h = tl.zeros([BB], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
         m_t = t0 + o_t < T
         b_r = tl.load(r_ptr + t0 + o_t, mask=m_t, other=0.0)  # [BLOCK_T]
-        b_x = tl.floor(tl.math.div_rn(b_r - lo, width))
-        b_x = tl.minimum(tl.maximum(b_x, 0.0), (B - 1).to(tl.float32))
-        b_h += tl.histogram(b_x.to(tl.int32), BB, mask=m_t)
+        b_h += tl.histogram(_bin_index(b_r, lo, width, B), BB, mask=m_t)
     return b_h
 
 
@@ -106,11 +122,44 @@ def _first_reaching(b_h, target, B, BB: tl.constexpr):
     return at, upto, within
 
 
+@triton.jit
+def _row_select(r_ptr, T, lo, width, target, B, NH: tl.constexpr, NL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """_first_reaching of _row_counts(r_ptr, T, lo, width, B) without the B-bin counts: a radix select on
+    bin = hi * NL + lo, a pass counting hi (NH bins; skipped for NH = 1), then one counting lo of the tokens whose hi
+    is the first to reach the target (the last at most). Integer counts, so the same three values."""
+    o_t = tl.arange(0, BLOCK_T)
+    if NH > 1:
+        b_hh = tl.zeros([NH], dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            m_t = t0 + o_t < T
+            b_r = tl.load(r_ptr + t0 + o_t, mask=m_t, other=0.0)  # [BLOCK_T]
+            b_hh += tl.histogram(_bin_index(b_r, lo, width, B) // NL, NH, mask=m_t)
+        b_cum = tl.cumsum(b_hh, axis=0)
+        hi = tl.sum((b_cum.to(tl.float64) < target).to(tl.int32), axis=0)
+        hi = tl.minimum(hi, (B - 1) // NL)  # none reaches it (the target above the count): the last bin's digit
+        below = tl.sum(tl.where(tl.arange(0, NH) < hi, b_hh, 0), axis=0)  # the tokens in bins < hi * NL
+    else:
+        hi = 0
+        below = 0
+    b_hl = tl.zeros([NL], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        m_t = t0 + o_t < T
+        b_r = tl.load(r_ptr + t0 + o_t, mask=m_t, other=0.0)
+        b_x = _bin_index(b_r, lo, width, B)
+        b_hl += tl.histogram(b_x % NL, NL, mask=m_t & (b_x // NL == hi))
+    o_l = tl.arange(0, NL)
+    b_cum = below + tl.cumsum(b_hl, axis=0)  # the B-bin cumulative counts of bins hi * NL + o_l
+    at = tl.minimum(hi * NL + tl.sum((b_cum.to(tl.float64) < target).to(tl.int32), axis=0), B - 1)
+    upto = tl.sum(tl.where(o_l == at - hi * NL, b_cum, 0), axis=0)
+    within = tl.sum(tl.where(o_l == at - hi * NL, b_hl, 0), axis=0)
+    return at, upto, within
+
+
 @triton.jit(do_not_specialize=["T"])
 def quantile_fwd_kernel_solve(
     r_ptr, ends_ptr, n_ptr, hc_ptr, hf_ptr, range_ptr, b_ptr, T, E, B, scale,
     K: tl.constexpr, STAGE: tl.constexpr, HAS_N: tl.constexpr, RECIP_DIV: tl.constexpr,
-    BB: tl.constexpr, BLOCK_T: tl.constexpr,
+    BB: tl.constexpr, NH: tl.constexpr, NL: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     e = tl.program_id(0)
     o_b = tl.arange(0, BB)
@@ -134,10 +183,9 @@ def quantile_fwd_kernel_solve(
             tl.store(hc_ptr + p_row, _row_counts(p_r, T, lo, width, B, BB, BLOCK_T), mask=m_b)
         else:
             if STAGE == 0:
-                b_hc = _row_counts(p_r, T, lo, width, B, BB, BLOCK_T)
+                at, _, _ = _row_select(p_r, T, lo, width, target, B, NH, NL, BLOCK_T)
             else:
-                b_hc = tl.load(hc_ptr + p_row, mask=m_b, other=0)
-            at, _, _ = _first_reaching(b_hc, target, B, BB)
+                at, _, _ = _first_reaching(tl.load(hc_ptr + p_row, mask=m_b, other=0), target, B, BB)
             lo_f = lo + at.to(tl.float32) * width
             if RECIP_DIV:  # torch on CUDA: width / B as width * (1 / B)
                 width_f = width * tl.math.div_rn(1.0, B.to(tl.float32))
@@ -150,10 +198,9 @@ def quantile_fwd_kernel_solve(
                 tl.store(hf_ptr + p_row, _row_counts(p_r, T, lo_f, width_f, B, BB, BLOCK_T), mask=m_b)
     if STAGE == 0 or STAGE == 3:
         if STAGE == 0:
-            b_hf = _row_counts(p_r, T, lo_f, width_f, B, BB, BLOCK_T)
+            q_bin, upto, within = _row_select(p_r, T, lo_f, width_f, target, B, NH, NL, BLOCK_T)
         else:
-            b_hf = tl.load(hf_ptr + p_row, mask=m_b, other=0)
-        q_bin, upto, within = _first_reaching(b_hf, target, B, BB)
+            q_bin, upto, within = _first_reaching(tl.load(hf_ptr + p_row, mask=m_b, other=0), target, B, BB)
         before = upto - within
         frac = (target - before.to(tl.float64)) / tl.maximum(within, 1).to(tl.float64)
         frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
@@ -198,11 +245,13 @@ def launch_required(s_TE: torch.Tensor, b_E: torch.Tensor, top_k: int, center: b
 def launch_solve(stage: int, ws: Workspace, top_k: int, num_bins: int, n: torch.Tensor | None) -> None:
     """One solve launch (STAGE_*) over ws; n: the group's token count (fp64 [1]), None = this rank's T."""
     E, T = ws.r_ET.shape
+    BB = triton.next_power_of_2(num_bins)
+    NL = min(BB, DIGIT_BINS)
     quantile_fwd_kernel_solve[(E,)](
         ws.r_ET, ws.ends_2E, ws.b_E if n is None else n, ws.coarse_EB, ws.fine_EB, ws.range_2E, ws.b_E,
         T, E, num_bins, (1 + 1e-6) / num_bins,
         K=top_k, STAGE=stage, HAS_N=n is not None, RECIP_DIV=ws.r_ET.is_cuda,
-        BB=triton.next_power_of_2(num_bins), BLOCK_T=BLOCK_T_SOLVE,
+        BB=BB, NH=BB // NL, NL=NL, BLOCK_T=BLOCK_T_SELECT if stage == STAGE_FUSED else BLOCK_T_SOLVE,
         num_warps=8, enable_fp_fusion=False,
     )
 

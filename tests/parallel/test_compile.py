@@ -17,10 +17,13 @@ from moestack.parallel import compile as compile_mod
 from moestack.parallel.compile import apply_compile, resolve_mode
 
 
-def _spec(layers: int = 2) -> ModelSpec:
-    """The tiny preset cut to (KDA, dense MLP) and (gated DSA, LatentMoE) blocks, or the first one alone."""
+def _spec(layers: int = 2, scope: str = "step") -> ModelSpec:
+    """The tiny preset cut to (KDA, dense MLP) and (gated DSA, LatentMoE) blocks, or the first one alone; scope
+    "batch" routes as the proxy does (a quantile solve per micro-batch on jittered scores)."""
     data = load_model_spec("tiny").model_dump()
     data.update(num_layers=layers, full_attention_layers=[2] if layers > 1 else [], dense_layers=[1])
+    if scope == "batch":
+        data["moe"]["router"].update(quantile_scope="batch", quantile_iterations=8, selection_jitter=0.05)
     return ModelSpec.model_validate(data)
 
 
@@ -69,8 +72,10 @@ def test_opaque_entry_is_a_graph_boundary():
 
 
 @pytest.mark.slow
-def test_trainer_aot_eager_matches_eager(tmp_path):
-    """Two fp32 steps through the trainer, eager and compiled (aot_eager): the first loss bit for bit (the forward is
+@pytest.mark.parametrize("scope", ["step", "batch"])
+def test_trainer_aot_eager_matches_eager(tmp_path, scope):
+    """Two fp32 steps through the trainer, eager and compiled (aot_eager), with the quantile bias updated per step or
+    solved per micro-batch (an opaque op inside the block): the first loss bit for bit (the forward is
     the same ATen ops), the second within 1e-6 (AOTAutograd orders gradient sums its own way: measured 5e-7
     relative on the gradients); compile.json says what ran."""
     losses = {}
@@ -82,10 +87,12 @@ def test_trainer_aot_eager_matches_eager(tmp_path):
         from moestack.train.trainer import Trainer
 
         torch._dynamo.reset()
-        trainer = Trainer(spec, _spec(), log=lambda *a, **k: None)
+        trainer = Trainer(spec, _spec(scope=scope), log=lambda *a, **k: None)
         losses[mode] = trainer.fit()["losses"]
     assert losses["none"][0] == losses["blocks"][0]
-    assert losses["none"][1] == pytest.approx(losses["blocks"][1], rel=1e-6)
+    # at batch scope step 2 routes by a bias solved from the updated router: the 5e-7 gradient reordering can move
+    # a token across an expert's cutoff (measured 7e-6 relative on the loss)
+    assert losses["none"][1] == pytest.approx(losses["blocks"][1], rel=1e-6 if scope == "step" else 5e-5)
     record = json.loads((tmp_path / "blocks" / "compile.json").read_text())
     assert record["runs"] == "blocks" and record["blocks"] == 2 and record["backend"] == "aot_eager"
     assert record["dynamo"]["unique_graphs"] > 0 and record["dynamo"]["frames_compiled"] > 0
@@ -116,13 +123,15 @@ def test_inductor_matches_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["step", "batch"])
 @pytest.mark.parametrize("mode", ["blocks", "blocks+graphs"])
-def test_cuda_compiled_within_bf16(tmp_path, mode):
+def test_cuda_compiled_within_bf16(tmp_path, mode, scope):
     """On the GPU (bf16 autocast, Triton kernels, static-capacity MoE): three steps compiled agree with eager within
-    bf16 rounding (2% of the loss), and the requested mode ran."""
+    bf16 rounding (2% of the loss), and the requested mode ran; at batch scope the Triton quantile solve runs
+    inside the compiled blocks."""
     from moestack.train.trainer import Trainer
 
-    data = _spec().model_dump()
+    data = _spec(scope=scope).model_dump()
     data["moe"]["capacity_factor"] = 2.0
     spec_model = ModelSpec.model_validate(data)
     losses = {}

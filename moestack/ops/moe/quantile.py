@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moestack.ops.moe import routing
+from moestack.ops.opaque import opaque
 
 
 def histogram_range(bias_E: torch.Tensor, num_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +184,7 @@ def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     return counts_CE.amax(-1).reshape(bias_E.shape[:-1])
 
 
+@opaque  # a compiled block runs the solve eagerly: inductor must not re-generate its Triton kernels
 @torch.no_grad()
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
                      start: str = "best", group: dist.ProcessGroup | None = None,

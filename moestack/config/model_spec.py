@@ -160,6 +160,10 @@ class RouterSpec(StrictModel):
     # where batch scope's coordinate steps start: "bias" (the router's bias: the last step's solves), "zero", or
     # "best" (both, the one with the lower routed max load; moestack/ops/moe/quantile.py::solve_batch_bias)
     quantile_start: Literal["bias", "zero", "best"] = "best"
+    # beta of batch scope's extrapolation: each coordinate step after the second starts from y + beta * (y - y_prev)
+    # (the last read and its change), from y alone after a step that reversed the previous change; 0 = plain steps
+    # (moestack/ops/moe/quantile.py::extrapolate; benchmarks/RESULTS.md, "Expert balance")
+    quantile_momentum: float = Field(default=0.0, ge=0, lt=1)
     # eps of the selection jitter: eps * U[0, 1) per (token, expert), a hash of the slot and the step, added to the
     # scores that choose experts in training forwards (never to the routing weights). A per-expert bias cannot split
     # tokens with (near) equal scores, e.g. the many alike tokens of byte-level text; the jitter makes them distinct.
@@ -219,6 +223,9 @@ class MoESpec(StrictModel):
             if self.top_k >= self.num_experts:
                 raise ValueError(f"router.bias_update 'quantile' needs top_k ({self.top_k}) < num_experts "
                                  f"({self.num_experts})")
+        if r.quantile_momentum > 0 and (r.bias_update, r.quantile_scope) != ("quantile", "batch"):
+            raise ValueError(f"router.quantile_momentum ({r.quantile_momentum}) extrapolates batch scope's solves: "
+                             f"set bias_update 'quantile' with quantile_scope 'batch', or quantile_momentum 0")
         if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
             raise ValueError("num_shared_experts and shared_intermediate_size must both be 0 or both > 0")
         if self.shared_expert_gate and self.num_shared_experts == 0:

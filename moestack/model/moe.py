@@ -92,7 +92,7 @@ class Router(nn.Module):
                     probs_TE = probs_TE + jitter_TE
                 bias_E = quantile.solve_batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins,
                                                    s.quantile_iterations, s.quantile_start, self.balance_group,
-                                                   self.backend)
+                                                   self.backend, s.quantile_momentum)
                 self.batch_bias_sum[:-1].add_(bias_E)
                 self.batch_bias_sum[-1].add_(1.0)
         route_bias = bias_E if jitter_TE is None else jitter_TE + bias_E

@@ -55,7 +55,7 @@ def _inputs(kind: str, T: int, E: int, seed: int) -> tuple[torch.Tensor, torch.T
     return s.to(DEV), b.to(DEV)
 
 
-def _reference_trace(monkeypatch, s, b, k, num_bins, iterations):
+def _reference_trace(monkeypatch, s, b, k, num_bins, iterations, momentum=0.0):
     """The reference's result and, per step, its two _bin_counts calls: [(lo_E, width_E, cum_EB), ...]."""
     calls = []
     bin_counts = quantile._bin_counts
@@ -66,7 +66,7 @@ def _reference_trace(monkeypatch, s, b, k, num_bins, iterations):
         return cum_EB
 
     monkeypatch.setattr(quantile, "_bin_counts", record)
-    out = quantile.batch_bias_reference(s, b, k, num_bins, iterations)
+    out = quantile.batch_bias_reference(s, b, k, num_bins, iterations, momentum=momentum)
     monkeypatch.setattr(quantile, "_bin_counts", bin_counts)
     return out, calls
 
@@ -154,13 +154,13 @@ def _load(s: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return torch.bincount((s + b).topk(k, -1).indices.flatten(), minlength=s.shape[1])
 
 
-def _check_solve(monkeypatch, s, b, k, num_bins, iterations):
+def _check_solve(monkeypatch, s, b, k, num_bins, iterations, momentum=0.0):
     """A whole solve: fused == staged bit for bit; against the reference within two fine bins of the last step (a
     step after a centring that rounded differently may count a token at a bin edge in the neighbouring bin, and
     the read stays in the fine bin that holds the target) plus the rounding above; the same balance."""
-    ref, calls = _reference_trace(monkeypatch, s, b, k, num_bins, iterations)
-    got = tq.batch_bias_triton(s, b, k, num_bins, iterations)
-    assert torch.equal(got, tq.batch_bias_triton(s, b, k, num_bins, iterations, staged=True))
+    ref, calls = _reference_trace(monkeypatch, s, b, k, num_bins, iterations, momentum)
+    got = tq.batch_bias_triton(s, b, k, num_bins, iterations, momentum=momentum)
+    assert torch.equal(got, tq.batch_bias_triton(s, b, k, num_bins, iterations, staged=True, momentum=momentum))
     fine = float(calls[-1][1].max())
     scale = float(ref.abs().max()) + float(b.abs().max())
     err = float((got - ref).abs().max())
@@ -177,6 +177,39 @@ def test_solve_matches_reference(monkeypatch, T, E, k, num_bins, kind):
     _check_solve(monkeypatch, s, b, k, num_bins, 3)
 
 
+@pytest.mark.parametrize("T,E,k,num_bins,kind", [CASES[0], CASES[1], CASES[4]])
+def test_momentum_solve_matches_reference(monkeypatch, T, E, k, num_bins, kind):
+    s, b = _inputs(kind, T, E, seed=5 * T + E)
+    _check_solve(monkeypatch, s, b, k, num_bins, 4, momentum=0.7)
+
+
+def test_extrapolate_kernel_matches_reference():
+    """The extrapolation launch against quantile.extrapolate on the same reads: the first change kept, then one
+    kept and one reversed change (the dot product's sign), y_prev / d_prev carried."""
+    E = 37
+    g = torch.Generator().manual_seed(11)
+    reads = [torch.randn(E, generator=g).to(DEV) for _ in range(2)]
+    reads.append(reads[1] + 0.8 * (reads[1] - reads[0]) + 0.1 * torch.randn(E, generator=g).to(DEV))  # kept
+    reads.append(reads[2] - 0.5 * (reads[2] - reads[1]))  # step 3 reverses step 2's change
+    ws = tq.Workspace(1, E, 8, torch.device(DEV), staged=False)
+    y_prev = d_prev = None
+    for step, raw in enumerate(reads):
+        ws.b_E.copy_(raw)
+        tq.launch_extrapolate(ws, step, 0.7)
+        y = raw - raw.mean()
+        if step == 0:
+            want = y
+        else:
+            want, d_prev = quantile.extrapolate(y, y_prev, d_prev, 0.7)
+            if step == 2:
+                assert not torch.allclose(want, y)  # the change was kept
+            assert torch.allclose(ws.momentum_3E[1], d_prev, rtol=0, atol=4 * EPS32 * 8)
+        assert torch.allclose(ws.momentum_3E[2], want, rtol=0, atol=8 * EPS32 * 8), step
+        assert torch.allclose(ws.momentum_3E[0], y, rtol=0, atol=4 * EPS32 * 8)
+        y_prev = y
+    assert torch.allclose(ws.momentum_3E[2], reads[3] - reads[3].mean(), rtol=0, atol=8 * EPS32 * 8)  # reversed
+
+
 def test_dispatch_follows_the_routing_backend(monkeypatch):
     s, b = _inputs("skewed", 64, 12, seed=1)
     want = tq.batch_bias_triton(s, b, 2, 32, 2)
@@ -189,8 +222,8 @@ def test_dispatch_follows_the_routing_backend(monkeypatch):
     # the router passes its routing backend
     seen = []
 
-    def fake(scores_TE, bias_E, *args):
-        seen.append(args[-1])
+    def fake(scores_TE, bias_E, top_k, num_bins, iterations, group, backend, momentum):
+        seen.append(backend)
         return torch.zeros_like(bias_E)
 
     monkeypatch.setattr(quantile, "batch_bias", fake)
@@ -236,4 +269,6 @@ def test_gpu_shapes_match_reference(monkeypatch, T, E, k, kind):
     s, b = _inputs(kind, T, E, seed=E + (kind == "saturated"))
     _check_one_step(monkeypatch, s, b, k, 1000)
     err = _check_solve(monkeypatch, s, b, k, 1000, 4)
-    print(f"T={T} E={E} k={k} {kind}: max |triton - reference| after 4 steps {err:.3g}")
+    err_momentum = _check_solve(monkeypatch, s, b, k, 1000, 8, momentum=0.7)
+    print(f"T={T} E={E} k={k} {kind}: max |triton - reference| after 4 steps {err:.3g}, "
+          f"8 with momentum 0.7 {err_momentum:.3g}")

@@ -114,25 +114,44 @@ def _bin_counts(r_TE: torch.Tensor, lo_E: torch.Tensor, width_E: torch.Tensor, o
 
 
 def batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
-               group: dist.ProcessGroup | None = None, backend: str | None = None) -> torch.Tensor:
+               group: dist.ProcessGroup | None = None, backend: str | None = None,
+               momentum: float = 0.0) -> torch.Tensor:
     """The bias [E] (fp32, mean 0) that balances this micro-batch over `group` ("batch" scope, module docstring):
     `iterations` coordinate steps from bias_E, each reading the quantile in two passes (each expert's full range,
-    then the bin that holds it). Every rank of the group gets the same result; no host sync.
+    then the bin that holds it), extrapolated by `momentum` (batch_bias_reference). Every rank of the group gets
+    the same result; no host sync.
     backend: the routing backend (moestack.ops.moe.routing.resolve_backend; None = "triton" on CUDA): "triton"
-    runs triton_quantile.batch_bias_triton (2 launches per step, the same counts), "reference"
+    runs triton_quantile.batch_bias_triton (2 launches per step, 3 with momentum; the same counts), "reference"
     batch_bias_reference (the spec, ~50 aten ops per step)."""
     if routing.resolve_backend(backend, scores_TE.device) == "triton":
         from moestack.ops.moe.triton_quantile import batch_bias_triton
 
-        return batch_bias_triton(scores_TE, bias_E, top_k, num_bins, iterations, group)
-    return batch_bias_reference(scores_TE, bias_E, top_k, num_bins, iterations, group)
+        return batch_bias_triton(scores_TE, bias_E, top_k, num_bins, iterations, group, momentum=momentum)
+    return batch_bias_reference(scores_TE, bias_E, top_k, num_bins, iterations, group, momentum)
+
+
+def extrapolate(y_E: torch.Tensor, y_prev_E: torch.Tensor, d_prev_E: torch.Tensor | None,
+                momentum: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the next step's start, this step's change d = y - y_prev): y + momentum * d (Nesterov-style, on the
+    reads), except after a step that reversed the previous one's direction (d . d_prev <= 0: the extrapolation
+    overshot, as it does on saturated scores), which starts from y alone. d_prev None: the first change, kept.
+    Why: the coordinate steps contract a slow collective mode (many experts a little over, many a little under
+    their share) by only ~3.5% a step on the proxy's routers; the extrapolation follows it (benchmarks/RESULTS.md,
+    "Expert balance")."""
+    d_E = y_E - y_prev_E
+    if d_prev_E is None:
+        return y_E + momentum * d_E, d_E
+    keep = ((d_E * d_prev_E).sum() > 0).to(d_E.dtype)
+    return y_E + (momentum * keep) * d_E, d_E
 
 
 @torch.no_grad()
 def batch_bias_reference(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int,
-                         iterations: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """batch_bias in torch (the spec of the Triton path). The loop is written for few launches: what does not
-    change between steps is made once."""
+                         iterations: int, group: dist.ProcessGroup | None = None,
+                         momentum: float = 0.0) -> torch.Tensor:
+    """batch_bias in torch (the spec of the Triton path). Step n reads y_n from its start b_n; b_0 = bias_E,
+    b_1 = y_0, later b_(n+1) = extrapolate(y_n, y_(n-1), ...) (momentum 0: b_(n+1) = y_n); the result is the last
+    read. The loop is written for few launches: what does not change between steps is made once."""
     reduce = group is not None and dist.get_world_size(group) > 1
     group = group if reduce else None
     s_TE = scores_TE.detach().float()
@@ -145,7 +164,8 @@ def batch_bias_reference(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: i
         dist.all_reduce(n, group=group)
     target = n * (top_k / E)  # [1] fp64: the q-th required bias per expert
     rows_E = torch.arange(E, device=s_TE.device)
-    for _ in range(iterations):
+    y_prev = d_prev = None
+    for step in range(iterations):
         r_TE = required_bias(s_TE, b, top_k)
         ends_2E = torch.stack([r_TE.amin(0), r_TE.amax(0).neg_()])
         if reduce:
@@ -164,9 +184,13 @@ def batch_bias_reference(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: i
         upto_E = cum_EB[rows_E, bin_E]
         before_E = torch.where(bin_E > 0, cum_EB[rows_E, (bin_E - 1).clamp_(min=0)], 0)
         frac_E = ((target - before_E) / (upto_E - before_E).clamp_(min=1)).clamp_(0.0, 1.0)
-        b = lo_E + (bin_E + frac_E.float()) * width_E
-        b = b - b.mean()
-    return b
+        y = lo_E + (bin_E + frac_E.float()) * width_E
+        y = y - y.mean()
+        b = y
+        if momentum > 0 and y_prev is not None and step < iterations - 1:
+            b, d_prev = extrapolate(y, y_prev, d_prev, momentum)
+        y_prev = y
+    return y
 
 
 def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
@@ -188,23 +212,24 @@ def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
 @torch.no_grad()
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
                      start: str = "best", group: dist.ProcessGroup | None = None,
-                     backend: str | None = None) -> torch.Tensor:
+                     backend: str | None = None, momentum: float = 0.0) -> torch.Tensor:
     """batch_bias from the start RouterSpec.quantile_start names: "bias" (warm: the router's bias, where the last
     step's solves ended), "zero", or "best" (both; the one whose routed max load over the group is lower, the
     warm one on a tie). Why both: where micro-batches differ (byte-level text: a window of indented code, then
     prose) the last step's bias can be a worse start than none, and the coordinate steps from far converge slowly
-    (benchmarks/RESULTS.md, "Expert balance"); where they are alike, the warm start is the better one."""
+    (benchmarks/RESULTS.md, "Expert balance"); where they are alike, the warm start is the better one. momentum:
+    RouterSpec.quantile_momentum (batch_bias_reference)."""
     if start not in ("bias", "zero", "best"):
         raise ValueError(f"quantile_start must be 'bias', 'zero' or 'best', got {start!r}")
     zero_E = torch.zeros_like(bias_E, dtype=torch.float32)
     if start != "best":
         return batch_bias(scores_TE, bias_E if start == "bias" else zero_E, top_k, num_bins, iterations, group,
-                          backend)
-    warm_E = batch_bias(scores_TE, bias_E, top_k, num_bins, iterations, group, backend)
-    cold_E = batch_bias(scores_TE, zero_E, top_k, num_bins, iterations, group, backend)
+                          backend, momentum)
+    warm_E = batch_bias(scores_TE, bias_E, top_k, num_bins, iterations, group, backend, momentum)
+    cold_E = batch_bias(scores_TE, zero_E, top_k, num_bins, iterations, group, backend, momentum)
     load_2 = routed_max_load(scores_TE, torch.stack([warm_E, cold_E]), top_k, group)
     return torch.where(load_2[0] <= load_2[1], warm_E, cold_E)
 
 
-__all__ = ["accumulate_histogram_", "batch_bias", "batch_bias_reference", "histogram_range", "required_bias",
-           "routed_max_load", "solve_batch_bias", "solve_histogram"]
+__all__ = ["accumulate_histogram_", "batch_bias", "batch_bias_reference", "extrapolate", "histogram_range",
+           "required_bias", "routed_max_load", "solve_batch_bias", "solve_histogram"]

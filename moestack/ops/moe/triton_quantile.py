@@ -7,7 +7,8 @@ Per coordinate step:
                (K+1 rounds of "remove one largest"; values, not indices, enter r, so ties among equal choices do
                not matter), r_tj = (K+1-th value if choice_tj >= the K-th, else the K-th) - s_tj, written
                expert-major r_ET; the per-expert min r and min -r go to ends_2E by fp32 atomic min (exact in any
-               order). Steps after the first centre the previous step's bias first (b - mean b).
+               order). Steps after the first centre the previous step's bias first (b - mean b); with
+               momentum > 0 one single-program launch before it centres and extrapolates (quantile.extrapolate).
     solve      one program per expert: the bin of r_e. in B bins of [min, max] where the cumulative count reaches
                the target, the same in B bins of that bin, the quantile read with interpolation. Each program
                owns its expert's row, so counts are register histograms (tl.histogram), no atomics.
@@ -217,6 +218,30 @@ def quantile_fwd_kernel_center(b_ptr, out_ptr, E, BE: tl.constexpr):
     tl.store(out_ptr + o_e, b_b - tl.math.div_rn(tl.sum(b_b, axis=0), E.to(tl.float32)), mask=m_e)
 
 
+@triton.jit
+def quantile_fwd_kernel_extrapolate(b_ptr, y_prev_ptr, d_prev_ptr, next_ptr, E, momentum,
+                                    FIRST: tl.constexpr, KEEP_FIRST: tl.constexpr, BE: tl.constexpr):
+    """quantile.extrapolate on the last solve (centred first): next = y + momentum * keep * (y - y_prev), keep
+    0 where the change reverses d_prev (KEEP_FIRST: no d_prev yet, kept); y_prev, d_prev = y, y - y_prev. FIRST
+    (the first step's solve): next = y_prev = y."""
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_b = tl.load(b_ptr + o_e, mask=m_e, other=0.0)
+    b_y = b_b - tl.math.div_rn(tl.sum(b_b, axis=0), E.to(tl.float32))
+    if FIRST:
+        b_next = b_y
+    else:
+        b_d = tl.where(m_e, b_y - tl.load(y_prev_ptr + o_e, mask=m_e, other=0.0), 0.0)
+        if KEEP_FIRST:
+            b_next = b_y + momentum * b_d
+        else:
+            dot = tl.sum(b_d * tl.load(d_prev_ptr + o_e, mask=m_e, other=0.0), axis=0)
+            b_next = b_y + (momentum * (dot > 0).to(tl.float32)) * b_d
+        tl.store(d_prev_ptr + o_e, b_d, mask=m_e)
+    tl.store(y_prev_ptr + o_e, b_y, mask=m_e)
+    tl.store(next_ptr + o_e, b_next, mask=m_e)
+
+
 class Workspace:
     """The device buffers of one batch_bias_triton call (T tokens, E experts, B bins)."""
 
@@ -228,6 +253,7 @@ class Workspace:
         self.coarse_EB = torch.empty(shape, dtype=torch.int32, device=device)
         self.fine_EB = torch.empty(shape, dtype=torch.int32, device=device)
         self.range_2E = torch.empty(2, E, dtype=torch.float32, device=device)  # fine [lo, width]
+        self.momentum_3E = torch.empty(3, E, dtype=torch.float32, device=device)  # [y_prev, d_prev, next start]
 
 
 def launch_required(s_TE: torch.Tensor, b_E: torch.Tensor, top_k: int, center: bool, ws: Workspace) -> None:
@@ -240,6 +266,15 @@ def launch_required(s_TE: torch.Tensor, b_E: torch.Tensor, top_k: int, center: b
         s_TE, b_E, ws.r_ET, ws.ends_2E, T, E, K=top_k, CENTER=center, BT=BT, BE=BE,
         num_warps=4 if BE <= 256 else 8,
     )
+
+
+def launch_extrapolate(ws: Workspace, step: int, momentum: float) -> None:
+    """ws.momentum_3E[2] = the start of step `step` + 1 from the solve of `step` (quantile.extrapolate)."""
+    E = ws.b_E.shape[0]
+    y_prev_E, d_prev_E, next_E = ws.momentum_3E.unbind(0)
+    quantile_fwd_kernel_extrapolate[(1,)](ws.b_E, y_prev_E, d_prev_E, next_E, E, momentum,
+                                          FIRST=step == 0, KEEP_FIRST=step == 1, BE=triton.next_power_of_2(E),
+                                          enable_fp_fusion=False)
 
 
 def launch_solve(stage: int, ws: Workspace, top_k: int, num_bins: int, n: torch.Tensor | None) -> None:
@@ -258,9 +293,11 @@ def launch_solve(stage: int, ws: Workspace, top_k: int, num_bins: int, n: torch.
 
 @torch.no_grad()
 def batch_bias_triton(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
-                      group: dist.ProcessGroup | None = None, staged: bool | None = None) -> torch.Tensor:
-    """quantile.batch_bias on the Triton kernels (same arguments, same result up to the mean's rounding).
-    staged: run the solve as its three reducible launches (default: only with a group of > 1 ranks)."""
+                      group: dist.ProcessGroup | None = None, staged: bool | None = None,
+                      momentum: float = 0.0) -> torch.Tensor:
+    """quantile.batch_bias on the Triton kernels (same arguments, same result up to the rounding of the mean and
+    of the extrapolation's dot product). staged: run the solve as its three reducible launches (default: only with
+    a group of > 1 ranks)."""
     reduce = group is not None and dist.get_world_size(group) > 1
     staged = reduce if staged is None else staged
     s_TE = scores_TE.detach().float().contiguous()
@@ -272,8 +309,15 @@ def batch_bias_triton(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
         n = torch.full((1,), float(T), dtype=torch.float64, device=s_TE.device)
         dist.all_reduce(n, group=group)
     b_E = bias_E.detach().float().contiguous()
+    extrapolated = momentum > 0 and iterations > 1
     for step in range(iterations):
-        launch_required(s_TE, b_E if step == 0 else ws.b_E, top_k, step > 0, ws)
+        if step == 0:
+            launch_required(s_TE, b_E, top_k, False, ws)
+        elif extrapolated:
+            launch_extrapolate(ws, step - 1, momentum)
+            launch_required(s_TE, ws.momentum_3E[2], top_k, False, ws)
+        else:
+            launch_required(s_TE, ws.b_E, top_k, True, ws)
         if reduce:
             dist.all_reduce(ws.ends_2E, op=dist.ReduceOp.MIN, group=group)
         if not staged:
@@ -291,4 +335,4 @@ def batch_bias_triton(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     return out_E
 
 
-__all__ = ["Workspace", "batch_bias_triton", "launch_required", "launch_solve"]
+__all__ = ["Workspace", "batch_bias_triton", "launch_extrapolate", "launch_required", "launch_solve"]

@@ -9,6 +9,7 @@ tokens (spaces: ~15% of the bytes) tie in every router, which no bias can split.
 the step's counts, as in Trainer._update_router_biases.
 
     python benchmarks/balance_cpu.py [--steps 200] [--experts 64] [--top-k 8] [--layers 2] [--batch 16] [--seq 32]
+        [--from-step N] [--only NAME,...]
 
 Prints a `|` table: per setting, the worst layer's max/mean tokens per expert and idle experts at the last step and
 over the second half, and the mean loss of the last 10 steps.
@@ -39,7 +40,10 @@ SETTINGS = {"sign (before #27)": SIGN, "quantile, step scope": {"bias_update": "
             "quantile, batch scope, no jitter": {"selection_jitter": 0.0},
             "quantile, batch scope, jitter 0.01": {"selection_jitter": 0.01},
             "quantile, batch scope, jitter 0.03": {"selection_jitter": 0.03},
-            "preset default": {}}
+            "preset default": {},
+            # the proxy preset's whole router (batch scope, 8 coordinate steps, momentum 0.7, jitter 0.05)
+            "proxy preset routing": {k: v for k, v in load_model_spec("proxy").moe.router.model_dump().items()
+                                     if k.startswith(("bias_update", "quantile_", "selection_"))}}
 
 
 class MoEStack(nn.Module):
@@ -104,8 +108,9 @@ def train(router: dict, steps: int, experts: int = 64, top_k: int = 8, layers: i
     return out
 
 
-def summary(rows: list[tuple[float, list[float], list[int]]]) -> dict[str, float]:
-    half = rows[len(rows) // 2:]
+def summary(rows: list[tuple[float, list[float], list[int]]], from_step: int | None = None) -> dict[str, float]:
+    """The window: steps from_step..end (1-based), default the second half."""
+    half = rows[len(rows) // 2:] if from_step is None else rows[from_step - 1:]
     return {"last_max_mean": max(rows[-1][1]), "last_idle": max(rows[-1][2]),
             "half_max_mean": max(max(r[1]) for r in half), "half_idle": max(max(r[2]) for r in half),
             "loss": sum(r[0] for r in rows[-10:]) / len(rows[-10:]),
@@ -120,20 +125,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--from-step", type=int, default=None, help="window start (1-based), default: the second half")
     ap.add_argument("--only", default="", help="comma-separated substrings: run the settings whose name has one")
     a = ap.parse_args()
     preset = moe_spec({}, a.experts, a.top_k).router
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{a.experts} experts top-{a.top_k}, {a.layers} MoE layers, {a.batch}x{a.seq} tokens/step, {a.steps} steps; "
           f"preset router: bias_update {preset.bias_update}, quantile_scope {preset.quantile_scope}")
-    print(f"| routing | max/mean per layer, last step | worst max/mean, steps {a.steps // 2 + 1}-{a.steps} | "
-          "idle experts, worst layer, last / 2nd half | loss, last 10 steps | s |")
+    first = a.from_step or a.steps // 2 + 1
+    print(f"| routing | max/mean per layer, last step | worst max/mean, steps {first}-{a.steps} | "
+          "idle experts, worst layer, last / window | loss, last 10 steps | s |")
     print("|---|---|---|---|---|---|")
     for name, router in SETTINGS.items():
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
         t0 = time.perf_counter()
-        s = summary(train(router, a.steps, a.experts, a.top_k, a.layers, a.batch, a.seq))
+        s = summary(train(router, a.steps, a.experts, a.top_k, a.layers, a.batch, a.seq), a.from_step)
         layers = " / ".join(f"{v:.2f}" for v in s["layers_last"])
         print(f"| {name} | {layers} | {s['half_max_mean']:.2f} | {s['last_idle']} / {s['half_idle']} | "
               f"{s['loss']:.3f} | {time.perf_counter() - t0:.0f} |", flush=True)

@@ -6,11 +6,14 @@ same cast runs once per micro-batch (README.md: its cost on the K3 slice). Here 
 each routed-expert weight is cast once, when the weights have changed (after an optimizer step, a load), and the
 forwards multiply by that copy (moestack.model.weights.compute_weight).
 
-Exactness: the copy is `w.to(bfloat16)` with autograd on, the op autocast itself runs (round to nearest even), so
-the forward sees the same bits; its gradient flows back through the same cast node (bf16 -> fp32) into the fp32
-parameter's .grad, once per micro-batch's backward, as with autocast's per-forward copy. The cast node saves no
-tensors, so every micro-batch's backward can pass through it. Losses and gradients are bitwise those of autocast
-(tests/memory/test_compute_weights.py).
+Exactness: the copy is written by `copy.copy_(w)`, the rounding autocast's own cast runs (round to nearest even), so
+the forward sees the same bits; a forward reads it through moestack.model.weights.CopyOf, whose backward casts the
+gradient to fp32 as the cast node's does, into the fp32 parameter's .grad once per micro-batch's backward, as with
+autocast's per-forward copy. Losses and gradients are bitwise those of autocast (tests/memory/test_compute_weights.py).
+
+One tensor per weight for the whole run, rewritten in place: compiled blocks with CUDA graphs (TrainSpec.compile
+blocks+graphs) record the copy's address as a static input, and a new tensor per step would re-record every graph at
+every step. The refresh runs after the step's backwards, when no saved activation still reads the old values.
 
 Left to autocast / their own path: FP8 layers (Fp8Linear and experts on the FP8 GEMM strategy quantise from the fp32
 parameter: a bf16 copy would round twice), experts with MXFP4 fake quantisation (QAT) or a wrapped GEMM strategy
@@ -81,12 +84,14 @@ class ComputeWeights:
         return True
 
     def refresh(self) -> None:
-        with torch.enable_grad():
+        with torch.no_grad():
             for module, name in self.targets:
                 cache = module.__dict__.setdefault("_compute_weights", {})
-                cache.pop(name, None)  # free the old copy before the new one is made
-                param = getattr(module, name)
-                cache[name] = param.to(self.dtype) if param.requires_grad else param.detach().to(self.dtype)
+                param, copy = getattr(module, name), cache.get(name)
+                if copy is None or copy.shape != param.shape or copy.device != param.device:
+                    cache.pop(name, None)  # free a stale copy before the new one is made
+                    copy = cache[name] = torch.empty_like(param, dtype=self.dtype)
+                copy.copy_(param)
         self._versions = self._current_versions()
         self.casts += 1
 

@@ -113,6 +113,34 @@ def test_refresh_follows_writes(small_spec):
     assert torch.equal(compute_weight(head), head.weight.detach().to(torch.bfloat16))
 
 
+def test_copies_keep_their_address(small_spec):
+    """A refresh rewrites each copy in place (CUDA graphs record its address as a static input): the same storage
+    after optimizer steps and a load, with the new values; a forward's weight aliases it and its gradient reaches
+    the fp32 parameter as the cast's would."""
+    model = build_model(small_spec, "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cw = ComputeWeights(model, opt)
+    cw.refresh()
+    moe = next(iter(model.moe_layers().values()))
+    watched = [(model.lm_head, "weight"), (moe.experts, "w_down")]
+    ptrs = [m._compute_weights[n].data_ptr() for m, n in watched]
+    for _ in range(2):
+        compute_weight(model.lm_head).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert cw.refresh_if_stale()
+        for (m, n), ptr in zip(watched, ptrs, strict=True):
+            w = compute_weight(m, n)
+            assert w.data_ptr() == ptr and torch.equal(w, getattr(m, n).detach().to(torch.bfloat16))
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    assert cw.refresh_if_stale() and model.lm_head._compute_weights["weight"].data_ptr() == ptrs[0]
+    g = torch.randn(model.lm_head.weight.shape, dtype=torch.bfloat16)
+    compute_weight(model.lm_head).backward(g)
+    assert model.lm_head.weight.grad.dtype == torch.float32 and torch.equal(model.lm_head.weight.grad, g.float())
+    with torch.no_grad():
+        assert compute_weight(model.lm_head) is model.lm_head._compute_weights["weight"]
+
+
 def test_trainer_bitwise(small_spec, tmp_path):
     """The trainer (precision bf16 on CPU, 2 micro-batches per step): the same losses, gradient norms and weights with
     weight_cache on and off."""

@@ -148,3 +148,35 @@ def test_cuda_compiled_within_bf16(tmp_path, mode, scope):
         losses[m] = trainer.fit()["losses"]
     for a, b in zip(losses["none"], losses[mode], strict=True):
         assert b == pytest.approx(a, rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["step", "batch"])
+def test_cuda_graphs_replay_across_steps(tmp_path, monkeypatch, scope):
+    """blocks+graphs records its graphs in the first steps and replays them afterwards: nothing is recorded after
+    step 2. A tensor the blocks read at a new address each step (the bf16 weight copies were one: 1141 recordings in
+    4 proxy steps, 7.6 s a step) re-records every graph at every step."""
+    from torch._inductor import cudagraph_trees
+
+    from moestack.train.trainer import Trainer
+
+    step, recorded = [0], []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *args, **kwargs):
+        recorded.append(step[0])
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    spec = TrainSpec(out_dir=str(tmp_path), steps=5, micro_batch_size=2, seq_len=128, device="cuda",
+                     precision="bf16", eval_every=0, compile="blocks+graphs",
+                     logging={"tensorboard": False, "progress": False}, checkpoint={"save_final": False},
+                     data={"eval_fraction": 0.0})
+    torch._dynamo.reset()
+    trainer = Trainer(spec, _spec(scope=scope), log=lambda *a, **k: None)
+    assert trainer.compiled.report.runs == "blocks+graphs", trainer.compiled.report.line()
+    assert trainer.compute_weights is not None  # the weight cache is on, as in a default bf16 run
+    for step[0] in range(5):
+        assert trainer.train_step() is not None
+    assert recorded, "no CUDA graph was recorded"
+    assert [s for s in recorded if s >= 2] == [], f"recordings per step: {[recorded.count(s) for s in range(5)]}"

@@ -14,7 +14,6 @@ the forward layout and the transposed dX layout are two entries of one parameter
 
 Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` or `p.data = ...`
 by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes.
-clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 Mode (KernelSpec.fp8.weight_cache, passed per call by the FP8 strategies): "off" quantises on every call instead (a
 check that the cache changes nothing).
 
@@ -69,12 +68,6 @@ def _version(w: torch.Tensor, mode: str) -> int | None:
 def clear() -> None:
     """Drop every cached weight (after writes the version counter does not see)."""
     _entries.clear()
-
-
-def clear_after_steps(optimizer: torch.optim.Optimizer):
-    """Empty the cache after every optimizer.step() (the weights change only there); returns the hook handle.
-    Redundant since the global hook below (kept for callers)."""
-    return optimizer.register_step_post_hook(lambda *_: clear())
 
 
 def _after_optimizer_step(*_) -> None:

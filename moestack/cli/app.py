@@ -1,4 +1,4 @@
-"""`moestack` command line: train | profile | plan | tune | tune-comm.
+"""`moestack` command line: train | profile | plan | tune | tune-comm | adapt | convert.
 
 Every user error (bad config, bad flag value, bad checkpoint) is printed as one line starting with "error:" and
 exits with status 2; no tracebacks for mistakes the user can fix. A rank that failed or stalled ends the run with

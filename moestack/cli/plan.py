@@ -1,12 +1,6 @@
-"""`moestack plan` and `moestack tune` (registered by moestack/cli/app.py).
-
-plan MODEL --cluster C [--devices N] [--seq-len S] [--global-batch-tokens T] [--top K] [--json] [--fix ...]
-     [--plot DIR] [--out plan.yaml] [--precision bf16|fp8|fp8_tensorwise|mxfp8|nvfp4]
-     [--optimizer adamw|adamw_bf16|muon] [--calibration F]
-     [--host-profile eager|megatron|megatron-graphs|megatron-full-graphs]
-tune MODEL [--plan plan.yaml] [--out calibration.json]
-tune-comm --out comm.json [--sizes-mib 1,16,128] [--iters N] [--dtype fp32|bf16] [--merge-into calibration.json]
-          (under torchrun, >= 2 ranks); tune-comm --from comm.json --merge-into calibration.json (no torchrun)
+"""`moestack plan`, `moestack tune` and `moestack tune-comm` (registered by moestack/cli/app.py; `--help` lists
+each command's options). tune-comm measures under torchrun (>= 2 ranks); `--from comm.json --merge-into F` merges a
+saved measurement without torchrun.
 """
 
 from __future__ import annotations

@@ -23,9 +23,6 @@ from moestack.config.base import ConfigError, StrictModel, read_yaml, validate
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
-PosInt = Field(gt=0)
-
-
 class RopeScalingSpec(StrictModel):
     """RoPE context extension (HF `rope_scaling`), applied where rope is used."""
 

@@ -196,7 +196,6 @@ class ActivationOffloader:
                 return inner(*args, **kwargs)
 
         module.forward = forward
-        module._moestack_activation_offload = True
         return module
 
     def _bound_inflight(self) -> None:

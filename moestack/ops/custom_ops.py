@@ -10,8 +10,7 @@ through it, CUDA graphs capture it, and selective recompute policies see it by n
     moestack::gated_rmsnorm (+ _backward)   KDA's output norm and gate (kda/gated_norm.py)
 
 Not yet here (graph boundaries through @opaque): KDA's chunked recurrence and short conv, DSA's attention and
-indexer, the MoE router / dispatch / gather / combine and grouped GEMM, the FP8 GEMMs. Their Functions are being
-reduced to one variant each (issue #31's KernelSpec work); they get ops on that code.
+indexer, the MoE router / dispatch / gather / combine and grouped GEMM, the FP8 GEMMs.
 
 The kernel modules are imported inside the op bodies, so importing this module needs no Triton.
 """

@@ -451,7 +451,6 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.Proc
     if model.embed is None or model.lm_head is None:
         raise NotImplementedError("context parallelism of a pipeline stage is not implemented")
     _hook_root(model, cp)
-    model._cp_mesh = cp_mesh
 
 
 @torch.no_grad()

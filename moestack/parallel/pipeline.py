@@ -22,7 +22,7 @@ Loss and gradient scaling: the runner returns, and backpropagates, the mean toke
 exactly as `model(inputs, targets)` on one device: the last stage computes each micro-batch's summed token
 cross-entropy (chunked, with the LM-head weight) divided by the number of counted targets in the whole batch, and
 the schedule does not rescale (scale_grads=False). Aux losses ride on the activations (moestack.model.aux_loss),
-so each stage's backward reaches its own; the runner sets their scale to loss_scale / n_microbatches because
+so each stage's backward reaches its own; the runner sets their scale to 1 / n_microbatches because
 each micro-batch's aux loss is a mean over that micro-batch's sequences (the scale is a process-wide setting:
 the runner restores the caller's value when the step ends).
 
@@ -280,8 +280,8 @@ class PipelineStepRunner:
     `model(inputs, targets).backward()` when plan.pp > 1.
 
     parts: this rank's stage modules (from `build_stage_modules`, order of `stage_ids`); stage_ids: their stage
-    indices; pp_group: the pipeline process group (ranks ordered by pipeline rank); n_microbatches: micro-batches
-    per `forward_backward` call (the local batch is split along dim 0; default plan.num_microbatches).
+    indices; pp_group: the pipeline process group (ranks ordered by pipeline rank). Each `forward_backward` call
+    splits the local batch along dim 0 into plan.num_microbatches micro-batches.
     Stage inputs / outputs have static shapes: [plan.micro_batch_size, plan.seq_len] token ids into stage 0,
     hidden states [micro_batch_size, seq_len / seq_shards, D] of `hidden_dtype` between stages (seq_shards = tp
     with sequence parallelism; the residual stream stays fp32 under bf16 autocast because the parameters are fp32);
@@ -298,7 +298,6 @@ class PipelineStepRunner:
         plan: Plan,
         pp_group: dist.ProcessGroup | None,
         device: torch.device | str,
-        n_microbatches: int | None = None,
         seq_shards: int = 1,
         hidden_dtype: torch.dtype = torch.float32,
     ):
@@ -306,7 +305,7 @@ class PipelineStepRunner:
         self.stage_ids = stage_ids
         self.plan = plan
         self.group = pp_group
-        self.n_microbatches = n_microbatches or plan.num_microbatches
+        self.n_microbatches = plan.num_microbatches
         self.num_stages = plan.pp * plan.vpp
         device = torch.device(device)
         self.device = device
@@ -331,7 +330,6 @@ class PipelineStepRunner:
         self._last = next((p for p, s in zip(parts, stage_ids) if s == self.num_stages - 1), None)
         self._first = any(s == 0 for s in stage_ids)
         self._count: torch.Tensor | None = None  # counted targets of the whole local batch (set per call)
-        self._scale = 1.0
         self.schedule = build_schedule(self._stages, plan, self._loss_fn, self.n_microbatches)
         # the rank holding the last stage broadcasts the loss (rank 0 for V-shapes, pp-1 otherwise)
         last_pp_rank = 0 if plan.schedule in V_SHAPE else plan.pp - 1
@@ -427,23 +425,21 @@ class PipelineStepRunner:
         """This micro-batch's share of the batch mean: summed token losses / counted targets of the whole batch."""
         loss_sum = lm_head_loss_sum(self._last, h_BTD, targets_BT)
         # the factor in fp64, then the loss's dtype: float / int64 tensor would be fp32 (2^-24 off under fp64)
-        return loss_sum * (self._scale / self._count.clamp(min=1).double()).to(loss_sum.dtype)
+        return loss_sum * (1.0 / self._count.clamp(min=1).double()).to(loss_sum.dtype)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """inputs, targets [B, T] (the local batch, B = n_microbatches * plan.micro_batch_size; every pipeline rank
-        passes the same tensors, only the first / last stage read them). Backpropagates loss_scale * mean token loss
-        into the stage parameters' .grad (accumulating) and returns the unscaled mean loss, the same on every pipeline
-        rank. The aux-loss scale is loss_scale / n_microbatches during the step and the caller's value again after.
+        passes the same tensors, only the first / last stage read them). Backpropagates the mean token loss into the
+        stage parameters' .grad (accumulating) and returns it, the same on every pipeline rank. The aux-loss scale
+        is 1 / n_microbatches during the step and the caller's value again after.
         With tied embeddings the call ends with the tied gradient sum, so it also runs the deferred TP sums
         (tp_grad_reduce "deferred") of the parts holding the copies: accumulating over several calls before one
         optimizer step stays exact for eager TP sums, and raises under deferred ones (call once per step there).
         """
-        assert loss_scale > 0, f"loss_scale must be > 0, got {loss_scale}"
         mbs = self.plan.micro_batch_size
         assert inputs.shape[0] == self.n_microbatches * mbs, (
             f"batch of {inputs.shape[0]} is not {self.n_microbatches} micro-batches of {mbs} sequences")
         self._count = (targets != IGNORE_INDEX).sum().to(self.device)
-        self._scale = loss_scale
         if self._tie and not self._tie_synced:
             self._sync_tied_weights()
         before = [None if w.grad is None else _local(w.grad).clone() for w in self._tie]  # accumulation
@@ -454,13 +450,13 @@ class PipelineStepRunner:
         losses: list[torch.Tensor] = []
         args = (inputs.to(self.device),) if self._first else ()
         target = targets.to(self.device) if self._last is not None else None
-        with aux_loss_scale(loss_scale / self.n_microbatches):  # each micro-batch's aux loss is a mean over it
+        with aux_loss_scale(1.0 / self.n_microbatches):  # each micro-batch's aux loss is a mean over it
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if self._tie and self._tie[0].requires_grad:  # frozen (DSA dense warm-up) on both sides alike: no sum
             self._sum_tied_grads(before)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._last is not None:
-            total += sum(float(loss.detach()) for loss in losses) / loss_scale
+            total += sum(float(loss.detach()) for loss in losses)
         if self.group is not None:
             dist.broadcast(total, src=self._loss_src, group=self.group)
         return float(total)

@@ -46,7 +46,7 @@ ADAM_BYTES_PER_PARAM = 16  # fp32 weight 4 + fp32 grad 4 + AdamW m 4 + v 4
 # kernels, saved_tensors_hooks): KDA 3.8x, MoE 3.5x, dense MLP 5x, MLA 1.2x of the fp32 estimate, ~3.4x overall:
 # the elementwise SiTU-GLU keeps six fp32 tensors per expert row where a fused kernel keeps three bf16 ones, and
 # the reference KDA keeps its chunk intermediates. On a GPU (bf16 autocast, fused KDA) the GLU part remains.
-GPU_ACT_FACTOR = 5.5  # measured 4.9 on the proxy, H200, reference KDA/DSA ops, 2026-11-29 (RESULTS.md)
+GPU_ACT_FACTOR = 5.5  # measured 4.9 on the proxy, H200, reference KDA/DSA ops (RESULTS.md)
 CPU_ACT_FACTOR = 8.0  # 2 (fp32) x ~4 (reference kernels)
 LOSS_CHUNK_TOKENS = 4096  # moestack.model.loss.chunked_cross_entropy's default chunk
 LOSS_BYTES_PER_LOGIT = 12  # bf16 logits + fp32 copy + fp32 gradient of one chunk, alive together in backward

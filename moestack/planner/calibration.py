@@ -8,9 +8,7 @@ the same quantities on the local GPU at the model's shapes and writes a file of 
 
 GEMM efficiency model (3 constants, fitted to MEASURED.md's dense and grouped bf16 GEMMs):
     eff(tokens, n, k) = gemm_peak_eff * min(1, tokens / gemm_tokens_sat) * d / (d + gemm_dim_half),  d = min(n, k)
-  8192^3 -> 0.766 (measured 758/989), K3 expert 3584x3072 at 2048 tok/expert -> 0.67 (666), 2048x1024 experts
-  -> 0.48 (471-488), 1024x512 -> 0.34 (328); K3 expert at 128 / 64 tok/expert -> 0.34 / 0.17 (measured 350-430 /
-  176-211 TFLOP/s). Measured points in `gemm_points` (written by tune) override the formula near their shape.
+Measured points in `gemm_points` (written by tune) override the formula near their shape.
 
 Collectives (`comm`, optional): measured bus bandwidth and per-call latency of all-reduce / reduce-scatter /
 all-gather / all-to-all inside one scale-up domain (network tier 0), written by `moestack tune-comm`
@@ -76,13 +74,9 @@ class CommCalibration(StrictModel):
     """Collective bandwidths measured inside one scale-up domain (network tier 0: e.g. the GPUs of one NVLink
     node), with `world` ranks, by `moestack tune-comm` (tune/comm.py).
 
-    Why measured beats datasheet: the datasheet bandwidth times an efficiency is a guess per machine. On the lent
-    2 x H200 machine (session 6, NCCL over P2P/CUMEM) tune-comm measured 234 / 210 / 215 / 240 GB/s bus bandwidth
-    for all-reduce / reduce-scatter / all-gather / all-to-all at 128 MiB. (Session 5 read the `..._RING_LL` in
-    NCCL's kernel names as the protocol and estimated ~20 GB/s: wrong. Those names are NCCL's kernel entry points
-    for every protocol, and the long kernel times were waits for the other rank.) Bus bandwidth is (nearly)
-    independent of the group size for ring algorithms, so the numbers measured at `world` ranks are used for any
-    group inside tier 0."""
+    Measured beats datasheet: the datasheet bandwidth times an efficiency is a guess per machine (the 2 x H200
+    numbers are in benchmarks/RESULTS.md, "Multi-GPU (issue #10)"). Bus bandwidth is (nearly) independent of the
+    group size for ring algorithms, so the numbers measured at `world` ranks are used for any group inside tier 0."""
 
     source: str = ""  # where the numbers come from (tune-comm file, date)
     world: int = Field(ge=2)  # ranks the measurement ran on (all inside one tier-0 domain)
@@ -102,42 +96,26 @@ class HostCalibration(StrictModel):
     at 4 x 2048 tokens per step is device-bound (0.53 s device vs ~0.39 s host); at 2 x 2048 tokens per GPU, and in
     every 2-GPU layout, the host sets the step.
 
-    The constants belong to moestack's code (op count per layer, Python autograd Functions, hooks), not to the GPU,
-    and are fitted on whole steps (benchmarks/RESULTS.md, "Multi-GPU (issue #10)", 2026-11-30, 2 x H200, proxy,
-    seq 2048, Triton kernels, planner with the session-3 tune + tune-comm calibration):
-      layer_s     0.0208 s: the 1-GPU weak-scaling run (`--fix dp=1,zero=0,mbs=2`, 2 x 2048 tokens, 20 steps,
-                  no profiler) took 0.387 s/step (median of steps 11-20) where the device model says 0.345 s;
-                  solved so that the planner gives 0.387. Fitted.
-      ep_moe_s    0.0067 s extra per MoE layer per micro-batch when ep > 1: the flat dispatcher's count exchange,
-                  the host sync for the split sizes, the regroup gathers, the FSDP2 hooks, and the slower of the two
-                  ranks' hosts at every all-to-all rendezvous. Fitted on the 2-GPU weak-scaling run (`dp=2,ep=2,
-                  zero=1,mbs=2`, the ep2 plan, 0.449 s/step, steps 11-20), solved with layer_s fixed. Fitted.
-      tp_layer_s  0.0088 s extra per layer per micro-batch when tp > 1 (DTensor dispatch: PythonSubclass,
-                  _FromTorchTensor, Redistribute, _LocalView and its backward, the extra c10d calls): their self CPU
-                  time in the tp2 profile (steps 6-8, rank 0) beyond the single-GPU profile's, 0.14 s per step
-                  / 16 layers. Not fitted on the tp2 step time (an upper-ish estimate: profiled ops run slower).
-    Checks not used in any fit: single-GPU 4 x 2048 (device-bound, unchanged), tp2, zero3_ep2. A second set of
-    clean 2-GPU runs on another machine of the same kind (session 6, call 4) measured ep2 at 0.50-0.53 s/step
-    (this fit: 0.449), tp2 at 0.62 (planner 0.506), zero3_ep2 at 0.61 (0.451): the host share varies between
-    machines of one kind by ~15%, more than the planner's 10% bound. The published-run validation (Megatron-LM
-    runs: fused, graph-captured steps with their own host costs) is evaluated with these set to 0.
+    The constants belong to moestack's code (op count per layer, Python autograd Functions, hooks), not to the GPU.
+    The defaults are fitted on whole 2 x H200 proxy steps (benchmarks/RESULTS.md, "Multi-GPU (issue #10)"; the
+    host speed of one machine kind varies by ~15%, more than the planner's 10% bound):
+      layer_s     per layer per micro-batch: solved so that the planner gives the 1-GPU weak-scaling step time.
+      ep_moe_s    extra per MoE layer per micro-batch when ep > 1 (the flat dispatcher's count exchange, the host
+                  sync for the split sizes, the regroup gathers, the FSDP2 hooks, the all-to-all rendezvous):
+                  solved on the 2-GPU ep2 run with layer_s fixed.
+      tp_layer_s  extra per layer per micro-batch when tp > 1 (DTensor dispatch): the tp2 profile's extra self CPU
+                  time over the single-GPU one. Not fitted on the tp2 step time (an upper-ish estimate).
+      fp8_layer_s extra per layer per micro-batch under the FP8 recipe: measured by tune/host.py on the proxy, bf16
+                  then the recipe ("The FP8 recipe in the planner" in RESULTS.md).
+    The published-run validation (Megatron-LM runs: fused, graph-captured steps with their own host costs) is
+    evaluated with these set to 0.
 
-      fp8_layer_s 0.0084 s extra per layer per micro-batch under the FP8 recipe (precision fp8). Measured, not
-                  fitted: tune/host.py on the proxy (16 layers, one H200, session 14), bf16 then the
-                  recipe, twice: 11.5 / 20.2 and 14.5 / 22.6 ms per layer (+8.7 / +8.0 ms; at 2x tokens +10% /
-                  +3%: host-bound). With it the planner puts the proxy's one-GPU fp8 step (2 x 2048 tokens) at
-                  8,312 tokens/s against 7,690 measured (benchmarks/fp8_train_step.sh, the same session); without
-                  it at 10,784, above the bf16 prediction, where FP8 ran at 0.57x bf16. (A K3-width layer is not
-                  host-bound at 256 tokens, so it cannot give this number: its device time leaks in.)
-
-    The defaults above are that 2 x H200 fit (fp8_layer_s: the measurement). `moestack tune --measure-host`
-    (opt-in) replaces layer_s with the local machine's measurement (tune/host.py): the wall time of the
-    whole model's forward + backward of one 256-token micro-batch (host-bound: the device idles), divided by the
-    layers the cost model charges, and says how in `source`. It covers the embedding, blocks, head and loss, not the
-    optimizer step (priced on its own), FSDP2's hooks or DTensor dispatch, which the fitted default absorbed: on 2 x
-    H200 (session 7) it measured 13.6 ms, and with it the planner put ep2 / zero3_ep2 / tp2 19-41% below their
-    measured step times (the fit: +6 / -20 / -25%). On a GPU with FP8 it measures fp8_layer_s too (the recipe's
-    pass minus the bf16 one). ep_moe_s and tp_layer_s keep their defaults (they need several GPUs)."""
+    `moestack tune --measure-host` (opt-in) replaces layer_s with the local machine's measurement (tune/host.py):
+    the wall time of the whole model's forward + backward of one 256-token micro-batch (host-bound: the device
+    idles), divided by the layers the cost model charges, and says how in `source`. It leaves out the optimizer step,
+    FSDP2's hooks and DTensor dispatch, which the fitted default absorbs, so it predicts multi-GPU steps too fast.
+    On a GPU with FP8 it measures fp8_layer_s too (the recipe's pass minus the bf16 one). ep_moe_s and tp_layer_s
+    keep their defaults (they need several GPUs)."""
 
     layer_s: float = Field(default=0.0208, ge=0)
     ep_moe_s: float = Field(default=0.0067, ge=0)
@@ -166,11 +144,8 @@ class Calibration(StrictModel):
     grouped_gemm_factor: float = Field(gt=0, le=1.5)  # grouped vs dense GEMM at the same per-expert shape
     fp8_gemm_factor: float = Field(gt=0, le=1)  # fp8 efficiency / bf16 efficiency (fraction of each dtype's peak)
     # the same for natively scaled low-precision GEMMs (per-tensor FP8; MXFP8 / NVFP4 block scales applied by the
-    # tensor cores), dense and grouped. Measured on the H200: the row-wise-scaled grouped GEMM at the K3 expert shape
-    # 993 TFLOP/s against bf16's 666 (shared/MEASURED.md): 0.50 of the fp8 peak against 0.67 of the bf16 one, factor
-    # 0.745; moestack's blockwise recipe 0.752 / 0.692 at 8192^3 (fp8_gemm_factor). The square 8192^3 row-wise
-    # torch._scaled_mm reached bf16's efficiency (benchmarks/RESULTS.md, "The FP8 recipe in the planner"): the best
-    # case, not the training shapes. MXFP8 / NVFP4 are not measured here (assumed the same as FP8)
+    # tensor cores), dense and grouped: the H200's row-wise-scaled grouped GEMM at the K3 expert shape (README.md,
+    # "Measured"). MXFP8 / NVFP4 are not measured here (assumed the same as FP8)
     lowp_native_gemm_factor: float = Field(default=0.745, gt=0, le=1)
     lowp_native_grouped_factor: float = Field(default=0.745, gt=0, le=1)
     # attention-like kernels (fraction of bf16 peak; FLOPs counted as the hardware does them)
@@ -190,10 +165,8 @@ class Calibration(StrictModel):
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     # host (CPU) time of moestack's eager trainer, a floor under the device time (HostCalibration says why)
     host: HostCalibration = Field(default_factory=lambda: HostCalibration())
-    # the same constants for the trainer's compiled modes (TrainSpec.compile: "blocks", "blocks+graphs"), measured by
-    # benchmarks/step.py (its "host ms" column: the host's time to queue one step, per layer and micro-batch where the
-    # step is host-bound). Not read yet: plans do not carry the compile mode, so every moestack plan is priced with
-    # the eager `host` above (host_profile.py), an upper bound for a compiled run
+    # the same constants for the trainer's compiled modes (TrainSpec.compile), measured by benchmarks/step.py. Not
+    # read yet: plans do not carry the compile mode, so every plan is priced with the eager `host` (an upper bound)
     host_modes: dict[Literal["blocks", "blocks+graphs"], HostCalibration] = {}
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only

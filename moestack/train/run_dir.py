@@ -35,10 +35,6 @@ class RunLock:
         self.path = self.out_dir / LOCK_NAME
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def acquire(self) -> None:
         if self._fd is not None:
             return
@@ -56,7 +52,7 @@ class RunLock:
             raise ConfigError(f"out_dir: '{self.out_dir}' is in use by another run ({holder}); wait for it to end, "
                               "or train into another --out") from None
         except OSError:
-            pass  # no flock on this filesystem (ENOLCK, EOPNOTSUPP): run unlocked, as before locks existed
+            pass  # no flock on this filesystem (ENOLCK, EOPNOTSUPP): run unlocked
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "argv": " ".join(sys.argv)[:200]}
         os.ftruncate(fd, 0)

@@ -17,8 +17,6 @@ import torch
 from moestack.config.model_spec import ModelSpec
 from moestack.tune.timer import median_seconds
 
-PART_OF_MIXER = {"kda": "kda", "mla": "mla", "gqa": "gqa", "mamba2": "mamba2"}
-
 
 @dataclass
 class PartTiming:

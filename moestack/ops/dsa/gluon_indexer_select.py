@@ -3,18 +3,15 @@
     I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]);  keys with I >= THR[t] are appended to row t's candidate list
 
 In the Triton kernel every head is a synchronous dot followed by its epilogue (max, multiply, add over the whole
-[BLOCK_T, BLOCK_S] tile); at T = 131072 the scoring runs at ~340 TFLOP/s and is 89% of the indexer's time (H200
-profile). Here the q tiles of the next heads stream into a ring of shared-memory stages by cp.async while the key
-tile stays resident. Heads go in steps of GROUP (default 4) behind one CTA barrier: two products in flight, head h's
-epilogue runs under head h + 1's product, head h + 2's product is issued once h's registers are free, and nothing is
-in flight across the loop's back-edge. Two details make the overlap real: the accumulator passes through every wgmma
-wait (otherwise LLVM sinks the epilogues below the later waits), and no product crosses the back-edge (otherwise
-ptxas serialises all wgmmas, C7514: session 6's loop, one head per barrier with a product carried across iterations,
-measured here and removed). H200, T = 131072, same selection as the Triton scorer: that loop 191-194 ms, pairs
-170-180, groups of 4 168 (Triton 202-207); ncu on the first two: ~46% of the stall cycles at the CTA barrier, hence
-fewer barriers per head (benchmarks/RESULTS.md, session 7). The epilogue after the last head (threshold, per-row
-counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a layout whose rows live in one warp
-for the prefix sum.
+[BLOCK_T, BLOCK_S] tile), and at long T that scoring is most of the indexer's time. Here the q tiles of the next heads
+stream into a ring of shared-memory stages by cp.async while the key tile stays resident. Heads go in steps of GROUP
+(default 4) behind one CTA barrier: two products in flight, head h's epilogue runs under head h + 1's product, head h
++ 2's product is issued once h's registers are free, and nothing is in flight across the loop's back-edge. Two details
+make the overlap real: the accumulator passes through every wgmma wait (otherwise LLVM sinks the epilogues below the
+later waits), and no product crosses the back-edge (otherwise ptxas serialises all wgmmas, C7514). Fewer barriers per
+head because the CTA barrier held the largest share of stall cycles (README.md, "Measured"). The epilogue after the
+last head (threshold, per-row counter, slots, stores) is the Triton kernel's, with the hit matrix moved to a layout
+whose rows live in one warp for the prefix sum.
 
 Scope: bf16 / fp16 q and k, indexer head dim Di = 128 (64 .. 256, power of two), an even number of heads, key
 stride 1 (the candidate pass; the sampled threshold pass stays in Triton), sm_90; a head count that is not a
@@ -113,7 +110,7 @@ def _grouped_heads(q_ring, k_smem, acc, zero, w_ptrs, mask_t, q_base, Hi, s_qh, 
                    Q_STAGES: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
     """acc += sum_j w_j ReLU(q_j k^T), GROUP heads per step: two products in flight, head h's epilogue runs while
     head h + 1's product does, head h + 2's product is issued after it; nothing is in flight across the loop's
-    back-edge (what made ptxas serialise session 6's chained loop). One barrier per GROUP heads; the ring holds
+    back-edge (else ptxas serialises the wgmmas). One barrier per GROUP heads; the ring holds
     Q_STAGES // GROUP groups, the next ones loading."""
     NG: gl.constexpr = Q_STAGES // GROUP
     for j in range(0, Hi, GROUP):

@@ -4,8 +4,8 @@ quantize_dual reads x [N, K] (rows sorted by expert) once per [128 tokens of one
 writes two fp8 copies: q [N, K] (1x128 row tiles, row-major) and qT [K, P] (128x1 token tiles, tokens contiguous).
 The Triton kernel (quant.fp8_quant_dual_kernel) loads the tile in a row-major layout, so the transposed copy
 goes through shared memory one byte per thread at a time (st.shared.b8, 33 CTA barriers per tile in its PTX) and
-at 16 warps / 93 registers only one program fits per SM: on the H200 the four calls of one K3 EP16 layer step took
-7.25 ms of a 45 ms FP8 layer (~1.2 TB/s; benchmarks/RESULTS.md, session 9).
+at 16 warps / 93 registers only one program fits per SM: it runs far below HBM bandwidth (benchmarks/RESULTS.md,
+the FP8 layer profile).
 
 The tile layout (tile_layout): each thread holds COLS consecutive columns x 128 * COLS / (32 * warps) consecutive
 tokens; 128 / COLS lanes span the tile's columns, the other lanes and the warps stack along the tokens. So

@@ -223,10 +223,9 @@ def quantize_blocks_pair(
     sT = torch.empty((E, nf, nk), device=w_EKF.device, dtype=torch.float32)
     if w_EKF.element_size() != 2:
         # The fused transposed store is for 16-bit weights only: from fp32 weights it wrote a wrong qT on the H200
-        # (Triton 3.6; dequantised w^T off by 1.66 relative, q and the interpreter exact: issue #7's diverging v3
-        # proxy run, whose parameters are fp32). There quantize_blocks gives w's layout and qT is its byte transpose
-        # (transpose_bytes: a tiled kernel; torch's strided copy of the 1-byte values had taken ~27 ms per K3-slice
-        # step, session 13), sT the scales' transpose.
+        # (Triton 3.6; the interpreter exact). There quantize_blocks gives w's layout and qT is its byte transpose
+        # (transpose_bytes: a tiled kernel, ~27 ms per K3-slice step faster than torch's strided copy of the 1-byte
+        # values), sT the scales' transpose.
         q, s = quantize_blocks(w_EKF, out_dtype)
         # q [E, K, F] is a view of a contiguous [E, F, K]; qT's storage is the contiguous [E, K, F]
         transpose_bytes(q.transpose(1, 2), qT.transpose(1, 2))

@@ -125,8 +125,7 @@ def wgrad(qxT: torch.Tensor, sx: torch.Tensor, qdyT: torch.Tensor, sdy: torch.Te
     parameter) from the 128x1 token tiles of x (qxT [D, P], sx [G, D]) and dy (qdyT [F, P], sdy [G, F]).
     Each expert's GEMM writes only its own dw[e], so every other one runs on a side stream (ordered after the
     current stream's work so far; the current stream waits for it before returning): one expert's last partial
-    wave of tiles runs beside the next one's first (the K3 EP16 layer 0.5-0.9 ms faster, benchmarks/RESULTS.md
-    session 11)."""
+    wave of tiles runs beside the next one's first (faster per layer: benchmarks/RESULTS.md)."""
     D, F = qxT.shape[0], qdyT.shape[0]
     transposed = like.transpose(1, 2).is_contiguous()
     dw = empty_grad_like(like, D, F)

@@ -1,20 +1,18 @@
 """FP8 weights quantised once per optimizer step and parameter version (the FP8 expert GEMMs' and Linears' cache).
 
-Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales in both
-layouts (quant.quantize_blocks_pair) are computed on the first call and reused until the weight changes. A weight counts
-as changed (1) after every optimizer step: importing this module registers a global optimizer step post-hook
-(torch.optim.optimizer.register_optimizer_step_post_hook, run by every torch.optim.Optimizer subclass) that empties
-the cache, and (2) when its version counter moves (in-place ops on the parameter or a view of it outside an
-optimizer: load_state_dict's copy_, p.add_ under no_grad). (1) is required: the fused AdamW the trainer uses on
-CUDA (torch._fused_adamw_) does NOT bump the version counter (nor do p.data writes or FSDP's all-gather into the
-unsharded parameter), so a version-keyed cache alone kept the step-0 weights for the whole run (issue #7: the FP8
-forward used frozen expert weights while the optimizer moved the parameters). Entries are keyed by the owning
-tensor (the parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape, strides and dtypes, so
-the forward layout and the transposed dX layout are two entries of one parameter.
+Every micro-batch of one optimizer step multiplies by the same weights, so their 128x128 fp8 blocks and scales in
+both layouts (quant.quantize_blocks_pair) are computed on the first call and reused until the weight changes. A
+weight counts as changed (1) after every optimizer step: importing this module registers a global optimizer step
+post-hook (torch.optim.optimizer.register_optimizer_step_post_hook, run by every torch.optim.Optimizer subclass)
+that empties the cache, and (2) when its version counter moves (in-place ops on the parameter or a view of it
+outside an optimizer: load_state_dict's copy_, p.add_ under no_grad). (1) is required: the fused AdamW the trainer
+uses on CUDA (torch._fused_adamw_) does NOT bump the version counter (nor do p.data writes or FSDP's all-gather into
+the unsharded parameter), so a version-keyed cache alone would keep the step-0 weights for the whole run. Entries
+are keyed by the owning tensor (the parameter behind a view such as w.transpose(1, 2)), the view's pointer, shape,
+strides and dtypes, so the forward layout and the transposed dX layout are two entries of one parameter.
 
 Not seen: writes outside an optimizer step that bypass the version counter (`p.data.copy_(...)` or `p.data = ...`
 by hand, a sharded parameter's update reaching its FSDP2 gather). Call clear() after such writes.
-clear_after_steps(optimizer) is kept for callers (the global hook already does it).
 Mode (KernelSpec.fp8.weight_cache, passed per call by the FP8 strategies): "off" quantises on every call instead (a
 check that the cache changes nothing).
 
@@ -69,12 +67,6 @@ def _version(w: torch.Tensor, mode: str) -> int | None:
 def clear() -> None:
     """Drop every cached weight (after writes the version counter does not see)."""
     _entries.clear()
-
-
-def clear_after_steps(optimizer: torch.optim.Optimizer):
-    """Empty the cache after every optimizer.step() (the weights change only there); returns the hook handle.
-    Redundant since the global hook below (kept for callers)."""
-    return optimizer.register_step_post_hook(lambda *_: clear())
 
 
 def _after_optimizer_step(*_) -> None:

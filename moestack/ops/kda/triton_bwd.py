@@ -372,7 +372,7 @@ def kda_bwd_kernel_scores(
 
 
 B3A_CONFIG = {"BV": 64, "BKS": 64, "num_warps": 8, "num_stages": 1}  # B3a: BV 32 / BKS 32 with bf16 dots gave NaN
-B3B_CONFIG = {"BKC": 16, "num_warps": 4, "num_stages": 1}  # B3b: the fastest measured (session 3: 5.69 ms)
+B3B_CONFIG = {"BKC": 16, "num_warps": 4, "num_stages": 1}  # B3b: the fastest measured
 
 
 def kda_bwd_recurrence(intra: dict, do, dht, chunk_offsets, cu_seqlens, *, n_seqs: int, V: int,

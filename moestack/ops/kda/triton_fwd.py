@@ -38,7 +38,7 @@ GATE_NONE, GATE_K3, GATE_KIMI = 0, 1, 2
 # K1 / B3a (tf32x3 was ~fp32 accurate with ~0.3 KB of spills per thread).
 INV_PRECISION = tl.constexpr("tf32")
 # K1's one launch config (BKS, warps): with bf16 score / WY dots the fastest measured, and the one every GPU test
-# ran (H200, session 4: K1 3.43 ms at 1x32768x32x128). README.md "Triton kernels" has the measured alternatives.
+# ran. README.md "Triton kernels" has the measured alternatives.
 K1_CONFIG = {"BKS": 32, "num_warps": 4}
 
 # Without a GPU the kernels run only through Triton's interpreter, which is chosen when a kernel is decorated:
@@ -206,7 +206,7 @@ def _unit_lower_inverse(b_n, BT: tl.constexpr):
 
     Why not the power series (I - N)(I + N^2)...(I + N^32): for correlated keys (cos ~0.5-0.9, as after SiLU)
     and beta ~1 the powers N^p reach ~1e9 with alternating signs while the inverse stays O(1); fp32 / tf32 lose
-    every digit (the in-model NaN of 2026-11-29). Here every intermediate is a block of the true inverse."""
+    every digit (an in-model NaN). Here every intermediate is a block of the true inverse."""
     o_t = tl.arange(0, BT)
     row, col = o_t[:, None], o_t[None, :]
     b_y = tl.where(row == col, 1.0, 0.0) - tl.where((row // 2 == col // 2) & (row > col), b_n, 0.0)
@@ -363,8 +363,8 @@ def _k1_wy(k, v, w, u, gc, p_gc, t0, n, m_t, H, i_h, b_minv_d, b_rk, b_beta, K: 
         tl.store(_tok_ptr(u, t0, n, H, i_h, V, BT, BKW, col0), b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
-# First (the single config without autotuning): BV = 32 at 4 warps, 0.3 ms less than 32 / 8 at 1x32768x32 on the
-# H200 (session 4) although it spills 0.5-0.7 KB per thread (ptxas, sm_90; 8 warps compile without spills).
+# First (the single config without autotuning): BV = 32 at 4 warps, faster than 32 / 8 although it spills (README.md,
+# "Measured").
 @triton.autotune(configs=_configs([
     triton.Config({"BV": 32}, num_warps=4, num_stages=2),
     triton.Config({"BV": 32}, num_warps=8, num_stages=2),

@@ -3,9 +3,8 @@
     out[e, a, b] = sum over the expert's rows r of P[r, a] Q[r, b]      (dW in the parameter's layout, b contiguous)
 
 At <= a few hundred rows per expert dW is a write stream: each output tile is written once after a reduction of
-depth = the expert's rows (K3 EP16, 64 rows per expert: 3.7 GB written per layer for 0.24 TFLOP). The Triton kernels
-in gg_tma.py reach 1.4-2.4 TB/s there at 64-128 rows (benchmarks/grouped_gemm.py --small parts): Triton waits for each
-tile's MMA, then stores it from registers while the tensor cores idle. Here the overlap is explicit:
+depth = the expert's rows. The Triton kernels in gg_tma.py wait for each tile's MMA, then store it from registers
+while the tensor cores idle. Here the overlap is explicit:
 
 - One program per (a-tile of BA = 16 x warps columns, expert); the default configs run 4 warps and fit two programs
   per SM. The expert's P[rows, a-tile] is copied to shared memory once (cp.async, rows past the expert
@@ -17,19 +16,14 @@ tile's MMA, then stores it from registers while the tensor cores idle. Here the 
 - b-tiles go in pairs (nothing in flight across the loop's back-edge: ptxas serialises wgmma otherwise, C7514):
   both MMAs are issued async; the first tile's epilogue (fp32 -> out dtype -> coalescing layout -> plain global
   stores) runs under the second MMA; after one CTA barrier the freed slots are refilled. Plain stores beat TMA
-  stores from shared-memory buffers here (0.74 vs 0.80 ms at 64 rows; ncu put a third of the TMA version's stall
-  samples on issuing TMA copies), and storing the accumulator layout without the conversion (4-byte pieces per
-  row) was 3x slower.
+  stores from shared-memory buffers here, and so does the layout conversion before them (README.md, "Measured").
 - The reduction depth is the expert's rows rounded up to KS, 2 KS or RMAX (a constexpr path each, picked at run
   time; shared-memory views need power-of-two shapes): the MMA work follows the rows present.
 - Experts with more than RMAX rows are left to gg_tma.gg_wgrad_kernel_resident's chunked path (a second launch in
   which the small experts exit at once); empty experts store zero tiles.
 
-H200, K3 EP16 expert GEMMs (56 experts), dW alone (benchmarks/RESULTS.md, session 8): at 64 rows per expert
-0.70 / 0.36 ms (gate-up / down) against torch's 0.98 / 0.50 and the chunked Triton kernel's 0.78-1.12 / 0.39-0.50;
-at 128 rows 0.93-0.99 / 0.48-0.50 against 1.33-1.43 / 0.63-0.71 and the resident kernel's 1.15-1.23 / 0.57-0.64; at
-16-32 rows the chunked kernel stays faster (0.61-0.64 vs 0.69-0.70), so gg_tma's auto choice starts at 64. Two
-4-warp programs per SM beat one 8-warp program (0.70 vs 0.74 ms at 64 rows).
+At 16-32 rows per expert the chunked kernel stays faster, so gg_tma's auto choice starts at 64; two 4-warp programs
+per SM beat one 8-warp program (times in README.md and benchmarks/RESULTS.md).
 
 No atomics; each output element is written once in a fixed order (bitwise reproducible; equal to the chunked
 kernel's result in every measured case). Requirements (checked by `supported`): sm_90, bf16 / fp16 operands,
@@ -56,8 +50,7 @@ TILE_A = 64  # BA per warpgroup: wgmma's M (4 warps: BA = 64, 8 warps: BA = 128)
 SLICE = 64  # KS: the reduction depth is the expert's rows rounded up to this
 KS = gl.constexpr(SLICE)
 SMEM_BYTES = 232448  # sm_90's shared memory per block
-# (BB, Q_ROWS, num_warps) per RMAX: the fastest measured (H200, K3 EP16 shapes, session 8 calls 11-12; the others
-# tried were 2-15% slower and were removed); shared memory = RMAX * BA * 2 (P)
+# (BB, Q_ROWS, num_warps) per RMAX: the fastest measured (H200, K3 EP16 shapes); shared memory = RMAX * BA * 2 (P)
 # + Q_ROWS * BB * 2 (Q ring) + BA * BB * out bytes (the epilogue's layout conversion); fit_config shrinks BB to fit
 CONFIGS = {64: (128, 256, 4), 128: (128, 256, 4), 256: (64, 512, 4)}
 

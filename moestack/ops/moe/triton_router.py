@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-RENORM_EPS = 1e-20  # reference.route's clamp of the weight sum
 
 
 def _block_tokens(BE: int) -> int:

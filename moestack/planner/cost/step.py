@@ -451,8 +451,8 @@ class CostModel:
         while it frees that layer's activations. The CPU-offloaded optimizer copies the device gradients out after
         backward and the same zero_grad frees them, so it builds up the same way. FSDP2 (moestack/parallel/fsdp.py,
         every multi-device plan) also produces and reduce-scatters gradients layer by layer in backward and the
-        trainer frees them after the step (measured on 2 x H200, ep2 / zero3_ep2 / tp2, 2026-11-30: the peak is the
-        loss phase, before any layer gradient exists), so the same holds without a pipeline."""
+        trainer frees them after the step (measured on 2 x H200: the peak is the loss phase, before any layer
+        gradient exists), so the same holds without a pipeline."""
         return plan.num_microbatches == 1 and plan.pp == 1
 
     @staticmethod
@@ -480,23 +480,17 @@ class CostModel:
 
         A layer's backward working set ws_k (kind k) is what its backward holds on top of the rest at its peak: the
         recomputed activations plus the gradients of them in flight, priced as the kind's no-recompute activations
-        times Calibration.bwd_ws_factors["<mixer>/<ffn>"] (absent = 1). Measured (H200, 2026-11-30,
-        benchmarks/memory.py --phase-peaks, 'recompute full' at seq 16384; the peak of a layer's backward minus the
-        allocation at the end of the phase before): kda/dense 6.96, kda/moe 5.45, mla/moe 5.67 GiB against modelled
-        5.01, 4.94, 5.14 (factors 1.39, 1.10, 1.10). The peak of that row and of 'all combined' (128 experts) was
-        the first layer's backward, at the end of backward, not the loss phase.
+        times Calibration.bwd_ws_factors["<mixer>/<ffn>"] (absent = 1; measured by benchmarks/memory.py
+        --phase-peaks, see planner/README.md "Measured").
 
         `expert_ws`: expert offload's working set (one layer's fetched bf16 weights + the prefetch of the next GEMM
         + the fp32 gradient staged for the host, moestack/memory/offload.py ExpertOffload / _ExpertGEMM). It is a
         transient of a MoE layer's backward, added to the MoE kinds' ws_k only: nothing is fetched before the first
         layer's backward, so at the loss phase it is not alive, nor at the end of backward when the first layer is
         dense (the proxy's).
-        Measured (H200, all combined, seq 16384): the peak moved +0.18 GiB from 128 to 384 experts (2026-11-29),
-        where a loss-phase sum would have moved +2.6 GiB; at 128 experts the MoE layers' backward transients were
-        6.29-6.60 GiB (2026-11-30, working set 1.32 GiB included), below the dense first layer's 6.96.
 
         The embedding's fp32 gradient (V x h / tp x 4 bytes, on the first stage, untied) is produced after the first
-        layer's backward (measured: the end of the 'layer 0 backward' phase rose by it, 0.95 GiB), so it is not
+        layer's backward (measured: the end of the 'layer 0 backward' phase rose by it), so it is not
         alive at that layer's peak and the end leaves it out.
 
         The head term stands for what the loss backward holds of the LM head, V x h / tp x 4 bytes: the chunks share

@@ -105,10 +105,6 @@ class PartWork:
     def fwd_router_flops(self) -> float:
         return sum((2.0 * g.n * g.k for g in self.gemms if g.name == ROUTER), 0.0)
 
-    @property
-    def act_none(self) -> float:
-        return self.act_keep + self.act_selective + self.act_replicated + self.expert_act + self.expert_act_selective
-
 
 @dataclass
 class LayerWork:

@@ -12,7 +12,7 @@ the step's counts, as in Trainer._update_router_biases.
         [--from-step N] [--only NAME,...]
 
 Prints a `|` table: per setting, the worst layer's max/mean tokens per expert and idle experts at the last step and
-over the second half, and the mean loss of the last 10 steps.
+over the window (--from-step to the end; default the second half), and the mean loss of the last 10 steps.
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def train(router: dict, steps: int, experts: int = 64, top_k: int = 8, layers: i
 
 
 def summary(rows: list[tuple[float, list[float], list[int]]], from_step: int | None = None) -> dict[str, float]:
-    """The window: steps from_step..end (1-based), default the second half."""
-    half = rows[len(rows) // 2:] if from_step is None else rows[from_step - 1:]
+    """half_*: the worst over steps from_step..end (1-based), by default the second half."""
+    window = rows[len(rows) // 2:] if from_step is None else rows[from_step - 1:]
     return {"last_max_mean": max(rows[-1][1]), "last_idle": max(rows[-1][2]),
-            "half_max_mean": max(max(r[1]) for r in half), "half_idle": max(max(r[2]) for r in half),
+            "half_max_mean": max(max(r[1]) for r in window), "half_idle": max(max(r[2]) for r in window),
             "loss": sum(r[0] for r in rows[-10:]) / len(rows[-10:]),
             "layers_last": rows[-1][1]}
 

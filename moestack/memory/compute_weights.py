@@ -7,9 +7,11 @@ each routed-expert weight is cast once, when the weights have changed (after an 
 forwards multiply by that copy (moestack.model.weights.compute_weight).
 
 Exactness: the copy is written by `copy.copy_(w)`, the rounding autocast's own cast runs (round to nearest even), so
-the forward sees the same bits; a forward reads it through moestack.model.weights.CopyOf, whose backward casts the
-gradient to fp32 as the cast node's does, into the fp32 parameter's .grad once per micro-batch's backward, as with
-autocast's per-forward copy. Losses and gradients are bitwise those of autocast (tests/memory/test_compute_weights.py).
+the forward sees the same bits. The copy is a leaf that requires grad; after each micro-batch's backward has
+accumulated its bf16 gradient, a hook adds it into the fp32 parameter's .grad (moestack.ops.accumulate: widen and
+add in one pass, the value of autocast's cast-then-accumulate) and clears it. Losses and gradients are bitwise those
+of autocast (tests/memory/test_compute_weights.py). Per micro-batch that moves 10 bytes per parameter where the cast
+and AccumulateGrad moved 18.
 
 One tensor per weight for the whole run, rewritten in place: compiled blocks with CUDA graphs (TrainSpec.compile
 blocks+graphs) record the copy's address as a static input, and a new tensor per step would re-record every graph at
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from moestack.model.weights import CachedLinear
+from moestack.ops.accumulate import accumulate_into
 
 
 def _expert_cacheable(experts: nn.Module) -> bool:
@@ -39,6 +42,17 @@ def _expert_cacheable(experts: nn.Module) -> bool:
     from moestack.ops.moe import GroupedGemm
 
     return type(experts.gemm) is GroupedGemm and experts.fake_quant is None
+
+
+def _into_param_grad(module: nn.Module, name: str):
+    """The copy's post-accumulate hook: its gradient goes to the parameter's .grad and leaves the copy."""
+
+    def hook(copy: torch.Tensor) -> None:
+        grad, copy.grad = copy.grad, None
+        param = getattr(module, name)
+        param.grad = accumulate_into(param.grad, grad, param.dtype)
+
+    return hook
 
 
 class ComputeWeights:
@@ -70,6 +84,10 @@ class ComputeWeights:
     def num_bytes(self) -> int:
         return sum(getattr(m, n).numel() for m, n in self.targets) * torch.finfo(self.dtype).bits // 8
 
+    def params(self) -> set[int]:
+        """ids of the parameters whose gradients the copies' hooks write (always into memory of their own)."""
+        return {id(getattr(m, n)) for m, n in self.targets}
+
     def mark_stale(self) -> None:
         self._versions = None
 
@@ -90,8 +108,10 @@ class ComputeWeights:
                 param, copy = getattr(module, name), cache.get(name)
                 if copy is None or copy.shape != param.shape or copy.device != param.device:
                     cache.pop(name, None)  # free a stale copy before the new one is made
-                    copy = cache[name] = torch.empty_like(param, dtype=self.dtype)
+                    copy = cache[name] = torch.empty_like(param, dtype=self.dtype, requires_grad=True)
+                    copy.register_post_accumulate_grad_hook(_into_param_grad(module, name))
                 copy.copy_(param)
+                copy.requires_grad_(param.requires_grad)
         self._versions = self._current_versions()
         self.casts += 1
 

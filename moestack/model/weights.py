@@ -1,10 +1,11 @@
 """The weight a forward multiplies by: a module's compute copy of a parameter when one is kept, else the parameter.
 
 moestack.memory.compute_weights keeps bf16 copies of the Linear and expert weights, recast in place once per
-optimizer step, in `module._compute_weights` (name -> tensor); a forward reads the copy through `CopyOf`, whose
-backward is the cast's (the gradient cast back to the parameter's dtype), so the copy stays one tensor at one
-address for the whole run: CUDA graphs record it as a static input and replay across steps. Without copies (fp32
-runs, FSDP2, FP8 layers) a forward reads the parameter itself and autocast (or FSDP2) casts it as before.
+optimizer step, in `module._compute_weights` (name -> tensor). A copy is a leaf that requires grad when its parameter
+does; its owner moves each backward's gradient into the parameter's fp32 .grad (one fused add) and clears it. The
+copy is one tensor at one address for the whole run: CUDA graphs record it as a static input and replay across
+steps. Without copies (fp32 runs, FSDP2, FP8 layers) a forward reads the parameter itself and autocast (or FSDP2)
+casts it as before.
 """
 
 from __future__ import annotations
@@ -14,27 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class CopyOf(torch.autograd.Function):
-    """`copy` (param cast to copy's dtype, kept up to date by its owner) in the forward, differentiable to `param`:
-    the backward of `param.to(copy.dtype)`."""
-
-    @staticmethod
-    def forward(ctx, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-        ctx.param_dtype = param.dtype
-        return copy
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.param_dtype), None
-
-
 def compute_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
-    param = getattr(module, name)
     cached = module.__dict__.get("_compute_weights")
     if cached is None or name not in cached:
-        return param
-    copy = cached[name]
-    return CopyOf.apply(param, copy) if param.requires_grad and torch.is_grad_enabled() else copy
+        return getattr(module, name)
+    return cached[name]
 
 
 class CachedLinear(nn.Linear):

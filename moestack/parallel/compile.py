@@ -15,8 +15,9 @@ the bf16 weight cache:
                    routing have none). One CUDA device without FSDP2 (its gathers change the parameters' storage).
 
 What cannot run falls back one mode down, with one line saying why (also in <out_dir>/compile.json): no C++ compiler
-(inductor on CPU), no Triton (inductor on CUDA), graphs on CPU / under a plan / with the aot_eager backend / with
-gradient accumulation (a replay overwrites an output a later backward reads; benchmarks/RESULTS.md).
+(inductor on CPU), no Triton (inductor on CUDA), graphs on CPU / under a plan / with the aot_eager backend. Under
+gradient accumulation with graphs, no .grad may be a graph's output that a later replay rewrites
+(`CompiledBlocks.own_gradients`).
 compile.json also records what dynamo did (graphs, graph breaks and their reasons) after the first steps.
 
 Numerics: backend aot_eager (capture, no code generation) gives the eager losses bit for bit; inductor fuses and
@@ -64,8 +65,7 @@ def _cxx_compiler() -> str | None:
     return None
 
 
-def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool, grad_accum_steps: int = 1
-                 ) -> tuple[str, str | None]:
+def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool) -> tuple[str, str | None]:
     """(mode that runs, why it is lower than spec.mode or None). sharded: FSDP2 holds the parameters (a plan)."""
     mode = spec.mode
     if mode == "none":
@@ -85,9 +85,6 @@ def resolve_mode(spec: CompileSpec, device: torch.device, sharded: bool, grad_ac
             why = "CUDA graphs under FSDP2: its all-gathers move the parameters the graphs would have recorded"
         elif spec.backend != "inductor":
             why = f"CUDA graphs come from inductor's reduce-overhead mode (backend is {spec.backend})"
-        elif grad_accum_steps > 1:  # H200, torch 2.11: tests/parallel/test_compile.py, benchmarks/RESULTS.md
-            why = ("CUDA graphs with gradient accumulation: a backward read a block graph's output that a replay had "
-                   "overwritten (H200, torch 2.11); grad_accum_steps 1 runs them")
         if why is not None:
             return "blocks", why
     return mode, None
@@ -130,6 +127,22 @@ class CompiledBlocks:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
+    def own_gradients(self, params: list[torch.Tensor], grad_accum_steps: int) -> None:
+        """Call before a step's first micro-batch with the parameters whose .grad AccumulateGrad fills. With CUDA
+        graphs and accumulation, a first micro-batch's gradient taken over as .grad would be a graph's output, which
+        the next micro-batch's replay rewrites before its backward adds to it: such parameters get a zeroed .grad
+        of their own (one buffer per dtype) that every micro-batch adds into."""
+        if not self.graphs or grad_accum_steps == 1:
+            return
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        for (dtype, device), group in by_dtype.items():
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            for p, g in zip(group, flat.split([p.numel() for p in group]), strict=True):
+                p.grad = g.view_as(p)
+
     def write(self, out_dir: str | Path) -> Path:
         self.report.dynamo = dynamo_summary()
         path = Path(out_dir) / "compile.json"
@@ -137,10 +150,9 @@ class CompiledBlocks:
         return path
 
 
-def resolve_compile(spec: CompileSpec, device: torch.device | str, sharded: bool = False, grad_accum_steps: int = 1
-                    ) -> CompiledBlocks:
+def resolve_compile(spec: CompileSpec, device: torch.device | str, sharded: bool = False) -> CompiledBlocks:
     """The mode that runs for `spec` on `device` (module doc); nothing is compiled until `apply`."""
-    runs, why = resolve_mode(spec, torch.device(device), sharded, grad_accum_steps)
+    runs, why = resolve_mode(spec, torch.device(device), sharded)
     return CompiledBlocks(CompileReport(spec.mode, runs, spec.backend, spec.fullgraph, fallback=why), spec)
 
 

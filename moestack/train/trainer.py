@@ -277,8 +277,7 @@ class Trainer:
         self.pipeline = None  # moestack.parallel.pipeline.PipelineStepRunner when plan.pp > 1
         self._init_extra: dict = {}  # kept in every checkpoint: the HF layout of --init-from weights (export)
         self.compute_weights: ComputeWeights | None = None  # bf16 weight copies (spec.weight_cache, one device)
-        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None,
-                                        grad_accum_steps=spec.grad_accum_steps)
+        self.compiled = resolve_compile(spec.compile, self.device, sharded=self.dist is not None)
         if dry_run:  # moestack/train/dry_run.py: only this rank's model, parallelised on meta
             assert self.dist is not None, "a dry run needs a plan"
             self.model = self._build_parallel_model(materialise=False)
@@ -592,6 +591,9 @@ class Trainer:
                 total = self.pipeline.forward_backward(inputs, targets)
             return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.compiled is not None:
+            cached = self.compute_weights.params() if self.compute_weights is not None else set()
+            self.compiled.own_gradients([p for p in self.model.parameters() if id(p) not in cached], accum)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
             if self.dist is not None and self.dist.plan.zero_stage < 3:  # keep the bf16 gathers for the next one

@@ -37,14 +37,45 @@ def test_modes_and_fallbacks(monkeypatch):
     assert mode == "blocks" and "FSDP2" in why
     mode, why = resolve_mode(CompileSpec(mode="blocks+graphs", backend="aot_eager"), cuda, False)
     assert mode == "blocks" and "reduce-overhead" in why
-    mode, why = resolve_mode(CompileSpec(mode="blocks+graphs"), cuda, False, grad_accum_steps=2)
-    assert mode == "blocks" and "accumulation" in why
-    assert resolve_mode(CompileSpec(mode="blocks+graphs"), cuda, False, grad_accum_steps=1) == ("blocks+graphs", None)
+    assert resolve_mode(CompileSpec(mode="blocks+graphs"), cuda, False) == ("blocks+graphs", None)
     monkeypatch.setattr(compile_mod, "_cxx_compiler", lambda: None)
     mode, why = resolve_mode(CompileSpec(mode="blocks"), cpu, False)
     assert mode == "none" and "C++ compiler" in why
     assert resolve_mode(CompileSpec(mode="blocks", backend="aot_eager"), cpu, False) == ("blocks", None)
     assert TrainSpec(compile="blocks").compile.mode == "blocks"  # the short form of YAML / --compile
+
+
+def test_own_gradients_under_graphs_and_accumulation():
+    """With graphs and accumulation, parameters without a .grad get zeroed ones of their own (views of one buffer per
+    dtype) before the first micro-batch, and backwards add into them in place; a .grad already there, a frozen
+    parameter, one micro-batch per step or a mode without graphs are left alone."""
+    from moestack.parallel.compile import CompiledBlocks, CompileReport
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    kept = model[1].weight.grad = torch.ones_like(model[1].weight)
+    params = list(model.parameters())
+    blocks = CompiledBlocks(CompileReport("blocks", "blocks", "inductor", False), CompileSpec(mode="blocks"))
+    blocks.own_gradients(params, 2)
+    graphs = CompiledBlocks(CompileReport("blocks+graphs", "blocks+graphs", "inductor", False),
+                            CompileSpec(mode="blocks+graphs"))
+    graphs.own_gradients(params, 1)
+    assert model[0].weight.grad is None
+    graphs.own_gradients(params, 2)
+    assert model[1].weight.grad is kept and model[1].bias.grad is None
+    owned = [model[0].weight, model[0].bias]
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in owned)
+    assert owned[0].grad.untyped_storage().data_ptr() == owned[1].grad.untyped_storage().data_ptr()
+    ptrs = [p.grad.data_ptr() for p in owned]
+    x = torch.randn(5, 3)
+    for _ in range(2):
+        model(x).square().sum().backward()
+    assert [p.grad.data_ptr() for p in owned] == ptrs
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+    for _ in range(2):
+        ref(x).square().sum().backward()
+    assert torch.allclose(model[0].weight.grad, ref[0].weight.grad, rtol=1e-6, atol=0)
 
 
 def test_opaque_entry_is_a_graph_boundary():
@@ -127,9 +158,9 @@ def test_inductor_matches_eager():
 @pytest.mark.parametrize("scope", ["step", "batch"])
 @pytest.mark.parametrize("mode", ["blocks", "blocks+graphs"])
 def test_cuda_compiled_within_bf16(tmp_path, mode, scope):
-    """On the GPU (bf16 autocast, Triton kernels, static-capacity MoE): three steps compiled agree with eager within
-    bf16 rounding (2% of the loss), and the requested mode ran; at batch scope the Triton quantile solve runs
-    inside the compiled blocks."""
+    """On the GPU (bf16 autocast, Triton kernels, static-capacity MoE): three steps of two micro-batches compiled
+    agree with eager within bf16 rounding (2% of the loss), and the requested mode ran; at batch scope the Triton
+    quantile solve runs inside the compiled blocks."""
     from moestack.train.trainer import Trainer
 
     data = _spec(scope=scope).model_dump()
@@ -137,9 +168,8 @@ def test_cuda_compiled_within_bf16(tmp_path, mode, scope):
     spec_model = ModelSpec.model_validate(data)
     losses = {}
     for m in ("none", mode):
-        accum = 1 if mode == "blocks+graphs" else 2  # graphs run with one micro-batch per step (compile.py)
-        spec = TrainSpec(out_dir=str(tmp_path / m.replace("+", "_")), steps=3, micro_batch_size=4 // accum,
-                         grad_accum_steps=accum, seq_len=128, device="cuda", precision="bf16", eval_every=0,
+        spec = TrainSpec(out_dir=str(tmp_path / m.replace("+", "_")), steps=3, micro_batch_size=2,
+                         grad_accum_steps=2, seq_len=128, device="cuda", precision="bf16", eval_every=0,
                          compile=m, logging={"tensorboard": False, "progress": False},
                          checkpoint={"save_final": False}, data={"eval_fraction": 0.0})
         torch._dynamo.reset()
@@ -151,11 +181,11 @@ def test_cuda_compiled_within_bf16(tmp_path, mode, scope):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scope", ["step", "batch"])
-def test_cuda_graphs_replay_across_steps(tmp_path, monkeypatch, scope):
-    """blocks+graphs records its graphs in the first steps and replays them afterwards: nothing is recorded after
-    step 2. A tensor the blocks read at a new address each step (the bf16 weight copies were one: 1141 recordings in
-    4 proxy steps, 7.6 s a step) re-records every graph at every step."""
+@pytest.mark.parametrize(("scope", "accum"), [("step", 1), ("batch", 2)])
+def test_cuda_graphs_replay_across_steps(tmp_path, monkeypatch, scope, accum):
+    """blocks+graphs records its graphs in the first steps and replays them afterwards (also between the micro-batches
+    of a step): nothing is recorded after step 2. A tensor the blocks read at a new address each step (the bf16
+    weight copies were one: 1141 recordings in 4 proxy steps, 7.6 s a step) re-records every graph at every step."""
     from torch._inductor import cudagraph_trees
 
     from moestack.train.trainer import Trainer
@@ -168,7 +198,8 @@ def test_cuda_graphs_replay_across_steps(tmp_path, monkeypatch, scope):
         return record(self, *args, **kwargs)
 
     monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
-    spec = TrainSpec(out_dir=str(tmp_path), steps=5, micro_batch_size=2, seq_len=128, device="cuda",
+    spec = TrainSpec(out_dir=str(tmp_path), steps=5, micro_batch_size=2, grad_accum_steps=accum, seq_len=128,
+                     device="cuda",
                      precision="bf16", eval_every=0, compile="blocks+graphs",
                      logging={"tensorboard": False, "progress": False}, checkpoint={"save_final": False},
                      data={"eval_fraction": 0.0})

@@ -152,8 +152,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _busy_fraction(trainer, steps: int, device: torch.device) -> float:
-    """Union of CUDA kernel / memcpy intervals over the wall time of `steps` train steps (profiler, CUDA only)."""
+def _busy_fraction(trainer, steps: int, device: torch.device, kernels: dict[str, list[float]] | None = None) -> float:
+    """Union of CUDA kernel / memcpy intervals over the wall time of `steps` train steps (profiler, CUDA only).
+    `kernels`, if given, receives each kernel name's [total us, launches] over those steps."""
     if device.type != "cuda" or steps <= 0:
         return float("nan")
     from torch.autograd import DeviceType
@@ -166,8 +167,14 @@ def _busy_fraction(trainer, steps: int, device: torch.device) -> float:
             trainer.train_step()
         _sync(device)
         wall = time.perf_counter() - t0
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    cuda_events = [e for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in cuda_events)
+    if kernels is not None:
+        for e in cuda_events:
+            entry = kernels.setdefault(e.name, [0.0, 0])
+            entry[0] += (e.time_range.end - e.time_range.start) / steps
+            entry[1] += 1 / steps
     busy, end = 0.0, float("-inf")
     for start, stop in spans:  # microseconds
         if start > end:
@@ -258,7 +265,10 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
             if device.type == "cuda":
                 row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
             row.load_max_mean = _load(trainer)
-            row.busy = _busy_fraction(trainer, args.profile, device)
+            kernels: dict[str, list[float]] = {}
+            row.busy = _busy_fraction(trainer, args.profile, device, kernels if args.kernels else None)
+            if kernels:
+                _print_kernels(kernels, args.kernels, row)
             if report.runs != "none":
                 from moestack.parallel.compile import dynamo_summary
 
@@ -272,6 +282,18 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
             del trainer
             _cleanup(device)
     return row
+
+
+def _print_kernels(kernels: dict[str, list[float]], top: int, row: Row) -> None:
+    """The `top` kernels by GPU time per step (names cut to 90 characters), then every kernel's total."""
+    total = sum(us for us, _ in kernels.values())
+    print(f"kernels per step ({row.model} {row.mode} {row.precision} accum {row.accum}): {total / 1e3:.1f} ms GPU in "
+          f"{sum(n for _, n in kernels.values()):.0f} launches")
+    print("| ms / step | share | launches | kernel |")
+    print("|---|---|---|---|")
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {us / 1e3:.2f} | {us / total:.1%} | {n:.0f} | {name[:90].replace('|', '/')} |")
+    sys.stdout.flush()
 
 
 def _cleanup(device: torch.device) -> None:
@@ -303,6 +325,7 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=4, help="timed steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (compile, autotune, graph recording)")
     p.add_argument("--profile", type=int, default=2, help="profiled steps for the GPU-busy fraction (0: skip)")
+    p.add_argument("--kernels", type=int, default=0, help="print the N kernels with the most GPU time per step")
     p.add_argument("--backend", default="inductor", help="compile backend: inductor | aot_eager")
     p.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 steps: a check of the script")

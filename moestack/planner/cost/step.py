@@ -598,7 +598,7 @@ class CostModel:
             on_dev = local_d + (0.0 if plan.offload.experts else local_e)
             t_opt = elementwise_time(on_dev * optimizer_step_bytes(plan.optimizer), cl, cal)
             if plan.optimizer == "muon":
-                t_opt += self._muon_time(plan, r)
+                t_opt += self._muon_time(plan)
             t_off = 0.0
             h = 0.0
             if plan.offload.optimizer:
@@ -621,7 +621,7 @@ class CostModel:
             opt_t, off_t, host = max(opt_t, t_opt), max(off_t, t_off), max(host, h)
         return opt_t, off_t, host
 
-    def _muon_time(self, plan: Plan, rank: int) -> float:
+    def _muon_time(self, plan: Plan) -> float:
         """Newton-Schulz for this rank's matrices (each device orthogonalises its 1/shards share of matrices)."""
         sd, se = self._shards(plan)
         flops = 0.0

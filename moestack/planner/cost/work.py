@@ -158,7 +158,7 @@ def _glu_gemms(prefix: str, h: int, inter: int, gated: bool, expert: bool = Fals
     ]
 
 
-def _mlp_act_bytes(h: int, inter: int, gated: bool) -> tuple[float, float, float]:
+def _mlp_act_bytes(inter: int, gated: bool) -> tuple[float, float, float]:
     """(keep, selective, elementwise) bytes per token of a GLU MLP: GEMM inputs kept; the activation output is
     what selective recompute drops; elementwise = act read (2I or I) + write I."""
     up_out = (2 if gated else 1) * inter * BF16
@@ -328,7 +328,7 @@ def dense_mlp_work(spec: ModelSpec) -> PartWork:
     assert spec.dense_mlp is not None
     h, inter = spec.hidden_size, spec.dense_mlp.intermediate_size
     gated = spec.gated_mlp
-    keep, sel, elem = _mlp_act_bytes(h, inter, gated)
+    keep, sel, elem = _mlp_act_bytes(inter, gated)
     norm_keep, norm_sel = _norm_bytes(h)
     return PartWork("dense", _glu_gemms("mlp", h, inter, gated), elem_bytes=elem + 5 * h * BF16,
                     act_keep=keep + norm_keep, act_selective=sel + norm_sel, other_params=h,
@@ -356,7 +356,7 @@ def moe_work(spec: ModelSpec) -> PartWork:
         gemms += _glu_gemms("shared", h, moe.shared_intermediate_size, gated)
         if moe.shared_expert_gate:
             gemms.append(Gemm("shared.gate", n=1, k=h, split="rep", fp8=False))
-    ek, es, eelem = _mlp_act_bytes(lat, inter, gated)
+    ek, es, eelem = _mlp_act_bytes(inter, gated)
     norm_keep, norm_sel = _norm_bytes(h)
     # under SP only the shared experts gather / scatter (the rest runs on the rank's sequence shard)
     part = PartWork("moe", gemms, dispatch_width=lat, top_k=k, num_experts=E,
@@ -369,7 +369,7 @@ def moe_work(spec: ModelSpec) -> PartWork:
     part.act_selective = norm_sel
     part.act_keep = norm_keep + E * FP32 + k * (FP32 + 8) + (2 * lat * BF16 if moe.latent_size else 0)
     if moe.shared_intermediate_size:
-        sk, ss, selem = _mlp_act_bytes(h, moe.shared_intermediate_size, gated)
+        sk, ss, selem = _mlp_act_bytes(moe.shared_intermediate_size, gated)
         part.act_keep += sk
         part.act_selective += ss
         part.fc2_in = ss

@@ -591,7 +591,7 @@ class Trainer:
                 total = self.pipeline.forward_backward(inputs, targets)
             return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.compiled is not None:
+        if self.compiled is not None and self.compiled.graphs and accum > 1:
             cached = self.compute_weights.params() if self.compute_weights is not None else set()
             self.compiled.own_gradients([p for p in self.model.parameters() if id(p) not in cached], accum)
         for i in range(accum):

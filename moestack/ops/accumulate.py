@@ -2,10 +2,11 @@
 widened), written into dst. The weight cache's hooks (moestack/memory/compute_weights.py) move each micro-batch's
 bf16 weight gradient into the fp32 parameter's .grad with it.
 
-On CUDA one Triton pass (reads 2 + 4 bytes, writes 4 per element); torch's mixed-dtype `add_` runs an unvectorised
-loop there at about half the bandwidth (K3 slice, accumulation 4, H200: 59 ms per step against 47 ms for the cast
-plus fp32 add it was to replace). Elsewhere, and for tensors that are not contiguous, the torch ops below are the
-path and the reference: the widening is exact and the add is one fp32 rounding, so both give the same bits.
+On CUDA one Triton pass (reads 2 + 4 bytes, writes 4 per element). torch's mixed-dtype `add_` runs an unvectorised
+loop there (K3 slice, accumulation 4, H200: 59 ms per step, plus 19 ms for the first micro-batch's cast, where the
+cast and fp32 AccumulateGrad had taken 74 ms; this pass 43 ms; benchmarks/RESULTS.md). Elsewhere, and for tensors
+that are not contiguous, the torch ops below are the path and the reference: the widening is exact and the add is
+one fp32 rounding, so both give the same bits.
 """
 
 from __future__ import annotations

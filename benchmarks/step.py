@@ -285,7 +285,7 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
 
 
 def _print_kernels(kernels: dict[str, list[float]], top: int, row: Row) -> None:
-    """The `top` kernels by GPU time per step (names cut to 90 characters), then every kernel's total."""
+    """All kernels' GPU time and launches per step, then the `top` kernels by GPU time (names cut to 90 characters)."""
     total = sum(us for us, _ in kernels.values())
     print(f"kernels per step ({row.model} {row.mode} {row.precision} accum {row.accum}): {total / 1e3:.1f} ms GPU in "
           f"{sum(n for _, n in kernels.values()):.0f} launches")

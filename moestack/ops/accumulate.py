@@ -16,6 +16,7 @@ import importlib.util
 import torch
 
 BLOCK = 4096
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def accumulate_reference(dst: torch.Tensor | None, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -24,7 +25,7 @@ def accumulate_reference(dst: torch.Tensor | None, src: torch.Tensor, dtype: tor
     return dst.add_(src)
 
 
-if importlib.util.find_spec("triton") is not None:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -47,6 +48,6 @@ if importlib.util.find_spec("triton") is not None:
 
 
 def accumulate_into(dst: torch.Tensor | None, src: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    fused = (src.is_cuda and dtype == torch.float32 and src.is_contiguous() and "accumulate_triton" in globals()
+    fused = (HAS_TRITON and src.is_cuda and dtype == torch.float32 and src.is_contiguous()
              and (dst is None or (dst.dtype == dtype and dst.is_contiguous() and dst.shape == src.shape)))
     return accumulate_triton(dst, src) if fused else accumulate_reference(dst, src, dtype)

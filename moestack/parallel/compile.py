@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -127,11 +128,11 @@ class CompiledBlocks:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def own_gradients(self, params: list[torch.Tensor], grad_accum_steps: int) -> None:
-        """Call before a step's first micro-batch with the parameters whose .grad AccumulateGrad fills. With CUDA
-        graphs and accumulation, a first micro-batch's gradient taken over as .grad would be a graph's output, which
-        the next micro-batch's replay rewrites before its backward adds to it: such parameters get a zeroed .grad
-        of their own (one buffer per dtype) that every micro-batch adds into."""
+    def own_gradients(self, params: Iterable[torch.Tensor], grad_accum_steps: int) -> None:
+        """Call before a step's first micro-batch with the parameters whose .grad AccumulateGrad fills (iterated only
+        where it acts). With CUDA graphs and accumulation, a first micro-batch's gradient taken over as .grad would
+        be a graph's output, which the next micro-batch's replay rewrites before its backward adds to it: such
+        parameters get a zeroed .grad of their own (one buffer per dtype) that every micro-batch adds into."""
         if not self.graphs or grad_accum_steps == 1:
             return
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -591,9 +592,8 @@ class Trainer:
                 total = self.pipeline.forward_backward(inputs, targets)
             return torch.tensor(all_reduce_mean(total, self.dist.meshes.dp_group, self.device), dtype=torch.float64)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.compiled is not None and self.compiled.graphs and accum > 1:
-            cached = self.compute_weights.params() if self.compute_weights is not None else set()
-            self.compiled.own_gradients([p for p in self.model.parameters() if id(p) not in cached], accum)
+        if self.compiled is not None:
+            self.compiled.own_gradients(self._autograd_filled_params(), accum)
         for i in range(accum):
             set_gradient_sync(self.model, i == accum - 1)  # FSDP: reduce gradients once, after the last one
             if self.dist is not None and self.dist.plan.zero_stage < 3:  # keep the bf16 gathers for the next one
@@ -618,6 +618,12 @@ class Trainer:
             dist.all_reduce(total, group=self.dist.meshes.dp_group)  # SUM: gloo has no AVG
             total = total / dist.get_world_size(self.dist.meshes.dp_group)
         return total
+
+    def _autograd_filled_params(self) -> Iterator[torch.Tensor]:
+        """The parameters whose .grad AccumulateGrad fills: all but the weight cache's (its hooks write theirs).
+        A generator: nothing is scanned unless the caller iterates."""
+        cached = self.compute_weights.params() if self.compute_weights is not None else set()
+        yield from (p for p in self.model.parameters() if id(p) not in cached)
 
     def _grad_norm(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """(global gradient norm, whether the gradients were clipped already). One device with an optimizer that

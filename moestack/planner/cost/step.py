@@ -593,12 +593,11 @@ class CostModel:
         sd, se = self._shards(plan)
         link = max(cl.device.host_link_gb_s, 1e-9) * 1e9
         opt_t = off_t = host = 0.0
+        muon_t = self._muon_time(plan) if plan.optimizer == "muon" else 0.0  # the same on every stage
         for r in range(plan.pp):
             local_d, local_e = dense[r] / sd, expert[r] / se
             on_dev = local_d + (0.0 if plan.offload.experts else local_e)
-            t_opt = elementwise_time(on_dev * optimizer_step_bytes(plan.optimizer), cl, cal)
-            if plan.optimizer == "muon":
-                t_opt += self._muon_time(plan)
+            t_opt = elementwise_time(on_dev * optimizer_step_bytes(plan.optimizer), cl, cal) + muon_t
             t_off = 0.0
             h = 0.0
             if plan.offload.optimizer:

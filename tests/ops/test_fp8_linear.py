@@ -156,6 +156,33 @@ def test_bias_is_refused():
         lin(torch.randn(2, 8))
 
 
+def test_forward_is_one_compile_boundary(monkeypatch):
+    """Under torch.compile the FP8 Linear is a graph break as a whole: its forward frame is never compiled (it held
+    only the opaque op, and per input dtype and shape dynamo recompiled it up to its recompile limit, then checked
+    those guards on every call: the K3 slice's FP8 blocks hit it). The GEMM itself is replaced by a plain one here:
+    this is about the frames, the numbers are the other tests'."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+
+    from moestack.ops.opaque import activate
+
+    monkeypatch.setattr(fl, "fp8_linear", lambda x, w, **kw: x.to(w.dtype) @ w.t())
+    layers = [fl.Fp8Linear(8 + i, 8) for i in range(10)]
+
+    def block(x, layer):
+        return layer(x.sin()).cos()
+
+    activate()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager")
+    for dtype in (torch.float32, torch.bfloat16):
+        for layer in layers:
+            x = torch.randn(3, layer.in_features, dtype=dtype)
+            assert torch.equal(compiled(x, layer), block(x, layer))
+    forward = fl.Fp8Linear.forward
+    assert cache_entries(forward.__wrapped__.__code__) == [] and cache_entries(forward.__code__) == []
+    torch._dynamo.reset()
+
+
 def test_convert_keeps_parameters_and_state_dict():
     """In place: the same module and Parameter objects, the same state_dict keys; the count; idempotent; by names
     or by a filter; revert; errors for missing names and non-Linear modules."""

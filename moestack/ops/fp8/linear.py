@@ -70,6 +70,9 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"Fp8Linear({in_features} -> {out_features}): bias is not supported; use bias=False")
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
 
+    # a compile boundary as a whole: were dynamo to compile this frame (it holds nothing but the opaque op), it would
+    # recompile per input dtype and shape up to its recompile limit and then check those guards on every call
+    @opaque
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             raise ValueError(f"{self}: bias is not supported by the FP8 Linear; remove it or revert to nn.Linear")

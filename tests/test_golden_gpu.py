@@ -7,25 +7,20 @@ data. It checks each fused kernel's weight gradients through the whole model, wh
 one: a weight gradient 70% off in one kernel (the KDA gated norm's autotuning bug of issue #26) shows here as a
 parameter whose gradient norm differs by tens of percent.
 
-Bounds, from bf16. Both runs round the same math at bf16 in different places (kernels keep fp32 tiles where the
-reference ops round, and the other way round), so each lies within the bf16 rounding error of the exact result and
-they differ by at most about twice that. bf16's unit roundoff is u16 = 2^-8 = 3.9e-3. How far rounding at one unit
-moves the training loss was measured on CPU with fp32 (u32 = 2^-24) against fp64 as a proxy
-(tests/parallel/_dist.small_model_spec, the same layer kinds, through the Trainer, 30 steps at lr 1e-3, warm-up 5,
-clip 1.0, x86 / torch 2.13): the per-step loss differed by at most 3.8 u32 (steps 1-30; 0.9 u32 at step 1, no
-growth over the 30 steps). Scaled, a bf16 run's loss lies within 3.8 u16 of exact, two of them within 7.6 u16;
-LOSS_RTOL = 3e-2 = 7.7 u16 per step. That holds while the trajectory is stable: at lr 1e-3 this model's loss
-spiked after the warm-up (H200, 2026-12-02: step 7 at 6.1-6.4 after 3.9-4.2), and two runs of the same fast
-kernels, which add in a nondeterministic order (atomics), were 7.9% apart there, the reference 6-16% from either
-or from a run with one op on its reference path. So the run trains at lr 3e-4, and the fast kernels' own
-run-to-run spread is measured too: three fast runs in all; the bound per step is max(LOSS_RTOL, 2 x their spread),
-the spread being the largest relative difference of any two of them at any step (pooled over the steps: one draw
-per step is a thin estimate, as below for the gradient norms), and what is bounded is the distance of their mean
-from the reference. One fast run against the reference failed at the bound twice (H200, 2026-12-03: 3.08e-2 and
-3.57e-2 at step 8, the steep part of the curve). The pooled spread, measured (H200, 2026-12-03, three fast runs
-per call): 1.7e-2 (step 26), 1.05e-2 and 2.22e-2, so the bound lies between 3.0e-2 and 4.4e-2. Eleven fast runs
-lay 0.9e-2 to 4.3e-2 above the reference at step 8: an offset of unknown cause, which the mean of three still
-exceeds at times (benchmarks/RESULTS.md, "The GPU suite", row L). The bound is not widened for it.
+Loss bounds, from the measured noise floor. The fast kernels and the reference ops round the same math at bf16 in
+different places, and this run amplifies any such difference where its loss falls fastest (steps 7-9: 4.18 ->
+4.17 -> 3.54). Measured on the H200 (2026-12-03, benchmarks/RESULTS.md "The golden run's noise floor"): twelve
+bf16 variants of the run, each op on its fast or on its reference path (the reference ops with one op fast, the
+fast kernels with one op on its reference, both ends), all legitimate forms of the same math: their losses differ
+from each other by up to 8.1e-2 at one step (step 8) and by up to 1.39e-2 averaged over the 30 steps. In fp32 (no
+autocast) every fast op but KDA's chunk kernel, which the GPU runs in bf16 only, follows the fp32 reference: the
+fused KDA layer ops within 6.0e-4 at every step, the DSA, routing and expert-GEMM kernels (tf32 dots) within
+1.4e-2. So a per-step bound at bf16 rounding (3e-2, as before) measured the steep steps' sensitivity, not the kernels:
+it failed 3 of 5 times (calls J, K, L). What is bounded now is the mean of three fast runs (DSA's backward adds
+with atomics, so fast runs differ from each other) against the bf16 reference: averaged over the steps within
+LOSS_MEAN_RTOL = 2.5e-2 (1.8x the variants' largest, 1.39e-2), and at every step within LOSS_STEP_RTOL = 1.5e-1
+(1.9x their largest, 8.1e-2; a run that diverges or stalls fails it). The per-parameter gradient norms below are
+the tight check of each kernel.
 
 The gradient norms after the first backward (same weights, same batch) are compared per parameter. The same proxy
 put most parameters' gradient norms within a few u32 of fp64, but some far more: 138 u32 for the indexer's
@@ -50,7 +45,8 @@ import pytest
 import torch
 
 STEPS, SEQ, MBS = 30, 1024, 4
-LOSS_RTOL = 3e-2  # module docstring: 7.7 bf16 unit roundoffs
+LOSS_MEAN_RTOL = 2.5e-2  # the loss over the 30 steps, mean relative difference (module docstring: measured floor)
+LOSS_STEP_RTOL = 1.5e-1  # the loss at any step (module docstring)
 GRAD_RTOL = 5e-2  # floor of the per-parameter gradient-norm bound (module docstring)
 
 # The one place that says "reference ops everywhere": KernelSpec fields (moestack/config/kernel_spec.py)
@@ -140,11 +136,11 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path):
     mean = [sum(step) / len(step) for step in zip(*runs)]
     rel = [abs(a - b) / abs(b) for a, b in zip(mean, ref["losses"])]
     spread = max(abs(a - b) / abs(b) for i, x in enumerate(runs) for y in runs[i + 1:] for a, b in zip(x, y))
-    bound = max(LOSS_RTOL, 2 * spread)
+    mean_rel = sum(rel) / STEPS
     worst = max(range(STEPS), key=rel.__getitem__)
     print(f"GOLDEN_GPU_ERR loss (mean of the fast runs): step 1 {mean[0]:.4f} vs {ref['losses'][0]:.4f}, step {STEPS} "
-          f"{mean[-1]:.4f} vs {ref['losses'][-1]:.4f}, max rel diff {rel[worst]:.2e} at step {worst + 1} vs bound "
-          f"{bound:.2e}; fast run-to-run max {spread:.2e}")
+          f"{mean[-1]:.4f} vs {ref['losses'][-1]:.4f}; mean rel diff {mean_rel:.2e} (bound {LOSS_MEAN_RTOL:.1e}), "
+          f"max {rel[worst]:.2e} at step {worst + 1} (bound {LOSS_STEP_RTOL:.1e}); fast run-to-run max {spread:.2e}")
     for run in runs:
         print(f"GOLDEN_GPU_ERR losses fast {[round(x, 4) for x in run]}")
     print(f"GOLDEN_GPU_ERR losses ref  {[round(x, 4) for x in ref['losses']]}")
@@ -169,4 +165,5 @@ def test_golden_run_fast_kernels_match_reference_ops(tmp_path):
           f"{abs(fast['norms'][worst_grad] - exact['norms'][worst_grad]) / exact['norms'][worst_grad]:.2e}; "
           f"{len(noisy)} parameters with bf16 noise above {GRAD_RTOL}: {noisy}")
     assert not bad, f"gradient norms after step 1 (fast vs fp32 reference, (rel err, bound)): {bad}"
-    assert rel[worst] < bound, f"loss rel diff {rel[worst]:.2e} at step {worst + 1} (bound {bound:.2e})"
+    assert mean_rel < LOSS_MEAN_RTOL, f"loss: mean rel diff over the steps {mean_rel:.2e} (bound {LOSS_MEAN_RTOL})"
+    assert rel[worst] < LOSS_STEP_RTOL, f"loss rel diff {rel[worst]:.2e} at step {worst + 1} (bound {LOSS_STEP_RTOL})"

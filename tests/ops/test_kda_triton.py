@@ -349,3 +349,20 @@ def test_gpu_exact_path():
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t).cuda() for n, t in x.items()}
     errs = check(x, gate="kimi", recompute=False, tol_out=GPU_TOL_OUT, tol_grad=GPU_TOL_GRAD)
     print("\nKDA_GPU_ERR exact-path " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_inputs_take_the_reference():
+    """fp32 inputs on CUDA: "auto" runs the reference (the Triton kernels gave NaN and an illegal memory access
+    there, README.md), and naming "triton" is one clear error instead of a crash."""
+    from moestack.ops.kda import REGISTRY, chunk_kda
+
+    x = make_inputs(1, 70, 2, 128, 128, h0=False, gate="none", device="cuda", seed=5)
+    q, k, beta = l2norm(x["q"]), l2norm(x["k"]), torch.sigmoid(x["beta"])
+    assert REGISTRY.pick(None, q).name == "reference"
+    o, _ = chunk_kda(q, k, x["v"], x["g"], beta)
+    ro, _ = kda_chunked_reference(q, k, x["v"], x["g"], beta)
+    torch.testing.assert_close(o, ro, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bf16 only"):
+        chunk_kda(q, k, x["v"], x["g"], beta, backend="triton")
+    assert REGISTRY.pick(None, q.bfloat16()).name == "triton"

@@ -31,7 +31,9 @@ weights stay the router's (so it still gets gradients). It isolates step speed f
 
 Models: proxy = `--model proxy --seq-len 4096 -b 1`; k3slice = benchmarks/configs/k3-ep16-slice.yaml at 1 x 4096;
 tiny = the smoke model (2 layers of the tiny preset, seq 32, CPU). Rows are printed as they finish (a run stopped by
-a time limit keeps them); --json PATH also writes them.
+a time limit keeps them); --json PATH also writes them. On CUDA each configuration runs in a process of its own
+(--isolate, the default there; --no-isolate runs them in this one): compiled graphs' memory pools and caches left by
+one configuration made the next slower or run out of memory (benchmarks/RESULTS.md, "Gradient accumulation").
 """
 
 from __future__ import annotations
@@ -333,6 +335,11 @@ def parse(argv=None):
                    help="seconds: start no configuration after this much wall time (the rest are listed as skipped)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failed configuration")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each configuration in a process of its own (default on CUDA: compiled graphs' memory pools "
+                        "and caches of one configuration otherwise stay for the next, which then runs slower or out "
+                        "of memory)")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of --isolate: one row, no header
     args = p.parse_args(argv)
     if args.smoke:
         args.models = "tiny" if args.models == p.get_default("models") else args.models
@@ -349,9 +356,45 @@ def parse(argv=None):
     return args
 
 
+def _child_argv(config: tuple, args, json_path: str) -> list[str]:
+    """The command line that runs one configuration in a fresh process (--isolate)."""
+    model, routing, mode, precision, accum, cache = config
+    argv = [sys.executable, str(Path(__file__).resolve()), "--one", "--no-isolate", "--models", model, "--routing",
+            routing, "--modes", mode, "--precisions", precision, "--accum", str(accum), "--weight-cache",
+            "on" if cache else "off", "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile",
+            str(args.profile), "--kernels", str(args.kernels), "--backend", args.backend, "--json", json_path]
+    if args.device:
+        argv += ["--device", args.device]
+    return argv + (["--verbose"] if args.verbose else [])
+
+
+def run_isolated(config: tuple, args) -> Row:
+    """One configuration in a child process: its row (from the child's --json), or an error row naming the exit code
+    when the child died before writing it (a crash, the OOM killer)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "row.json"
+        proc = subprocess.run(_child_argv(config, args, str(path)), cwd=ROOT)
+        if path.is_file():
+            rows = json.loads(path.read_text())
+            if rows:
+                return Row(**rows[0])
+    model, routing, mode, precision, accum, cache = config
+    return Row(model, "uniform*" if routing == "uniform" else routing, mode, precision, accum, cache,
+               error=f"the configuration's process exited with code {proc.returncode} before its row")
+
+
 def main(argv=None) -> list[Row]:
     args = parse(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    isolate = device.type == "cuda" if args.isolate is None else args.isolate
+    if args.one:
+        config = (_list(args.models)[0], _list(args.routing)[0], _list(args.modes)[0], _list(args.precisions)[0],
+                  int(_list(args.accum)[0]), args.weight_cache == "on")
+        row = run_config(*config, args, device)
+        Path(args.json).write_text(json.dumps([asdict(row)]))
+        return [row]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     commit = ""
     with contextlib.suppress(Exception):
@@ -375,9 +418,9 @@ def main(argv=None) -> list[Row]:
             skipped.append(config)
             continue
         t = time.perf_counter()
-        row = run_config(*config, args, device)
+        row = run_isolated(config, args) if isolate else run_config(*config, args, device)
         rows.append(row)
-        print(fmt(row) + f"  <!-- {time.perf_counter() - t:.0f} s -->", flush=True)
+        print(fmt(row) + f"  <!-- {time.perf_counter() - t:.0f} s{', own process' if isolate else ''} -->", flush=True)
     if skipped:
         print(f"skipped (--budget {args.budget:.0f} s): " + ", ".join(":".join(map(str, c[:5])) for c in skipped))
     print(f"total {time.perf_counter() - start:.0f} s", flush=True)

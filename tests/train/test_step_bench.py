@@ -47,3 +47,16 @@ def test_flags(bench):
     assert bench.fmt(bench.Row("proxy", "learned", "eager", "bf16", 1, True, error="RuntimeError: x")).endswith(
         "error: RuntimeError: x |")
     assert torch.isfinite(torch.tensor(bench.PEAK_BF16))
+
+
+@pytest.mark.slow
+def test_isolated_rows(bench, monkeypatch):
+    """--isolate: each configuration in a child process, its row read back; a child that dies before writing its
+    row gives an error row with the exit code (not a lost row, not a traceback)."""
+    rows = bench.main(["--smoke", "--steps", "1", "--accum", "1", "--isolate"])
+    assert len(rows) == 1 and not rows[0].error and rows[0].tokens_per_s > 0 and rows[0].model == "tiny"
+    monkeypatch.setattr(bench, "_child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    args = bench.parse(["--smoke"])
+    row = bench.run_isolated(("tiny", "uniform", "eager", "bf16", 1, True), args)
+    assert row.routing == "uniform*" and "exited with code 3" in row.error
+    assert bench.fmt(row).endswith("before its row |")

@@ -220,11 +220,16 @@ def _load(trainer) -> float:
     return worst
 
 
+def empty_row(model: str, routing: str, mode: str, precision: str, accum: int, weight_cache: bool, **values) -> Row:
+    """A configuration's row before it is measured; the forced routing labelled "uniform*"."""
+    return Row(model, "uniform*" if routing == "uniform" else routing, mode, precision, accum, weight_cache, **values)
+
+
 def run_config(model: str, routing: str, mode: str, precision: str, accum: int, weight_cache: bool, args,
                device: torch.device) -> Row:
     from moestack.train.trainer import Trainer
 
-    row = Row(model, "uniform*" if routing == "uniform" else routing, mode, precision, accum, weight_cache)
+    row = empty_row(model, routing, mode, precision, accum, weight_cache)
     _, seq, mbs = MODELS[model]
     compile_spec = {"mode": MODES[mode], "backend": args.backend}
     trainer = None
@@ -380,9 +385,7 @@ def run_isolated(config: tuple, args) -> Row:
             rows = json.loads(path.read_text())
             if rows:
                 return Row(**rows[0])
-    model, routing, mode, precision, accum, cache = config
-    return Row(model, "uniform*" if routing == "uniform" else routing, mode, precision, accum, cache,
-               error=f"the configuration's process exited with code {proc.returncode} before its row")
+    return empty_row(*config, error=f"the configuration's process exited with code {proc.returncode} before its row")
 
 
 def main(argv=None) -> list[Row]:

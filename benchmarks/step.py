@@ -55,6 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moestack.config.kernel_spec import KernelSpec, with_fields  # noqa: E402
 from moestack.config.model_spec import ModelSpec, load_model_spec  # noqa: E402
 from moestack.config.train_spec import TrainSpec  # noqa: E402
 from moestack.planner.profile import load_any_model_spec  # noqa: E402
@@ -239,6 +240,7 @@ def run_config(model: str, routing: str, mode: str, precision: str, accum: int, 
             spec = TrainSpec(model=model, out_dir=out, steps=args.warmup + args.steps + args.profile + 2,
                              micro_batch_size=mbs, grad_accum_steps=accum, seq_len=seq, precision=precision,
                              device=str(device), eval_every=0, compile=compile_spec, weight_cache=weight_cache,
+                             kernels=args.kernel_spec,
                              optimizer={"lr": 3e-4}, schedule={"warmup_steps": 2},
                              data={"eval_fraction": 0.0}, checkpoint={"every": 0, "save_final": False},
                              logging={"tensorboard": False, "progress": False, "every": 10_000})
@@ -344,6 +346,8 @@ def parse(argv=None):
                    help="each configuration in a process of its own (default on CUDA: compiled graphs' memory pools "
                         "and caches of one configuration otherwise stay for the next, which then runs slower or out "
                         "of memory)")
+    p.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a KernelSpec field for every configuration (repeatable), e.g. moe.solve_graph=false")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child of --isolate: one row, no header
     args = p.parse_args(argv)
     if args.smoke:
@@ -353,12 +357,29 @@ def parse(argv=None):
         args.accum = "1,2" if args.accum == p.get_default("accum") else args.accum
         args.steps, args.warmup, args.profile = min(args.steps, 2), min(args.warmup, 1), 0
         args.device = args.device or "cpu"
+    try:
+        args.kernel_spec = kernel_spec(args.kernel)
+    except ValueError as err:
+        p.error(f"--kernel: {err}")
     for name, allowed in (("models", MODELS), ("modes", MODES), ("precisions", ("bf16", "fp8")),
                           ("routing", ("uniform", "learned")), ("weight_cache", ("on", "off"))):
         bad = [v for v in _list(getattr(args, name)) if v not in allowed]
         if bad:
             p.error(f"--{name.replace('_', '-')}: {', '.join(bad)} not in {', '.join(allowed)}")
     return args
+
+
+def kernel_spec(fields: list[str]) -> KernelSpec:
+    """KernelSpec with the --kernel FIELD=VALUE choices (values read as YAML scalars: false, 512, triton)."""
+    import yaml
+
+    pairs = {}
+    for item in fields:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not FIELD=VALUE (e.g. moe.solve_graph=false)")
+        pairs[name.strip()] = yaml.safe_load(value)
+    return with_fields(KernelSpec(), pairs)
 
 
 def _child_argv(config: tuple, args, json_path: str) -> list[str]:
@@ -370,6 +391,8 @@ def _child_argv(config: tuple, args, json_path: str) -> list[str]:
             str(args.profile), "--kernels", str(args.kernels), "--backend", args.backend, "--json", json_path]
     if args.device:
         argv += ["--device", args.device]
+    for item in args.kernel:
+        argv += ["--kernel", item]
     return argv + (["--verbose"] if args.verbose else [])
 
 
@@ -407,7 +430,8 @@ def main(argv=None) -> list[Row]:
                                 text=True).stdout.strip()
     print(f"step benchmark on {where}, torch {torch.__version__}, commit {commit or '?'}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; warmup {args.warmup}, timed {args.steps}, profiled {args.profile}; "
-          f"uniform* = forced balanced routing (benchmark only)", flush=True)
+          f"uniform* = forced balanced routing (benchmark only)"
+          + (f"; kernels: {', '.join(args.kernel)}" if args.kernel else ""), flush=True)
     print(HEADER, flush=True)
     print("|" + "---|" * HEADER.count(" | ") + "---|", flush=True)
     rows, start, skipped = [], time.perf_counter(), []

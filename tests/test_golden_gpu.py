@@ -13,7 +13,7 @@ different places, and this run amplifies any such difference where its loss fall
 bf16 variants of the run, each op on its fast or on its reference path (the reference ops with one op fast, the
 fast kernels with one op on its reference, both ends), all legitimate forms of the same math: their losses differ
 from each other by up to 8.1e-2 at one step (step 8) and by up to 1.39e-2 averaged over the 30 steps. In fp32 (no
-autocast) every fast op but KDA's chunk kernel, which the GPU runs in bf16 only, follows the fp32 reference: the
+autocast) every fast op but KDA's chunk kernel (then bf16-only on the GPU) follows the fp32 reference: the
 fused KDA layer ops within 6.0e-4 at every step, the DSA, routing and expert-GEMM kernels (tf32 dots) within
 1.4e-2. So a per-step bound at bf16 rounding (3e-2, as before) measured the steep steps' sensitivity, not the kernels:
 it failed 3 of 5 times (calls J, K, L). What is bounded now is the mean of three fast runs (DSA's backward adds

@@ -14,6 +14,7 @@ that cannot run on the device is a one-line ConfigError at build time. The resol
     moe.gemm         the bf16 expert GEMM: crossover (Triton up to the measured rows per expert, then torch's
                      grouped GEMM) | torch | triton | reference. FP8 experts come from `precision: fp8`, not here.
     moe.crossover    a crossover JSON (benchmarks/grouped_gemm.py --write-crossover) for moe.gemm crossover
+    moe.solve_graph  batch-scope quantile balancing's per-micro-batch solve as one CUDA graph replay (default on)
     fp8.weight_cache FP8 expert / projection weights quantised once per optimizer step: on | step | off
     fp8.cublas_min_rows  mean rows per expert from which FP8 GEMMs run per-expert cuBLAS instead of Triton (0:
                      wherever the widths allow it)
@@ -44,6 +45,9 @@ class MoEKernels(StrictModel):
     routing: Literal["auto", "triton", "reference"] = "auto"
     gemm: Literal["auto", "crossover", "torch", "triton", "reference"] = "auto"
     crossover: str | None = None  # path of a crossover JSON; None = the table measured on the H200 (gemm_select.py)
+    # batch-scope quantile balancing's solve replayed as one CUDA graph per shape (CUDA, single-rank balance group;
+    # bitwise the eager solve, one replay for its ~50 launches per layer and micro-batch: moestack/ops/graphed.py)
+    solve_graph: bool = True
 
 
 class FP8Kernels(StrictModel):

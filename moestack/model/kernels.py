@@ -4,6 +4,7 @@ modules that call the ops, so the model runs exactly what the run directory's ke
     KDAAttention.kda_backend, .layer_ops    kda.backend, kda.layer_ops
     GatedMLA.dsa_backend                    dsa.backend
     MoE.routing_backend (router, experts)   moe.routing
+    Router.solve_graph                      moe.solve_graph
     Experts.gemm (the bf16 strategy)        moe.gemm, moe.crossover (the FP8 recipe's strategy is left alone)
 """
 
@@ -46,6 +47,7 @@ def apply_kernels(model: nn.Module, kernels: KernelSpec | ResolvedKernels | None
             module.dsa_backend = spec.dsa.backend
         elif isinstance(module, MoE):
             module.routing_backend = _none_if_auto(spec.moe.routing)
+            module.router.solve_graph = spec.moe.solve_graph
             if type(module.experts.gemm) is GroupedGemm:  # not the FP8 recipe's, not wrapped by the offload
                 module.experts.gemm = GroupedGemm(spec.moe.gemm, table)
     return kernels

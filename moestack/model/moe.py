@@ -70,6 +70,7 @@ class Router(nn.Module):
         self.register_buffer("global_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("jitter_seed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.backend: str | None = None  # routing backend (moestack.ops.moe.routing); None = auto (by device)
+        self.solve_graph = False  # batch-scope solve as one CUDA graph (KernelSpec.moe.solve_graph, set at build)
         self.seq_shard_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.seq_shard_group)
         self.balance_group: dist.ProcessGroup | None = None  # kept equal to the MoE's (MoE.balance_group)
         self.last_z_loss: torch.Tensor | None = None
@@ -92,7 +93,7 @@ class Router(nn.Module):
                     probs_TE = probs_TE + jitter_TE
                 bias_E = quantile.solve_batch_bias(probs_TE, bias_E, self.top_k, s.quantile_bins,
                                                    s.quantile_iterations, s.quantile_start, self.balance_group,
-                                                   self.backend, s.quantile_momentum)
+                                                   self.backend, s.quantile_momentum, graph=self.solve_graph)
                 self.batch_bias_sum[:-1].add_(bias_E)
                 self.batch_bias_sum[-1].add_(1.0)
         route_bias = bias_E if jitter_TE is None else jitter_TE + bias_E

@@ -74,11 +74,6 @@ class TritonKDA(Backend):
             return f"head dim {lead.shape[-1]} > 256"
         if lead.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"dtype {lead.dtype} (fp32 / bf16 / fp16 only)"
-        if lead.is_cuda and lead.dtype != torch.bfloat16:
-            # fp32 inputs on the H200: NaN outputs and an illegal memory access in the intra-chunk kernel (K 64 and
-            # 128); no GPU test covers fp16. The interpreter's fp32 runs the CPU tests. (README.md, Backends)
-            return (f"dtype {lead.dtype} on CUDA (bf16 only there: the dtype the GPU tests validate); train with "
-                    "precision bf16, or set kernels.kda.backend to auto or reference")
         if lead.is_cuda:
             from moestack.ops.launch import fits
 

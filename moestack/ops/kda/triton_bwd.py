@@ -145,14 +145,14 @@ def kda_bwd_kernel_wy(
     dv, dbeta, p_dqp, p_dkd, p_dkp, p_da, p_dn, p_dbl,
     H,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    BKS: tl.constexpr, BETA_SIGMOID: tl.constexpr, LOWP: tl.constexpr,
 ):
     """Backward, part 1 of 2, one program per (chunk slot, head): the contractions over V and the WY form.
 
     Writes dv and dbeta (final) and, as fp32 partials for kda_bwd_kernel_scores: dQp = dO S^T, dKd = D dS'^T,
     dKp = Diag(beta) X^T dW ([T, H, K]); dAqk and d(Diag(beta) Akk) ([T, H, BT]); exp(b_last) rowsum(S dS')
     ([NC, H, K]). Reads Akk, X = (I + Diag(beta) Akk)^-1 (xinv, akk) and W (w) as the intra kernel wrote them;
-    the WY dots take LOWP_DT (bf16) operands.
+    the WY dots take LOWP_DT (bf16) operands with LOWP (low-precision inputs), else fp32 ones.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, t_end = _chunk_coords(chunk_map, cu_seqlens, i_c, BT)
@@ -161,6 +161,10 @@ def kda_bwd_kernel_wy(
     m_t = (t0 + o_t) < t_end
     n = t_end - t0
     DT = h.dtype.element_ty
+    if LOWP:
+        WY_DT = LOWP_DT
+    else:
+        WY_DT = tl.float32
 
     # Two passes over V, each with few accumulators live (one pass held six tiles and spilled ~4 KB per thread);
     # the second re-reads the chunk's S, which is cheaper than the spills.
@@ -197,7 +201,7 @@ def kda_bwd_kernel_wy(
     b_akk = tl.load(_tok_ptr(akk, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1),
                     padding_option="zero").to(tl.float32)
     b_minv = tl.load(_tok_ptr(xinv, t0, n, H, i_h, BT, BT, BT), boundary_check=(0, 1), padding_option="zero")
-    b_minv_d = b_minv.to(LOWP_DT)
+    b_minv_d = b_minv.to(WY_DT)
     b_minv_t = tl.trans(b_minv_d)
     b_dsw = tl.zeros([BT, BK], tl.float32)  # dD S^T  (= -dW)
     b_gm = tl.zeros([BT, BT], tl.float32)  # dD (beta v)^T  (= dU Y_v^T)
@@ -210,8 +214,8 @@ def kda_bwd_kernel_wy(
         b_h = tl.load(_state_ptr(h, i_c, H, i_h, K, V, BK, BV, i_v * BV), boundary_check=(0, 1),
                       padding_option="zero")
         b_dsw += tl.dot(b_ddv, tl.trans(b_h))
-        b_ddf = b_ddv.to(LOWP_DT)
-        b_gm += tl.dot(b_ddf, tl.trans((b_beta[:, None] * b_v).to(LOWP_DT)))
+        b_ddf = b_ddv.to(WY_DT)
+        b_gm += tl.dot(b_ddf, tl.trans((b_beta[:, None] * b_v).to(WY_DT)))
         b_dyv = tl.dot(b_minv_t, b_ddf)  # X^T dU
         tl.store(_tok_ptr(dv, t0, n, H, i_h, V, BT, BV, i_v * BV), (b_beta[:, None] * b_dyv).to(dv.dtype.element_ty),
                  boundary_check=(0, 1))
@@ -221,7 +225,7 @@ def kda_bwd_kernel_wy(
     # and overwritten by Diag(beta) X^T dW.
     tl.store(_tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BK), b_dsw, boundary_check=(0, 1))
     tl.debug_barrier()
-    b_dn = tl.dot(tl.dot(b_minv_t, b_gm.to(LOWP_DT)).to(LOWP_DT), tl.trans(b_minv_d))
+    b_dn = tl.dot(tl.dot(b_minv_t, b_gm.to(WY_DT)).to(WY_DT), tl.trans(b_minv_d))
     b_rk = tl.load(rk + (t0 + o_t).to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     for col0 in range(0, K, BKS):
         p_c = _tok_ptr(p_dkp, t0, n, H, i_h, K, BT, BKS, col0)
@@ -229,12 +233,12 @@ def kda_bwd_kernel_wy(
         b_b = tl.load(_tok_ptr(gc, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1), padding_option="zero")
         b_kp = tl.load(_tok_ptr(k, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                        padding_option="zero").to(tl.float32) * b_rk[:, None] * tl.exp(b_b)  # 0 on padded rows
-        b_dyk = -tl.dot(b_minv_t, b_dsw_c.to(LOWP_DT))  # X^T dW
+        b_dyk = -tl.dot(b_minv_t, b_dsw_c.to(WY_DT))  # X^T dW
         b_dbeta += tl.sum(b_dyk * b_kp, 1)
         # W = X Diag(beta) (k exp(b)) as the forward stored it
         b_w = tl.load(_tok_ptr(w, t0, n, H, i_h, K, BT, BKS, col0), boundary_check=(0, 1),
                       padding_option="zero").to(tl.float32)
-        b_dn += tl.dot(b_dyk.to(LOWP_DT), tl.trans(b_w.to(LOWP_DT)))  # (X^T dW) W^T
+        b_dn += tl.dot(b_dyk.to(WY_DT), tl.trans(b_w.to(WY_DT)))  # (X^T dW) W^T
         tl.debug_barrier()  # every thread has read block c before it is overwritten
         tl.store(p_c, b_beta[:, None] * b_dyk, boundary_check=(0, 1))
     b_dn = tl.where(o_t[:, None] > o_t[None, :], -b_dn, 0.0)  # d(Diag(beta) Akk)
@@ -416,7 +420,8 @@ def kda_bwd_wy(k, v, beta, intra: dict, chunk_map, cu_seqlens, h, dh, d, dd, do,
         h, dh, d, dd, do, intra["xinv"], intra["akk"], intra["w"],
         dv, dbeta, *part.values(),
         H,
-        K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid, **B3A_CONFIG,
+        K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BETA_SIGMOID=beta_sigmoid, LOWP=v.dtype != torch.float32,
+        **B3A_CONFIG,
     )
     return dv, dbeta, part
 

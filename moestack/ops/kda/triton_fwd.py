@@ -461,7 +461,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
         out["xinv"] = q.new_empty(T, H, BT, dtype=torch.float32)
         out["akk"] = q.new_empty(T, H, BT, dtype=inter_dtype)
     # The exact-path launch (sel 2: the rare chunks with gates beyond SPAN_MAX) keeps tf32 dots: its bf16 variant
-    # was never validated on the GPU, and it costs nothing when no chunk is flagged.
+    # was never validated on the GPU, and it costs nothing when no chunk is flagged. fp32 inputs keep them throughout.
+    lowp = q.dtype != torch.float32
     for sel in (1, 2):
         kda_fwd_kernel_intra[(NC, H)](
             q, k, v, g, beta, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias,
@@ -471,7 +472,8 @@ def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu_seqlens, *, sc
             scale, H,
             K=K, V=V, BT=BT, SUB=SUB, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
             GATE=gate, LOWER_BOUND=lower_bound, HAS_DT_BIAS=dt_bias is not None, L2NORM=l2norm, L2_EPS=l2_eps,
-            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=sel != 2, STORE_X=store_x, SEL=sel, **K1_CONFIG,
+            BETA_SIGMOID=beta_sigmoid, SPAN_MAX=SPAN_MAX, LOWP=sel != 2 and lowp, STORE_X=store_x, SEL=sel,
+            **K1_CONFIG,
         )
     return out
 

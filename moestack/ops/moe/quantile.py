@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moestack.ops.graphed import GraphCache
 from moestack.ops.moe import routing
 from moestack.ops.opaque import opaque
 
@@ -208,19 +209,31 @@ def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     return counts_CE.amax(-1).reshape(bias_E.shape[:-1])
 
 
+_SOLVE_GRAPHS = GraphCache()  # the captured solves, one per (choices, shapes): every MoE layer of a model shares one
+
+
 @opaque  # a compiled block runs the solve eagerly: inductor must not re-generate its Triton kernels
 @torch.no_grad()
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
                      start: str = "best", group: dist.ProcessGroup | None = None,
-                     backend: str | None = None, momentum: float = 0.0) -> torch.Tensor:
+                     backend: str | None = None, momentum: float = 0.0, graph: bool = False) -> torch.Tensor:
     """batch_bias from the start RouterSpec.quantile_start names: "bias" (warm: the router's bias, where the last
     step's solves ended), "zero", or "best" (both; the one whose routed max load over the group is lower, the
     warm one on a tie). Why both: where micro-batches differ (byte-level text: a window of indented code, then
     prose) the last step's bias can be a worse start than none, and the coordinate steps from far converge slowly
     (benchmarks/RESULTS.md, "Expert balance"); where they are alike, the warm start is the better one. momentum:
-    RouterSpec.quantile_momentum (batch_bias_reference)."""
+    RouterSpec.quantile_momentum (batch_bias_reference).
+    graph (KernelSpec.moe.solve_graph): on CUDA with a single-rank group, replay the whole solve as one CUDA graph
+    per shape (moestack/ops/graphed.py: bitwise the same bias; one replay instead of ~50 launches per call)."""
     if start not in ("bias", "zero", "best"):
         raise ValueError(f"quantile_start must be 'bias', 'zero' or 'best', got {start!r}")
+    if graph and (group is None or dist.get_world_size(group) == 1):
+        choices = (top_k, num_bins, iterations, start, backend, momentum)
+        return _SOLVE_GRAPHS(choices, lambda s, b: _solve(s, b, *choices, None), scores_TE.detach(), bias_E.detach())
+    return _solve(scores_TE, bias_E, top_k, num_bins, iterations, start, backend, momentum, group)
+
+
+def _solve(scores_TE, bias_E, top_k, num_bins, iterations, start, backend, momentum, group) -> torch.Tensor:
     zero_E = torch.zeros_like(bias_E, dtype=torch.float32)
     if start != "best":
         return batch_bias(scores_TE, bias_E if start == "bias" else zero_E, top_k, num_bins, iterations, group,

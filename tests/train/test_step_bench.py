@@ -49,6 +49,18 @@ def test_flags(bench):
     assert torch.isfinite(torch.tensor(bench.PEAK_BF16))
 
 
+def test_kernel_fields(bench):
+    """--kernel FIELD=VALUE: a typed KernelSpec choice for every configuration, passed on to isolated children; a bad
+    field or value is the parser's one-line error."""
+    args = bench.parse(["--smoke", "--kernel", "moe.solve_graph=false", "--kernel", "fp8.cublas_min_rows=0"])
+    assert args.kernel_spec.moe.solve_graph is False and args.kernel_spec.fp8.cublas_min_rows == 0
+    argv = bench._child_argv(("tiny", "uniform", "eager", "bf16", 1, True), args, "row.json")
+    assert argv[argv.index("--kernel") + 1] == "moe.solve_graph=false" and argv.count("--kernel") == 2
+    for bad in ("moe.nope=1", "moe.solve_graph", "fp8.cublas_min_rows=-1"):
+        with pytest.raises(SystemExit):
+            bench.parse(["--smoke", "--kernel", bad])
+
+
 @pytest.mark.slow
 def test_isolated_rows(bench, monkeypatch):
     """--isolate: each configuration in a child process, its row read back; a child that dies before writing its

@@ -74,6 +74,10 @@ class TritonKDA(Backend):
             return f"head dim {lead.shape[-1]} > 256"
         if lead.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"dtype {lead.dtype} (fp32 / bf16 / fp16 only)"
+        if lead.is_cuda and lead.shape[-1] > 128:
+            # H200, 2026-12-03: at K 256 fp16 inputs gave gradients up to 84% off and fp32 inputs an autotuned kernel
+            # out of shared memory; no GPU test covers bf16 there (README.md, Backends)
+            return f"head dim {lead.shape[-1]} > 128 on CUDA (no GPU test passes there)"
         if lead.is_cuda:
             from moestack.ops.launch import fits
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from moestack.memory.precision import Fp8Rows, dequantize_rows_fp8, quantize_rows_fp8
+from moestack.model.wrappers import wrap_forward
 
 _PARAM_PATH = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "ExpandBackward0",
                "PermuteBackward0", "UnsafeViewBackward0", "SliceBackward0", "SelectBackward0"}
@@ -188,14 +189,16 @@ class ActivationOffloader:
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Run `module.forward` inside `region()` (instance forward replaced; names and hooks unchanged)."""
-        inner = module.forward
 
-        @functools.wraps(inner)
-        def forward(*args, **kwargs):
-            with self.region():
-                return inner(*args, **kwargs)
+        def make(inner):
+            @functools.wraps(inner)
+            def forward(*args, **kwargs):
+                with self.region():
+                    return inner(*args, **kwargs)
 
-        module.forward = forward
+            return forward
+
+        wrap_forward(module, "offload", make)
         return module
 
     def _bound_inflight(self) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moestack.config.plan import RecomputePolicy
+from moestack.model.wrappers import unwrap_forward, wrap_forward
 
 # SAC numbers every op of a region and expects the recompute to issue the same ones. Profiler ranges do not: FSDP's
 # hooks open more of them in a forward that gathers parameters than in its recompute, where they are gathered
@@ -200,16 +201,18 @@ def checkpoint_module(module: nn.Module, mode: str) -> nn.Module:
                            f"({module._moestack_recompute}); call remove_recompute first")
     if mode == "selective":
         _scope_recompute_submodules(module)
-    inner = module.forward
     context_fn = _context_fn(module, mode)
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    def make(inner):
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    module.forward = forward
+        return forward
+
+    wrap_forward(module, "recompute", make)
     module._moestack_recompute = mode
     return module
 
@@ -218,7 +221,7 @@ def remove_recompute(model: nn.Module) -> None:
     """Undo checkpoint_module on every submodule of `model` (scope hooks stay: harmless without SAC)."""
     for module in model.modules():
         if getattr(module, "_moestack_recompute", None) is not None:
-            del module.forward  # the instance attribute; the class's forward shows through again
+            unwrap_forward(module, "recompute")  # the wrappers below it (tensor parallelism) stay
             module._moestack_recompute = None
 
 

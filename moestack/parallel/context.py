@@ -66,6 +66,7 @@ from moestack.model.kda import KDAAttention, ShortConv
 from moestack.model.moe import MoE
 from moestack.model.rope import apply_rope, rope_cos_sin, rope_positions
 from moestack.model.transformer import Transformer
+from moestack.model.wrappers import wrap_forward
 from moestack.ops import dsa as dsa_ops
 from moestack.ops.dsa import reference as dsa_ref
 from moestack.ops.kda import chunk_kda as _chunk_kda
@@ -164,7 +165,7 @@ def _wrap_conv(conv: ShortConv, cp: CPInfo, collective: bool = False) -> None:
             prev = got if got is not None else x_BTC.new_zeros(B, halo, C)  # rank 0: the causal zero history
         return inner(torch.cat((prev, x_BTC), dim=SEQ_DIM))[:, halo:]
 
-    conv.forward = forward
+    wrap_forward(conv, "cp", lambda _inner: forward)  # forward calls `inner`, the same forward
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def _wrap_kda(attn: KDAAttention, cp: CPInfo, mode: str) -> None:
         finally:
             _ACTIVE_RELAY.reset(token)
 
-    attn.forward = forward
+    wrap_forward(attn, "cp", lambda _inner: forward)  # forward calls `inner`, the same forward
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def _wrap_mla(m: GatedMLA, cp: CPInfo, tp_unit=None) -> None:
         finally:
             tp_unit.exit()
 
-    m.forward = forward
+    wrap_forward(m, "cp", lambda _inner: forward)  # the CP path in place of the whole forward (TP unit entered)
 
 
 def _wrap_gqa(m: GQAAttention, cp: CPInfo) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from moestack.model.moe import MoE
+from moestack.model.wrappers import wrap_forward
 from moestack.ops.moe import routing
 from moestack.parallel.comm import all_to_all, exchange_counts
 from moestack.parallel.expert import ExpertParallelExperts, HierarchicalDispatcher, LocalFn, invert_index
@@ -125,8 +126,8 @@ def apply_token_dedup(model: torch.nn.Module) -> list[str]:
             counts_E = torch.diff(offs, prepend=offs.new_zeros(1))
             return _experts.ep_dispatcher(h_NL, counts_E, _experts.local_forward, token_N)
 
-        router.forward = router_forward
-        experts.forward = experts_forward
+        wrap_forward(router, "dedup", lambda _inner, f=router_forward: f)  # f calls inner_router
+        wrap_forward(experts, "dedup", lambda _inner, f=experts_forward: f)  # f calls inner_experts
         wrapped.append(name)
     return wrapped
 

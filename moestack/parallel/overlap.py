@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moestack.model.moe import MoE
+from moestack.model.wrappers import wrap_forward
 
 
 class _Launched(nn.Module):
@@ -87,6 +88,6 @@ def apply_shared_expert_overlap(model: nn.Module) -> list[str]:
             _moe._shared_overlap_calls = getattr(_moe, "_shared_overlap_calls", 0) + 1
             return out
 
-        moe.forward = forward
+        wrap_forward(moe, "overlap", lambda _inner, f=forward: f)  # f calls inner, the same forward
         wrapped.append(name)
     return wrapped

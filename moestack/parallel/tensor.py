@@ -88,6 +88,7 @@ from moestack.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from moestack.model.mlp import GLUMLP
 from moestack.model.moe import MoE
 from moestack.model.transformer import Transformer
+from moestack.model.wrappers import wrap_forward
 
 Reduce = Literal["sum", "avg"] | None
 GradReduce = Literal["eager", "deferred"]  # when partial gradients are summed over TP: every backward, once a step
@@ -214,19 +215,19 @@ class _Unit:
 def _wrap_forward(module: nn.Module, unit: _Unit) -> None:
     """Run the module's forward with the unit entered. The swap lives in the instance's `forward` (not in a module
     hook) so that activation recompute applied afterwards (moestack.memory.recompute wraps `forward`) reruns it."""
-    if getattr(module, "_moestack_recompute", None) is not None:
-        raise RuntimeError(f"apply_tp must run before activation recompute ({type(module).__name__} is wrapped)")
-    inner = module.forward
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        unit.enter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            unit.exit()
+    def make(inner):
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            unit.enter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                unit.exit()
 
-    module.forward = forward
+        return forward
+
+    wrap_forward(module, "tp", make)
 
 
 # ---------------------------------------------------------------------------------------------------------------

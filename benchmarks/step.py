@@ -97,8 +97,8 @@ HEADER = ("| model | routing | mode | prec | accum | wcache | tokens/s | TFLOP/s
 
 def fmt(r: Row) -> str:
     if r.error:
-        return (f"| {r.model} | {r.routing} | {r.mode} | {r.precision} | {r.accum} | {'on' if r.weight_cache else 'off'}"
-                f" | error: {r.error} |")
+        cache = "on" if r.weight_cache else "off"
+        return f"| {r.model} | {r.routing} | {r.mode} | {r.precision} | {r.accum} | {cache} | error: {r.error} |"
 
     def num(v, spec, suffix=""):
         return "-" if v != v else format(v, spec) + suffix  # NaN -> "-"
@@ -324,7 +324,8 @@ def _list(value: str) -> list[str]:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="proxy,k3slice", help="proxy, k3slice, tiny (comma separated)")
     p.add_argument("--modes", default="eager,blocks,graphs", help="eager, blocks, graphs (run in this order)")
     p.add_argument("--precisions", default="bf16,fp8", help="bf16, fp8")

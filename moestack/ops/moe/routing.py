@@ -17,7 +17,6 @@ expert-major buffer, D row width.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -45,13 +44,12 @@ class Dispatch(NamedTuple):
     exact: bool  # dropless and unpadded: rows are a permutation of the slots (R == N)
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# a constant, not an lru_cache'd call: dynamo traces resolve_backend in compiled blocks and warns on those
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def triton_available() -> bool:
-    if not _triton_installed():
+    if not TRITON_INSTALLED:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -59,7 +57,7 @@ def triton_available() -> bool:
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """backend (None / "auto": "triton" on CUDA when installed, else "reference")."""
     if backend is None or backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_installed() else "reference"
+        return "triton" if device.type == "cuda" and TRITON_INSTALLED else "reference"
     if backend not in BACKENDS:
         raise ValueError(f"MoE routing backend must be one of {BACKENDS}, got {backend!r} (kernels.moe.routing)")
     if backend == "triton" and not triton_available():
@@ -75,7 +73,7 @@ class _TritonRouting(Backend):
     fn = None
 
     def unavailable(self, device: torch.device) -> str | None:
-        if not _triton_installed():
+        if not TRITON_INSTALLED:
             return "Triton is not installed"
         return None if device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" else \
             "the Triton routing kernels need a CUDA device (TRITON_INTERPRET=1 runs them on CPU for tests)"

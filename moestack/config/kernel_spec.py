@@ -15,6 +15,8 @@ that cannot run on the device is a one-line ConfigError at build time. The resol
                      grouped GEMM) | torch | triton | reference. FP8 experts come from `precision: fp8`, not here.
     moe.crossover    a crossover JSON (benchmarks/grouped_gemm.py --write-crossover) for moe.gemm crossover
     moe.solve_graph  batch-scope quantile balancing's per-micro-batch solve as one CUDA graph replay (default on)
+    adamw.backend    the single-device AdamW step (moestack/ops/adamw): triton (one pass per parameter that also
+                     writes the bf16 compute copy) | torch (torch's fused AdamW)
     fp8.weight_cache FP8 expert / projection weights quantised once per optimizer step: on | step | off
     fp8.cublas_min_rows  mean rows per expert from which FP8 GEMMs run per-expert cuBLAS instead of Triton (0:
                      wherever the widths allow it)
@@ -50,6 +52,10 @@ class MoEKernels(StrictModel):
     solve_graph: bool = True
 
 
+class AdamWKernels(StrictModel):
+    backend: Literal["auto", "triton", "torch"] = "auto"
+
+
 class FP8Kernels(StrictModel):
     weight_cache: Literal["on", "step", "off"] = "on"
     cublas_min_rows: int = Field(default=512, ge=0)  # 0: cuBLAS wherever the widths allow it
@@ -65,6 +71,7 @@ class KernelSpec(StrictModel):
     kda: KDAKernels = KDAKernels()
     dsa: DSAKernels = DSAKernels()
     moe: MoEKernels = MoEKernels()
+    adamw: AdamWKernels = AdamWKernels()
     fp8: FP8Kernels = FP8Kernels()
     autotune: bool = True
 

@@ -22,6 +22,9 @@ parameter: a bf16 copy would round twice), experts with MXFP4 fake quantisation 
 (memory policies), the router (fp32 logits), norms, embeddings, KDA's gate vectors. Under FSDP2 (a plan) the
 gathered parameters are already bf16 (parallel/fsdp.py); this class is for the single-device trainer.
 
+With StreamingAdamW (KernelSpec.adamw.backend triton) the optimizer's pass writes each copy from the new fp32 value
+it holds in registers (the same rounding), and no recast runs: the copies are handed to it at every refresh.
+
 Memory: 2 bytes per cached parameter for the whole step (autocast's copies live from a layer's forward to its
 backward), i.e. +2 B/param at the optimizer step, where the activations are already freed.
 
@@ -77,8 +80,21 @@ class ComputeWeights:
             elif isinstance(module, Experts) and _expert_cacheable(module):
                 self.targets += [(module, "w_gate_up"), (module, "w_down")]
         self._versions: list[int] | None = None  # parameter versions at the last cast; None = never cast
-        self.casts = 0  # refreshes done (one per optimizer step in training)
-        self._hook = optimizer.register_step_post_hook(lambda *_: self.mark_stale()) if optimizer else None
+        self.casts = 0  # refreshes done (one per optimizer step in training without an optimizer that writes them)
+        self.optimizer = optimizer
+        self._hook = optimizer.register_step_post_hook(self._after_step) if optimizer else None
+
+    def _after_step(self, optimizer, *_) -> None:
+        """An optimizer that wrote the copies with the parameters (StreamingAdamW) leaves them fresh."""
+        if getattr(optimizer, "copies_written", False) and self._versions is not None:
+            self._versions = self._current_versions()
+        else:
+            self.mark_stale()
+
+    def _attach(self, pairs: list) -> None:
+        attach = getattr(self.optimizer, "attach_compute_copies", None)
+        if attach is not None:
+            attach(pairs)
 
     @property
     def num_bytes(self) -> int:
@@ -114,12 +130,14 @@ class ComputeWeights:
                 copy.requires_grad_(param.requires_grad)
         self._versions = self._current_versions()
         self.casts += 1
+        self._attach([(getattr(m, n), m._compute_weights[n]) for m, n in self.targets])
 
     def remove(self) -> None:
         """Drop every copy (forwards read the parameters again) and the optimizer hook; the Linear modules keep
         their CachedLinear class, which then behaves as nn.Linear."""
         for module, _ in self.targets:
             module.__dict__.pop("_compute_weights", None)
+        self._attach([])
         if self._hook is not None:
             self._hook.remove()
         self.targets = []

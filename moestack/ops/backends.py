@@ -150,7 +150,7 @@ class ResolvedKernels:
         Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
     def summary(self) -> str:
-        ops = ("kda.backend", "kda.layer_ops", "dsa.backend", "moe.routing", "moe.gemm")
+        ops = ("kda.backend", "kda.layer_ops", "dsa.backend", "moe.routing", "moe.gemm", "adamw.backend")
         return f"kernels on {self.device}: " + ", ".join(f"{k} {self.choices[k].runs.split(' ')[0]}" for k in ops
                                                          if k in self.choices)
 
@@ -180,6 +180,14 @@ def resolve_kernels(spec: KernelSpec | None, device: torch.device | str) -> Reso
             runs = reg.auto_for_device(device) if value == AUTO else reg.check(str(value), device, name)
             if value == AUTO and reg.tuned_op and device.type == "cuda":
                 runs += " (or the tune cache's choice per shape)"
+            out.choices[name] = Choice(str(value), runs, source)
+        elif name == "adamw.backend":
+            from moestack.ops.adamw import triton_unavailable
+
+            why = triton_unavailable(device) if device.type == "cuda" else "the Triton AdamW runs on CUDA only"
+            if value == "triton" and why is not None:
+                raise ConfigError(f"kernels.adamw.backend: 'triton' cannot run on {device}: {why}; use auto or torch")
+            runs = ("triton" if why is None else "torch") if value == AUTO else str(value)
             out.choices[name] = Choice(str(value), runs, source)
         elif name == "kda.layer_ops":
             runs = ("triton" if device.type == "cuda" else "torch") if value == AUTO else str(value)

@@ -26,9 +26,11 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 def fused_skip_supported(optimizer: torch.optim.Optimizer) -> bool:
     """Whether optimizer.step() honours `found_inf` / `grad_scale` on the device: torch's Adam / AdamW with every
-    param group fused."""
+    param group fused, and StreamingAdamW."""
+    from moestack.train.optim import StreamingAdamW
+
     groups = optimizer.param_groups
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and bool(groups)
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, StreamingAdamW) and bool(groups)
             and all(g.get("fused") for g in groups))
 
 

@@ -313,7 +313,7 @@ class Trainer:
             self._configure_dsa()
             self._configure_fp8(self.model)
             self._configure_kernels(self.model)
-            self.optimizer = build_optimizer(self.model, spec.optimizer)
+            self.optimizer = build_optimizer(self.model, spec.optimizer, self.kernels.choices["adamw.backend"].runs)
             if spec.weight_cache and uses_bf16(spec, self.device):
                 self.compute_weights = ComputeWeights(self.model, self.optimizer)
             self.compiled.apply(self.model)

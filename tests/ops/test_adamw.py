@@ -194,3 +194,31 @@ def test_gpu_against_torch_fused_at_k3_size():
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-7)
             assert torch.equal(c, p.detach().to(torch.bfloat16))
     assert float(opt.state[mine[0]]["step"]) == 4.0
+
+
+def test_resume_reproduces_the_uninterrupted_run():
+    """4 steps in one go against 2 steps, the state dict into a fresh optimizer (and fresh weights loaded), 2 more:
+    the same bits (the step counts, moments and weights are the whole state)."""
+    def batches():
+        gen = torch.Generator().manual_seed(9)
+        return [torch.randn(8, 24, generator=gen) for _ in range(4)]
+
+    def train(model, opt, xs):
+        for x in xs:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    xs = batches()
+    whole = _model()
+    train(whole, StreamingAdamW(whole.parameters(), lr=1e-2, min_numel=0), xs)
+    first = _model()
+    opt = StreamingAdamW(first.parameters(), lr=1e-2, min_numel=0)
+    train(first, opt, xs[:2])
+    resumed = _model(seed=1)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = StreamingAdamW(resumed.parameters(), lr=1e-2, min_numel=0)
+    opt2.load_state_dict(opt.state_dict())
+    train(resumed, opt2, xs[2:])
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

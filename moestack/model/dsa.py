@@ -137,14 +137,15 @@ class GatedMLA(nn.Module):
         """x [B,T,D] -> y [B,T,D]. cu_seqlens [N+1] (B == 1): packed documents, attention stays inside each."""
         B, T, _ = x_BTD.shape
         assert cu_seqlens is None or B == 1, "cu_seqlens (packed documents) needs batch size 1"
-        H, N, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        N, R, C = self.nope_dim, self.rope_dim, self.kv_lora_rank
 
         if self.spec.q_lora_rank is not None:
             q_lat_BTL = self.q_a_norm(self.q_a_proj(x_BTD))
-            q_BTHQ = self.q_b_proj(q_lat_BTL).view(B, T, H, N + R)
+            q_BTHQ = self.q_b_proj(q_lat_BTL).view(B, T, -1, N + R)
         else:
             q_lat_BTL = x_BTD  # the indexer's query input when there is no q latent
-            q_BTHQ = self.q_proj(x_BTD).view(B, T, H, N + R)
+            q_BTHQ = self.q_proj(x_BTD).view(B, T, -1, N + R)
+        H = q_BTHQ.shape[2]  # from the projection's width: a TP rank holds H / tp of the heads
         q_nope_BTHN, q_rope_BTHR = q_BTHQ.split([N, R], dim=-1)
         kv_a_BTX = self.kv_a_proj(x_BTD)
         c_kv_BTC = self.kv_a_norm(kv_a_BTX[..., :C])
@@ -184,7 +185,7 @@ class GatedMLA(nn.Module):
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj.weight split per head: W_UK [H, N, C] and W_UV [H, V, C]."""
-        w_HXC = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_HXC = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w_HXC[:, : self.nope_dim], w_HXC[:, self.nope_dim :]
 
     def _absorb_query(self, q_nope_BTHN: torch.Tensor, q_rope_BTHR: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,11 @@ class GQAAttention(nn.Module):
         """x [B,T,D] -> y [B,T,D]; with cu_seqlens no token attends across a document boundary."""
         B, T, _ = x_BTD.shape
         assert cu_seqlens is None or B == 1, "cu_seqlens (packed documents) needs batch size 1"
-        H, G, E = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BTHE = self.q_proj(x_BTD).view(B, T, H, E)
-        k_BTGE = self.k_proj(x_BTD).view(B, T, G, E)
-        v_BTGE = self.v_proj(x_BTD).view(B, T, G, E)
+        E = self.head_dim  # the head counts come from the projections' widths (a TP rank holds some of the heads)
+        q_BTHE = self.q_proj(x_BTD).view(B, T, -1, E)
+        k_BTGE = self.k_proj(x_BTD).view(B, T, -1, E)
+        v_BTGE = self.v_proj(x_BTD).view(B, T, -1, E)
+        H, G = q_BTHE.shape[2], k_BTGE.shape[2]
         if self.q_norm is not None:
             q_BTHE, k_BTGE = self.q_norm(q_BTHE), self.k_norm(k_BTGE)
         if self.rope_dim:

@@ -168,15 +168,16 @@ class KDAAttention(nn.Module):
         """x_BTD: [B, T, D] -> [B, T, D]. cu_seqlens: int [N + 1] document offsets (B == 1): no state and no
         conv history crosses a document boundary."""
         B, T, _ = x_BTD.shape
-        H, HV, K = self.num_heads, self.num_v_heads, self.head_dim
+        K = self.head_dim  # the head counts come from the projections' widths (a TP rank holds some of the heads)
         pos_T = None
         if cu_seqlens is not None:
             assert B == 1, f"packed documents (cu_seqlens) need B == 1, got B={B}"
             pos_T = _doc_positions(T, cu_seqlens, x_BTD.device)
 
-        q = _conv_silu(self.q_conv, self.q_proj(x_BTD), pos_T, self.layer_ops).view(B, T, H, K)
-        k = _conv_silu(self.k_conv, self.k_proj(x_BTD), pos_T, self.layer_ops).view(B, T, H, K)
-        v = _conv_silu(self.v_conv, self.v_proj(x_BTD), pos_T, self.layer_ops).view(B, T, HV, K)
+        q = _conv_silu(self.q_conv, self.q_proj(x_BTD), pos_T, self.layer_ops).view(B, T, -1, K)
+        k = _conv_silu(self.k_conv, self.k_proj(x_BTD), pos_T, self.layer_ops).view(B, T, -1, K)
+        v = _conv_silu(self.v_conv, self.v_proj(x_BTD), pos_T, self.layer_ops).view(B, T, -1, K)
+        H, HV = q.shape[2], v.shape[2]
         q, k = _l2norm(q, self.spec.l2_eps), _l2norm(k, self.spec.l2_eps)
         if HV != H:  # value head j reads q/k head j // (HV / H)
             q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)

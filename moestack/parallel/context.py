@@ -283,13 +283,14 @@ def _rope_local(cp: CPInfo, T_l: int, dim: int, theta: float, like: torch.Tensor
 def mla_cp_forward(m: GatedMLA, cp: CPInfo, x_BTD: torch.Tensor) -> torch.Tensor:
     """GatedMLA.forward on this rank's T_l queries, keys from the whole sequence (see the module docstring)."""
     B, T_l, _ = x_BTD.shape
-    H, N, R, C, V = m.num_heads, m.nope_dim, m.rope_dim, m.kv_lora_rank, m.v_dim
+    N, R, C, V = m.nope_dim, m.rope_dim, m.kv_lora_rank, m.v_dim
     if m.spec.q_lora_rank is not None:
         q_lat = m.q_a_norm(m.q_a_proj(x_BTD))
-        q_BTHQ = m.q_b_proj(q_lat).view(B, T_l, H, N + R)
+        q_BTHQ = m.q_b_proj(q_lat).view(B, T_l, -1, N + R)
     else:
         q_lat = x_BTD
-        q_BTHQ = m.q_proj(x_BTD).view(B, T_l, H, N + R)
+        q_BTHQ = m.q_proj(x_BTD).view(B, T_l, -1, N + R)
+    H = q_BTHQ.shape[2]  # this TP rank's heads, from the projection's width
     q_nope, q_rope = q_BTHQ.split([N, R], dim=-1)
     kv_a = m.kv_a_proj(x_BTD)
     c_kv, k_rope = m.kv_a_norm(kv_a[..., :C]), kv_a[..., C:]
@@ -429,18 +430,15 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_shard_group: dist.Proc
     if kda_state not in KDA_STATE_MODES:
         raise ValueError(f"kda_state: unknown mode {kda_state!r}; use one of {KDA_STATE_MODES}")
     assert cp_mesh.ndim == 1, f"apply_cp needs a 1-D CP mesh, got {cp_mesh.ndim}-D"
-    tp_units = {}
-    if getattr(model, "_tp_mesh", None) is not None:
-        if seq_shard_group is None:
-            raise ValueError("seq_shard_group: under tensor parallelism pass the (cp, tp) group (the MoE aux loss "
-                             "sums its counts over every rank of one sequence)")
-        tp_units = {id(module): unit for unit in model._tp_units for (module, _) in unit.heads}
+    if getattr(model, "_tp_mesh", None) is not None and seq_shard_group is None:
+        raise ValueError("seq_shard_group: under tensor parallelism pass the (cp, tp) group (the MoE aux loss "
+                         "sums its counts over every rank of one sequence)")
     cp = CPInfo(cp_mesh)
     for block in model.layers.values():
         if isinstance(block.attn, KDAAttention):
             _wrap_kda(block.attn, cp, kda_state)
         elif isinstance(block.attn, GatedMLA):
-            _wrap_mla(block.attn, cp, tp_units.get(id(block.attn)))
+            _wrap_mla(block.attn, cp, getattr(block.attn, "_tp_unit", None))  # set by apply_tp
         elif isinstance(block.attn, GQAAttention):
             _wrap_gqa(block.attn, cp)
         else:

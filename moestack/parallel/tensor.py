@@ -5,10 +5,11 @@ Shard(0) for column-parallel weights and per-head parameters, Shard(1) for row-p
 rest -- so the optimizer, gradient clipping, FSDP2 and DCP see global shapes. The model code stays single-device:
 
 * Parameters. During the forward of a "TP unit" (a mixer, an FFN, a norm, the embedding, the LM head) a wrapper
-  of the instance's forward swaps the unit's DTensor parameters for their local shards and sets the module's head
-  counts to the local ones, so `view(B, T, H, K)` and direct weight reads (KDA `A_log` / `dt_bias` / short convs,
-  MLA `kv_b_proj.weight` in the absorbed sparse path, the LM-head weight read by the chunked loss) all see this
-  rank's heads. After the forward the global DTensors and head counts are restored. In backward the local
+  of the instance's forward swaps the unit's DTensor parameters for their local shards, so the projections and
+  direct weight reads (KDA `A_log` / `dt_bias` / short convs, MLA `kv_b_proj.weight` in the absorbed sparse path,
+  the LM-head weight read by the chunked loss) all see this rank's heads; the mixers take their head counts from
+  their projections' widths (`view(B, T, -1, K)`), so nothing else changes. After the forward the global DTensors
+  are restored. In backward the local
   gradient is wrapped back into a DTensor with the parameter's placement; a replicated parameter whose local use
   saw only part of the work (it feeds head-sharded projections, or runs on a sequence shard) has its gradient
   summed over the TP group first ("sum"), and the DSA indexer's gradient is averaged ("avg", see below).
@@ -183,12 +184,11 @@ def _local_view(param: DTensor, reduce: Reduce, defer: _PendingTPGrads | None = 
 
 
 class _Unit:
-    """The parameters (owner module, attribute, reduce, deferred-sum tracker or None) and head-count attributes
-    swapped while one module runs."""
+    """The parameters (owner module, attribute, reduce, deferred-sum tracker or None) swapped while one module runs.
+    Head counts are not swapped: the mixers read theirs from their projections' widths."""
 
-    def __init__(self, params: list[tuple[nn.Module, str, Reduce, _PendingTPGrads | None]],
-                 heads: dict[tuple[nn.Module, str], int]):
-        self.params, self.heads = params, heads
+    def __init__(self, params: list[tuple[nn.Module, str, Reduce, _PendingTPGrads | None]]):
+        self.params = params
         self._saved: list[list] = []  # a stack: one frame per active forward
 
     def enter(self) -> None:
@@ -197,19 +197,13 @@ class _Unit:
             param = owner._parameters[name]
             frame.append((owner, name, param))
             owner._parameters[name] = _local_view(param, reduce, defer)  # a plain tensor for the module's forward
-        for (owner, attr), local in self.heads.items():
-            frame.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, local)
         self._saved.append(frame)
 
     def exit(self) -> None:
         for owner, name, value in reversed(self._saved.pop()):
-            if name in owner._parameters:
-                if getattr(owner._parameters[name], "_no_weight_decay", False):  # tagged by init_weights
-                    value._no_weight_decay = True
-                owner._parameters[name] = value
-            else:
-                setattr(owner, name, value)
+            if getattr(owner._parameters[name], "_no_weight_decay", False):  # tagged by init_weights
+                value._no_weight_decay = True
+            owner._parameters[name] = value
 
 
 def _wrap_forward(module: nn.Module, unit: _Unit) -> None:
@@ -237,7 +231,7 @@ Rule = tuple[Placement, Reduce]
 PARTIAL_REP: Rule = (REP, "sum")  # replicated, local use is partial: sum the gradients over TP
 
 
-def _kda_plan(m: KDAAttention, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+def _kda_plan(m: KDAAttention, tp: int) -> dict[str, Rule]:
     _check_div(m.num_heads, tp, "kda.num_heads")
     _check_div(m.num_v_heads, tp, "kda.num_v_heads")
     col = (COL, None)
@@ -245,10 +239,10 @@ def _kda_plan(m: KDAAttention, tp: int) -> tuple[dict[str, Rule], dict[str, int]
     plan |= {"f_proj.weight": col, "f_b_proj.weight": col, "f_a_proj.weight": PARTIAL_REP}
     plan |= {"g_proj.weight": col, "g_b_proj.weight": col, "g_a_proj.weight": PARTIAL_REP}
     plan |= {"A_log": col, "dt_bias": col, "o_norm.weight": PARTIAL_REP, "o_proj.weight": (ROW, None)}
-    return plan, {"num_heads": m.num_heads // tp, "num_v_heads": m.num_v_heads // tp}
+    return plan
 
 
-def _mla_plan(m: GatedMLA, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+def _mla_plan(m: GatedMLA, tp: int) -> dict[str, Rule]:
     _check_div(m.num_heads, tp, "mla.num_heads")
     col = (COL, None)
     plan = {"q_proj.weight": col, "q_b_proj.weight": col, "kv_b_proj.weight": col, "g_proj.weight": col}
@@ -256,17 +250,17 @@ def _mla_plan(m: GatedMLA, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
     plan["o_proj.weight"] = (ROW, None)
     if m.indexer is not None:
         plan |= {f"indexer.{n}": (REP, "avg") for n, _ in m.indexer.named_parameters()}
-    return plan, {"num_heads": m.num_heads // tp}
+    return plan
 
 
-def _gqa_plan(m: GQAAttention, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+def _gqa_plan(m: GQAAttention, tp: int) -> dict[str, Rule]:
     _check_div(m.num_kv_heads, tp, "gqa.num_kv_heads")
     assert m.o_proj.bias is None, "a row-parallel o_proj bias would be added tp times"
     col = (COL, None)
     plan = {f"{p}.{w}": col for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")}
     plan |= {"g_proj.weight": col, "q_norm.weight": PARTIAL_REP, "k_norm.weight": PARTIAL_REP}
     plan["o_proj.weight"] = (ROW, None)
-    return plan, {"num_heads": m.num_heads // tp, "num_kv_heads": m.num_kv_heads // tp}
+    return plan
 
 
 def _glu_plan(m: GLUMLP, tp: int, prefix: str = "") -> dict[str, Rule]:
@@ -299,8 +293,7 @@ class _Distributor:
         self.mesh = mesh
         self._done: dict[int, nn.Parameter] = {}
 
-    def unit(self, module: nn.Module, plan: dict[str, Rule], heads: dict[str, int] | None = None,
-             default: Rule | None = None) -> _Unit:
+    def unit(self, module: nn.Module, plan: dict[str, Rule], default: Rule | None = None) -> _Unit:
         """Distribute every plain parameter under `module` by `plan` (names relative to `module`; a name not in
         the plan takes `default`, or is an error without one) and return the unit swapping them."""
         params = []
@@ -315,7 +308,7 @@ class _Distributor:
             placement, reduce = rule
             setattr(owner, leaf, self._distribute(param, placement))
             params.append((owner, leaf, reduce, None))  # deferral is decided once all units exist
-        return _Unit(params, {(module, k): v for k, v in (heads or {}).items()})
+        return _Unit(params)
 
     def _distribute(self, param: nn.Parameter, placement: Placement) -> nn.Parameter:
         if id(param) not in self._done:  # a tied weight is converted once, through its first module
@@ -356,7 +349,7 @@ def _hook_token_shard_io(module: nn.Module, mesh: DeviceMesh) -> None:
     module.register_forward_hook(lambda m, args, out: gather_shards(out, mesh, SEQ_DIM, partial_grad=False))
 
 
-def _mixer_plan(attn: nn.Module, tp: int) -> tuple[dict[str, Rule], dict[str, int]]:
+def _mixer_plan(attn: nn.Module, tp: int) -> dict[str, Rule]:
     if isinstance(attn, KDAAttention):
         return _kda_plan(attn, tp)
     if isinstance(attn, GatedMLA):
@@ -460,8 +453,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         for norm in (block.attn_norm, block.ffn_norm, block.attn_res, block.ffn_res):
             if norm is not None:
                 add(norm, dist_.unit(norm, {}, default=seq_rule))
-        plan, heads = _mixer_plan(block.attn, tp)
-        add(block.attn, dist_.unit(block.attn, plan, heads))
+        add(block.attn, dist_.unit(block.attn, _mixer_plan(block.attn, tp)))
         _hook_sharded_io(block.attn, tp_mesh, sp)
         for module, unit in _apply_ffn(block.ffn, tp_mesh, sp, dist_):
             add(module, unit)

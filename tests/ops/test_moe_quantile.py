@@ -335,3 +335,18 @@ def test_momentum_follows_a_shared_token_factor_and_restarts_where_it_overshoots
     guarded = load(quantile.batch_bias_reference(s, torch.zeros(E), k, 1000, 8, momentum=0.7))
     # measured: unguarded 5.99 / 1.16 (period 2), guarded 1.01, plain 1.01
     assert max(unguarded) > 3.0 and guarded < 1.05, (unguarded, guarded)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_solve_is_one_custom_op_under_compile(backend):
+    """Without a group the solve compiles as one custom op (fullgraph: no break), bitwise the eager bias."""
+    gen = torch.Generator().manual_seed(11)
+    T, E, k = 37, 12, 3
+    s = torch.rand(T, E, generator=gen)
+    bias = 0.01 * torch.randn(E, generator=gen)
+    torch.library.opcheck(quantile.solve_batch_bias_op, (s, bias, k, 256, 4, "best", backend, 0.7, False))
+    eager = quantile.solve_batch_bias(s, bias, k, 256, 4, "best", backend=backend, momentum=0.7)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda s, b: quantile.solve_batch_bias(s, b, k, 256, 4, "best", backend=backend,
+                                                              momentum=0.7) + 0.0, backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(s, bias), eager)

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from moestack.ops import tuned
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
+from moestack.ops.kda import custom_ops as kda_custom_ops
 from moestack.ops.kda.reference import (
     kda_chunked_reference,
     kda_gate_k3,
@@ -134,7 +135,6 @@ def resolve_backend(backend: str | None = None, q: torch.Tensor | None = None) -
     return REGISTRY.pick(backend, q, lambda: tuned.kda_key(q)).name
 
 
-@opaque
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,8 +153,20 @@ def chunk_kda(
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0, already activated); beta: [B, T, H].
     scale defaults to K ** -0.5; initial_state [N, H, K, V]; cu_seqlens int [N + 1] offsets (B == 1).
     backend: a REGISTRY name, or None / "auto". Returns (o [B, T, H, V] in v.dtype, final_state [N, H, K, V]
-    fp32 or None).
+    fp32 or None). Under torch.compile one custom op (custom_ops.py), the same backend and kernels.
     """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        o, ht = kda_custom_ops.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                         backend, chunk_size)
+        return o, (ht if output_final_state else None)
+    return chunk_kda_eager(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, backend,
+                           chunk_size)
+
+
+@opaque
+def chunk_kda_eager(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, backend, chunk_size):
+    """chunk_kda outside compile (and inside the custom op): the picked backend on the inputs as given."""
     if is_fake(q):
         return _shapes_only(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
     b = REGISTRY.pick(backend, q, lambda: tuned.kda_key(q))

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moestack.ops.kda import custom_ops as kda_custom_ops
 from moestack.ops.kda.triton_fwd import _configs
 from moestack.ops.launch import pruner
-from moestack.ops.opaque import opaque
 
 _prune = {"early_config_prune": pruner("tile")}  # fixed [BT, BC] fp32 tiles, no dots
 
@@ -159,19 +159,23 @@ def _bwd_two_pass(x, w, pos, dy):
     return dx, pdw.sum((0, 1)).t()
 
 
+def _operands(x, w, pos):
+    C, W = x.shape[-1], w.shape[-1]
+    pos_c = None if pos is None else pos.to(device=x.device, dtype=torch.int32).contiguous()
+    return x.contiguous(), w.reshape(C, W).contiguous(), pos_c
+
+
 class _ShortConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, pos):
         B, T, C = x.shape
-        W = w.shape[-1]
-        x_c, w_c = x.contiguous(), w.reshape(C, W).contiguous()
-        pos_c = None if pos is None else pos.to(device=x.device, dtype=torch.int32).contiguous()
+        x_c, w_c, pos_c = _operands(x, w, pos)
         y = torch.empty_like(x_c)
 
         def grid(meta):
             return (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)
 
-        short_conv_silu_fwd_kernel[grid](x_c, w_c, x_c if pos_c is None else pos_c, y, T, C, W=W,
+        short_conv_silu_fwd_kernel[grid](x_c, w_c, x_c if pos_c is None else pos_c, y, T, C, W=w_c.shape[-1],
                                          HAS_POS=pos_c is not None)
         ctx.save_for_backward(x_c, w_c, pos_c)
         ctx.w_shape = w.shape
@@ -184,13 +188,21 @@ class _ShortConvSiLU(torch.autograd.Function):
         return dx, dw_CW.reshape(ctx.w_shape).to(w.dtype), None
 
 
-@opaque
+def short_conv_silu_grads(x, w, pos, dy):
+    """(dx, dw in w's shape and dtype) from the inputs: _ShortConvSiLU's backward, for the custom op's."""
+    x_c, w_c, pos_c = _operands(x, w, pos)
+    dx, dw_CW = _bwd_two_pass(x_c, w_c, pos_c, dy.contiguous())
+    return dx, dw_CW.reshape(w.shape).to(w.dtype)
+
+
 def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None) -> torch.Tensor:
     """Fused silu(causal depthwise conv) (module docstring). x [B, T, C] (CUDA, or CPU under TRITON_INTERPRET=1);
     w [C, W] or [C, 1, W] (nn.Conv1d layout), any float dtype (gradient in w's dtype); pos [T] int or None.
-    Computes in fp32, returns x's dtype."""
+    Computes in fp32, returns x's dtype. Under torch.compile one custom op (custom_ops.py)."""
     if x_BTC.dim() != 3:
         raise ValueError(f"x_BTC must be [B, T, C], got shape {tuple(x_BTC.shape)}")
     if w.numel() % x_BTC.shape[-1] or w.shape[0] != x_BTC.shape[-1]:
         raise ValueError(f"w must be [C, W] or [C, 1, W] with C = {x_BTC.shape[-1]}, got {tuple(w.shape)}")
+    if torch.compiler.is_compiling():
+        return kda_custom_ops.short_conv_silu(x_BTC, w, pos_T)
     return _ShortConvSiLU.apply(x_BTC, w, pos_T)

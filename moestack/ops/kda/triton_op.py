@@ -28,7 +28,7 @@ from moestack.ops.kda.triton_fwd import (
     kda_fwd_recurrence,
 )
 
-__all__ = ["kda_fused", "kda_triton"]
+__all__ = ["kda_fused", "kda_triton", "kda_triton_backward"]
 
 _GATES = {"none": GATE_NONE, "k3": GATE_K3, "kimi": GATE_KIMI}
 # kda_fwd_intra's outputs, all kept by "save" (xinv, akk: written by the saving forward and by the recompute)
@@ -59,60 +59,90 @@ def _inter_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def _inputs(q, k, v, g, beta, initial_state, cu_seqlens):
+    """The kernels' view of the inputs: flat [B * T, ...] tensors, the fp32 initial state, the int32 document
+    offsets and the chunk layout, and the shapes (B, T, H, K, V, N)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    assert K <= 256 and V <= 256, f"Triton KDA supports K, V <= 256 (got K={K}, V={V})"
+    if cu_seqlens is None:
+        cu = torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
+    else:
+        assert B == 1, f"cu_seqlens packs documents into one row: B must be 1, got {B}"
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    N = cu.numel() - 1
+    chunk_map, chunk_offsets = _chunk_layout(cu, B * T)
+    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    return flat, h0, cu, chunk_map, chunk_offsets, (B, T, H, K, V, N)
+
+
+def _intra(flat, A_log, dt_bias, chunk_map, cu, cfg, store_x):
+    return kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
+                         lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
+                         beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(flat[0]), store_x=store_x)
+
+
+def _backward(flat, A_log, dt_bias, h0, cu, chunk_map, chunk_offsets, saved, cfg, shape, do, dht):
+    """Every gradient from the inputs (and, where the forward kept them, its intermediates `saved`)."""
+    q, k, v, g, beta = flat
+    B, T, H, K, V, N = shape
+    if saved is None:
+        intra = _intra(flat, A_log, dt_bias, chunk_map, cu, cfg, store_x=True)
+        _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
+                                        store_o=False, store_ht=False, store_states=True)
+    else:
+        intra = {n: t for n, t in zip(_INTRA, saved) if t is not None}
+        h, d = saved[len(_INTRA):]
+    do = do.reshape(B * T, H, V).contiguous()
+    dht = None if dht is None else dht.float().contiguous()
+    dh, dd, dh0 = kda_bwd_recurrence(intra, do, dht, chunk_offsets, cu, n_seqs=N, V=V, need_dh0=h0 is not None)
+    dq, dk, dv, dg, dbeta, pd_dt, pd_alog = kda_bwd_intra(
+        q, k, v, g, beta, A_log, dt_bias, intra, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
+        gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
+        beta_sigmoid=cfg["beta_sigmoid"])
+    dA_log = None if A_log is None or pd_alog is None else pd_alog.sum(0).to(A_log.dtype)
+    ddt = None if dt_bias is None or pd_dt is None else pd_dt.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    grads = [x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta)]
+    return grads, dA_log, ddt, dh0
+
+
 class _KDATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, output_final_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        assert K <= 256 and V <= 256, f"Triton KDA supports K, V <= 256 (got K={K}, V={V})"
-        if cu_seqlens is None:
-            cu = torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-        else:
-            assert B == 1, f"cu_seqlens packs documents into one row: B must be 1, got {B}"
-            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        N = cu.numel() - 1
-        chunk_map, chunk_offsets = _chunk_layout(cu, B * T)
-        flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
-        h0 = None if initial_state is None else initial_state.float().contiguous()
+        flat, h0, cu, chunk_map, chunk_offsets, shape = _inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        B, T, H, K, V, N = shape
         save = not cfg["recompute"]
-        intra = kda_fwd_intra(*flat, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"], gate=cfg["gate"],
-                              lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"], l2_eps=cfg["l2_eps"],
-                              beta_sigmoid=cfg["beta_sigmoid"], inter_dtype=_inter_dtype(q),
-                              store_x=save)  # X / Akk only when kept (a recompute writes its own)
+        intra = _intra(flat, A_log, dt_bias, chunk_map, cu, cfg, store_x=save)  # X / Akk only when kept
         o, ht, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
                                          store_o=True, store_ht=output_final_state, store_states=save)
         saved = [intra.get(n) for n in _INTRA] + [h, d] if save else [None] * (len(_INTRA) + 2)
         ctx.save_for_backward(*flat, A_log, dt_bias, h0, cu, chunk_map, chunk_offsets, *saved)
-        ctx.cfg, ctx.shape = cfg, (B, T, H, K, V, N)
-        ctx.has_h0 = initial_state is not None
+        ctx.cfg, ctx.shape = cfg, shape
         return o.view(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, cu, chunk_map, chunk_offsets, *saved = ctx.saved_tensors
-        cfg = ctx.cfg
-        B, T, H, K, V, N = ctx.shape
-        if cfg["recompute"]:
-            intra = kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, chunk_map, cu, scale=cfg["scale"],
-                                  gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
-                                  l2_eps=cfg["l2_eps"], beta_sigmoid=cfg["beta_sigmoid"],
-                                  inter_dtype=_inter_dtype(q), store_x=True)
-            _, _, h, d = kda_fwd_recurrence(intra, h0, chunk_offsets, cu, n_seqs=N, V=V, out_dtype=v.dtype,
-                                            store_o=False, store_ht=False, store_states=True)
-        else:
-            intra = {n: t for n, t in zip(_INTRA, saved) if t is not None}
-            h, d = saved[len(_INTRA):]
-        do = do.reshape(B * T, H, V).contiguous()
-        dht = None if dht is None else dht.float().contiguous()
-        dh, dd, dh0 = kda_bwd_recurrence(intra, do, dht, chunk_offsets, cu, n_seqs=N, V=V, need_dh0=ctx.has_h0)
-        dq, dk, dv, dg, dbeta, pd_dt, pd_alog = kda_bwd_intra(
-            q, k, v, g, beta, A_log, dt_bias, intra, chunk_map, cu, h, dh, d, dd, do, scale=cfg["scale"],
-            gate=cfg["gate"], lower_bound=cfg["lower_bound"], l2norm=cfg["l2norm"],
-            beta_sigmoid=cfg["beta_sigmoid"])
-        dA_log = None if A_log is None or pd_alog is None else pd_alog.sum(0).to(A_log.dtype)
-        ddt = None if dt_bias is None or pd_dt is None else pd_dt.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
-        grads = [x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta)]
+        kept = None if ctx.cfg["recompute"] else saved
+        grads, dA_log, ddt, dh0 = _backward([q, k, v, g, beta], A_log, dt_bias, h0, cu, chunk_map, chunk_offsets,
+                                            kept, ctx.cfg, ctx.shape, do, dht)
         return (*grads, dA_log, ddt, dh0, None, None, None)
+
+
+def kda_triton_backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+    """The plain entry's gradients (dq, dk, dv, dg, dbeta, dh0 or None) from its inputs alone, as `kda_triton`'s
+    backward computes them (the forward kernels re-run first): the backward of the compiled graph's custom op."""
+    flat, h0, cu, chunk_map, chunk_offsets, shape = _inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    grads, _, _, dh0 = _backward(flat, None, None, h0, cu, chunk_map, chunk_offsets, None,
+                                 _config(q.shape[-1], "none", -5.0, False, 1e-6, False, scale, True), shape, do, dht)
+    return (*grads, dh0)
+
+
+def _config(K, gate, lower_bound, l2norm, l2_eps, beta_sigmoid, scale, recompute):
+    return dict(scale=K**-0.5 if scale is None else float(scale), gate=_GATES[gate], lower_bound=float(lower_bound),
+                l2norm=bool(l2norm), l2_eps=float(l2_eps), beta_sigmoid=bool(beta_sigmoid),
+                recompute=bool(recompute))
 
 
 def kda_fused(
@@ -152,16 +182,7 @@ def kda_fused(
         raise ValueError(f"gate must be one of {sorted(_GATES)}, got '{gate}'")
     if _GATES[gate] != GATE_NONE and A_log is None:
         raise ValueError(f"gate='{gate}' needs A_log [H]")
-    K = q.shape[-1]
-    cfg = dict(
-        scale=K**-0.5 if scale is None else float(scale),
-        gate=_GATES[gate],
-        lower_bound=float(lower_bound),
-        l2norm=bool(l2norm),
-        l2_eps=float(l2_eps),
-        beta_sigmoid=bool(beta_sigmoid),
-        recompute=bool(recompute),
-    )
+    cfg = _config(q.shape[-1], gate, lower_bound, l2norm, l2_eps, beta_sigmoid, scale, recompute)
     if _GATES[gate] == GATE_NONE:
         A_log, dt_bias = None, None
     return _KDATriton.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, output_final_state)

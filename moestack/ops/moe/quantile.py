@@ -212,8 +212,6 @@ def routed_max_load(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
 _SOLVE_GRAPHS = GraphCache()  # the captured solves, one per (choices, shapes): every MoE layer of a model shares one
 
 
-@opaque  # a compiled block runs the solve eagerly: inductor must not re-generate its Triton kernels
-@torch.no_grad()
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
                      start: str = "best", group: dist.ProcessGroup | None = None,
                      backend: str | None = None, momentum: float = 0.0, graph: bool = False) -> torch.Tensor:
@@ -224,13 +222,38 @@ def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
     (benchmarks/RESULTS.md, "Expert balance"); where they are alike, the warm start is the better one. momentum:
     RouterSpec.quantile_momentum (batch_bias_reference).
     graph (KernelSpec.moe.solve_graph): on CUDA with a single-rank group, replay the whole solve as one CUDA graph
-    per shape (moestack/ops/graphed.py: bitwise the same bias; one replay instead of ~50 launches per call)."""
+    per shape (moestack/ops/graphed.py: bitwise the same bias; one replay instead of ~50 launches per call).
+    Under torch.compile without a group: one custom op (moestack::solve_batch_bias), no graph break."""
     if start not in ("bias", "zero", "best"):
         raise ValueError(f"quantile_start must be 'bias', 'zero' or 'best', got {start!r}")
+    if torch.compiler.is_compiling() and group is None:
+        return solve_batch_bias_op(scores_TE.detach(), bias_E.detach(), top_k, num_bins, iterations, start, backend,
+                                   momentum, graph)
+    return _solve_batch_bias_eager(scores_TE, bias_E, top_k, num_bins, iterations, start, group, backend, momentum,
+                                   graph)
+
+
+@opaque  # with a group: a compiled block runs the solve eagerly (a collective inside)
+@torch.no_grad()
+def _solve_batch_bias_eager(scores_TE, bias_E, top_k, num_bins, iterations, start, group, backend, momentum, graph):
     if graph and (group is None or dist.get_world_size(group) == 1):
         choices = (top_k, num_bins, iterations, start, backend, momentum)
         return _SOLVE_GRAPHS(choices, lambda s, b: _solve(s, b, *choices, None), scores_TE.detach(), bias_E.detach())
     return _solve(scores_TE, bias_E, top_k, num_bins, iterations, start, backend, momentum, group)
+
+
+@torch.library.custom_op("moestack::solve_batch_bias", mutates_args=())
+def solve_batch_bias_op(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, num_bins: int, iterations: int,
+                        start: str, backend: str | None, momentum: float, graph: bool) -> torch.Tensor:
+    """The solve as one node of a compiled graph; inside a captured CUDA graph its kernels join that graph
+    (GraphCache runs eagerly under a capture)."""
+    return _solve_batch_bias_eager(scores_TE, bias_E, top_k, num_bins, iterations, start, None, backend, momentum,
+                                   graph).clone()
+
+
+@solve_batch_bias_op.register_fake
+def _(scores_TE, bias_E, top_k, num_bins, iterations, start, backend, momentum, graph):
+    return torch.empty_like(bias_E, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
 def _solve(scores_TE, bias_E, top_k, num_bins, iterations, start, backend, momentum, group) -> torch.Tensor:

@@ -9,8 +9,9 @@ through it, CUDA graphs capture it, and selective recompute policies see it by n
     moestack::fused_glu (+ _backward)       the MoE experts' fused GLU activation (moe/triton_activation.py)
     moestack::gated_rmsnorm (+ _backward)   KDA's output norm and gate (kda/gated_norm.py)
 
-Not yet here (graph boundaries through @opaque): KDA's chunked recurrence and short conv, DSA's attention and
-indexer, the MoE router / dispatch / gather / combine and grouped GEMM, the FP8 GEMMs.
+The other custom ops live beside their op: KDA's chunked recurrence and short conv (kda/custom_ops.py), DSA's
+attention and indexer (dsa/custom_ops.py), the MoE router, dispatch, gather, combine and grouped GEMM
+(moe/custom_ops.py), the batch quantile solve (moe/quantile.py). Still graph boundaries (@opaque): the FP8 GEMMs.
 
 The kernel modules are imported inside the op bodies, so importing this module needs no Triton.
 """

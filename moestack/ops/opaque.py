@@ -1,12 +1,11 @@
 """Op entry points that torch.compile calls instead of tracing into (moestack/parallel/compile.py).
 
-Every hot op's entry without a custom op yet (`chunk_kda` and KDA's short conv, the DSA attention and indexer ops, the
-MoE router / dispatch / gather / combine, the grouped GEMM, the FP8 GEMMs) is decorated with `@opaque`; the fused GLU
-and KDA's gated norm are torch.library custom ops instead (moestack/ops/custom_ops.py), nodes inside the graph. Outside
-compile the decorator is one extra Python call. Once `activate()` has run (apply_compile does it), a compiled block that
-reaches an opaque op stops its graph there, runs the op eagerly (its dispatcher, its autograd.Function, its Triton
-kernels, exactly as without compile) and resumes in the next graph; what the compiler fuses is the PyTorch code between
-the ops (projections, norms, gates, residuals, the routing weights).
+Every hot op's entry is a torch.library custom op under compile (a node inside the graph: moestack/ops/custom_ops.py
+lists them) except the FP8 GEMMs, which are decorated with `@opaque`, as are the eager fallbacks the custom-op entries
+keep for the calls a custom op cannot express (a collective inside the quantile solve, an offloaded or tuned table
+route). Outside compile the decorator is one extra Python call. Once `activate()` has run (apply_compile does it), a
+compiled block that reaches an opaque op stops its graph there, runs the op eagerly (its dispatcher, its
+autograd.Function, its Triton kernels, exactly as without compile) and resumes in the next graph.
 
 Why not let dynamo trace the ops: their dispatchers read the tune cache per call and their
 Triton launches come with host logic dynamo cannot follow (it would break the graph inside them anyway), and the
@@ -14,8 +13,7 @@ pure-torch references are the spec: inductor on CPU (torch 2.13) computes wrong 
 per-chunk tensor indexing (x[torch.tensor([j])] with a backward through it; it also corrupts the heap). Opaque ops run
 the same code as eager, so compiled and eager blocks differ only by the fused glue.
 
-The next step for each of them is a custom op like those (register_fake + register_autograd): the op then stays
-inside one graph (no break, CUDA-graph capturable, visible to selective recompute by name).
+The FP8 GEMMs' next step is a custom op like the others (register_fake + register_autograd).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ serves every op on every device; "triton" (triton_op.py) serves all but the KL l
 CUDA tensors (CPU tensors run it under TRITON_INTERPRET=1 only when named; the indexer-score backward's fp32
 atomics make "auto" take the reference under torch.use_deterministic_algorithms). A backend named for an op it
 does not implement (the KL loss) runs that op's "auto" choice. The model's choice comes from
-KernelSpec.dsa.backend (GatedMLA.dsa_backend, set at build time).
+KernelSpec.dsa.backend (GatedMLA.dsa_backend, set at build time). Under torch.compile each entry is one custom op
+(custom_ops.py, README "Under torch.compile"); eager calls run its @opaque `*_eager` function.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from moestack.ops import tuned
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
+from moestack.ops.dsa import custom_ops as dsa_custom_ops
 from moestack.ops.dsa import reference
 from moestack.ops.opaque import opaque
 
@@ -85,7 +87,29 @@ def select_backend(op: str, lead: torch.Tensor, backend: str | None = None) -> s
     return _pick(op, lead, backend).name
 
 
-@opaque
+def _schema_ok(tensors: tuple, optional: tuple = (), ints: tuple = (), floats: tuple = (), backend=None) -> bool:
+    """Whether a call's arguments fit its custom op's schema (tensors, optional tensors, Python ints, Python numbers
+    for floats, a backend name or None); anything else runs the @opaque eager path, a graph boundary under compile."""
+    return (all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(t is None or isinstance(t, torch.Tensor) for t in optional)
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in ints)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in floats)
+            and (backend is None or isinstance(backend, str)))
+
+
+def _detached(*ts):
+    return tuple(None if t is None else t.detach() for t in ts)
+
+
+def attention_backend(q: torch.Tensor, idx: torch.Tensor, backend: str | None = None) -> str:
+    """Name of the backend sparse_mqa_attention runs for these inputs (the tune cache included)."""
+    return _pick("sparse_mqa_attention", q, backend, lambda: tuned.dsa_key(q, idx)).name
+
+
+# Entries: under torch.compile one custom op each (custom_ops.py: a node of the graph, the same backend and kernels),
+# otherwise (and inside those ops) the *_eager function, @opaque.
+
+
 def sparse_mqa_attention(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, v_dim: int, scale: float, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +117,18 @@ def sparse_mqa_attention(
 
     See reference.sparse_mqa_attention.
     """
+    if torch.compiler.is_compiling() and _schema_ok((q, kv, idx), (), (v_dim,), (scale,), backend):
+        return dsa_custom_ops.sparse_mqa_attention(q, kv, idx, v_dim, float(scale), backend)
+    return sparse_mqa_attention_eager(q, kv, idx, v_dim, scale, backend=backend)
+
+
+@opaque
+def sparse_mqa_attention_eager(q, kv, idx, v_dim, scale, *, backend=None):
+    """sparse_mqa_attention on the picked backend, as called."""
     b = _pick("sparse_mqa_attention", q, backend, lambda: tuned.dsa_key(q, idx))
     return b.fn(q, kv, idx, v_dim, scale)
 
 
-@opaque
 def indexer_topk_from_inputs(
     q_idx: torch.Tensor,
     k_idx: torch.Tensor,
@@ -111,10 +142,17 @@ def indexer_topk_from_inputs(
 
     See reference.indexer_topk_from_inputs.
     """
-    return _pick("indexer_topk_from_inputs", q_idx, backend).fn(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
+    if torch.compiler.is_compiling() and _schema_ok((q_idx, k_idx, w), (cu_seqlens,), (top_k,), (), backend):
+        return dsa_custom_ops.indexer_topk_from_inputs(*_detached(q_idx, k_idx, w), top_k, cu_seqlens, backend)
+    return indexer_topk_from_inputs_eager(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens, backend=backend)
 
 
 @opaque
+def indexer_topk_from_inputs_eager(q_idx, k_idx, w, top_k, *, cu_seqlens=None, backend=None):
+    """indexer_topk_from_inputs on the picked backend, as called."""
+    return _pick("indexer_topk_from_inputs", q_idx, backend).fn(q_idx, k_idx, w, top_k, cu_seqlens=cu_seqlens)
+
+
 def indexer_kl_loss(
     index_scores: torch.Tensor,
     attn_probs_target: torch.Tensor,
@@ -123,19 +161,33 @@ def indexer_kl_loss(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Scalar KL(p || softmax(I)) averaged over queries; see reference.indexer_kl_loss."""
-    return _pick("indexer_kl_loss", index_scores, backend).fn(index_scores, attn_probs_target, idx)
+    if torch.compiler.is_compiling() and _schema_ok((index_scores, attn_probs_target), (idx,), backend=backend):
+        return dsa_custom_ops.indexer_kl_loss(index_scores, attn_probs_target.detach(), idx, backend)
+    return indexer_kl_loss_eager(index_scores, attn_probs_target, idx, backend=backend)
 
 
 @opaque
+def indexer_kl_loss_eager(index_scores, attn_probs_target, idx=None, *, backend=None):
+    """indexer_kl_loss on the picked backend, as called."""
+    return _pick("indexer_kl_loss", index_scores, backend).fn(index_scores, attn_probs_target, idx)
+
+
 def indexer_scores_at(
     q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, backend: str | None = None
 ) -> torch.Tensor:
     """Indexer scores of the selected keys [B,T,K] fp32 (-inf at -1), differentiable in q_idx, k_idx, w; see
     reference.indexer_scores_at."""
-    return _pick("indexer_scores_at", q_idx, backend).fn(q_idx, k_idx, w, idx)
+    if torch.compiler.is_compiling() and _schema_ok((q_idx, k_idx, w, idx), backend=backend):
+        return dsa_custom_ops.indexer_scores_at(q_idx, k_idx, w, idx, backend)
+    return indexer_scores_at_eager(q_idx, k_idx, w, idx, backend=backend)
 
 
 @opaque
+def indexer_scores_at_eager(q_idx, k_idx, w, idx, *, backend=None):
+    """indexer_scores_at on the picked backend, as called."""
+    return _pick("indexer_scores_at", q_idx, backend).fn(q_idx, k_idx, w, idx)
+
+
 def attention_probs_target(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -148,6 +200,15 @@ def attention_probs_target(
 ) -> torch.Tensor:
     """The indexer's KL target (head-summed attention probabilities, L1-normalised), no gradient; see
     reference.attention_probs_target."""
+    if torch.compiler.is_compiling() and _schema_ok((q, kv), (lse, idx, cu_seqlens), (), (scale,), backend):
+        return dsa_custom_ops.attention_probs_target(*_detached(q, kv), float(scale), *_detached(lse), idx,
+                                                     cu_seqlens, backend)
+    return attention_probs_target_eager(q, kv, scale, lse, idx, cu_seqlens=cu_seqlens, backend=backend)
+
+
+@opaque
+def attention_probs_target_eager(q, kv, scale, lse=None, idx=None, *, cu_seqlens=None, backend=None):
+    """attention_probs_target on the picked backend, as called."""
     return _pick("attention_probs_target", q, backend).fn(q, kv, scale, lse=lse, idx=idx, cu_seqlens=cu_seqlens)
 
 

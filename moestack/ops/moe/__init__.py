@@ -9,7 +9,8 @@ its own registry). Backends, in the order "auto" tries them:
                  fallback (reference.grouped_mm); what "auto" runs elsewhere.
     "reference": the per-expert loop (reference.grouped_mm_loop).
 FP8 expert GEMMs are not a backend here: `precision: fp8` swaps the experts' GEMM strategy (moestack/ops/fp8).
-The model's choice comes from KernelSpec.moe.gemm (Experts.gemm, set at build time).
+The model's choice comes from KernelSpec.moe.gemm (Experts.gemm, set at build time). Under torch.compile
+`grouped_mm` is one torch.library custom op (custom_ops.py: the same backend pick, the same backward kernels).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from moestack.ops import tuned
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
-from moestack.ops.moe import reference
+from moestack.ops.moe import custom_ops, reference
 from moestack.ops.moe.reference import (
     Permutation,
     gather_sorted,
@@ -94,15 +95,28 @@ def resolve_backend(backend: str | None = None, x_ND: torch.Tensor | None = None
     return REGISTRY.pick(backend, x_ND).name
 
 
-@opaque
 def grouped_mm(
     x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, backend: str | None = None, table=None
 ) -> torch.Tensor:
     """out[rows of e] = x[rows of e] @ w[e] with the selected backend. x [N, D] sorted by expert, w [E, D, F],
     offs int32 [E] cumulative row ends. backend: a REGISTRY name or None / "auto"; table: the crossover table
     (gemm_select.CrossoverTable, None = built in). Returns [N, F]."""
+    if torch.compiler.is_compiling() and x_ND.dim() == 2 and w_EDF.dim() == 3:
+        from moestack.ops.moe.gemm_select import CrossoverTable
+
+        if table is None or type(table) is CrossoverTable:  # the op takes the table as its row threshold here
+            rows = None if table is None else int(table.threshold(w_EDF.shape[1], w_EDF.shape[2]))
+            dtype = reference._compute_dtype(x_ND, w_EDF)  # the cast outside the op: its gradient in the graph
+            return custom_ops.grouped_mm(x_ND.to(dtype), w_EDF.to(dtype), offs_E, backend, rows)
+    return _grouped_mm_eager(x_ND, w_EDF, offs_E, backend, table)
+
+
+def _grouped_mm_impl(x_ND, w_EDF, offs_E, backend, table) -> torch.Tensor:
     b = REGISTRY.pick(backend, x_ND, lambda: tuned.grouped_mm_key(x_ND, w_EDF))
     return b.fn(x_ND, w_EDF, offs_E, table)
+
+
+_grouped_mm_eager = opaque(_grouped_mm_impl)
 
 
 @dataclass

@@ -11,6 +11,9 @@ The layout (`Dispatch`) has R rows, a static number (no host sync decides it):
     capacity C:          expert e owns rows [e*C, (e+1)*C); its slots beyond C (lowest priority first) are dropped
 Padding rows read no token (slot -1): gather writes zeros there, combine never reads them.
 
+Under torch.compile each entry below is one torch.library custom op (custom_ops.py: the same code, the same backward
+kernels); argument combinations a schema cannot carry run eagerly between graphs (@opaque).
+
 Legend: T tokens, E experts, K top-k, N = T*K (token, slot) pairs ("slots", flat index t*K + k), R rows of the
 expert-major buffer, D row width.
 """
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moestack.ops.backends import Backend, ReferenceBackend, Registry
+from moestack.ops.moe import custom_ops as moe_ops
 from moestack.ops.moe import reference
 from moestack.ops.opaque import opaque
 
@@ -153,13 +157,18 @@ class _SplitBF16Logits(torch.autograd.Function):
         return dx, dw
 
 
-@opaque
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, split_bf16: bool | None = None) -> torch.Tensor:
     """fp32 router logits x W^T [T, E]. split_bf16 (default: on CUDA when x is bf16): the split-bf16 GEMMs of
     _SplitBF16Logits instead of an fp32 GEMM (which runs without tensor cores: ~2 ms at K3's 8192 x 7168 x 896).
     Otherwise an exact fp32 (or fp64 for fp64 inputs) F.linear, as the reference router."""
     if split_bf16 is None:
         split_bf16 = x_TD.is_cuda and x_TD.dtype == torch.bfloat16
+    if torch.compiler.is_compiling():
+        return moe_ops.router_logits(x_TD, weight_ED, bool(split_bf16))
+    return _router_logits_eager(x_TD, weight_ED, split_bf16)
+
+
+def _router_logits_impl(x_TD: torch.Tensor, weight_ED: torch.Tensor, split_bf16: bool) -> torch.Tensor:
     with torch.autocast(x_TD.device.type, enabled=False):
         if split_bf16:
             return _SplitBF16Logits.apply(x_TD, weight_ED)
@@ -167,11 +176,13 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, split_bf16: bool 
         return F.linear(x_TD.to(dtype), weight_ED.to(dtype))
 
 
+_router_logits_eager = opaque(_router_logits_impl)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # route
 
 
-@opaque
 def route(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor | None,
@@ -187,6 +198,14 @@ def route(
 
     The Triton kernel takes fp32 logits (the router's dtype); other dtypes (fp64 tests) take the reference.
     """
+    if torch.compiler.is_compiling():
+        w, scores, idx, counts = moe_ops.route(logits_TE, bias_E, int(top_k), score, int(num_groups),
+                                               int(topk_groups), bool(renormalize), float(scaling), backend)
+        return idx, w, scores, counts
+    return _route_eager(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling, backend)
+
+
+def _route_impl(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling, backend):
     name = resolve_backend(backend, logits_TE.device)
     if name == "triton" and logits_TE.dtype == torch.float32:
         from moestack.ops.moe.triton_router import route_triton
@@ -195,6 +214,9 @@ def route(
     idx, w, scores = reference.route(logits_TE, bias_E, top_k, score, num_groups, topk_groups, renormalize, scaling)
     counts = expert_counts(idx, logits_TE.shape[1])
     return idx, w, scores, counts
+
+
+_route_eager = opaque(_route_impl)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,7 +271,6 @@ def _dispatch_reference(topk_idx_TK: torch.Tensor, num_experts: int, align: int)
     return Dispatch(row_of_slot_N, _slot_of_row(row_of_slot_N, R), counts_E, offs_E, zero, K, False)
 
 
-@opaque
 def dispatch(
     topk_idx_TK: torch.Tensor,
     num_experts: int,
@@ -270,13 +291,23 @@ def dispatch(
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
-    K = topk_idx_TK.shape[1]
-    flat_N = topk_idx_TK.reshape(-1)
     if capacity is not None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 row per expert, got {capacity}")
         if priority_TK is None or priority_TK.shape != topk_idx_TK.shape:
             raise ValueError("capacity mode needs priority_TK with topk_idx_TK's shape (e.g. the routing weights)")
+    if torch.compiler.is_compiling():  # the op returns the tensors; the ints and bools follow from the arguments
+        capacity = None if capacity is None else int(capacity)
+        priority = None if priority_TK is None or capacity is None else priority_TK.detach()
+        tensors = moe_ops.dispatch(topk_idx_TK, int(num_experts), int(align), capacity, priority, backend)
+        return Dispatch(*tensors, topk_idx_TK.shape[1], capacity is None and align == 1)
+    return _dispatch_eager(topk_idx_TK, num_experts, align, capacity, priority_TK, backend)
+
+
+def _dispatch_impl(topk_idx_TK, num_experts, align, capacity, priority_TK, backend) -> Dispatch:
+    K = topk_idx_TK.shape[1]
+    flat_N = topk_idx_TK.reshape(-1)
+    if capacity is not None:
         counts_E = expert_counts(flat_N, num_experts)
         return _dispatch_capacity(flat_N, counts_E, num_experts, capacity, priority_TK.reshape(-1), K)
     if resolve_backend(backend, topk_idx_TK.device) == "triton":
@@ -286,12 +317,16 @@ def dispatch(
     return _dispatch_reference(topk_idx_TK, num_experts, align)
 
 
+_dispatch_eager = opaque(_dispatch_impl)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # gather / combine
 
 
-def _as_permutation(d: Dispatch) -> reference.Permutation:
-    return reference.Permutation(d.slot_of_row_R, d.row_of_slot_N, d.slot_of_row_R // d.top_k, d.counts_E, d.offs_E)
+def _as_permutation(slot_of_row_R: torch.Tensor, row_of_slot_N: torch.Tensor, K: int) -> reference.Permutation:
+    """The exact layout as reference.permute's (gather_sorted / unpermute_combine read neither counts nor offs)."""
+    return reference.Permutation(slot_of_row_R, row_of_slot_N, slot_of_row_R // K, None, None)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -315,34 +350,50 @@ class _GatherRows(torch.autograd.Function):
         return g_TKD.sum(1, dtype=torch.promote_types(grad_RD.dtype, torch.float32)).to(grad_RD.dtype), None, None, None
 
 
-@opaque
 def gather(h_TD: torch.Tensor, d: Dispatch, backend: str | None = None) -> torch.Tensor:
     """Expert-major copy of the routed inputs [R, D] (padding rows zero). Deterministic forward and backward."""
+    if torch.compiler.is_compiling():
+        return moe_ops.gather(h_TD, d.slot_of_row_R, d.row_of_slot_N, d.top_k, d.exact, backend)
+    return _gather_eager(h_TD, d.slot_of_row_R, d.row_of_slot_N, d.top_k, d.exact, backend)
+
+
+def _gather_impl(h_TD, slot_of_row_R, row_of_slot_N, K: int, exact: bool, backend: str | None) -> torch.Tensor:
     if resolve_backend(backend, h_TD.device) == "triton":
-        from moestack.ops.moe.triton_permute import gather_triton
+        from moestack.ops.moe.triton_permute import _GatherTriton
 
-        return gather_triton(h_TD, d)
-    if d.exact:
-        return reference.gather_sorted(h_TD, _as_permutation(d), d.top_k)
-    return _GatherRows.apply(h_TD, d.slot_of_row_R, d.row_of_slot_N, d.top_k)
+        return _GatherTriton.apply(h_TD, slot_of_row_R, row_of_slot_N, K)
+    if exact:
+        return reference.gather_sorted(h_TD, _as_permutation(slot_of_row_R, row_of_slot_N, K), K)
+    return _GatherRows.apply(h_TD, slot_of_row_R, row_of_slot_N, K)
 
 
-@opaque
+_gather_eager = opaque(_gather_impl)
+
+
 def combine(y_RD: torch.Tensor, d: Dispatch, topk_w_TK: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """y_TD[t] = sum_k w[t, k] * y_RD[row of (t, k)] (dropped slots add nothing), summed over k in order in
     fp32; returns y_RD's dtype. Deterministic forward and backward, no atomics."""
-    if resolve_backend(backend, y_RD.device) == "triton":
-        from moestack.ops.moe.triton_permute import combine_triton
+    if torch.compiler.is_compiling():
+        return moe_ops.combine(y_RD, topk_w_TK, d.slot_of_row_R, d.row_of_slot_N, d.exact, backend)
+    return _combine_eager(y_RD, topk_w_TK, d.slot_of_row_R, d.row_of_slot_N, d.exact, backend)
 
-        return combine_triton(y_RD, d, topk_w_TK)
-    if d.exact:
-        return reference.unpermute_combine(y_RD, _as_permutation(d), topk_w_TK)
+
+def _combine_impl(y_RD, topk_w_TK, slot_of_row_R, row_of_slot_N, exact: bool, backend: str | None) -> torch.Tensor:
+    if resolve_backend(backend, y_RD.device) == "triton":
+        from moestack.ops.moe.triton_permute import _CombineTriton
+
+        return _CombineTriton.apply(y_RD, topk_w_TK, slot_of_row_R, row_of_slot_N, exact)
     T, K = topk_w_TK.shape
+    if exact:
+        return reference.unpermute_combine(y_RD, _as_permutation(slot_of_row_R, row_of_slot_N, K), topk_w_TK)
     R, D = y_RD.shape
     dtype = torch.promote_types(torch.promote_types(y_RD.dtype, topk_w_TK.dtype), torch.float32)
     y_pad = torch.cat([y_RD, y_RD.new_zeros((1, D))])
-    y_TKD = y_pad[torch.where(d.row_of_slot_N >= 0, d.row_of_slot_N, R)].view(T, K, D)
+    y_TKD = y_pad[torch.where(row_of_slot_N >= 0, row_of_slot_N, R)].view(T, K, D)
     return (y_TKD.to(dtype) * topk_w_TK.to(dtype).unsqueeze(-1)).sum(1).to(y_RD.dtype)
+
+
+_combine_eager = opaque(_combine_impl)
 
 
 __all__ = [

@@ -48,6 +48,7 @@ class CompileReport:
     fullgraph: bool
     blocks: int = 0
     fallback: str | None = None  # why a lower mode runs than requested
+    solve_graphs_folded: int = 0  # routers whose own solve graph the block graphs capture instead (apply)
     dynamo: dict = field(default_factory=dict)  # counters after some steps (dynamo_summary)
 
     def line(self) -> str:
@@ -117,6 +118,12 @@ class CompiledBlocks:
         options: dict = {"backend": self.spec.backend, "fullgraph": self.spec.fullgraph}
         if self.graphs:
             options["mode"] = "reduce-overhead"
+            # The block graphs capture the solve's kernels themselves; its own graph (ops/graphed.py) would record
+            # inside their warm-up run, and its static buffers would stay in their memory pool untracked.
+            for module in model.modules():
+                if getattr(module, "solve_graph", False):
+                    module.solve_graph = False
+                    self.report.solve_graphs_folded += 1
         for block in _blocks(model):
             block.compile(**options)
             self.report.blocks += 1

@@ -94,6 +94,9 @@ def test_short_conv_opcheck_and_compiles_whole():
     torch.library.opcheck(kda_ops.short_conv_silu, (x[:1].detach().requires_grad_(), w, pos))
     _compare_compiled(lambda x, w: (short_conv_silu(x, w) + 0.0,), (x, w))
     _compare_compiled(lambda x, w: (short_conv_silu(x, w, pos) + 0.0,), (x[:1].detach().requires_grad_(), w))
+    # the backward's real outputs have its fake's (contiguous) strides: inductor asserts them on the GPU
+    dx, dw = kda_ops.short_conv_silu_backward(x.detach(), w.detach(), None, torch.randn_like(x))
+    assert dx.shape == x.shape and dw.shape == w.shape and dx.is_contiguous() and dw.is_contiguous()
 
 
 @pytest.mark.gpu

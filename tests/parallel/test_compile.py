@@ -79,6 +79,26 @@ def test_own_gradients_under_graphs_and_accumulation():
     assert all(torch.equal(p.grad, r.grad) for p, r in zip(owned, [ref[0].weight, ref[0].bias], strict=True))
 
 
+def test_graphs_fold_the_routers_solve_graph():
+    """Under blocks+graphs the block graphs capture the batch-scope solve's kernels: apply turns each router's own
+    solve graph off (it would record inside their warm-up, its buffers left in their pool) and counts them; blocks
+    alone keep it."""
+    from moestack.parallel.compile import CompiledBlocks, CompileReport
+
+    def routers(model):
+        return [m for m in model.modules() if hasattr(m, "solve_graph")]
+
+    for runs, kept in (("blocks", True), ("blocks+graphs", False)):
+        model = build_model(_spec(2, "batch"), "cpu", seed=0)
+        for r in routers(model):
+            r.solve_graph = True
+        assert routers(model)
+        compiled = CompiledBlocks(CompileReport(runs, runs, "inductor", False), CompileSpec(mode=runs))
+        compiled.apply(model)
+        assert all(r.solve_graph is kept for r in routers(model))
+        assert compiled.report.solve_graphs_folded == (0 if kept else len(routers(model)))
+
+
 def test_opaque_entry_is_a_graph_boundary():
     """A compiled function that calls an @opaque op: the op runs eagerly (not traced, its data-dependent shape is
     fine) with the same result, and the graph breaks there."""

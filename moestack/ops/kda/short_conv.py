@@ -192,7 +192,7 @@ def short_conv_silu_grads(x, w, pos, dy):
     """(dx, dw in w's shape and dtype) from the inputs: _ShortConvSiLU's backward, for the custom op's."""
     x_c, w_c, pos_c = _operands(x, w, pos)
     dx, dw_CW = _bwd_two_pass(x_c, w_c, pos_c, dy.contiguous())
-    return dx, dw_CW.reshape(w.shape).to(w.dtype)
+    return dx.contiguous(), dw_CW.reshape(w.shape).to(w.dtype).contiguous()  # the custom op's fake strides
 
 
 def short_conv_silu(x_BTC: torch.Tensor, w: torch.Tensor, pos_T: torch.Tensor | None = None) -> torch.Tensor:

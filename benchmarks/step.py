@@ -117,13 +117,12 @@ def fmt(r: Row) -> str:
 @contextlib.contextmanager
 def uniform_routing():
     """Replace moestack.ops.moe.routing.route for the duration: the router's own top-k is computed (its cost stays in
-    the step) and then overridden by the balanced assignment of the module docstring; counts follow the override."""
+    the step) and then overridden by the balanced assignment of the module docstring; counts follow the override.
+    Plain torch after the real route (its custom op under compile): a compiled block traces it, no graph break."""
     from moestack.ops.moe import routing
-    from moestack.ops.opaque import opaque
 
     real = routing.route
 
-    @opaque
     def forced(logits_TE, bias, top_k, *args, **kwargs):
         idx_TK, w_TK, scores_TE, _ = real(logits_TE, bias, top_k, *args, **kwargs)
         T, E = logits_TE.shape

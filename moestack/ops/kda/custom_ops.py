@@ -132,7 +132,8 @@ def short_conv_silu_backward(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor
 
 @short_conv_silu_backward.register_fake
 def _(x, w, pos, dy):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(w, memory_format=torch.contiguous_format)
+    dense = torch.contiguous_format
+    return torch.empty_like(x, memory_format=dense), torch.empty_like(w, memory_format=dense)
 
 
 def _conv_setup(ctx, inputs, output) -> None:

@@ -29,6 +29,7 @@ from moestack.config.model_spec import IndexerSpec, MLASpec
 from moestack.model.aux_loss import attach_aux_loss
 from moestack.model.norm import RMSNorm
 from moestack.model.rope import apply_rope, rope_cos_sin, rope_positions, yarn_mscale
+from moestack.model.weights import compute_weight
 from moestack.ops import dsa as dsa_ops
 from moestack.ops.dsa import reference as dsa_ref
 
@@ -184,8 +185,10 @@ class GatedMLA(nn.Module):
         return y_BTD
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj.weight split per head: W_UK [H, N, C] and W_UV [H, V, C]."""
-        w_HXC = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """kv_b_proj's weight split per head: W_UK [H, N, C] and W_UV [H, V, C]. Its compute copy where the weight
+        cache keeps one: the copy's hook owns the gradient (a read of the parameter here would have AccumulateGrad
+        take over a CUDA graph's output as .grad under blocks+graphs)."""
+        w_HXC = compute_weight(self.kv_b_proj).view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w_HXC[:, : self.nope_dim], w_HXC[:, self.nope_dim :]
 
     def _absorb_query(self, q_nope_BTHN: torch.Tensor, q_rope_BTHR: torch.Tensor) -> torch.Tensor:

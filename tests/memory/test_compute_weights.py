@@ -188,3 +188,20 @@ def test_trainer_bitwise(small_spec, tmp_path):
     assert out[False][0] == out[True][0]
     for name, p in out[False][1].items():
         assert torch.equal(p, out[True][1][name]), name
+
+
+def test_cached_parameters_get_no_autograd_gradient(small_spec):
+    """Every forward reads a cached weight through its copy: the fp32 parameter is never in the autograd graph (a
+    read of it would have AccumulateGrad fill .grad beside the copy's hook, with blocks+graphs a CUDA graph's output
+    that the next micro-batch's replay rewrites)."""
+    model = build_model(small_spec, "cpu", seed=0)
+    cw = ComputeWeights(model)
+    cw.refresh()
+    read = []
+    for m, n in cw.targets:
+        getattr(m, n).register_hook(lambda g, name=f"{type(m).__name__}.{n}": read.append(name))
+    x, y = _batches(small_spec.vocab_size)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, y).backward()
+    assert read == [], f"parameters read past their compute copy: {read}"
+    assert all(getattr(m, n).grad is not None for m, n in cw.targets)

@@ -428,6 +428,10 @@ def main(argv=None) -> list[Row]:
 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
+        # a copied working tree (the device machine's) can sit on an older HEAD: say that the files are not it
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        commit += " + uncommitted changes" if commit and dirty else ""
     print(f"step benchmark on {where}, torch {torch.__version__}, commit {commit or '?'}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; warmup {args.warmup}, timed {args.steps}, profiled {args.profile}; "
           f"uniform* = forced balanced routing (benchmark only)"

@@ -40,8 +40,9 @@ def plan(
     ] = None,
     host_profile: Annotated[
         str, typer.Option("--host-profile", help="whose host launches the kernels: eager (moestack's trainer, the "
-                          "calibration's host) | megatron | megatron-graphs | megatron-full-graphs (Megatron-LM runs; "
-                          "planner/host_profile.py)")
+                          "calibration's host) | blocks (moestack with compiled blocks: the plan runs them; needs a "
+                          "calibration from `moestack tune --measure-host`) | megatron | megatron-graphs | "
+                          "megatron-full-graphs (Megatron-LM runs; planner/host_profile.py)")
     ] = "eager",
 ) -> None:
     """Find the fastest parallel plan that fits, or evaluate one (--fix); write the best as plan.yaml."""
@@ -115,8 +116,9 @@ def tune(
     ] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", "-s", help="tokens per sequence")] = None,
     measure_host: Annotated[
-        bool, typer.Option("--measure-host", help="also measure the host floor (host.layer_s) on this machine "
-                           "(opt-in until checked on a GPU; default: the 2 x H200 fit)")
+        bool, typer.Option("--measure-host", help="also measure the host floor (host.layer_s) on this machine, "
+                           "eager and with compiled blocks (host_modes, the blocks host profile; opt-in until checked "
+                           "on a GPU; default: the 2 x H200 fit)")
     ] = False,
 ) -> None:
     """Measure GEMM / grouped GEMM / attention efficiencies at the model's shapes and write a calibration file."""

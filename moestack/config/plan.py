@@ -25,10 +25,13 @@ RecomputeMode = Literal["none", "selective", "full"]
 # and fp8 (RUNTIME_PRECISIONS).
 Precision = Literal["bf16", "fp8", "fp8_tensorwise", "mxfp8", "nvfp4"]
 RUNTIME_PRECISIONS = ("bf16", "fp8")
-# host (CPU) time the planner charges (moestack/planner/host_profile.py): moestack's eager trainer, or a published
-# framework's run it is validated against (Megatron-LM / Megatron-Bridge without CUDA graphs, with per-module graphs,
-# with the whole iteration captured)
-HostProfileName = Literal["eager", "megatron", "megatron-graphs", "megatron-full-graphs"]
+# host (CPU) time the planner charges (moestack/planner/host_profile.py): moestack's trainer eager or with compiled
+# blocks (TrainSpec.compile blocks, which a plan priced on it runs; Calibration.host_modes, measured by `moestack tune
+# --measure-host`), or a published framework's run it is validated against (Megatron-LM / Megatron-Bridge without CUDA
+# graphs, with per-module graphs, with the whole iteration captured). No blocks+graphs: CUDA graphs need one device
+# without FSDP2, and a plan always runs under FSDP2 (moestack/parallel/compile.py).
+HostProfileName = Literal["eager", "blocks", "megatron", "megatron-graphs", "megatron-full-graphs"]
+MOESTACK_HOST_PROFILES = ("eager", "blocks")  # the trainer's own; the rest price other frameworks' runs
 Schedule = Literal["1f1b", "interleaved_1f1b", "zbv", "dualpipev", "gpipe"]
 # chunks (virtual stages) each pipeline rank holds, per schedule; None = any vpp >= 2
 SCHEDULE_VPP: dict[str, int | None] = {"1f1b": 1, "gpipe": 1, "interleaved_1f1b": None, "zbv": 2, "dualpipev": 2}
@@ -257,7 +260,7 @@ def runtime_unsupported(plan: Plan) -> list[str]:
         out.append("quantized_params (the trainer keeps bf16 / fp32 parameters)")
     if plan.tp_comm_overlap and plan.tp > 1:
         out.append("tp_comm_overlap (moestack's TP collectives run on the compute stream)")
-    if plan.host_profile != "eager":
+    if plan.host_profile not in MOESTACK_HOST_PROFILES:
         out.append(f"host_profile {plan.host_profile} (priced for another framework's host; re-plan with the "
                    "default eager profile)")
     return out

@@ -131,6 +131,7 @@ class HostCalibration(StrictModel):
 
 
 # a layer kind as Calibration.bwd_ws_factors keys it: "<mixer>/<ffn>" (moestack.config.model_spec.LayerKind)
+COMPILED_HOST_MODES = ("blocks",)  # TrainSpec.compile modes a plan can run, with host constants of their own
 LAYER_KIND_KEY = r"^(kda|mla|gqa|mamba2|none)/(dense|moe|none)$"
 
 
@@ -165,9 +166,9 @@ class Calibration(StrictModel):
     kernel_overhead_s: float = Field(ge=0)  # launch/sync cost per layer per micro-batch pass (fwd or bwd)
     # host (CPU) time of moestack's eager trainer, a floor under the device time (HostCalibration says why)
     host: HostCalibration = Field(default_factory=lambda: HostCalibration())
-    # the same constants for the trainer's compiled modes (TrainSpec.compile), measured by benchmarks/step.py. Not
-    # read yet: plans do not carry the compile mode, so every plan is priced with the eager `host` (an upper bound)
-    host_modes: dict[Literal["blocks", "blocks+graphs"], HostCalibration] = {}
+    # the same constants for the trainer's compiled modes (TrainSpec.compile), read by the host profiles of the same
+    # names (planner/host_profile.py); written only by `moestack tune --measure-host` (no default: absent = unmeasured)
+    host_modes: dict[Literal["blocks"], HostCalibration] = {}
     gemm_points: list[GemmPoint] = []
     parts: dict[str, PartCalibration] = {}  # measured whole parts (tune); empty = analytic terms only
     # measured / modelled saved activations per memory technique (benchmarks/memory.py prints them as "act x" and

@@ -7,19 +7,22 @@ belongs to the training code, not to the GPU:
 
   eager            moestack's eager trainer (the default): Calibration.host, fitted on 2 x H200 runs of the proxy
                    or measured by `moestack tune --measure-host` (calibration.HostCalibration says how).
+  blocks           moestack's trainer with compiled blocks (TrainSpec.compile blocks; a plan priced on it runs
+                   them): Calibration.host_modes["blocks"], measured by `moestack tune --measure-host` on the GPU.
   megatron         Megatron-LM / Megatron-Bridge without CUDA graphs.
   megatron-graphs  Megatron-Bridge with Transformer Engine CUDA graphs of the attention, router and MoE preprocess.
   megatron-full-graphs  Megatron-Bridge with the whole iteration captured (cuda_graph_impl full_iteration): no host
                    time, and the MoE dispatch runs without a host sync (it must, to be captured).
 
-Not offered yet: a compiled / CUDA-graph moestack profile. The trainer has both (TrainSpec.compile); their host
-constants go to Calibration.host_modes once benchmarks/step.py has measured them on the GPU, and plans still price
-every moestack run as eager (an upper bound for a compiled one).
+The compiled modes have no default: their constants exist only where tune measured them (a calibration without them
+is refused when the problem is loaded, `check_host_profile`), because a host time guessed for them would make the
+planner prefer layouts that only a fast host can feed.
 """
 
 from __future__ import annotations
 
-from moestack.planner.calibration import Calibration, HostCalibration
+from moestack.config.base import ConfigError
+from moestack.planner.calibration import COMPILED_HOST_MODES, Calibration, HostCalibration
 
 # Megatron's constants are fitted, not measured (no Megatron run can be timed here): least squares in log(predicted /
 # published) over the 11 MoE runs of tests/data/planner/published_runs.yaml (Megatron-Bridge 26.04.01 and 25.09
@@ -40,7 +43,7 @@ HOST_PROFILES: dict[str, HostCalibration] = {
 
 
 # the training code a profile names, for the terms where it saves tensors differently (cost.megatron_saved_delta)
-FRAMEWORK = {"eager": "moestack", "megatron": "megatron", "megatron-graphs": "megatron",
+FRAMEWORK = {"eager": "moestack", "blocks": "moestack", "megatron": "megatron", "megatron-graphs": "megatron",
              "megatron-full-graphs": "megatron"}
 
 
@@ -49,7 +52,19 @@ def framework_of(profile: str) -> str:
 
 
 def host_calibration(profile: str, cal: Calibration) -> HostCalibration:
-    """The host constants of `profile` ("eager": the calibration's own, measured for moestack)."""
+    """The host constants of `profile` ("eager": the calibration's own; "blocks": its measured host_modes entry, a
+    ConfigError where tune has not measured it)."""
     if profile == "eager":
         return cal.host
+    if profile in COMPILED_HOST_MODES:
+        check_host_profile(profile, cal)
+        return cal.host_modes[profile]
     return HOST_PROFILES[profile]
+
+
+def check_host_profile(profile: str, cal: Calibration) -> None:
+    """One-line ConfigError when `profile` is a compiled mode the calibration has no measured constants for."""
+    if profile in COMPILED_HOST_MODES and profile not in cal.host_modes:
+        raise ConfigError(f"host-profile {profile}: the calibration ({cal.device}) has no host constants measured for "
+                          f"compiled blocks; run `moestack tune --measure-host --out cal.json` on the GPU and plan "
+                          f"with --calibration cal.json, or use --host-profile eager (an upper bound)")

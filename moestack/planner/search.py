@@ -33,6 +33,7 @@ from moestack.planner.calibration import Calibration, load_calibration
 from moestack.planner.cost.comm import group_members_per_domain
 from moestack.planner.cost.compute import GEMM_RECIPES
 from moestack.planner.cost.step import CostModel, PlanCost
+from moestack.planner.host_profile import check_host_profile
 from moestack.planner.profile import load_any_model_spec, profile_model
 
 # default tokens per step: 16M (Llama 3 405B / DeepSeek-V3 pre-training scale), at most 64 sequences per device
@@ -190,6 +191,7 @@ def load_problem(model: str, cluster: str, devices: int | None = None, seq_len: 
     if optimizer not in ("adamw", "adamw_bf16", "muon"):
         raise ConfigError(f"optimizer: must be adamw, adamw_bf16 or muon (got {optimizer!r})")
     cal = load_calibration(calibration)
+    check_host_profile(host_profile, cal)
     return Problem(model, cluster, spec, cl, cal, seq, tokens, precision, optimizer, margin, host_profile)
 
 

@@ -214,7 +214,8 @@ def _ep_domain_size(plan: Plan) -> int | None:
 def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
     """The plan owns the batch layout: micro-batch size, micro-batches per step (gradient accumulation, or the
     pipeline schedule's micro-batches when pp > 1) and sequence length; a plan with precision fp8 runs the FP8
-    recipe (moestack/ops/fp8/convert.py); the plan's kernel choices apply where the train spec leaves "auto"."""
+    recipe (moestack/ops/fp8/convert.py); the plan's kernel choices apply where the train spec leaves "auto"; a plan
+    priced for compiled blocks (host_profile blocks) compiles them unless the train spec names a compile mode."""
     unsupported = runtime_unsupported(plan)
     if unsupported:
         raise ConfigError(f"plan: the trainer cannot run {'; '.join(unsupported)}")
@@ -225,6 +226,12 @@ def apply_plan_to_spec(spec: TrainSpec, plan: Plan) -> TrainSpec:
             raise ConfigError(f"precision: the plan says fp8 but the train spec says {spec.precision}; drop "
                               f"--precision {spec.precision} or plan with --precision bf16")
         update["precision"] = "fp8"
+    if plan.host_profile == "blocks":
+        if "compile" not in spec.model_fields_set:
+            update["compile"] = spec.compile.model_copy(update={"mode": "blocks"})
+        elif spec.compile.mode == "none":
+            raise ConfigError("compile: the plan was priced for compiled blocks (host_profile blocks) but the train "
+                              "spec says none; drop the compile setting or plan with --host-profile eager")
     return spec.model_copy(update=update)
 
 

@@ -13,7 +13,8 @@ What it measures (bf16 unless noted; medians of CUDA-event timings after warm-up
   host floor      with --measure-host: the whole model's forward + backward of one 256-token micro-batch, wall
                   clock, over its layers -> host.layer_s (tune/host.py; ep_moe_s and tp_layer_s keep
                   their defaults; opt-in until checked on a GPU); on an FP8 GPU the same pass on the FP8 recipe
-                  -> host.fp8_layer_s (the difference per layer)
+                  -> host.fp8_layer_s (the difference per layer); the same pass with compiled blocks ->
+                  host_modes["blocks"] (the host profile of plans that run TrainSpec.compile blocks)
 Efficiencies are counted with the cost model's own FLOP formulas (planner/cost/), so a slow backend shows up as a
 low efficiency and the step-time prediction follows the code that actually runs. CPU Adam keeps the default
 calibration's value; the file says so in `source`. The measured GEMM points go into `gemm_points`, which the cost model
@@ -298,6 +299,37 @@ def calibrate_host(spec, base: HostCalibration, ep: int = 1, device: str = "cuda
     return base.model_copy(update=update), line
 
 
+def calibrate_host_modes(spec, eager: HostCalibration, ep: int = 1, device: str = "cuda"
+                         ) -> tuple[dict[str, HostCalibration], str]:
+    """Calibration.host_modes: the host constants of compiled blocks (TrainSpec.compile blocks, the host profile
+    "blocks"), the same pass as calibrate_host with the blocks compiled, and one line for tune's output. layer_s is
+    measured; the rest are `eager`'s (the FP8 GEMMs stay eager boundaries between the graphs, ops/opaque.py, and
+    ep_moe_s / tp_layer_s need several GPUs). On CPU, or when compiling or measuring fails, {} and a line that says
+    so: plans priced on "blocks" are then refused with the fix (planner/host_profile.py)."""
+    import datetime
+
+    import torch
+
+    from moestack.config.train_spec import CompileSpec
+    from moestack.tune.host import measure_host
+
+    if torch.device(device).type != "cuda":
+        return {}, f"compiled host floor: not measured on {device}; plans priced for compiled blocks need it"
+    try:
+        t = measure_host(spec, ep=ep, device=device, compile=CompileSpec(mode="blocks"))
+    except Exception as err:  # noqa: BLE001 - the eager host floor stands; "blocks" stays unmeasured
+        return {}, f"compiled host floor: measurement failed ({type(err).__name__}: {err}); host profile blocks unset"
+    name = torch.cuda.get_device_name(torch.device(device))
+    bound = (f"device time leaks in (+{t.growth_2x:.0%} at 2x tokens): an upper bound"
+             if t.growth_2x > HOST_BOUND_GROWTH else f"host-bound (+{t.growth_2x:.0%} at 2x tokens)")
+    source = (f"moestack tune {datetime.date.today().isoformat()} {name}, compile blocks: median of {t.reps} fwd+bwd "
+              f"at {t.tokens} tokens = {t.wall_s:.4f} s over {t.layers:g} layers, {bound}; ep_moe_s, tp_layer_s, "
+              f"fp8_layer_s as the eager host's")
+    line = (f"compiled host floor (compile blocks): {t.layer_s * 1e3:.2f} ms per layer per micro-batch (eager "
+            f"{eager.layer_s * 1e3:.2f}), {bound}")
+    return {"blocks": eager.model_copy(update={"layer_s": t.layer_s, "source": source})}, line
+
+
 def _fixed_and_per_token(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit extra = fixed + per_token * tokens through the points (two, or one), both terms >= 0."""
     (n1, e1) = points[0]
@@ -453,7 +485,12 @@ def run_tune(model: str, plan_path: Path | None, out: Path | None, seq_len: int 
                        (base.host, f"host floor: default layer_s {base.host.layer_s * 1e3:.1f} ms (--measure-host "
                                    f"measures it on this machine)"))
     measured.append(host_line)
-    cal = cal.model_copy(update={"parts": parts, "host": host})
+    host_modes = dict(base.host_modes)
+    if measure_host and host is not base.host:  # beside a measured eager floor only: the two are then comparable
+        measured_modes, modes_line = calibrate_host_modes(spec, host, ep)
+        host_modes.update(measured_modes)
+        measured.append(modes_line)
+    cal = cal.model_copy(update={"parts": parts, "host": host, "host_modes": host_modes})
     path = out or Path(f"calibration-{name.replace(' ', '_').lower()}.json")
     save_calibration(cal, path)
     fp8_note = "" if fp8 is not None else " (default: not measured here)"

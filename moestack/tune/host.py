@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from moestack.config.model_spec import LayerKind, ModelSpec
+from moestack.config.train_spec import CompileSpec
 
 BYTES_PER_PARAM = 10.0  # fp32 weight + fp32 gradient + the bf16 autocast copy alive during the pass
 MEMORY_FRACTION = 0.6  # of the free device memory the measured model may take
@@ -105,11 +106,12 @@ def _layers_that_fit(spec: ModelSpec, device: torch.device) -> int:
 
 def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch.device | str = "cuda",
                  warmup: int = 2, reps: int = 7, budget_s: float = 15.0, seed: int = 0,
-                 precision: str = "bf16") -> HostTiming:
+                 precision: str = "bf16", compile: CompileSpec | None = None) -> HostTiming:
     """Median wall seconds of one micro-batch forward + backward of `spec`'s model at 1 x seq_len tokens (capped at
     max_seq_len), and at 2 x seq_len tokens as the host-bound check. precision "fp8": the model on the FP8 recipe
     (moestack/ops/fp8/convert.py, as `precision: fp8` trains it; a ConfigError where FP8 cannot run), else bf16
-    autocast.
+    autocast. compile: the trainer's TrainSpec.compile applied to the blocks (parallel/compile.py); the warm-up
+    passes compile them. A mode that cannot run here is a ValueError with the reason (no fallback is timed).
 
     The experts are one EP rank's (tune/parts.py `local_expert_spec`): the model an ep-way run holds.
     Timed runs stop early (after at least min(3, reps)) once `budget_s` of measuring has passed. Raises what
@@ -132,6 +134,14 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
         apply_fp8_recipe(model, device)
     elif precision != "bf16":
         raise ValueError(f"measure_host: precision {precision!r}; use bf16 or fp8")
+    compiled = None
+    if compile is not None and compile.mode != "none":
+        from moestack.parallel.compile import resolve_compile
+
+        compiled = resolve_compile(compile, device)
+        if compiled.report.runs != compile.mode:
+            raise ValueError(f"compile {compile.mode} cannot run here: {compiled.report.fallback}")
+        compiled.apply(model)
     model.train()
     set_aux_loss_scale(1.0)  # one accumulation step
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -141,8 +151,9 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
         return ids[:, :-1], ids[:, 1:]
 
     start = time.perf_counter()
-    wall, tail, n = _median_pass(model, *inputs_targets(1), warmup, reps, start + budget_s * 2 / 3)
-    wall_2x, _, _ = _median_pass(model, *inputs_targets(2), warmup, max(1, reps // 2), start + budget_s)
+    mark_step = compiled.before_forward if compiled is not None else None
+    wall, tail, n = _median_pass(model, *inputs_targets(1), warmup, reps, start + budget_s * 2 / 3, mark_step)
+    wall_2x, _, _ = _median_pass(model, *inputs_targets(2), warmup, max(1, reps // 2), start + budget_s, mark_step)
     model.zero_grad(set_to_none=True)
     del model
     if cuda:
@@ -153,9 +164,10 @@ def measure_host(spec: ModelSpec, seq_len: int = 256, ep: int = 1, device: torch
 
 
 def _median_pass(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, n_warm: int, n_reps: int,
-                 deadline: float) -> tuple[float, float, int]:
+                 deadline: float, before_forward=None) -> tuple[float, float, int]:
     """(median wall seconds, median device tail seconds, timed runs) of the trainer's micro-batch on inputs [B, T];
-    timed runs stop once perf_counter passes `deadline` (after at least min(3, n_reps))."""
+    timed runs stop once perf_counter passes `deadline` (after at least min(3, n_reps)). before_forward: the
+    compiled blocks' per-micro-batch hook, inside the timed region as in the trainer."""
     device = inputs.device
     cuda = device.type == "cuda"
 
@@ -168,6 +180,8 @@ def _median_pass(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Te
         model.zero_grad(set_to_none=True)  # the trainer's zero_grad: backward allocates fresh gradients
         sync()
         t0 = time.perf_counter()
+        if before_forward is not None:
+            before_forward()
         with torch.autocast(device.type, torch.bfloat16, enabled=cuda):  # trainer: precision auto (fp8: the same)
             loss = model(inputs, targets)
         loss.backward()

@@ -24,10 +24,10 @@ def _with_mtp(name: str):
     return load_model_spec(name).model_copy(update={"mtp_layers": 1})
 
 
-def _host_seconds_per_micro_batch(spec, cal, seq=2048) -> float:
+def _host_seconds_per_micro_batch(spec, cal, seq=2048, host_profile="eager") -> float:
     """What the cost model's host floor charges one micro-batch's forward + backward on one device (pp=tp=ep=1)."""
     plan = make_plan(model=spec.name, cluster="h200-1gpu", devices=1, seq_len=seq, micro_batch_size=1,
-                     global_batch_size=1)
+                     global_batch_size=1, host_profile=host_profile)
     cm = CostModel(spec, load_cluster_spec("h200-1gpu").with_devices(1), cal, seq,
                    profile_model(spec, seq).train_flops_per_token)
     _, kind_layer, i_kind = cm.kind_costs(plan)
@@ -137,3 +137,100 @@ def test_calibration_files_without_host_source_still_load(tmp_path):
     del data["host"]
     path.write_text(json.dumps(data))
     assert load_calibration(path).host == HostCalibration()
+
+
+# -- compiled blocks (host profile "blocks") -------------------------------------------------------------------------
+
+
+def test_measure_host_times_the_compiled_blocks(monkeypatch):
+    """compile: the blocks are compiled before the warm-up (every block's forward runs through dynamo), and a mode
+    that cannot run here is refused with the reason instead of timing the fallback."""
+    from moestack.config.train_spec import CompileSpec
+    from moestack.parallel import compile as pc
+
+    applied = []
+    real_apply = pc.CompiledBlocks.apply
+
+    def spy(self, model):
+        out = real_apply(self, model)
+        applied.append(self.report.blocks)
+        return out
+
+    monkeypatch.setattr(pc.CompiledBlocks, "apply", spy)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    t = measure_host(load_model_spec("tiny"), seq_len=16, device="cpu", warmup=1, reps=1,
+                     compile=CompileSpec(mode="blocks", backend="aot_eager"))
+    assert applied == [4] and t.wall_s > 0 and t.layers_built == 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        measure_host(load_model_spec("tiny"), seq_len=16, device="cpu", warmup=0, reps=1,
+                     compile=CompileSpec(mode="blocks+graphs"))
+    torch._dynamo.reset()
+
+
+def test_calibrate_host_modes_measures_compiled_blocks(monkeypatch):
+    from moestack.tune.calibrate import calibrate_host_modes
+
+    eager = HostCalibration(layer_s=0.05, ep_moe_s=0.007, tp_layer_s=0.009, fp8_layer_s=0.008, source="measured")
+    asked = []
+
+    def fake(spec, ep=1, device="cuda", precision="bf16", compile=None):
+        asked.append(compile.mode)
+        return HostTiming(wall_s=0.08, wall_2x_s=0.082, tail_s=0.0, tokens=256, reps=7, layers_built=4,
+                          layers_trained=4, layers_priced=4)
+
+    monkeypatch.setattr(mh, "measure_host", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    modes, line = calibrate_host_modes(load_model_spec("tiny"), eager, device="cuda")
+    assert asked == ["blocks"] and set(modes) == {"blocks"}
+    blocks = modes["blocks"]
+    assert blocks.layer_s == pytest.approx(0.02) and "20.00 ms" in line and "host-bound" in line
+    assert (blocks.ep_moe_s, blocks.tp_layer_s, blocks.fp8_layer_s) == (0.007, 0.009, 0.008)
+    assert "compile blocks" in blocks.source and "Fake GPU" in blocks.source
+    assert calibrate_host_modes(load_model_spec("tiny"), eager, device="cpu")[0] == {}
+
+    def fail(*args, **kwargs):
+        raise ValueError("compile blocks cannot run here: no C++ compiler")
+
+    monkeypatch.setattr(mh, "measure_host", fail)
+    modes, line = calibrate_host_modes(load_model_spec("tiny"), eager, device="cuda")
+    assert modes == {} and "no C++ compiler" in line
+
+
+def test_the_blocks_host_profile_prices_the_measured_compiled_host(tmp_path):
+    """A plan on host profile "blocks" is charged host_modes["blocks"]; without a measurement the problem is refused
+    with the command that measures it, before any search."""
+    from moestack.config.base import ConfigError
+    from moestack.planner.search import load_problem
+
+    spec = load_model_spec("proxy")
+    cal = load_calibration()
+    assert "blocks" not in cal.host_modes  # no default: only a measurement may claim a compiled host time
+    with pytest.raises(ConfigError, match="moestack tune --measure-host"):
+        load_problem("proxy", "h200-cluster", host_profile="blocks")
+    fast = cal.host.model_copy(update={"layer_s": cal.host.layer_s / 4})
+    measured = cal.model_copy(update={"host_modes": {"blocks": fast}})
+    path = tmp_path / "cal.json"
+    save_calibration(measured, path)
+    assert load_problem("proxy", "h200-cluster", calibration=path, host_profile="blocks").host_profile == "blocks"
+    eager_s = _host_seconds_per_micro_batch(spec, measured)
+    blocks_s = _host_seconds_per_micro_batch(spec, measured, host_profile="blocks")
+    assert blocks_s == pytest.approx(eager_s / 4, rel=1e-9)
+
+
+def test_a_plan_priced_for_compiled_blocks_compiles_them():
+    from moestack.config.base import ConfigError
+    from moestack.config.plan import runtime_unsupported
+    from moestack.config.train_spec import TrainSpec, load_train_spec
+    from moestack.train.trainer import apply_plan_to_spec
+
+    plan = make_plan(model="tiny", cluster="h200-1gpu", devices=1, seq_len=64, micro_batch_size=1,
+                     global_batch_size=1, host_profile="blocks")
+    assert runtime_unsupported(plan) == []
+    assert apply_plan_to_spec(TrainSpec(), plan).compile.mode == "blocks"
+    assert apply_plan_to_spec(TrainSpec(), plan.model_copy(update={"host_profile": "eager"})).compile.mode == "none"
+    graphs = load_train_spec(None, {"compile.mode": "blocks+graphs"})  # asked for more: kept (it falls back itself)
+    assert apply_plan_to_spec(graphs, plan).compile.mode == "blocks+graphs"
+    with pytest.raises(ConfigError, match="host_profile blocks"):
+        apply_plan_to_spec(load_train_spec(None, {"compile.mode": "none"}), plan)

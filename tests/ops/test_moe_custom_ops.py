@@ -280,8 +280,11 @@ def test_grouped_mm_backward_native_dw_in_weight_layout_gpu(transposed):
         dx, dw = custom_ops.grouped_mm_backward(x, w, offs, dy, "torch", None, True, True)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert names and not [k for k in names if "copy" in k.lower() or "elementwise" in k.lower()], names
-    assert dw.stride() == custom_ops._empty_dw_like(w).stride()
+    copies = [k for k in names if "copy" in k.lower() or "nocast" in k.lower()]  # torch's strided copy kernels
     want = torch.stack([x[s:e].double().t() @ dy[s:e].double()
                         for s, e in zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)])
-    assert _close(dw, want, 1e-2)
+    err = ((dw.double() - want).norm() / want.norm()).item()
+    facts = dict(kernels=names, strides=(dw.stride(), custom_ops._empty_dw_like(w).stride()), rel_err=err)
+    assert names and not copies, facts
+    assert dw.stride() == custom_ops._empty_dw_like(w).stride(), facts
+    assert _close(dw, want, 1e-2), facts

@@ -36,7 +36,7 @@ def _median_ms(fn: Callable[[], None], reps: int = 5) -> float:
 
 
 def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
